@@ -1,0 +1,125 @@
+"""`angel-jax`: the command line.
+
+    angel-jax train CONFIG [key=value ...]     train (resumes from the run directory's newest checkpoint)
+    angel-jax data prepare [--source S] ...    turn text files into token shards
+    angel-jax bench io                         measure H2D/D2H/disk/memcpy bandwidths (cost-model calibration)
+    angel-jax config [CONFIG]                  list every config key with its type, default and meaning
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from pathlib import Path
+
+from angel_jax.config import ConfigError, describe, dump_yaml, load_config
+from angel_jax.errors import AngelError
+
+_TRAIN_HELP = """\
+Train the model described by CONFIG (a YAML file, e.g. experiments/gpt_tiny.yaml). Any config key can be
+overridden as key=value, e.g. `optimizer.lr=3e-4 train.steps=200 train.run_dir=runs/try1`. The run directory
+(runs/<config name> by default) receives config.yaml (the resolved config), metrics.jsonl and checkpoints/; a
+second run with the same run directory resumes from its newest checkpoint (train.resume=false starts over).
+`angel-jax config` lists every key."""
+
+_DATA_HELP = """\
+Tokenize text files into memory-mapped token shards (uint16 .bin files) plus meta.json. `--source stdlib` (the
+default) uses this Python's standard-library sources, a corpus every machine has. Training prepares its data
+automatically when the shards are missing; this command does it ahead of time or for another corpus."""
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="angel-jax", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+
+    train = sub.add_parser("train", help="train a model from a YAML config", description=_TRAIN_HELP)
+    train.add_argument("config", type=Path, help="YAML config file")
+    train.add_argument("overrides", nargs="*", help="dotted key=value overrides")
+    train.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
+
+    data = sub.add_parser("data", help="prepare training data", description=_DATA_HELP)
+    data_sub = data.add_subparsers(dest="data_command", required=True)
+    prep = data_sub.add_parser("prepare", help="tokenize text into shards", description=_DATA_HELP)
+    prep.add_argument("--source", default="stdlib", help="'stdlib', a file, a directory or a glob (default stdlib)")
+    prep.add_argument("--out", type=Path, default=None, help="output directory (default data/<source>-<tokenizer>)")
+    prep.add_argument("--tokenizer", choices=["byte", "bpe"], default="byte")
+    prep.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary size")
+    prep.add_argument("--max-bytes", type=int, default=0, help="read at most this much source text (0 = all)")
+
+    bench = sub.add_parser("bench", help="measure this machine (bench io: bandwidths for the cost model)")
+    bench.add_argument("what", choices=["io"], help="io: H2D/D2H, device copy, disk tier, memcpy")
+    bench.add_argument("rest", nargs=argparse.REMAINDER, help="options passed to the benchmark (see --help)")
+
+    cfg = sub.add_parser("config", help="list every config key with type, default and meaning")
+    cfg.add_argument("config", type=Path, nargs="?", help="show this file's resolved values instead")
+    cfg.add_argument("overrides", nargs="*")
+    return p
+
+
+def _train(args: argparse.Namespace) -> int:
+    cfg = load_config(args.config, args.overrides)
+    if args.print_config:
+        print(dump_yaml(cfg), end="")
+        return 0
+    from angel_jax.train.loop import train  # jax is imported only when needed: `--help` stays instant
+
+    result = train(cfg)
+    if result.history:
+        first, last = result.history[0], result.history[-1]
+        print(f"done: step {result.final_step}, loss {first['loss']:.4f} (step {first['step']}) -> "
+              f"{last['loss']:.4f} (step {last['step']}); run directory {result.run_dir}")
+    return 0
+
+
+def _data(args: argparse.Namespace) -> int:
+    from angel_jax import data as data_lib
+    from angel_jax.config import Config, DataConfig
+    from angel_jax.train.loop import data_dir_for
+
+    dcfg = DataConfig(source=args.source, tokenizer=args.tokenizer, bpe_vocab_size=args.vocab_size,
+                      max_bytes=args.max_bytes)
+    out = args.out or data_dir_for(Config(data=dcfg))
+    meta = data_lib.prepare(data_lib.resolve_sources(args.source), out, tokenizer=args.tokenizer,
+                            vocab_size=args.vocab_size if args.tokenizer == "bpe" else 256,
+                            max_bytes=args.max_bytes or None)
+    print(f"{out}: {meta['total_tokens']:,} tokens in {len(meta['shards'])} shard(s), vocabulary {meta['vocab_size']}")
+    return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from angel_jax.memory import bench_io
+
+    return bench_io.main(args.rest)
+
+
+def _config(args: argparse.Namespace) -> int:
+    if args.config is None:
+        print("\n".join(describe()))
+    else:
+        print(dump_yaml(load_config(args.config, args.overrides)), end="")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+                        datefmt="%H:%M:%S")
+    for noisy in ("absl", "jax._src", "orbax"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+    handlers = {"train": _train, "data": _data, "bench": _bench, "config": _config}
+    try:
+        return handlers[args.command](args)
+    except ConfigError as e:
+        print(f"config error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+    except AngelError as e:  # user-facing errors get one clean line; anything else keeps its traceback
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

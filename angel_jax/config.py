@@ -1,0 +1,366 @@
+"""Typed configuration: one dataclass per component, loaded from YAML with dotted command-line overrides.
+
+    cfg = load_config("experiments/gpt_tiny.yaml", ["optimizer.lr=3e-4", "train.steps=200"])
+
+Every field carries a one-line doc (`field_doc`), shown by `angel-jax train --help-config`. Loading is strict:
+an unknown key, a value of the wrong type or an impossible value raises `ConfigError` naming the dotted key and
+the file (or "command line" for an override). Nothing is silently coerced except int -> float.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+from angel_jax.errors import AngelError
+
+
+class ConfigError(AngelError, ValueError):
+    """A configuration problem; the message names the key and where it came from."""
+
+
+def doc(default: Any, text: str) -> Any:
+    """A dataclass field with a default and a one-line description."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata={"doc": text})
+    return field(default=default, metadata={"doc": text})
+
+
+def sub(cls: type, text: str) -> Any:
+    """A nested config section."""
+    return field(default_factory=cls, metadata={"doc": text})
+
+
+# --------------------------------------------------------------------------------------------- sections
+
+
+@dataclass
+class ModelConfig:
+    name: str = doc("gpt", "Model family (models/<name>.py); only 'gpt' for now.")
+    vocab_size: int = doc(256, "Vocabulary size; must cover the tokenizer's (256 for bytes).")
+    seq_len: int = doc(128, "Tokens per training sequence (context length).")
+    d_model: int = doc(128, "Residual stream width.")
+    n_layers: int = doc(4, "Number of transformer blocks.")
+    n_heads: int = doc(4, "Attention heads; d_model must be divisible by it.")
+    mlp_ratio: float = doc(4.0, "MLP hidden width as a multiple of d_model.")
+    compute_dtype: Literal["bfloat16", "float32"] = doc("bfloat16", "Dtype of activations and matmuls.")
+    param_dtype: Literal["float32", "bfloat16"] = doc("float32", "Dtype of the stored (master) parameters.")
+    remat: bool = doc(False, "Recompute each block's activations in the backward pass (saves memory).")
+    scan_blocks: bool = doc(True, "Run the blocks with one scanned body (compile time independent of depth).")
+
+    def validate(self) -> list[tuple[str, str]]:
+        errs = []
+        for key in ("vocab_size", "seq_len", "d_model", "n_layers", "n_heads"):
+            if getattr(self, key) <= 0:
+                errs.append((key, "must be > 0"))
+        if self.n_heads > 0 and self.d_model % self.n_heads:
+            errs.append(("n_heads", f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}"))
+        if self.mlp_ratio <= 0:
+            errs.append(("mlp_ratio", "must be > 0"))
+        if self.name != "gpt":
+            errs.append(("name", f"unknown model {self.name!r}; known: gpt"))
+        return errs
+
+
+@dataclass
+class DataConfig:
+    source: str = doc("stdlib", "Text to train on: 'stdlib' (this Python's standard library source), a file, a directory or a glob.")
+    tokenizer: Literal["byte", "bpe"] = doc("byte", "'byte' (256 ids, nothing to download) or 'bpe' (trained locally).")
+    bpe_vocab_size: int = doc(4096, "Vocabulary size when training a BPE tokenizer.")
+    dir: str = doc("", "Where prepared token shards live; empty = data/<source>-<tokenizer> under the working directory.")
+    max_bytes: int = doc(0, "Read at most this many bytes of source text (0 = all).")
+    seed: int = doc(0, "Seed of the data order (independent of the model seed).")
+
+    def validate(self) -> list[tuple[str, str]]:
+        errs = []
+        if self.max_bytes < 0:
+            errs.append(("max_bytes", "must be >= 0"))
+        if self.tokenizer == "bpe" and self.bpe_vocab_size < 257:
+            errs.append(("bpe_vocab_size", "must be > 256"))
+        return errs
+
+
+@dataclass
+class OptimizerConfig:
+    name: Literal["adamw", "adam", "sgd", "lion", "adafactor"] = doc("adamw", "Any of these optax optimizers.")
+    lr: float = doc(1e-3, "Peak learning rate.")
+    warmup_steps: int = doc(50, "Linear warm-up steps from 0 to lr.")
+    schedule: Literal["cosine", "constant", "linear"] = doc("cosine", "Decay after warm-up, down to lr * min_lr_ratio.")
+    min_lr_ratio: float = doc(0.1, "Final learning rate as a fraction of lr.")
+    b1: float = doc(0.9, "Adam/Lion beta1 (SGD momentum).")
+    b2: float = doc(0.95, "Adam/Lion beta2.")
+    eps: float = doc(1e-8, "Adam epsilon.")
+    weight_decay: float = doc(0.1, "Decoupled weight decay (adamw, lion).")
+    grad_clip: float = doc(1.0, "Clip gradients to this global norm (0 = off).")
+    staleness: int = doc(0, "Paged engine: 0 = exact updates, 1 = lock-free (a stage may use one-step-old parameters).")
+
+    def validate(self) -> list[tuple[str, str]]:
+        errs = []
+        if self.lr <= 0:
+            errs.append(("lr", "must be > 0"))
+        if self.warmup_steps < 0:
+            errs.append(("warmup_steps", "must be >= 0"))
+        if not 0 <= self.min_lr_ratio <= 1:
+            errs.append(("min_lr_ratio", "must be in [0, 1]"))
+        for key in ("b1", "b2"):
+            if not 0 <= getattr(self, key) < 1:
+                errs.append((key, "must be in [0, 1)"))
+        if self.eps <= 0:
+            errs.append(("eps", "must be > 0"))
+        if self.weight_decay < 0 or self.grad_clip < 0:
+            errs.append(("weight_decay" if self.weight_decay < 0 else "grad_clip", "must be >= 0"))
+        if self.staleness not in (0, 1):
+            errs.append(("staleness", "must be 0 (exact) or 1 (lock-free)"))
+        return errs
+
+
+@dataclass
+class TrainConfig:
+    steps: int = doc(1000, "Optimizer steps to train for.")
+    batch_size: int = doc(16, "Global batch size in sequences.")
+    seed: int = doc(0, "Seed of parameter initialisation.")
+    run_dir: str = doc("", "Run directory (config, metrics, checkpoints); empty = runs/<config name>.")
+    log_every: int = doc(10, "Write metrics every this many steps (step 1 is always logged).")
+    progress: bool = doc(True, "Show a progress bar on process 0.")
+    resume: bool = doc(True, "Resume from the newest checkpoint in the run directory if there is one.")
+
+    def validate(self) -> list[tuple[str, str]]:
+        errs = []
+        for key in ("steps", "batch_size", "log_every"):
+            if getattr(self, key) <= 0:
+                errs.append((key, "must be > 0"))
+        return errs
+
+
+@dataclass
+class LoggingConfig:
+    tensorboard: bool = doc(False, "Also write TensorBoard event files to <run_dir>/tb.")
+    jsonl: str = doc("metrics.jsonl", "Metrics file name inside the run directory (always written).")
+
+    def validate(self) -> list[tuple[str, str]]:
+        return [] if self.jsonl else [("jsonl", "must not be empty")]
+
+
+@dataclass
+class MemoryConfig:
+    mode: Literal["auto", "in_memory", "paged"] = doc("in_memory", "auto = in-memory when the whole state fits the device.")
+    page_size: int = doc(64 * 2**20, "Bytes per page (model state is split into pages of this size).")
+    device_budget: int = doc(0, "Bytes of device memory the paged engine may use (0 = all free HBM).")
+    host_budget: int = doc(0, "Bytes of pinned host memory for pages (0 = no limit beyond the machine's).")
+    disk_dir: str = doc("", "Directory of the disk tier (empty = no disk tier).")
+    disk_budget: int = doc(0, "Bytes the disk tier may hold (0 = no limit beyond the file system's).")
+
+    def validate(self) -> list[tuple[str, str]]:
+        errs = []
+        if self.page_size < 4096:
+            errs.append(("page_size", "must be >= 4096 bytes"))
+        for key in ("device_budget", "host_budget", "disk_budget"):
+            if getattr(self, key) < 0:
+                errs.append((key, "must be >= 0"))
+        return errs
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = doc(100, "Save a checkpoint every this many steps (0 = only at the end).")
+    keep: int = doc(2, "Keep this many newest checkpoints.")
+    at_end: bool = doc(True, "Save a checkpoint after the last step.")
+
+    def validate(self) -> list[tuple[str, str]]:
+        errs = []
+        if self.every < 0:
+            errs.append(("every", "must be >= 0"))
+        if self.keep <= 0:
+            errs.append(("keep", "must be > 0"))
+        return errs
+
+
+@dataclass
+class ResilienceConfig:
+    heartbeat_interval: float = doc(1.0, "Seconds between heartbeats a worker sends to the coordinator.")
+    hang_timeout_min: float = doc(60.0, "Never declare a hang before this many seconds without progress.")
+    max_restarts: int = doc(5, "Restarts allowed before the job ends in 'failed'.")
+
+    def validate(self) -> list[tuple[str, str]]:
+        errs = []
+        if self.heartbeat_interval <= 0 or self.hang_timeout_min <= 0:
+            errs.append(("heartbeat_interval" if self.heartbeat_interval <= 0 else "hang_timeout_min", "must be > 0"))
+        if self.max_restarts < 0:
+            errs.append(("max_restarts", "must be >= 0"))
+        return errs
+
+
+@dataclass
+class Config:
+    name: str = doc("run", "Run name (defaults to the config file's stem).")
+    model: ModelConfig = sub(ModelConfig, "The model.")
+    data: DataConfig = sub(DataConfig, "Training data.")
+    optimizer: OptimizerConfig = sub(OptimizerConfig, "Optimizer and learning-rate schedule.")
+    train: TrainConfig = sub(TrainConfig, "The training loop.")
+    logging: LoggingConfig = sub(LoggingConfig, "Metrics sinks.")
+    memory: MemoryConfig = sub(MemoryConfig, "Where model state lives (paged engine).")
+    checkpoint: CheckpointConfig = sub(CheckpointConfig, "Checkpoints.")
+    resilience: ResilienceConfig = sub(ResilienceConfig, "Watchdog and anomaly detection.")
+
+    def validate(self) -> list[tuple[str, str]]:
+        errs = []
+        if self.data.tokenizer == "byte" and self.model.vocab_size < 256:
+            errs.append(("model.vocab_size", "must be >= 256 for the byte tokenizer"))
+        if self.data.tokenizer == "bpe" and self.model.vocab_size < self.data.bpe_vocab_size:
+            errs.append(("model.vocab_size", f"must be >= data.bpe_vocab_size={self.data.bpe_vocab_size}"))
+        return errs
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.train.run_dir or f"runs/{self.name}")
+
+
+# --------------------------------------------------------------------------------------------- loading
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(value: Any, tp: Any, key: str, origin: str) -> Any:
+    """Check `value` against the annotation `tp`; the only conversion is int -> float."""
+    where = f"{key!r} in {origin}"
+    kind = typing.get_origin(tp)
+    if kind is Literal:
+        choices = typing.get_args(tp)
+        if value not in choices:
+            raise ConfigError(f"{where}: {value!r} is not one of {', '.join(map(repr, choices))}")
+        return value
+    if kind in (typing.Union, types.UnionType):
+        for option in typing.get_args(tp):
+            if option is type(None) and value is None:
+                return None
+            try:
+                return _coerce(value, option, key, origin)
+            except ConfigError:
+                continue
+        raise ConfigError(f"{where}: {value!r} is not a {_type_name(tp)}")
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is int and isinstance(value, bool) or not isinstance(value, tp):
+        raise ConfigError(f"{where}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
+    return value
+
+
+def _build(cls: type, raw: Any, prefix: str, origin: str) -> Any:
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{prefix.rstrip('.') or 'config'!r} in {origin}: expected a mapping, got {raw!r}")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    kwargs = {}
+    for key, value in raw.items():
+        dotted = f"{prefix}{key}"
+        if key not in names:
+            raise ConfigError(f"unknown key {dotted!r} in {origin}; known keys here: {', '.join(sorted(names))}")
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            kwargs[key] = _build(tp, value, f"{dotted}.", origin)
+        else:
+            kwargs[key] = _coerce(value, tp, dotted, origin)
+    return cls(**kwargs)
+
+
+def _merge(base: dict, updates: dict) -> dict:
+    out = dict(base)
+    for key, value in updates.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def parse_override(text: str) -> dict:
+    """'optimizer.lr=3e-4' -> {'optimizer': {'lr': 0.0003}}; the value is parsed as YAML."""
+    if "=" not in text:
+        raise ConfigError(f"override {text!r} on the command line: expected key=value (e.g. train.steps=200)")
+    key, _, raw = text.partition("=")
+    key = key.strip()
+    if not key or any(not part for part in key.split(".")):
+        raise ConfigError(f"override {text!r} on the command line: malformed key {key!r}")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else ""
+    except yaml.YAMLError as e:
+        raise ConfigError(f"override {key!r} on the command line: cannot parse value {raw!r}: {e}") from None
+    # YAML 1.1 reads '3e-4' as a string; accept numeric strings as numbers.
+    if isinstance(value, str):
+        try:
+            value = float(value) if any(c in value for c in ".eE") else int(value)
+        except ValueError:
+            pass
+    for part in reversed(key.split(".")):
+        value = {part: value}
+    return value
+
+
+def _validate_all(cfg: Config, origin: str) -> None:
+    sections = [("", cfg)] + [(f.name + ".", getattr(cfg, f.name)) for f in dataclasses.fields(cfg)
+                              if dataclasses.is_dataclass(getattr(cfg, f.name))]
+    for prefix, section in sections:
+        for key, problem in section.validate():
+            raise ConfigError(f"'{prefix}{key}' in {origin}: {problem}")
+
+
+def config_from_dict(raw: dict, origin: str = "config") -> Config:
+    cfg = _build(Config, raw, "", origin)
+    _validate_all(cfg, origin)
+    return cfg
+
+
+def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
+    """Load a YAML file (or defaults when None) and apply dotted overrides; strict."""
+    raw: dict = {}
+    origin = "defaults"
+    if path is not None:
+        path = Path(path)
+        origin = str(path)
+        if not path.is_file():
+            raise ConfigError(f"config file {path} does not exist")
+        try:
+            raw = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as e:
+            raise ConfigError(f"{path}: not valid YAML: {e}") from None
+        if not isinstance(raw, dict):
+            raise ConfigError(f"{path}: expected a mapping at the top level, got {type(raw).__name__}")
+        raw.setdefault("name", path.stem)
+    # Report a bad file before applying overrides so the message points at the file.
+    _build(Config, raw, "", origin)
+    for text in overrides:
+        upd = parse_override(text)
+        _build(Config, _merge(raw, upd), "", f"{origin} + override {text!r}")
+        raw = _merge(raw, upd)
+    where = origin if not overrides else f"{origin} with overrides {' '.join(overrides)}"
+    return config_from_dict(raw, where)
+
+
+def to_dict(cfg: Any) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def dump_yaml(cfg: Config) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+def describe(cls: type = Config, prefix: str = "") -> list[str]:
+    """One line per key: 'model.d_model (int, default 128): Residual stream width.'"""
+    lines = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        tp = hints[f.name]
+        if dataclasses.is_dataclass(tp):
+            lines += describe(tp, f"{prefix}{f.name}.")
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+        lines.append(f"{prefix}{f.name} ({_type_name(tp)}, default {default!r}): {f.metadata.get('doc', '')}")
+    return lines

@@ -1,0 +1,612 @@
+"""Tokenizers, token shards and a deterministic, resumable token iterator.
+
+A prepared data directory holds:
+
+    meta.json        format, tokenizer, vocab size, shard list, token counts and the spec it was prepared from
+    train_00000.bin  raw little-endian uint16 tokens (np.memmap-able); every shard but the last has shard_tokens
+    val_00000.bin    optional held-out tail of the token stream (val_fraction > 0)
+    tokenizer.json   the locally trained BPE (tokenizer == "bpe" only)
+
+The shards are one token stream cut only for storage: the iterator reads windows across shard boundaries, so the
+batches do not depend on shard_tokens. Nothing is downloaded: the byte tokenizer needs no vocabulary, the BPE is
+trained on the corpus itself, and the default corpus is this interpreter's own standard library source.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import glob
+import hashlib
+import json
+import os
+import shutil
+import sysconfig
+import tempfile
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from angel_jax.errors import AngelError
+
+FORMAT = 1
+DTYPE = np.dtype("<u2")  # little-endian on every host, so shards are portable
+META = "meta.json"
+TOKENIZER_FILE = "tokenizer.json"
+EOT = "<|endoftext|>"
+_BLOCK = 64 * 2**20  # bytes read at a time from one source file
+_SNIFF = 8192  # bytes inspected to tell a text file from a binary one
+
+
+class DataError(AngelError, ValueError):
+    """A user-facing data problem; the message names the path or setting at fault."""
+
+
+# ----------------------------------------------------------------------------------------------- tokenizers
+
+
+class ByteTokenizer:
+    """UTF-8 bytes as ids 0..255: nothing to train or download, every input round-trips."""
+
+    name = "byte"
+    vocab_size = 256
+    eot_id: int | None = None  # all 256 ids are real bytes; there is no spare id for a separator
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.uint16)
+
+    def decode(self, ids: Iterable[int] | np.ndarray) -> str:
+        arr = np.asarray(ids, dtype=np.int64).ravel()
+        if arr.size and (arr.min() < 0 or arr.max() > 255):
+            raise DataError(f"byte tokenizer ids must be in [0, 255], got [{arr.min()}, {arr.max()}]")
+        return arr.astype(np.uint8).tobytes().decode("utf-8", errors="replace")
+
+
+def _import_tokenizers() -> Any:
+    try:
+        import tokenizers  # optional dependency: only the BPE path needs it
+    except ImportError as e:
+        raise DataError("tokenizer 'bpe' needs the `tokenizers` library: pip install 'angel-jax[bpe]'") from e
+    return tokenizers
+
+
+class BpeTokenizer:
+    """A byte-level BPE (GPT-2 style) trained locally with `tokenizers`; EOT is appended after every document."""
+
+    name = "bpe"
+
+    def __init__(self, tok: Any) -> None:
+        self._tok = tok
+        self.eot_id: int | None = tok.token_to_id(EOT)
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self._tok.get_vocab_size())
+
+    @classmethod
+    def train(cls, files: list[Path], vocab_size: int, *, max_bytes: int | None = None) -> BpeTokenizer:
+        texts = (block.decode("utf-8", errors="replace") for _, block, _ in _read_blocks(files, max_bytes))
+        return cls.train_from_texts(texts, vocab_size)
+
+    @classmethod
+    def train_from_texts(cls, texts: Iterable[str], vocab_size: int) -> BpeTokenizer:
+        tk = _import_tokenizers()
+        # 256 byte symbols + EOT is the smallest vocabulary; ids must fit the uint16 shards.
+        if not 257 <= vocab_size <= 65536:
+            raise DataError(f"BPE vocab_size must be in [257, 65536], got {vocab_size}")
+        byte_level = tk.pre_tokenizers.ByteLevel(add_prefix_space=False)
+        tok = tk.Tokenizer(tk.models.BPE())
+        tok.pre_tokenizer = byte_level
+        tok.decoder = tk.decoders.ByteLevel()
+        trainer = tk.trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=[EOT], show_progress=False,
+                                         initial_alphabet=tk.pre_tokenizers.ByteLevel.alphabet())
+        tok.train_from_iterator(texts, trainer)
+        return cls(tok)
+
+    def save(self, path: Path) -> None:
+        self._tok.save(str(path))
+
+    @classmethod
+    def load(cls, path: Path) -> BpeTokenizer:
+        tk = _import_tokenizers()
+        if not Path(path).is_file():
+            raise DataError(f"BPE tokenizer file not found: {path}")
+        try:
+            return cls(tk.Tokenizer.from_file(str(path)))
+        except Exception as e:  # the Rust side raises a bare Exception on malformed files
+            raise DataError(f"BPE tokenizer file {path} is corrupt: {e}") from e
+
+    def encode(self, text: str) -> np.ndarray:
+        return np.asarray(self._tok.encode(text).ids, dtype=np.uint16)
+
+    def encode_batch(self, texts: list[str]) -> list[np.ndarray]:
+        return [np.asarray(e.ids, dtype=np.uint16) for e in self._tok.encode_batch(texts)]
+
+    def decode(self, ids: Iterable[int] | np.ndarray) -> str:
+        # Keep EOT visible so decoded samples show document boundaries; invalid UTF-8 becomes U+FFFD.
+        return self._tok.decode([int(i) for i in np.asarray(ids).ravel()], skip_special_tokens=False)
+
+
+def load_tokenizer(data_dir: Path) -> ByteTokenizer | BpeTokenizer:
+    """The tokenizer a prepared directory was made with (to encode prompts and decode samples)."""
+    meta = load_meta(data_dir)
+    if meta["tokenizer"] == "byte":
+        return ByteTokenizer()
+    if meta["tokenizer"] == "bpe":
+        return BpeTokenizer.load(Path(data_dir) / TOKENIZER_FILE)
+    raise DataError(f"{Path(data_dir) / META}: tokenizer {meta['tokenizer']!r} has no encoder")
+
+
+# --------------------------------------------------------------------------------------------------- sources
+
+
+def stdlib_corpus_files() -> list[Path]:
+    """This interpreter's standard library *.py files, sorted by relative path (same order on every host)."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    skip = {"site-packages", "dist-packages", "__pycache__"}
+    files = []
+    for dirpath, dirnames, filenames in os.walk(root):  # os.walk: several times faster than Path.rglob here
+        dirnames[:] = [d for d in dirnames if d not in skip]
+        files += [Path(dirpath, f) for f in filenames if f.endswith(".py")]
+    files = [p for p in files if p.is_file()]
+    if not files:
+        raise DataError(f"no standard library sources under {root} (a Python installed without its .py files?)")
+    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
+
+
+def _looks_like_text(path: Path) -> bool:
+    # A NUL byte in the first block is the classic binary test (what git and grep use).
+    try:
+        with open(path, "rb") as f:
+            return b"\0" not in f.read(_SNIFF)
+    except OSError:
+        return False
+
+
+def resolve_sources(source: str) -> list[Path]:
+    """'stdlib', a file, a directory (recursive: every non-hidden text file) or a glob -> sorted file list."""
+    if source == "stdlib":
+        return stdlib_corpus_files()
+    path = Path(source).expanduser()
+    if path.is_file():
+        return [path]
+    if path.is_dir():
+        files = [p for p in path.rglob("*") if p.is_file()
+                 and not any(part.startswith(".") or part == "__pycache__" for part in p.relative_to(path).parts)]
+        files = sorted((p for p in files if _looks_like_text(p)), key=lambda p: p.relative_to(path).as_posix())
+        if not files:
+            raise DataError(f"source directory {path} holds no text files")
+        return files
+    if any(c in source for c in "*?["):
+        matches = glob.glob(os.path.expanduser(source), recursive=True)
+        files = sorted(Path(m) for m in matches if os.path.isfile(m))
+        if not files:
+            raise DataError(f"source glob {source!r} matches no files")
+        return files
+    raise DataError(f"data source {source!r} not found: expected 'stdlib', an existing file or directory, or a glob")
+
+
+@dataclass
+class _ReadStats:
+    files: int = 0
+    bytes: int = 0
+
+
+def _read_blocks(files: list[Path], max_bytes: int | None,
+                 stats: _ReadStats | None = None) -> Iterator[tuple[Path, bytes, bool]]:
+    """Yield (file, block, is_last_block_of_file), stopping after max_bytes (None or 0 = all) in total.
+
+    Files are read in blocks so one huge file never sits in RAM whole; blocks end at a newline where possible so a
+    BPE never sees a word (or a UTF-8 sequence) cut in two.
+    """
+    budget = max_bytes or None
+    stats = stats if stats is not None else _ReadStats()
+    for path in files:
+        if budget is not None and budget <= 0:
+            return
+        try:
+            f = open(path, "rb")
+        except OSError as e:
+            raise DataError(f"cannot read source file {path}: {e.strerror}") from e
+        stats.files += 1
+        with f:
+            carry = b""
+            while True:
+                want = _BLOCK if budget is None else min(_BLOCK, budget)
+                chunk = f.read(want) if want > 0 else b""
+                if budget is not None:
+                    budget -= len(chunk)
+                stats.bytes += len(chunk)
+                data = carry + chunk
+                if not chunk:  # end of file or of the byte budget
+                    yield path, data, True
+                    break
+                cut = data.rfind(b"\n") + 1 or len(data)
+                data, carry = data[:cut], data[cut:]
+                if data:
+                    yield path, data, False
+
+
+# ---------------------------------------------------------------------------------------------------- shards
+
+
+class _ShardWriter:
+    """Appends tokens to `<prefix>_00000.bin`, `<prefix>_00001.bin`, ... of shard_tokens each."""
+
+    def __init__(self, directory: Path, prefix: str, shard_tokens: int) -> None:
+        self.directory, self.prefix = directory, prefix
+        self.buf = np.empty(shard_tokens, DTYPE)  # np.empty is lazy: a small corpus touches little of it
+        self.fill = 0
+        self.shards: list[dict[str, Any]] = []
+
+    def append(self, tokens: np.ndarray) -> None:
+        while tokens.size:
+            n = min(tokens.size, self.buf.size - self.fill)
+            self.buf[self.fill:self.fill + n] = tokens[:n]
+            self.fill, tokens = self.fill + n, tokens[n:]
+            if self.fill == self.buf.size:
+                self._flush()
+
+    def _flush(self) -> None:
+        if not self.fill:
+            return
+        name = f"{self.prefix}_{len(self.shards):05d}.bin"
+        with open(self.directory / name, "wb") as f:
+            f.write(self.buf[:self.fill].tobytes())
+            f.flush()
+            os.fsync(f.fileno())  # the rename that publishes the directory must not outrun the data
+        self.shards.append({"file": name, "tokens": int(self.fill)})
+        self.fill = 0
+
+    def close(self) -> list[dict[str, Any]]:
+        self._flush()
+        return self.shards
+
+
+def _split_tail(directory: Path, shards: list[dict[str, Any]], n_val: int,
+                shard_tokens: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """Move the last n_val tokens of the train stream into val shards (the total is only known at the end)."""
+    keep = sum(s["tokens"] for s in shards) - n_val
+    val = _ShardWriter(directory, "val", shard_tokens)
+    train, start = [], 0
+    for s in shards:
+        path, end = directory / s["file"], start + s["tokens"]
+        if end <= keep:
+            train.append(s)
+        else:
+            cut = max(keep - start, 0)
+            val.append(np.fromfile(path, DTYPE)[cut:])  # at most one shard in RAM
+            if cut:
+                os.truncate(path, cut * DTYPE.itemsize)
+                train.append({"file": s["file"], "tokens": cut})
+            else:
+                path.unlink()
+        start = end
+    return train, val.close()
+
+
+def _fingerprint(files: list[Path]) -> str:
+    """Identity of an ordered source list: paths, sizes and mtimes (cheap; no file contents are read)."""
+    h = hashlib.sha256()
+    for p in files:
+        try:
+            st = p.stat()
+        except OSError as e:
+            raise DataError(f"source file not found: {p}") from e
+        h.update(f"{p.absolute()}\t{st.st_size}\t{st.st_mtime_ns}\n".encode())
+    return h.hexdigest()
+
+
+def _spec(files: list[Path], tokenizer: str, vocab_size: int, max_bytes: int | None,
+          val_fraction: float | None) -> dict[str, Any]:
+    return {"tokenizer": tokenizer, "vocab_size": 256 if tokenizer == "byte" else vocab_size,
+            "max_bytes": max_bytes or None, "val_fraction": val_fraction, "fingerprint": _fingerprint(files)}
+
+
+def _publish(out_dir: Path, build: Callable[[Path], dict[str, Any]]) -> dict[str, Any]:
+    """Run build(tmp_dir) -> meta, write meta.json last and rename the directory into place.
+
+    meta.json is what makes a directory count as prepared, and out_dir only ever appears whole, so a crash at any
+    point leaves either the old directory or the new one, plus at worst a hidden `.name.tmp-*` to delete.
+    """
+    out_dir = Path(out_dir)
+    if out_dir.exists() and not (out_dir / META).is_file() and (not out_dir.is_dir() or any(out_dir.iterdir())):
+        raise DataError(f"refusing to replace {out_dir}: it exists and is not a prepared data directory (no {META})")
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        meta = build(tmp)
+        (tmp / META).write_text(json.dumps(meta, indent=1) + "\n")
+        os.chmod(tmp, 0o755)  # mkdtemp makes it 0700
+        if out_dir.exists():
+            old = out_dir.with_name(f".{out_dir.name}.old-{os.getpid()}")
+            os.rename(out_dir, old)
+            os.rename(tmp, out_dir)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, out_dir)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return meta
+
+
+def _base_meta(tokenizer: str, vocab_size: int, train: list[dict[str, Any]],
+               val: list[dict[str, Any]]) -> dict[str, Any]:
+    n_train, n_val = sum(s["tokens"] for s in train), sum(s["tokens"] for s in val)
+    return {"format": FORMAT, "tokenizer": tokenizer, "vocab_size": vocab_size, "dtype": "uint16",
+            "shards": train, "val_shards": val, "total_tokens": n_train + n_val, "train_tokens": n_train,
+            "val_tokens": n_val}
+
+
+def prepare(sources: list[Path], out_dir: Path, *, tokenizer: str = "byte", vocab_size: int = 256,
+            shard_tokens: int = 16 * 2**20, max_bytes: int | None = None, val_fraction: float = 0.0) -> dict:
+    """Tokenize `sources` in order into uint16 shards under out_dir (replaced atomically); returns the meta dict.
+
+    Documents (files) are simply concatenated for the byte tokenizer: all 256 ids are real bytes, so a separator
+    would have to be a byte that also occurs in text, and source files already end in a newline. The BPE appends
+    its EOT id after every document. vocab_size only applies to the BPE. max_bytes (None or 0 = all) caps the
+    source bytes read; the last file read is cut to fit. val_fraction moves that share of the stream's tail to
+    val_*.bin.
+    """
+    sources = [Path(s) for s in sources]
+    if tokenizer not in ("byte", "bpe"):
+        raise DataError(f"unknown tokenizer {tokenizer!r}: expected 'byte' or 'bpe'")
+    if shard_tokens < 1 or (max_bytes is not None and max_bytes < 0) or not 0.0 <= val_fraction < 1.0:
+        raise DataError(f"bad prepare arguments: shard_tokens={shard_tokens} (>= 1), max_bytes={max_bytes} "
+                        f"(>= 0), val_fraction={val_fraction} (in [0, 1))")
+    if not sources:
+        raise DataError("no source files to prepare")
+    for p in sources:
+        if not p.is_file():
+            raise DataError(f"source file not found: {p}")
+    spec = _spec(sources, tokenizer, vocab_size, max_bytes, val_fraction)
+
+    def build(tmp: Path) -> dict[str, Any]:
+        stats = _ReadStats()
+        writer = _ShardWriter(tmp, "train", shard_tokens)
+        if tokenizer == "byte":
+            tok: ByteTokenizer | BpeTokenizer = ByteTokenizer()
+            for _, block, _ in _read_blocks(sources, max_bytes, stats):
+                writer.append(np.frombuffer(block, dtype=np.uint8))
+        else:
+            tok = BpeTokenizer.train(sources, vocab_size, max_bytes=max_bytes)
+            tok.save(tmp / TOKENIZER_FILE)
+            _encode_bpe(tok, _read_blocks(sources, max_bytes, stats), writer)
+        train = writer.close()
+        total = sum(s["tokens"] for s in train)
+        if total == 0:
+            raise DataError(f"the {len(sources)} source file(s) hold no text (first: {sources[0]})")
+        n_val = int(round(total * val_fraction))
+        if n_val >= total:
+            raise DataError(f"val_fraction={val_fraction} leaves no training tokens out of {total}")
+        train, val = _split_tail(tmp, train, n_val, shard_tokens) if n_val else (train, [])
+        meta = _base_meta(tokenizer, tok.vocab_size, train, val)
+        meta.update(sources=stats.files, source_bytes=stats.bytes, spec=spec,
+                    tokenizer_file=TOKENIZER_FILE if tokenizer == "bpe" else None)
+        return meta
+
+    return _publish(Path(out_dir), build)
+
+
+def _encode_bpe(tok: BpeTokenizer, blocks: Iterable[tuple[Path, bytes, bool]], writer: _ShardWriter) -> None:
+    # encode_batch runs on all cores in Rust; batches of blocks keep that parallel without holding the corpus.
+    eot = np.asarray([tok.eot_id], dtype=np.uint16)
+    pending: list[tuple[str, bool]] = []
+
+    def flush() -> None:
+        for ids, (_, last) in zip(tok.encode_batch([t for t, _ in pending]), pending):
+            writer.append(ids)
+            if last:
+                writer.append(eot)
+        pending.clear()
+
+    for _, block, last in blocks:
+        pending.append((block.decode("utf-8", errors="replace"), last))
+        if len(pending) >= 256:
+            flush()
+    flush()
+
+
+def write_tokens(tokens: np.ndarray, out_dir: Path, *, vocab_size: int, shard_tokens: int = 16 * 2**20,
+                 tokenizer: str = "raw") -> dict:
+    """Publish an in-memory token array as a prepared directory (synthetic data for tests and benchmarks)."""
+    tokens = np.asarray(tokens)
+    if tokens.ndim != 1 or tokens.size == 0 or tokens.min() < 0 or tokens.max() >= min(vocab_size, 65536):
+        raise DataError(f"write_tokens needs a non-empty 1-D array of ids in [0, {vocab_size})")
+
+    def build(tmp: Path) -> dict[str, Any]:
+        writer = _ShardWriter(tmp, "train", shard_tokens)
+        writer.append(tokens.astype(DTYPE))
+        meta = _base_meta(tokenizer, vocab_size, writer.close(), [])
+        meta.update(sources=0, source_bytes=0, spec=None, tokenizer_file=None)
+        return meta
+
+    return _publish(Path(out_dir), build)
+
+
+def load_meta(data_dir: Path) -> dict:
+    """Read and check data_dir/meta.json; DataError names the file and what is wrong with it."""
+    path = Path(data_dir) / META
+    if not path.is_file():
+        raise DataError(f"no prepared data in {data_dir}: {path} is missing (run `angel-jax data prepare`)")
+    try:
+        meta = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DataError(f"{path} is unreadable or corrupt: {e}") from e
+    if not isinstance(meta, dict) or meta.get("format") != FORMAT:
+        got = meta.get("format") if isinstance(meta, dict) else type(meta).__name__
+        raise DataError(f"{path}: data format {got!r} is not supported (expected {FORMAT}); prepare it again")
+    for key, typ in (("tokenizer", str), ("vocab_size", int), ("dtype", str), ("shards", list),
+                     ("total_tokens", int)):
+        if not isinstance(meta.get(key), typ):
+            raise DataError(f"{path}: missing or malformed {key!r}")
+    if meta["dtype"] != "uint16":
+        raise DataError(f"{path}: dtype {meta['dtype']!r} is not supported (expected 'uint16')")
+    for s in meta["shards"] + meta.get("val_shards", []):
+        if not (isinstance(s, dict) and isinstance(s.get("file"), str) and isinstance(s.get("tokens"), int)):
+            raise DataError(f"{path}: malformed shard entry {s!r}")
+    return meta
+
+
+@contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    with open(path, "a+") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)  # released on close too, so a killed holder never wedges the others
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def ensure_prepared(data_dir: Path, source: str, *, tokenizer: str = "byte", vocab_size: int = 256,
+                    max_bytes: int | None = None, val_fraction: float | None = None) -> dict:
+    """Reuse data_dir if it was prepared from the same sources and settings, else prepare it (once per host group).
+
+    "Same sources" means the same resolved file list with the same sizes and mtimes, so a directory made by
+    `angel-jax data prepare` is reused by training, and an edited corpus is prepared again. val_fraction=None
+    accepts whatever split exists (and prepares with none).
+    """
+    data_dir = Path(data_dir)
+    files = resolve_sources(source)
+    want = _spec(files, tokenizer, vocab_size, max_bytes, val_fraction)
+    data_dir.parent.mkdir(parents=True, exist_ok=True)
+    with _file_lock(data_dir.parent / f".{data_dir.name}.lock"):
+        if (data_dir / META).is_file():
+            try:
+                meta = load_meta(data_dir)
+            except DataError:
+                meta = {}  # corrupt or old format: prepare again
+            have = meta.get("spec") or {}
+            if all(have.get(k) == v for k, v in want.items() if not (k == "val_fraction" and v is None)):
+                return meta
+        return prepare(files, data_dir, tokenizer=tokenizer, vocab_size=vocab_size, max_bytes=max_bytes,
+                       val_fraction=val_fraction or 0.0)
+
+
+# -------------------------------------------------------------------------------------------------- iterator
+
+
+@dataclass
+class IteratorState:
+    """Where a TokenIterator stands (before its next batch); global, so the same on every data-parallel process."""
+
+    seed: int
+    epoch: int
+    position: int  # index of the next batch's first entry in this epoch's window permutation
+    batch_size: int  # global batch size
+    seq_len: int
+    windows_per_epoch: int
+
+    def to_dict(self) -> dict[str, int]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> IteratorState:
+        names = {f.name for f in fields(cls)}
+        if not isinstance(d, dict) or set(d) != names or not all(type(d[k]) is int for k in names):
+            raise DataError(f"malformed data iterator state {d!r}: expected integer fields {sorted(names)}")
+        return cls(**d)
+
+
+class TokenIterator:
+    """Endless batches of windows of seq_len+1 tokens, in a per-epoch order fixed by (seed, epoch).
+
+    The train stream (all shards, in order) is cut into non-overlapping windows [w*(L+1), (w+1)*(L+1)); a window
+    may span two shards, so shard size never changes the data. Epoch e visits windows in the order
+    default_rng([seed, e]).permutation(windows_per_epoch); global batch b is entries [b*B, (b+1)*B) of it and the
+    incomplete last batch is dropped. Process i of n takes rows [i*B/n, (i+1)*B/n) of each global batch, so n
+    processes together see exactly what one would. Shards are memory-mapped; only the rows asked for are read.
+    """
+
+    def __init__(self, data_dir: Path, *, batch_size: int, seq_len: int, seed: int, shard_index: int = 0,
+                 shard_count: int = 1, split: str = "train") -> None:
+        data_dir = Path(data_dir)
+        if batch_size < 1 or seq_len < 1 or seed < 0:
+            raise DataError(f"batch_size={batch_size} and seq_len={seq_len} must be >= 1, seed={seed} >= 0")
+        if shard_count < 1 or not 0 <= shard_index < shard_count or batch_size % shard_count:
+            raise DataError(f"batch_size={batch_size} must split evenly over shard_count={shard_count} "
+                            f"processes (shard_index={shard_index})")
+        if split not in ("train", "val"):
+            raise DataError(f"unknown split {split!r}: expected 'train' or 'val'")
+        self.meta = load_meta(data_dir)
+        self.vocab_size: int = self.meta["vocab_size"]
+        self.batch_size, self.seq_len, self.seed = batch_size, seq_len, seed
+        self.local_batch_size = batch_size // shard_count
+        self._row0 = shard_index * self.local_batch_size
+        self._maps = [self._open_shard(data_dir, s) for s in self.meta["shards" if split == "train" else "val_shards"]]
+        self._starts = np.cumsum([0] + [m.size for m in self._maps], dtype=np.int64)
+        total = int(self._starts[-1])
+        self.window = seq_len + 1
+        self.windows_per_epoch: int = total // self.window
+        self.batches_per_epoch: int = self.windows_per_epoch // batch_size
+        if self.batches_per_epoch == 0:
+            raise DataError(f"the {split} data in {data_dir} is too small for one batch: {total} tokens make "
+                            f"{self.windows_per_epoch} windows of seq_len+1={self.window} tokens, fewer than "
+                            f"batch_size={batch_size}; use more data or a smaller batch_size/seq_len")
+        self.epoch, self.position = 0, 0
+        self._perm_epoch, self._perm = -1, np.empty(0, np.int64)
+
+    @staticmethod
+    def _open_shard(data_dir: Path, shard: dict[str, Any]) -> np.memmap:
+        path = data_dir / shard["file"]
+        want = shard["tokens"] * DTYPE.itemsize
+        size = path.stat().st_size if path.is_file() else None
+        if size != want:
+            raise DataError(f"shard {path} is {'missing' if size is None else f'{size} bytes'}, "
+                            f"meta.json says {want} bytes: the data directory is damaged; prepare it again")
+        return np.memmap(path, dtype=DTYPE, mode="r")
+
+    def _permutation(self) -> np.ndarray:
+        if self._perm_epoch != self.epoch:  # one epoch's permutation is small (8 bytes per window)
+            self._perm = np.random.default_rng([self.seed, self.epoch]).permutation(self.windows_per_epoch)
+            self._perm_epoch = self.epoch
+        return self._perm
+
+    def _read_window(self, w: int, out: np.ndarray) -> None:
+        start, filled = w * self.window, 0
+        k = int(np.searchsorted(self._starts, start, side="right")) - 1
+        while filled < self.window:  # at most two iterations unless shards are shorter than a window
+            off = start + filled - int(self._starts[k])
+            piece = self._maps[k][off:off + self.window - filled]
+            out[filled:filled + piece.size] = piece
+            filled, k = filled + piece.size, k + 1
+
+    def __iter__(self) -> TokenIterator:
+        return self
+
+    def __next__(self) -> np.ndarray:
+        """This process's rows of the next global batch: int32 [batch_size // shard_count, seq_len + 1]."""
+        first = self.position + self._row0
+        rows = self._permutation()[first:first + self.local_batch_size]
+        batch = np.empty((self.local_batch_size, self.window), dtype=np.int32)
+        for i, w in enumerate(rows):
+            self._read_window(int(w), batch[i])
+        self.skip(1)
+        return batch
+
+    def skip(self, n_batches: int = 1) -> None:
+        """Advance past n global batches without reading them (e.g. to skip a data window after an anomaly)."""
+        for _ in range(n_batches):
+            self.position += self.batch_size
+            if self.position + self.batch_size > self.windows_per_epoch:  # drop the incomplete last batch
+                self.epoch, self.position = self.epoch + 1, 0
+
+    def state(self) -> IteratorState:
+        return IteratorState(seed=self.seed, epoch=self.epoch, position=self.position, batch_size=self.batch_size,
+                             seq_len=self.seq_len, windows_per_epoch=self.windows_per_epoch)
+
+    def restore(self, state: IteratorState) -> None:
+        """Continue from `state`; DataError if it was saved by an iterator over other data or with other sizes."""
+        mine = self.state()
+        for key in ("seed", "batch_size", "seq_len", "windows_per_epoch"):
+            if getattr(state, key) != getattr(mine, key):
+                raise DataError(f"data iterator state does not match: saved {key}={getattr(state, key)}, "
+                                f"this run has {key}={getattr(mine, key)}")
+        if state.epoch < 0 or state.position < 0 or state.position % self.batch_size \
+                or state.position + self.batch_size > self.windows_per_epoch:
+            raise DataError(f"data iterator state is out of range: epoch={state.epoch} position={state.position}")
+        self.epoch, self.position = state.epoch, state.position

@@ -1,0 +1,9 @@
+"""The base of every user-facing error: the command line prints its message on one line, without a traceback.
+
+A subclass per component (ConfigError, DataError, PageStoreError, CheckpointError, TrainingDiverged, ...); each
+message names what is wrong (the key and file, the path, the page, the step).
+"""
+
+
+class AngelError(Exception):
+    """A problem the user can act on; its message says what and where."""

@@ -1,0 +1,6 @@
+"""Optimizers: optax transformations built from `OptimizerConfig`, applied whole (reference trainer) or per stage
+on pages (paged engine)."""
+
+from angel_jax.optim.factory import make_optimizer, make_schedule
+
+__all__ = ["make_optimizer", "make_schedule"]

@@ -1,0 +1,43 @@
+"""Build the optax transformation and learning-rate schedule from the config."""
+
+from __future__ import annotations
+
+import optax
+
+from angel_jax.config import OptimizerConfig
+
+
+def make_schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Schedule:
+    """Linear warm-up to `lr` (step 0 already trains, at lr / warmup_steps), then cosine / linear decay to
+    `lr * min_lr_ratio` (or constant)."""
+    warmup = min(cfg.warmup_steps, max(total_steps - 1, 0))
+    decay_steps = max(total_steps - warmup, 1)
+    final = cfg.lr * cfg.min_lr_ratio
+    if cfg.schedule == "cosine":
+        after = optax.cosine_decay_schedule(cfg.lr, decay_steps, alpha=cfg.min_lr_ratio)
+    elif cfg.schedule == "linear":
+        after = optax.linear_schedule(cfg.lr, final, decay_steps)
+    else:
+        after = optax.constant_schedule(cfg.lr)
+    if warmup == 0:
+        return after
+    ramp = optax.linear_schedule(cfg.lr / warmup, cfg.lr, warmup - 1)
+    return optax.join_schedules([ramp, after], [warmup])
+
+
+def make_optimizer(cfg: OptimizerConfig, total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """(transformation, schedule). Clipping by global norm comes first, as in every large-model recipe."""
+    lr = make_schedule(cfg, total_steps)
+    if cfg.name == "adamw":
+        core = optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay)
+    elif cfg.name == "adam":
+        core = optax.adam(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps)
+    elif cfg.name == "lion":
+        core = optax.lion(lr, b1=cfg.b1, b2=cfg.b2, weight_decay=cfg.weight_decay)
+    elif cfg.name == "adafactor":
+        core = optax.adafactor(lr)
+    else:
+        core = optax.sgd(lr, momentum=cfg.b1 or None)
+    if cfg.grad_clip > 0:
+        core = optax.chain(optax.clip_by_global_norm(cfg.grad_clip), core)
+    return core, lr

@@ -1,0 +1,60 @@
+"""The stage interface: a model seen as a sequence of pure functions over per-stage parameters.
+
+The reference trainer runs a model whole; the scheduling pass needs to run it one stage at a time, moving each
+stage's parameters in and out of device memory around the call. A model exposes that view as a `StagedModel`:
+
+    staged = model_module.staged(cfg)             # pure description, no arrays
+    stage_params = staged.split(params)           # whole-model params -> one pytree per stage
+    logits = staged.forward(stage_params, tokens) # embed -> block 0 .. N-1 -> head
+    loss = staged.loss(logits, targets)
+
+Stages of the same `kind` (the N homogeneous blocks) share one apply function, so one jitted forward and one
+jitted backward serve every block and compile time does not grow with depth. `schedule/` sees only stage names,
+kinds and parameter pytrees, never Flax modules.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import jax
+
+PyTree = Any
+
+
+@dataclass(frozen=True)
+class Stage:
+    name: str
+    """Unique and in execution order: 'embed', 'block.0', ..., 'head'."""
+    kind: str
+    """Key of the shared apply function in `StagedModel.apply`."""
+
+
+@dataclass(frozen=True)
+class StagedModel:
+    stages: tuple[Stage, ...]
+    """The stages in forward order."""
+    apply: dict[str, Callable[[PyTree, jax.Array], jax.Array]]
+    """kind -> pure function (stage params, stage input) -> stage output. The first stage takes token ids,
+    the last returns float32 logits."""
+    loss: Callable[[jax.Array, jax.Array], jax.Array]
+    """(logits, integer targets) -> scalar mean loss."""
+    split: Callable[[PyTree], list[PyTree]]
+    """Whole-model params -> list of per-stage params (same order as `stages`)."""
+    merge: Callable[[list[PyTree]], PyTree]
+    """Inverse of `split`."""
+
+    def forward(self, stage_params: list[PyTree], tokens: jax.Array) -> jax.Array:
+        """Run every stage in sequence: the meaning of the stage decomposition."""
+        x = tokens
+        for stage, params in zip(self.stages, stage_params, strict=True):
+            x = self.apply[stage.kind](params, x)
+        return x
+
+    def kinds(self) -> dict[str, list[int]]:
+        """kind -> indices of the stages of that kind."""
+        out: dict[str, list[int]] = {}
+        for i, stage in enumerate(self.stages):
+            out.setdefault(stage.kind, []).append(i)
+        return out

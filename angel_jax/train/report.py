@@ -1,0 +1,52 @@
+"""The memory report printed before step 1: what the training state takes, and where."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import psutil
+
+from angel_jax.config import Config
+from models import gpt
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError
+
+
+def tree_bytes(tree: Any) -> int:
+    return sum(leaf.nbytes for leaf in jax.tree.leaves(tree) if hasattr(leaf, "nbytes"))
+
+
+def memory_report(state: Any, cfg: Config, mesh: jax.sharding.Mesh) -> str:
+    """A few lines: parameter count, bytes of params / optimizer state / gradients, activations estimate,
+    per-device memory where the backend reports it, host RSS."""
+    counts = gpt.param_count(cfg.model)
+    params, opt = tree_bytes(state.params), tree_bytes(state.opt_state)
+    m = cfg.model
+    per_device_batch = cfg.train.batch_size // mesh.size
+    # Saved activations per block without remat: ~ (attention inputs, qkv, mlp hidden, residuals) in compute
+    # dtype; a rough figure (x 34 * d bytes/token for bf16, Korthikanti et al. 2022, without the T^2 term that
+    # fused attention does not store).
+    act_bytes = 34 * m.d_model * m.seq_len * per_device_batch * (m.n_layers if not m.remat else 1)
+    lines = [
+        f"model: {counts['total'] / 1e6:.2f}M parameters ({counts['matmul'] / 1e6:.2f}M in matmuls), "
+        f"{m.n_layers} blocks x d_model {m.d_model}, seq_len {m.seq_len}",
+        f"state per device: params {human_bytes(params)}, optimizer {human_bytes(opt)}, "
+        f"gradients {human_bytes(params)}, activations ~{human_bytes(act_bytes)}"
+        f" -> ~{human_bytes(2 * params + opt + act_bytes)}",
+    ]
+    for device in mesh.devices.flat[:4]:
+        stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+        if stats and "bytes_limit" in stats:
+            lines.append(f"{device}: in use {human_bytes(stats.get('bytes_in_use', 0))} of "
+                         f"{human_bytes(stats['bytes_limit'])}")
+    lines.append(f"host: RSS {human_bytes(psutil.Process().memory_info().rss)}, "
+                 f"available {human_bytes(psutil.virtual_memory().available)}; "
+                 f"{jax.device_count()} x {jax.devices()[0].device_kind} over {jax.process_count()} process(es)")
+    return "\n".join(lines)

@@ -1,0 +1,188 @@
+"""A GPT decoder in Flax NNX: pre-norm blocks, causal attention, bf16 compute over fp32 parameters.
+
+The blocks are created stacked (one leading axis of size n_layers, through `nnx.vmap`) so the whole model can run
+them with one `jax.lax.scan` body, and so block i's parameters are simply `leaf[i]`. `staged()` exposes the same
+computation as stages (embed, n_layers blocks, head) for the scheduling pass; `tests/test_model.py` checks that
+running the stages in sequence gives the whole model's logits.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from angel_jax.config import ModelConfig
+from angel_jax.stages import Stage, StagedModel
+
+_INIT_STD = 0.02
+
+Params = dict
+"""Model parameters as a plain nested dict of arrays (`nnx.State.to_pure_dict()`): what optax, orbax and the page
+layout see. `nnx.merge(graphdef, params)` turns it back into a module inside jit."""
+
+
+def _dtypes(cfg: ModelConfig) -> tuple[jnp.dtype, jnp.dtype]:
+    return jnp.dtype(cfg.compute_dtype), jnp.dtype(cfg.param_dtype)
+
+
+class Embed(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        cdt, pdt = _dtypes(cfg)
+        init = nnx.initializers.normal(_INIT_STD)
+        self.tokens = nnx.Embed(cfg.vocab_size, cfg.d_model, dtype=cdt, param_dtype=pdt, embedding_init=init, rngs=rngs)
+        self.positions = nnx.Param(init(rngs.params(), (cfg.seq_len, cfg.d_model), pdt))
+        self.compute_dtype = cdt
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        pos = self.positions[...][: tokens.shape[-1]]
+        return self.tokens(tokens) + pos.astype(self.compute_dtype)
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        cdt, pdt = _dtypes(cfg)
+        d, hidden = cfg.d_model, int(cfg.d_model * cfg.mlp_ratio)
+        init = nnx.initializers.normal(_INIT_STD)
+        # GPT-2: residual projections scaled by 1/sqrt(2 * depth) so the stream's variance does not grow with depth.
+        out_init = nnx.initializers.normal(_INIT_STD / (2 * cfg.n_layers) ** 0.5)
+        lin = dict(dtype=cdt, param_dtype=pdt, rngs=rngs)
+        self.ln_attn = nnx.LayerNorm(d, dtype=cdt, param_dtype=pdt, rngs=rngs)
+        self.qkv = nnx.Linear(d, 3 * d, kernel_init=init, **lin)
+        self.attn_out = nnx.Linear(d, d, kernel_init=out_init, **lin)
+        self.ln_mlp = nnx.LayerNorm(d, dtype=cdt, param_dtype=pdt, rngs=rngs)
+        self.mlp_in = nnx.Linear(d, hidden, kernel_init=init, **lin)
+        self.mlp_out = nnx.Linear(hidden, d, kernel_init=out_init, **lin)
+        self.n_heads = cfg.n_heads
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        b, t, d = x.shape
+        q, k, v = jnp.split(self.qkv(self.ln_attn(x)).reshape(b, t, 3 * self.n_heads, d // self.n_heads), 3, axis=2)
+        attn = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.attn_out(attn.reshape(b, t, d))
+        return x + self.mlp_out(jax.nn.gelu(self.mlp_in(self.ln_mlp(x))))
+
+
+class Head(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        cdt, pdt = _dtypes(cfg)
+        self.ln = nnx.LayerNorm(cfg.d_model, dtype=cdt, param_dtype=pdt, rngs=rngs)
+        self.unembed = nnx.Linear(cfg.d_model, cfg.vocab_size, use_bias=False, dtype=cdt, param_dtype=pdt,
+                                  kernel_init=nnx.initializers.normal(_INIT_STD), rngs=rngs)
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        return self.unembed(self.ln(x)).astype(jnp.float32)
+
+
+class GPT(nnx.Module):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+        self.cfg = cfg
+        self.embed = Embed(cfg, rngs)
+
+        @nnx.split_rngs(splits=cfg.n_layers)
+        @nnx.vmap(in_axes=(0,), out_axes=0)
+        def make_blocks(rngs: nnx.Rngs) -> Block:
+            return Block(cfg, rngs)
+
+        self.blocks = make_blocks(rngs)
+        self.head = Head(cfg, rngs)
+
+    def __call__(self, tokens: jax.Array) -> jax.Array:
+        x = self.embed(tokens)
+        block_def, block_state = nnx.split(self.blocks)
+        x = run_blocks(block_def, block_state, x, scan=self.cfg.scan_blocks, remat=self.cfg.remat)
+        return self.head(x)
+
+
+def run_blocks(block_def: nnx.GraphDef, stacked: nnx.State | Params, x: jax.Array, *, scan: bool, remat: bool) -> jax.Array:
+    """Apply the stacked blocks in order, scanned (one compiled body) or unrolled."""
+
+    def body(h: jax.Array, params: Params) -> tuple[jax.Array, None]:
+        return nnx.merge(block_def, params)(h), None
+
+    if remat:
+        body = jax.checkpoint(body)
+    if scan:
+        return jax.lax.scan(body, x, stacked)[0]
+    n = jax.tree.leaves(stacked)[0].shape[0]
+    for i in range(n):
+        x = body(x, jax.tree.map(lambda a: a[i], stacked))[0]
+    return x
+
+
+def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    """Mean next-token cross-entropy in float32."""
+    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
+    return -jnp.take_along_axis(logp, targets[..., None], axis=-1).mean()
+
+
+def init(cfg: ModelConfig, seed: int) -> tuple[nnx.GraphDef, Params]:
+    """Build the model and return (graphdef, params). Only nnx.Param state exists in this model."""
+    graphdef, state = nnx.split(GPT(cfg, nnx.Rngs(params=seed)))
+    return graphdef, state.to_pure_dict()
+
+
+def abstract_params(cfg: ModelConfig) -> tuple[nnx.GraphDef, Params]:
+    """(graphdef, params as jax.ShapeDtypeStruct) without allocating anything."""
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: GPT(cfg, nnx.Rngs(params=0))))
+    return graphdef, state.to_pure_dict()
+
+
+def staged(cfg: ModelConfig) -> StagedModel:
+    """The stage view of the model: embed, n_layers homogeneous blocks, head."""
+    abstract = nnx.eval_shape(lambda: GPT(cfg, nnx.Rngs(params=0)))
+    embed_def = nnx.graphdef(abstract.embed)
+    block_def = nnx.graphdef(abstract.blocks)
+    head_def = nnx.graphdef(abstract.head)
+
+    def apply_block(params: Params, x: jax.Array) -> jax.Array:
+        return nnx.merge(block_def, params)(x)
+
+    def split(params: Params) -> list[Params]:
+        blocks = params["blocks"]
+        return ([params["embed"]]
+                + [jax.tree.map(lambda a, i=i: a[i], blocks) for i in range(cfg.n_layers)]
+                + [params["head"]])
+
+    def merge(stage_params: list[Params]) -> Params:
+        embed, *blocks, head = stage_params
+        stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *blocks)
+        return {"embed": embed, "blocks": stacked, "head": head}
+
+    stages = (Stage("embed", "embed"),) + tuple(Stage(f"block.{i}", "block") for i in range(cfg.n_layers)) \
+        + (Stage("head", "head"),)
+    return StagedModel(
+        stages=stages,
+        apply={
+            "embed": lambda p, tokens: nnx.merge(embed_def, p)(tokens),
+            "block": jax.checkpoint(apply_block) if cfg.remat else apply_block,
+            "head": lambda p, x: nnx.merge(head_def, p)(x),
+        },
+        loss=cross_entropy,
+        split=split,
+        merge=merge,
+    )
+
+
+def param_count(cfg: ModelConfig) -> dict[str, int]:
+    """Parameter counts: total, and the part that enters matmuls (excludes embeddings and norms)."""
+    d, hidden, L, V = cfg.d_model, int(cfg.d_model * cfg.mlp_ratio), cfg.n_layers, cfg.vocab_size
+    per_block_matmul = d * 3 * d + d * d + d * hidden + hidden * d
+    per_block_other = 3 * d + d + hidden + d + 4 * d  # biases and two LayerNorms
+    embedding = V * d + cfg.seq_len * d
+    head = 2 * d + d * V
+    return {
+        "total": embedding + L * (per_block_matmul + per_block_other) + head,
+        "matmul": L * per_block_matmul + d * V,
+    }
+
+
+def flops_per_token(cfg: ModelConfig) -> float:
+    """Training FLOPs per token (forward + backward), the PaLM formula: 6 * N_matmul + 12 * L * d * T.
+
+    N_matmul counts weights that enter matrix products (blocks and unembedding, not the embedding lookup);
+    the second term is attention's QK^T and AV (counted for the full T x T square, as PaLM does). With remat the
+    hardware does ~8N instead of 6N; MFU is still stated against 6N ("model" FLOPs, not hardware FLOPs).
+    """
+    n = param_count(cfg)["matmul"]
+    return 6.0 * n + 12.0 * cfg.n_layers * cfg.d_model * cfg.seq_len
