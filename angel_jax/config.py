@@ -10,6 +10,7 @@ the file (or "command line" for an override). Nothing is silently coerced except
 from __future__ import annotations
 
 import dataclasses
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -102,8 +103,8 @@ class OptimizerConfig:
 
     def validate(self) -> list[tuple[str, str]]:
         errs = []
-        if self.lr <= 0:
-            errs.append(("lr", "must be > 0"))
+        if not math.isfinite(self.lr) or self.lr <= 0:
+            errs.append(("lr", f"must be a finite number > 0, got {self.lr}"))
         if self.warmup_steps < 0:
             errs.append(("warmup_steps", "must be >= 0"))
         if not 0 <= self.min_lr_ratio <= 1:

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,7 +21,8 @@ from typing import Protocol
 import jax
 import jax.numpy as jnp
 
-# Dense bf16 peak FLOP/s per device (vendor datasheets, without sparsity). Matched as substrings of device_kind.
+# Dense bf16 peak FLOP/s per device (vendor datasheets, without sparsity). A key matches a device_kind that contains
+# it as whole words ("L4" matches "NVIDIA L4" but not "NVIDIA L40"); the longest matching key wins.
 PEAK_FLOPS: dict[str, float] = {
     "H200": 989e12,
     "H100 PCIe": 756e12,
@@ -29,6 +31,7 @@ PEAK_FLOPS: dict[str, float] = {
     "B200": 2250e12,
     "A100": 312e12,
     "L40S": 362e12,
+    "L40": 181e12,
     "L4": 121e12,
     "A10G": 70e12,
     "V100": 125e12,
@@ -69,7 +72,7 @@ def device_peak(device: jax.Device | None = None) -> Peak:
     device = device or jax.devices()[0]
     kind = device.device_kind
     for key in sorted(PEAK_FLOPS, key=len, reverse=True):  # longest match first: "H100 PCIe" before "H100"
-        if key.lower() in kind.lower():
+        if re.search(rf"(?<![A-Za-z0-9]){re.escape(key)}(?![A-Za-z0-9])", kind, re.IGNORECASE):
             return Peak(PEAK_FLOPS[key], f"table:{key}")
     return Peak(measure_matmul_flops(), "estimate:matmul")
 

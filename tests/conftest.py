@@ -1,0 +1,74 @@
+"""Shared test set-up: CPU only, and a tiny learnable corpus + tiny model config for the training tests.
+
+Kept small on purpose: every test file may rely on the CPU pin; the fixtures below cost nothing unless requested.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+# Tests run on the CPU (DESIGN.md "Conventions"); set before anything imports jax. An explicit JAX_PLATFORMS in the
+# environment still wins, so a GPU run can be asked for on purpose.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import pytest  # noqa: E402
+import yaml  # noqa: E402
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+# A short text repeated: a byte-level model learns it within a few dozen steps.
+TOY_TEXT = "the quick brown fox jumps over the lazy dog; pack my box with five dozen liquor jugs.\n"
+
+
+def tiny_config_dict(corpus: tuple[Path, Path], run_dir: Path, **sections: dict) -> dict:
+    """A tiny GPT (d_model 32, 2 layers, seq_len 32, batch 4, float32) on the toy corpus; `sections` update it.
+
+    The schedule is constant after a 2-step warm-up so that the learning rate of step s does not depend on
+    train.steps (a run extended from 6 to 30 steps follows the same schedule as one that ran 30 straight).
+    """
+    source, data_dir = corpus
+    raw = {
+        "name": "tiny",
+        "model": {"vocab_size": 256, "seq_len": 32, "d_model": 32, "n_layers": 2, "n_heads": 2,
+                  "compute_dtype": "float32"},
+        "data": {"source": str(source), "tokenizer": "byte", "dir": str(data_dir)},
+        "optimizer": {"name": "adamw", "lr": 3e-3, "warmup_steps": 2, "schedule": "constant"},
+        "train": {"steps": 30, "batch_size": 4, "log_every": 1, "progress": False, "run_dir": str(run_dir)},
+        "checkpoint": {"every": 10, "keep": 2},
+    }
+    for section, values in sections.items():
+        raw.setdefault(section, {}).update(values)
+    return raw
+
+
+@pytest.fixture(scope="session")
+def toy_corpus(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
+    """(source text file, its prepared byte-level data dir): TOY_TEXT repeated, ~8.6k tokens.
+
+    The trainer calls data.ensure_prepared(data.dir, data.source), which re-prepares a directory whose recorded
+    source differs, so the directory is prepared from a real source file (a `write_tokens` directory would be
+    replaced by the tokens of data.source).
+    """
+    from angel_jax import data as data_lib
+
+    root = tmp_path_factory.mktemp("toy-corpus")
+    source = root / "toy.txt"
+    source.write_text(TOY_TEXT * 100)
+    data_dir = root / "toy-byte"
+    data_lib.ensure_prepared(data_dir, str(source), tokenizer="byte")
+    return source, data_dir
+
+
+@pytest.fixture(scope="session")
+def write_tiny_config(toy_corpus: tuple[Path, Path]):
+    """Factory: write_tiny_config(directory, run="run", **sections) writes directory/<run>.yaml, a tiny config
+    (see tiny_config_dict) whose run directory is directory/<run>, and returns the YAML's path."""
+
+    def write(directory: Path, run: str = "run", **sections: dict) -> Path:
+        path = Path(directory) / f"{run}.yaml"
+        raw = tiny_config_dict(toy_corpus, Path(directory) / run, **sections)
+        path.write_text(yaml.safe_dump(raw, sort_keys=False))
+        return path
+
+    return write

@@ -1,0 +1,501 @@
+"""The reference trainer end to end: angel_jax.train.loop, its checkpoints and metrics, and the `angel-jax` CLI.
+
+Every run is the tiny GPT of conftest.tiny_config_dict on a repeated short text. Runs that train are `slow`.
+The reference for every resume test is one uninterrupted in-process run of 30 steps (`straight`); resumed runs
+must reproduce its per-step numbers and its final state bit for bit.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import logging
+import math
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+import yaml
+
+from angel_jax import cli
+from angel_jax.config import describe, dump_yaml, load_config, to_dict
+from angel_jax.errors import AngelError
+from angel_jax.train import loop
+from angel_jax.train import metrics as M
+from angel_jax.train.checkpointing import ReferenceCheckpointer, abstract_like
+from angel_jax.train.loop import TrainingDiverged, TrainResult, train
+from models import gpt
+
+ROOT = Path(__file__).resolve().parent.parent
+STEPS = 30
+EXACT_KEYS = ("loss", "grad_norm", "update_norm", "lr")
+PERF_KEYS = ("perf/step_time", "perf/tokens_per_s", "perf/tflops", "perf/mfu")
+PROC_LIMIT = 240  # seconds: `timeout -s KILL` guard of every child process
+# SGD with an absurd learning rate: step 1's update takes the parameters to ~1e28, step 2's loss is NaN.
+DIVERGE = {"name": "sgd", "lr": 1e30, "grad_clip": 0.0, "warmup_steps": 0}
+
+
+@dataclass
+class Run:
+    cfg_path: Path
+    result: TrainResult
+    exact: dict[int, dict[str, float]]
+    """step -> the unrounded values passed to on_step."""
+
+    @property
+    def run_dir(self) -> Path:
+        return self.result.run_dir
+
+    def records(self) -> list[dict]:
+        return M.read_jsonl(self.run_dir / "metrics.jsonl")
+
+
+def _train(cfg_path: Path, overrides: list[str] = ()) -> tuple[TrainResult, dict[int, dict[str, float]]]:
+    exact: dict[int, dict[str, float]] = {}
+    result = train(load_config(cfg_path, list(overrides)), on_step=lambda step, values: exact.__setitem__(step, values))
+    return result, exact
+
+
+def _leaves_equal(a, b) -> bool:
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    return len(la) == len(lb) and all(np.asarray(x).dtype == np.asarray(y).dtype and np.array_equal(x, y)
+                                      for x, y in zip(la, lb))
+
+
+def _restore(run_dir: Path, step: int, like) -> tuple:
+    ckpt = ReferenceCheckpointer(run_dir / "checkpoints", keep=2, primary=True)
+    try:
+        return ckpt.restore(step, abstract_like(like))
+    finally:
+        ckpt.close()
+
+
+def _committed_steps(ckpt_dir: Path) -> list[int]:
+    """Steps whose orbax save finished: orbax writes <step>.orbax-checkpoint-tmp/ and renames it to <step>/ last."""
+    try:
+        entries = list(ckpt_dir.iterdir())
+    except FileNotFoundError:
+        return []
+    return sorted(int(p.name) for p in entries if p.name.isdigit() and (p / "commit_success.txt").is_file())
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory, write_tiny_config) -> Run:
+    """30 steps, uninterrupted, in this process (checkpoint every 10, keep 2)."""
+    directory = tmp_path_factory.mktemp("straight")
+    cfg_path = write_tiny_config(directory, "straight")
+    result, exact = _train(cfg_path)
+    return Run(cfg_path, result, exact)
+
+
+# ------------------------------------------------------------------------------------------ end to end
+
+
+@pytest.mark.slow
+def test_run_directory_contents(straight):
+    run_dir = straight.run_dir
+    cfg = load_config(straight.cfg_path)
+    assert straight.result.final_step == STEPS and int(straight.result.state.step) == STEPS
+    # the resolved config, loadable as is
+    assert (run_dir / "config.yaml").read_text() == dump_yaml(cfg)
+    assert load_config(run_dir / "config.yaml") == cfg
+    # checkpoints every 10 steps, the newest 2 kept, each fully committed
+    assert _committed_steps(run_dir / "checkpoints") == [20, 30]
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["20", "30"]
+
+
+@pytest.mark.slow
+def test_metrics_file_has_the_fixed_names(straight):
+    records = straight.records()
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))  # log_every=1: one line per step
+    for r in records:
+        assert {"step", "time", "loss", "grad_norm", "update_norm", "lr"} <= set(r)
+        assert all(math.isfinite(r[k]) for k in EXACT_KEYS)
+    assert "perf/first_step_time" in records[0] and not set(PERF_KEYS) & set(records[0])
+    cfg = load_config(straight.cfg_path)
+    tokens_per_step = cfg.train.batch_size * cfg.model.seq_len
+    for r in records[1:]:
+        assert set(PERF_KEYS) <= set(r), r
+        assert r["perf/mfu_is_estimate"] == 1.0  # a CPU is not in the peak table
+        assert all(r[k] > 0 for k in PERF_KEYS)
+        # tokens/s and TFLOP/s follow from the step time (values are rounded to 6 decimals in the file)
+        exact = straight.exact[r["step"]]
+        assert exact["perf/tokens_per_s"] == pytest.approx(tokens_per_step / exact["perf/step_time"], rel=1e-9)
+        assert exact["perf/tflops"] == pytest.approx(
+            exact["perf/tokens_per_s"] * gpt.flops_per_token(cfg.model) / 1e12, rel=1e-9)
+        assert r["perf/step_time"] == round(exact["perf/step_time"], 6)
+    # the file holds the on_step values rounded to 6 decimals, and TrainResult.history the same records
+    for r in records:
+        for k in EXACT_KEYS:
+            assert r[k] == round(straight.exact[r["step"]][k], 6)
+    assert [{k: v for k, v in r.items() if k != "time"} for r in records] == straight.result.history
+    # constant schedule after a 2-step warm-up that starts at lr / 2
+    assert [r["lr"] for r in records[:3]] == [0.0015, 0.003, 0.003]
+
+
+@pytest.mark.slow
+def test_loss_decreases_on_a_learnable_corpus(straight):
+    losses = [straight.exact[s]["loss"] for s in range(1, STEPS + 1)]
+    assert losses[0] == pytest.approx(math.log(256), rel=0.05)  # untrained: near uniform over bytes
+    assert np.mean(losses[-5:]) < losses[0] - 1.0, losses
+
+
+# ------------------------------------------------------------------------------------------------ resume
+
+
+@pytest.mark.slow
+def test_resume_in_process_is_exact(straight, tmp_path, write_tiny_config):
+    """6 steps, then the same run dir extended to 30: every step's numbers and the final state equal `straight`."""
+    cfg_path = write_tiny_config(tmp_path, "resumed", checkpoint={"every": 4})
+    first, exact_1 = _train(cfg_path, ["train.steps=6"])
+    assert _committed_steps(first.run_dir / "checkpoints") == [4, 6]  # every 4, and at the end
+    # train.steps=30 resumes from the step-6 checkpoint (saving only at the end: checkpoints do not change numbers)
+    second, exact_2 = _train(cfg_path, ["checkpoint.every=0"])
+    assert sorted(exact_1) == list(range(1, 7)) and sorted(exact_2) == list(range(7, STEPS + 1))
+    assert second.history[0]["step"] == 7 and "perf/first_step_time" in second.history[0]
+    for step, values in {**exact_1, **exact_2}.items():
+        for k in EXACT_KEYS:
+            assert values[k] == straight.exact[step][k], (step, k)
+    assert _leaves_equal(second.state, straight.result.state)
+    # the metrics file reads like one run: one line per step, the same numbers as the straight run's file
+    records = M.read_jsonl(second.run_dir / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    assert [[r[k] for k in EXACT_KEYS] for r in records] == [[r[k] for k in EXACT_KEYS] for r in straight.records()]
+    # and the saved state of step 30 is the straight run's, bit for bit
+    state, data_state = _restore(second.run_dir, STEPS, straight.result.state)
+    assert _leaves_equal(state, straight.result.state)
+    assert data_state == _restore(straight.run_dir, STEPS, straight.result.state)[1]
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="BUG loop.py setup(): with train.resume=false the old run's checkpoints stay "
+                   "in <run_dir>/checkpoints and orbax skips saving any step <= the newest old step, so the new "
+                   "run's checkpoints are silently not written and the next resume restores the OLD run's state")
+def test_resume_false_run_owns_its_checkpoints(straight, tmp_path):
+    run_dir = tmp_path / "restart"
+    shutil.copytree(straight.run_dir, run_dir)  # an earlier 30-step run's checkpoints 20 and 30
+    try:
+        result, exact = _train(straight.cfg_path, [f"train.run_dir={run_dir}", "train.resume=false",
+                                                   "train.steps=3", "checkpoint.every=0"])
+    except AngelError as e:  # refusing to start over in a directory with checkpoints is an acceptable fix too
+        assert "checkpoint" in str(e)
+        return
+    ckpt = ReferenceCheckpointer(run_dir / "checkpoints", keep=2, primary=True)
+    latest = ckpt.latest_step()
+    ckpt.close()
+    # nothing was restored: the run computed straight's first 3 steps again
+    assert sorted(exact) == [1, 2, 3] and all(exact[s][k] == straight.exact[s][k] for s in exact for k in EXACT_KEYS)
+    assert latest == 3, f"the next resume would restore step {latest} of the earlier run"
+    state, _ = _restore(run_dir, 3, result.state)
+    assert _leaves_equal(state, result.state)
+
+
+# ------------------------------------------------------------------------------------- real processes
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+    return env
+
+
+class Procs:
+    """Children started with `timeout -s KILL` in their own session; any still alive at teardown are killed."""
+
+    def __init__(self, directory: Path):
+        self.directory = directory
+        self.started: list[subprocess.Popen] = []
+
+    def start(self, name: str, *args: str) -> subprocess.Popen:
+        cmd = ["timeout", "-s", "KILL", str(PROC_LIMIT), sys.executable, "-m", "angel_jax.cli", *args]
+        with open(self.directory / f"{name}.out", "w") as out, open(self.directory / f"{name}.err", "w") as err:
+            proc = subprocess.Popen(cmd, cwd=self.directory, env=_env(), stdout=out, stderr=err,
+                                    start_new_session=True)
+        self.started.append(proc)
+        return proc
+
+    def wait(self, proc: subprocess.Popen, timeout: float = PROC_LIMIT) -> int:
+        try:
+            return proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill(proc)
+            raise
+
+    def run(self, name: str, *args: str) -> tuple[int, str, str]:
+        rc = self.wait(self.start(name, *args))
+        return rc, *self.output(name)
+
+    def output(self, name: str) -> tuple[str, str]:
+        return (self.directory / f"{name}.out").read_text(), (self.directory / f"{name}.err").read_text()
+
+    @staticmethod
+    def kill(proc: subprocess.Popen) -> None:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        proc.wait(timeout=60)
+
+    def close(self) -> None:
+        for proc in self.started:
+            if proc.poll() is None:
+                self.kill(proc)
+
+
+@pytest.fixture
+def procs(tmp_path):
+    p = Procs(tmp_path)
+    yield p
+    p.close()
+
+
+@pytest.mark.slow
+def test_resume_after_sigkill_is_exact(straight, tmp_path, procs, write_tiny_config):
+    """`angel-jax train` SIGKILLed after a checkpoint committed, then run again: the same numbers as `straight`."""
+    cfg_path = write_tiny_config(tmp_path, "killed", checkpoint={"every": 4, "keep": 2})
+    run_dir = tmp_path / "killed"
+    victim = procs.start("victim", "train", str(cfg_path))
+    deadline = time.monotonic() + PROC_LIMIT
+    while not [s for s in _committed_steps(run_dir / "checkpoints") if s >= 4]:
+        assert victim.poll() is None, f"the run ended before a checkpoint was committed: {procs.output('victim')}"
+        assert time.monotonic() < deadline, "no checkpoint committed in time"
+        time.sleep(0.01)
+    committed = max(_committed_steps(run_dir / "checkpoints"))
+    killed_at = time.time()
+    procs.kill(victim)
+    assert victim.returncode == -signal.SIGKILL, procs.output("victim")
+    assert committed < STEPS
+    out, _ = procs.output("victim")
+    assert f"{jax.device_count()} x cpu over 1 process" in out  # the child sees the devices this process sees
+
+    rc, out, err = procs.run("resume", "train", str(cfg_path))
+    assert rc == 0, err[-3000:]
+    m = re.search(r"resumed from the checkpoint of step (\d+)", err)
+    assert m, err[-3000:]
+    resumed_from = int(m.group(1))
+    assert committed <= resumed_from < STEPS and resumed_from % 4 == 0
+    assert f"done: step {STEPS}" in out
+
+    records = M.read_jsonl(run_dir / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1)), "one line per step after truncation"
+    for r, ref in zip(records, straight.records()):
+        assert [r[k] for k in EXACT_KEYS] == [ref[k] for k in EXACT_KEYS], r["step"]
+    # steps up to the checkpoint come from the killed process, the rest were computed (only) by the second one
+    assert all(r["time"] <= killed_at + 0.01 for r in records[:resumed_from])
+    assert all(r["time"] > killed_at for r in records[resumed_from:])
+    assert [r["step"] for r in records if "perf/first_step_time" in r] == [1, resumed_from + 1]
+    # the final checkpoint holds the straight run's state, bit for bit
+    assert _committed_steps(run_dir / "checkpoints")[-1] == STEPS
+    state, _ = _restore(run_dir, STEPS, straight.result.state)
+    assert _leaves_equal(state, straight.result.state)
+
+
+# --------------------------------------------------------------------------------------------- divergence
+
+
+def _cli(argv: list[str]) -> tuple[int, str, str]:
+    """cli.main in this process: (exit code, stdout, stderr); the root logger is restored afterwards."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    out, err = io.StringIO(), io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            rc = cli.main(argv)
+    finally:
+        for h in root.handlers[:]:
+            if h not in handlers:
+                root.removeHandler(h)
+        root.setLevel(level)
+    return rc, out.getvalue(), err.getvalue()
+
+
+@dataclass
+class Diverged:
+    run_dir: Path
+    rc: int
+    err: str
+    error: BaseException
+    seen: list[int]
+    """Steps whose numbers on_step received (all finite)."""
+    committed: list[int]
+    """Committed checkpoint steps at the moment train() raised."""
+
+
+@pytest.fixture(scope="module")
+def diverged(tmp_path_factory, write_tiny_config) -> Diverged:
+    """`angel-jax train` (cli.main, in this process) on a diverging config that checkpoints every step; a spy
+    around loop.train keeps the exception and the checkpoints committed when it was raised."""
+    directory = tmp_path_factory.mktemp("diverged")
+    cfg_path = write_tiny_config(directory, "nan", optimizer=DIVERGE, train={"steps": 10},
+                                 checkpoint={"every": 1, "keep": 5})
+    real_train, caught, seen = loop.train, {}, []
+
+    def spy(cfg, *, on_step=None):
+        try:
+            return real_train(cfg, on_step=lambda step, values: seen.append(step))
+        except BaseException as e:
+            caught["committed"] = _committed_steps(cfg.run_dir / "checkpoints")
+            caught["error"] = e
+            raise
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(loop, "train", spy)  # cli imports loop.train when the command runs
+        rc, _, err = _cli(["train", str(cfg_path)])
+    assert "error" in caught, err[-3000:]
+    return Diverged(directory / "nan", rc, err, caught["error"], seen, caught["committed"])
+
+
+@pytest.mark.slow
+def test_divergence_raises_naming_the_step(diverged):
+    assert isinstance(diverged.error, TrainingDiverged)
+    assert diverged.seen and diverged.seen == list(range(1, len(diverged.seen) + 1))
+    bad = len(diverged.seen) + 1  # the first step whose numbers were not finite
+    assert re.match(rf"step {bad}: .*(nan|inf)", str(diverged.error)), str(diverged.error)
+    records = M.read_jsonl(diverged.run_dir / "metrics.jsonl")
+    assert [r["step"] for r in records] == diverged.seen  # the diverged step is not logged
+    assert all(math.isfinite(r["loss"]) for r in records)
+
+
+@pytest.mark.slow
+def test_cli_divergence_returns_1_with_the_message(diverged):
+    assert diverged.rc == 1
+    assert f"error: {diverged.error}\n" in diverged.err and "Traceback" not in diverged.err
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="BUG loop.py train(): an exception in the loop (TrainingDiverged, Ctrl-C, ...) "
+                   "skips checkpointer.close(), so the asynchronous save of the last good step is still in flight "
+                   "when train() raises; in a real process it is abandoned at exit and only "
+                   "'<step>.orbax-checkpoint-tmp' remains")
+def test_diverged_run_has_committed_its_last_good_checkpoint(diverged):
+    last_good = len(diverged.seen)
+    assert diverged.committed[-1:] == [last_good], diverged.committed
+
+
+# ---------------------------------------------------------------------------------------------------- CLI
+
+
+def test_cli_config_lists_every_key(capsys):
+    assert cli.main(["config"]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines() == describe()
+    assert re.search(r"^optimizer\.lr \(float, default 0\.001\): \S", out, re.M)
+
+
+def test_cli_config_with_file_prints_resolved_values(capsys, tmp_path, write_tiny_config):
+    cfg_path = write_tiny_config(tmp_path)
+    assert cli.main(["config", str(cfg_path), "train.steps=7"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out) == to_dict(load_config(cfg_path, ["train.steps=7"]))
+
+
+def test_cli_bad_override_exits_2_naming_the_key(capsys, tmp_path, write_tiny_config):
+    cfg_path = write_tiny_config(tmp_path)
+    assert cli.main(["train", str(cfg_path), "train.steps=abc"]) == 2
+    err = capsys.readouterr().err
+    assert "config error" in err and "'train.steps'" in err and "train.steps=abc" in err
+    assert not (tmp_path / "run").exists()  # nothing was started
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["train", "{missing}"], "does not exist"),
+    (["train", "{cfg}", "model.d_modle=64"], "'model.d_modle'"),
+    (["train", "{cfg}", "train.steps"], "key=value"),
+    (["config", "{cfg}", "optimizer.lr=-1"], "'optimizer.lr'"),
+])
+def test_cli_config_errors_exit_2(capsys, tmp_path, write_tiny_config, args, needle):
+    cfg_path = write_tiny_config(tmp_path)
+    argv = [a.format(cfg=cfg_path, missing=tmp_path / "missing.yaml") for a in args]
+    assert cli.main(argv) == 2
+    captured = capsys.readouterr()
+    assert needle in captured.err and captured.err.startswith("config error: ")
+    assert captured.out == ""
+
+
+def test_cli_print_config(capsys, tmp_path, write_tiny_config):
+    cfg_path = write_tiny_config(tmp_path)
+    overrides = ["optimizer.lr=3e-4", "model.remat=true"]
+    assert cli.main(["train", str(cfg_path), *overrides, "--print-config"]) == 0
+    printed = yaml.safe_load(capsys.readouterr().out)
+    assert printed == to_dict(load_config(cfg_path, overrides))
+    assert printed["optimizer"]["lr"] == 3e-4 and printed["model"]["remat"] is True and printed["name"] == "tiny"
+    assert not (tmp_path / "run").exists()  # printing trains nothing
+
+
+def test_cli_print_config_before_overrides(capsys, tmp_path, write_tiny_config):
+    cfg_path = write_tiny_config(tmp_path)
+    try:
+        rc = cli.main(["train", str(cfg_path), "--print-config", "train.steps=7"])
+    except SystemExit as e:
+        rc = e.code
+    assert rc == 0
+    assert yaml.safe_load(capsys.readouterr().out)["train"]["steps"] == 7
+
+
+# ------------------------------------------------------------------------------------------ metrics helpers
+
+
+def test_throughput_formula():
+    peak = M.Peak(1e15, "table:test")
+    got = M.throughput(step_time=0.5, tokens_per_step=1000, flops_per_token=6e9, peak=peak, n_devices=2)
+    assert set(got) == set(PERF_KEYS)
+    assert got["perf/step_time"] == 0.5
+    assert got["perf/tokens_per_s"] == 2000.0
+    # 6e9 FLOP/token * 1000 tokens / 0.5 s = 1.2e13 FLOP/s = 12 TFLOP/s; peak 2 devices x 1e15
+    assert got["perf/tflops"] == pytest.approx(12.0, rel=1e-12)
+    assert got["perf/mfu"] == pytest.approx(1.2e13 / 2e15, rel=1e-12)
+    one = M.throughput(0.25, 4096, 1e6, M.Peak(4e9, "table:x"), 1)
+    assert one["perf/tokens_per_s"] == 16384.0 and one["perf/mfu"] == pytest.approx(16384 * 1e6 / 4e9, rel=1e-12)
+
+
+@dataclass
+class FakeDevice:
+    device_kind: str
+
+
+@pytest.mark.parametrize("kind, flops, key", [
+    ("NVIDIA H100 80GB HBM3", 989e12, "H100"),
+    ("NVIDIA H100 PCIe", 756e12, "H100 PCIe"),
+    ("NVIDIA H200", 989e12, "H200"),
+    ("NVIDIA GH200 480GB", 989e12, "GH200"),
+    ("NVIDIA A100-SXM4-80GB", 312e12, "A100"),
+    ("NVIDIA L40S", 362e12, "L40S"),
+    ("NVIDIA L4", 121e12, "L4"),
+    ("TPU v5 lite", 197e12, "TPU v5 lite"),
+])
+def test_device_peak_from_the_table(kind, flops, key):
+    peak = M.device_peak(FakeDevice(kind))
+    assert peak == M.Peak(flops, f"table:{key}") and not peak.is_estimate
+
+
+def test_device_peak_of_a_cpu_is_a_measured_estimate():
+    peak = M.device_peak(jax.devices("cpu")[0])
+    assert peak.is_estimate and peak.source == "estimate:matmul"
+    assert 1e6 < peak.flops_per_device < 1e15
+    assert M.device_peak(FakeDevice("cpu")).is_estimate
+
+
+def test_device_peak_does_not_match_a_prefix_of_another_device():
+    assert M.device_peak(FakeDevice("NVIDIA L40")).source != "table:L4"
+
+
+def test_jsonl_sink_truncates_after_the_resume_step(tmp_path):
+    path = tmp_path / "m.jsonl"
+    sink = M.JsonlSink(path)
+    for step in range(1, 6):
+        sink.write(step, {"loss": float(step)})
+    sink.close()
+    with open(path, "a") as f:
+        f.write('{"step": 6, "loss"')  # a line cut short by a kill
+    sink = M.JsonlSink(path, resume_step=3)
+    sink.write(4, {"loss": 40.0})
+    sink.close()
+    assert [(r["step"], r["loss"]) for r in M.read_jsonl(path)] == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0)]
