@@ -1,0 +1,298 @@
+"""PageLayout: the leaves of each stage's state pytree packed into fixed-size, single-dtype flat pages.
+
+Built once, from abstract shapes, from a list of (stage name, pytree) in access order:
+
+    layout = PageLayout.build([("embed", embed_params), ("block.0", b0), ...], page_size_bytes=64 * 2**20)
+    pages = layout.pack("block.0", b0)          # tuple of 1-D arrays, one per page of the stage
+    b0_again = layout.unpack("block.0", pages)  # the same pytree, bit for bit
+
+Rules:
+- A page holds one dtype; every page of a dtype has `page_size_bytes // itemsize` elements, so every page is
+  `page_size_bytes` long (the size must be a multiple of each itemsize it holds).
+- Pages never mix stages: a stage function takes only its own pages (`layout.stage(name).page_ids`). Within a
+  stage, leaves are grouped by dtype (groups in order of first appearance, leaves in `tree_flatten` order) and laid
+  end to end: small leaves share a page, a leaf larger than what is left spans consecutive pages. The tail of each
+  group's last page is zero padding, reported as `waste_bytes` / `waste_fraction`.
+- Page ids are global and follow access order: stage 0's pages first.
+- `pack`/`unpack` are pure (concatenate, pad, slice, reshape) and work eagerly on numpy (numpy in, numpy out),
+  eagerly on jax arrays, and under `jax.jit` with the layout static, where XLA fuses them into the stage.
+
+This module knows nothing about tiers or models.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Iterable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+PyTree = Any
+
+DEFAULT_PAGE_SIZE = 64 * 2**20
+
+
+@dataclass(frozen=True)
+class LeafSlot:
+    """Where one leaf lives: elements [offset, offset + size) of the concatenation of pages page, page+1, ..."""
+
+    stage: str
+    path: str
+    """`jax.tree_util.keystr` of the leaf inside its stage's pytree."""
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    page: int
+    """Global id of the first page holding the leaf; -1 for an empty leaf (size 0), which occupies no page."""
+    offset: int
+    """Element offset of the leaf's first element within `page`."""
+    size: int
+    """Number of elements."""
+
+    @property
+    def nbytes(self) -> int:
+        return self.size * self.dtype.itemsize
+
+    def spans(self, page_len: int) -> list[tuple[int, int, int]]:
+        """(page id, start, stop) element ranges that make up the leaf, in order."""
+        out, page, start, left = [], self.page, self.offset, self.size
+        while left > 0:
+            n = min(left, page_len - start)
+            out.append((page, start, start + n))
+            page, start, left = page + 1, 0, left - n
+        return out
+
+
+@dataclass(frozen=True)
+class PageSpec:
+    """One page: a 1-D array of `length` elements of `dtype`, of which the first `used` carry data."""
+
+    id: int
+    stage: str
+    dtype: np.dtype
+    length: int
+    used: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.length * self.dtype.itemsize
+
+    @property
+    def waste_bytes(self) -> int:
+        return (self.length - self.used) * self.dtype.itemsize
+
+    @property
+    def abstract(self) -> jax.ShapeDtypeStruct:
+        return jax.ShapeDtypeStruct((self.length,), self.dtype)
+
+
+@dataclass(frozen=True)
+class StageLayout:
+    """The pages of one stage and how its pytree maps onto them."""
+
+    name: str
+    treedef: Any
+    slots: tuple[LeafSlot, ...]
+    """One per leaf, in `tree_flatten` order."""
+    pages: tuple[PageSpec, ...]
+    """The stage's pages in order; ids are consecutive."""
+
+    @property
+    def page_ids(self) -> tuple[int, ...]:
+        return tuple(p.id for p in self.pages)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.pages)
+
+    @property
+    def waste_bytes(self) -> int:
+        return sum(p.waste_bytes for p in self.pages)
+
+    def pack(self, tree: PyTree) -> tuple:
+        """The stage's pytree -> tuple of pages (numpy if every leaf is numpy, else jax arrays)."""
+        leaves = self._checked_leaves(tree)
+        xp = np if all(isinstance(x, np.ndarray) for x in leaves) else jnp
+        out: list = []
+        for group in self._groups():
+            first = self.pages[group[0].id - self.pages[0].id]
+            parts = [xp.reshape(leaves[i], (-1,)) for i, s in enumerate(self.slots) if _in_group(s, group)]
+            pad = len(group) * first.length - sum(p.used for p in group)
+            if pad:
+                parts.append(xp.zeros((pad,), first.dtype))
+            flat = xp.concatenate(parts)  # copies even a single part: pages never alias the caller's leaves
+            out.extend(flat[k * first.length:(k + 1) * first.length] for k in range(len(group)))
+        return tuple(out)
+
+    def unpack(self, pages: Sequence) -> PyTree:
+        """Tuple of pages -> the stage's pytree. Only slices and reshapes: XLA fuses them under jit."""
+        if len(pages) != len(self.pages):
+            raise ValueError(f"stage {self.name!r}: expected {len(self.pages)} pages, got {len(pages)}")
+        first_id = self.pages[0].id if self.pages else 0
+        for spec, page in zip(self.pages, pages):
+            if tuple(page.shape) != (spec.length,) or np.dtype(page.dtype) != spec.dtype:
+                raise ValueError(f"stage {self.name!r}: page {spec.id} must be {spec.dtype}[{spec.length}], "
+                                 f"got {np.dtype(page.dtype)}{list(page.shape)}")
+        xp = np if all(isinstance(p, np.ndarray) for p in pages) else jnp
+        leaves = []
+        for slot in self.slots:
+            if slot.size == 0:
+                leaves.append(xp.zeros(slot.shape, slot.dtype))
+                continue
+            length = self.pages[slot.page - first_id].length
+            parts = [pages[pid - first_id][a:b] for pid, a, b in slot.spans(length)]
+            flat = xp.concatenate(parts)  # a fresh buffer: leaves never alias the pages
+            leaves.append(xp.reshape(flat, slot.shape))
+        return jax.tree_util.tree_unflatten(self.treedef, leaves)
+
+    def _groups(self) -> list[list[PageSpec]]:
+        """The stage's pages split into runs of one dtype."""
+        groups: list[list[PageSpec]] = []
+        for p in self.pages:
+            if groups and groups[-1][0].dtype == p.dtype:
+                groups[-1].append(p)
+            else:
+                groups.append([p])
+        return groups
+
+    def _checked_leaves(self, tree: PyTree) -> list:
+        paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+        if treedef != self.treedef:
+            raise ValueError(f"stage {self.name!r}: pytree structure differs from the layout's:\n"
+                             f"  layout: {self.treedef}\n  given:  {treedef}")
+        leaves = []
+        for (path, leaf), slot in zip(paths_leaves, self.slots):
+            dtype = getattr(leaf, "dtype", None)
+            shape, dtype = tuple(np.shape(leaf)), np.dtype(np.asarray(leaf).dtype if dtype is None else dtype)
+            if shape != slot.shape or dtype != slot.dtype:
+                raise ValueError(f"stage {self.name!r}: leaf {slot.path} must be {slot.dtype}{list(slot.shape)}, "
+                                 f"got {dtype}{list(shape)}")
+            leaves.append(leaf)
+        return leaves
+
+
+def _in_group(slot: LeafSlot, group: list[PageSpec]) -> bool:
+    return slot.size > 0 and slot.dtype == group[0].dtype and group[0].id <= slot.page <= group[-1].id
+
+
+@dataclass(frozen=True)
+class PageLayout:
+    """Pages of every stage, in access order. Immutable and hashable (usable as a static jit argument)."""
+
+    page_size_bytes: int
+    stages: tuple[StageLayout, ...]
+
+    @staticmethod
+    def build(stages: Iterable[tuple[str, PyTree]], page_size_bytes: int = DEFAULT_PAGE_SIZE) -> "PageLayout":
+        """Lay out `(stage name, pytree)` pairs in the order given. Leaves need only `.shape` and `.dtype`
+        (arrays or `jax.ShapeDtypeStruct`)."""
+        if page_size_bytes <= 0:
+            raise ValueError(f"page_size_bytes must be positive, got {page_size_bytes}")
+        built: list[StageLayout] = []
+        next_id = 0
+        for name, tree in stages:
+            if any(s.name == name for s in built):
+                raise ValueError(f"stage name {name!r} appears twice")
+            stage = _layout_stage(name, tree, page_size_bytes, next_id)
+            next_id += len(stage.pages)
+            built.append(stage)
+        return PageLayout(page_size_bytes, tuple(built))
+
+    @property
+    def stage_names(self) -> tuple[str, ...]:
+        return tuple(s.name for s in self.stages)
+
+    def stage(self, name: str) -> StageLayout:
+        for s in self.stages:
+            if s.name == name:
+                return s
+        raise KeyError(f"no stage {name!r} in the layout (stages: {', '.join(self.stage_names)})")
+
+    @property
+    def pages(self) -> tuple[PageSpec, ...]:
+        return tuple(p for s in self.stages for p in s.pages)
+
+    @property
+    def num_pages(self) -> int:
+        return sum(len(s.pages) for s in self.stages)
+
+    def page(self, page_id: int) -> PageSpec:
+        for s in self.stages:
+            if s.pages and s.pages[0].id <= page_id <= s.pages[-1].id:
+                return s.pages[page_id - s.pages[0].id]
+        raise KeyError(f"no page {page_id} in the layout ({self.num_pages} pages)")
+
+    def pack(self, stage: str, tree: PyTree) -> tuple:
+        return self.stage(stage).pack(tree)
+
+    def unpack(self, stage: str, pages: Sequence) -> PyTree:
+        return self.stage(stage).unpack(pages)
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of all pages, padding included."""
+        return sum(s.nbytes for s in self.stages)
+
+    @property
+    def data_bytes(self) -> int:
+        """Bytes of the leaves themselves."""
+        return self.total_bytes - self.waste_bytes
+
+    @property
+    def waste_bytes(self) -> int:
+        """Padding bytes: the unused tails of each (stage, dtype) group's last page."""
+        return sum(s.waste_bytes for s in self.stages)
+
+    @property
+    def waste_fraction(self) -> float:
+        return self.waste_bytes / self.total_bytes if self.total_bytes else 0.0
+
+    def summary(self) -> dict:
+        return {"page_size_bytes": self.page_size_bytes, "num_pages": self.num_pages,
+                "total_bytes": self.total_bytes, "data_bytes": self.data_bytes,
+                "waste_bytes": self.waste_bytes, "waste_fraction": self.waste_fraction,
+                "stages": {s.name: {"pages": list(s.page_ids), "bytes": s.nbytes, "waste_bytes": s.waste_bytes}
+                           for s in self.stages}}
+
+
+def _leaf_dtype(stage: str, path: str, leaf: Any) -> np.dtype:
+    dtype = getattr(leaf, "dtype", None)
+    if dtype is None or not hasattr(leaf, "shape"):
+        raise TypeError(f"stage {stage!r}: leaf {path} has no shape/dtype (got {type(leaf).__name__}); "
+                        "pass arrays or jax.ShapeDtypeStruct")
+    dtype = np.dtype(dtype)
+    if jax.dtypes.canonicalize_dtype(dtype) != dtype:
+        raise TypeError(f"stage {stage!r}: leaf {path} has dtype {dtype}, which jax would silently convert to "
+                        f"{jax.dtypes.canonicalize_dtype(dtype)}; enable jax_enable_x64 or cast it first")
+    return dtype
+
+
+def _layout_stage(name: str, tree: PyTree, page_size: int, first_id: int) -> StageLayout:
+    paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    info = []
+    for path, leaf in paths_leaves:
+        key = jax.tree_util.keystr(path)
+        info.append((key, tuple(int(d) for d in leaf.shape) if hasattr(leaf, "shape") else (),
+                     _leaf_dtype(name, key, leaf)))
+    dtypes = list(dict.fromkeys(dt for _, _, dt in info))
+    slots: dict[int, LeafSlot] = {}
+    pages: list[PageSpec] = []
+    for dt in dtypes:
+        if page_size % dt.itemsize:
+            raise ValueError(f"page size {page_size} is not a multiple of the {dt} item size {dt.itemsize}")
+        page_len = page_size // dt.itemsize
+        pos = 0  # element position within the group
+        group_first = first_id + len(pages)
+        for i, (key, shape, ldt) in enumerate(info):
+            if ldt != dt:
+                continue
+            size = int(np.prod(shape, dtype=np.int64))
+            page = group_first + pos // page_len if size else -1
+            slots[i] = LeafSlot(name, key, shape, dt, page, pos % page_len if size else 0, size)
+            pos += size
+        n_pages = -(-pos // page_len)
+        for k in range(n_pages):
+            used = min(page_len, pos - k * page_len)
+            pages.append(PageSpec(group_first + k, name, dt, page_len, used))
+    return StageLayout(name, treedef, tuple(slots[i] for i in range(len(info))), tuple(pages))
