@@ -1,0 +1,450 @@
+"""CheckpointEngine: the stateful shell around the snapshot format, the memory-tier writer and the orbax tier.
+
+A save, in order:
+
+    save()  [blocks]   copy every array into memory_dir/step_<k>.tmp/data.bin              state "copied"
+    worker             CRC-32 of the copy, index.json, rename to step_<k>/  (the commit)  state "snapshotted"
+    worker             copy to peer_dir/step_<k>/ (tmp + fsync + rename)                  state "backed_up"
+    worker             orbax save of the snapshot's bytes to persistent_dir/<k>/          state "persisted"
+    worker             retention in every tier
+
+Why the checksum is not in the blocking part: zlib's CRC-32 runs at ~2-3 GB/s per core here, a memcpy into the
+already-mapped snapshot at ~10 GB/s, so checksumming inside save() would have tripled the training stall. The
+checksum is computed from the snapshot (never the live arrays), and a snapshot only gets its committed name after
+its checksums are written, so every committed checkpoint in every tier carries them. The price: a crash in the
+~0.5 s/GiB between save() returning and the commit loses that snapshot, and restore falls back to the previous one.
+
+Work for a step whose persistence has not started when a newer save arrives is skipped ("superseded", except steps
+kept by keep_every): the memory tier has it, and persisting an older state behind a newer one only delays the newer.
+Errors of background work are kept and surfaced once, by poll_errors() or wait(); training is never interrupted.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Mapping
+
+import jax
+import numpy as np
+
+from angel_jax.checkpoint import snapshot as snap
+from angel_jax.checkpoint.checksum import crc32_many
+from angel_jax.checkpoint.faults import fault_point
+from angel_jax.checkpoint.memtier import MemoryTierFull, SnapshotWriter
+from angel_jax.checkpoint.options import CheckpointOptions
+from angel_jax.checkpoint.persist import OrbaxTier
+from angel_jax.checkpoint.records import (TIERS, CheckpointError, CheckpointInfo, CheckpointRef, Restored, Tier,
+                                          TierState)
+from angel_jax.checkpoint.retention import steps_to_keep
+
+log = logging.getLogger(__name__)
+
+_TERMINAL = ("persisted", "superseded", "failed")
+
+
+class SaveHandle:
+    """Progress of one save: copied -> snapshotted -> [backed_up ->] persisted | superseded | failed."""
+
+    def __init__(self, step: int):
+        self.step = step
+        self.stall_s = 0.0
+        self.timings: dict[str, float] = {}  # ckpt/... metric names -> seconds
+        self.errors: list[CheckpointError] = []
+        self._state = "copied"
+        self._done = threading.Event()
+
+    @property
+    def state(self) -> str:
+        return self._state
+
+    @property
+    def done(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self, timeout: float | None = None) -> str:
+        """Waits until the save reaches a final state and returns it (errors stay in `errors` / the engine)."""
+        self._done.wait(timeout)
+        return self._state
+
+    def _advance(self, state: str) -> None:
+        self._state = state
+        if state in _TERMINAL:
+            self._done.set()
+
+    def __repr__(self) -> str:
+        return f"SaveHandle(step={self.step}, state={self._state!r}, stall_s={self.stall_s:.4f})"
+
+
+@dataclass
+class _Job:
+    step: int
+    index: snap.SnapshotIndex
+    tmp: Path
+    handle: SaveHandle
+    started: float
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+class CheckpointEngine:
+    """Saves to memory first, persists in the background, restores from the fastest valid tier."""
+
+    def __init__(self, options: CheckpointOptions, *, clock: Callable[[], float] = time.monotonic):
+        self.options = options
+        self._clock = clock
+        self._memory_root = options.resolved_memory_dir()
+        self._persistent = OrbaxTier(options.persistent_dir)
+        self._lock = threading.Condition()  # guards the queue, the pins and every rename/delete in the memory tier
+        self._queue: deque[_Job] = deque()
+        self._pinned: set[int] = set()  # steps whose snapshot the background work still needs
+        self._errors: list[CheckpointError] = []
+        self._worker: threading.Thread | None = None
+        self._crc_pool: ThreadPoolExecutor | None = None
+        self._writer: SnapshotWriter | None = None
+        self._cleaned = False
+        self._closed = False
+
+    # ------------------------------------------------------------------------------------------- lazy resources
+
+    def _pool(self) -> ThreadPoolExecutor | None:
+        """Threads for CRC-32 (zlib releases the GIL on large buffers, so chunks run in parallel)."""
+        if self.options.io_threads > 1 and self._crc_pool is None:
+            self._crc_pool = ThreadPoolExecutor(self.options.io_threads, thread_name_prefix="ckpt-crc")
+        return self._crc_pool
+
+    def _snapshot_writer(self) -> SnapshotWriter:
+        if self._writer is None:
+            self._writer = SnapshotWriter(self._memory_root)
+        return self._writer
+
+    # ------------------------------------------------------------------------------------------- saving
+
+    def save(self, step: int, arrays: Mapping[str, np.ndarray | jax.Array], meta: dict[str, Any]) -> SaveHandle:
+        """Snapshots `arrays` into the memory tier and returns; the rest happens in the background.
+
+        The arrays may be modified, donated or deleted as soon as this returns. Bad input (non-JSON meta, object
+        dtypes, a negative step) raises here, before anything is written. If the memory tier is full or unusable,
+        the state is persisted directly (blocking) with a warning.
+        """
+        if self._closed:
+            raise CheckpointError("engine is closed", step=step, stage="save")
+        if not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be an int >= 0, got {step!r}")
+        started = self._clock()
+        host = _to_host(arrays)
+        index = snap.plan_layout(step, host, meta)
+        handle = SaveHandle(step)
+        with self._lock:
+            while step in self._pinned:  # the same step again while its previous save is in flight: let it finish
+                self._lock.wait()
+            self._pinned.add(step)
+        try:
+            tmp = self._write_snapshot(step, index, host)
+        except MemoryTierFull as e:
+            log.warning("checkpoint step %d: %s; persisting directly (blocking) instead", step, e)
+            self._persist_directly(index, host, handle)
+            with self._lock:
+                self._pinned.discard(step)
+                self._lock.notify_all()
+            handle.stall_s = handle.timings["ckpt/stall_s"] = self._clock() - started
+            return handle
+        except BaseException:
+            with self._lock:
+                self._pinned.discard(step)
+                self._lock.notify_all()
+            raise
+        handle.stall_s = handle.timings["ckpt/stall_s"] = self._clock() - started
+        with self._lock:
+            self._queue.append(_Job(step, index, tmp, handle, started))
+            if self._worker is None:
+                self._worker = threading.Thread(target=self._work, name="ckpt-persist", daemon=False)
+                self._worker.start()
+            self._lock.notify_all()
+        return handle
+
+    def _write_snapshot(self, step: int, index: snap.SnapshotIndex, host: Mapping[str, np.ndarray]) -> Path:
+        writer = self._snapshot_writer()
+        with self._lock:
+            committed, partial = snap.scan(self._memory_root)
+            keep = steps_to_keep([*committed, step], self.options.keep_last)
+            victims = [p for s, p in sorted(committed.items()) if s not in keep and s not in self._pinned]
+            victims += [p for s, p in partial.items() if s not in self._pinned or s == step]
+            try:
+                tmp = writer.prepare(step, index, victims)
+            except MemoryTierFull:
+                raise
+            except OSError as e:  # e.g. memory_dir not creatable: same fallback as a full tier
+                raise MemoryTierFull(e.errno, f"memory tier {self._memory_root}: {e}") from e
+        writer.copy(tmp, index, host, after_first=lambda: fault_point("snapshot.copy", step))
+        return tmp
+
+    def _persist_directly(self, index: snap.SnapshotIndex, host: Mapping[str, np.ndarray], handle: SaveHandle) -> None:
+        t0 = self._clock()
+        try:
+            index = index.with_checksums(crc32_many([_bytes_view(host[a.name]) for a in index.arrays], self._pool()))
+            self._persistent.save(index, host)
+        except Exception as e:  # noqa: BLE001 - every failure is surfaced, never swallowed
+            self._record(handle, CheckpointError(f"checkpoint step {index.step}: persist failed (direct): {e}",
+                                                 step=index.step, stage="persist"), cause=e)
+            handle._advance("failed")
+            return
+        handle.timings["ckpt/persist_s"] = self._clock() - t0
+        handle._advance("persisted")
+        try:
+            self._retain()
+        except Exception as e:  # noqa: BLE001
+            self._record(handle, CheckpointError(f"retention after step {index.step}: {e}", step=index.step,
+                                                 stage="retention"), cause=e)
+
+    # ------------------------------------------------------------------------------------------- background
+
+    def _work(self) -> None:
+        while True:
+            with self._lock:
+                if not self._queue:
+                    self._worker = None
+                    self._lock.notify_all()
+                    return
+                job = self._queue[0]
+            try:
+                self._background(job)
+            except Exception as e:  # noqa: BLE001
+                stage = job.extra.get("stage", "background")
+                self._record(job.handle, CheckpointError(f"checkpoint step {job.step}: {stage} failed: {e}",
+                                                         step=job.step, stage=stage), cause=e)
+                job.handle._advance("failed")
+            finally:
+                with self._lock:
+                    self._queue.popleft()
+                    self._pinned.discard(job.step)
+                    self._lock.notify_all()
+                try:
+                    self._retain()
+                except Exception as e:  # noqa: BLE001
+                    self._record(job.handle, CheckpointError(f"retention after step {job.step}: {e}",
+                                                             step=job.step, stage="retention"), cause=e)
+
+    def _background(self, job: _Job) -> None:
+        step, handle = job.step, job.handle
+        if not self._cleaned:  # leftovers of a crashed predecessor hold space and are never read
+            self._persistent.remove_partial()
+            for partial in snap.scan(self.options.peer_dir)[1].values():
+                snap.remove_dir(partial)
+            with self._lock:  # memory-tier .tmp dirs of steps nobody is writing (a recycling save took its pick)
+                for s, partial in snap.scan(self._memory_root)[1].items():
+                    if s not in self._pinned:
+                        snap.remove_dir(partial)
+            self._cleaned = True
+        job.extra["stage"] = "snapshot"
+        t0 = self._clock()
+        _, views = snap.map_data(job.tmp, job.index, private=False)
+        index = job.index.with_checksums(crc32_many([_bytes_view(views[a.name]) for a in job.index.arrays],
+                                                    self._pool()))
+        del views
+        snap.write_index(job.tmp, index)
+        fault_point("snapshot.commit", step)
+        with self._lock:
+            final = snap.step_dir(self._memory_root, step)
+            snap.replace_dir(job.tmp, final)
+        handle.timings["ckpt/checksum_s"] = self._clock() - t0
+        handle._advance("snapshotted")
+        with self._lock:
+            newer = any(j.step > step for j in list(self._queue)[1:])
+        keep_every = self.options.keep_every
+        if newer and not (keep_every and step % keep_every == 0):
+            log.info("checkpoint step %d: a newer save is queued; skipping its peer copy and persistence", step)
+            handle._advance("superseded")
+            return
+        if self.options.peer_dir is not None:
+            job.extra["stage"] = "peer"
+            t0 = self._clock()
+            try:
+                snap.copy_committed(final, self.options.peer_dir, step, fault=lambda: fault_point("peer.commit", step))
+                handle.timings["ckpt/peer_s"] = self._clock() - t0
+                handle._advance("backed_up")
+            except Exception as e:  # noqa: BLE001 - a peer failure must not stop persistence
+                self._record(handle, CheckpointError(f"checkpoint step {step}: peer copy failed: {e}", step=step,
+                                                     stage="peer"), cause=e)
+        job.extra["stage"] = "persist"
+        t0 = self._clock()
+        _, views = snap.open_arrays(final, private=False)
+        self._persistent.save(index, views)
+        handle.timings["ckpt/persist_s"] = self._clock() - t0
+        handle.timings["ckpt/total_s"] = self._clock() - job.started
+        handle._advance("persisted")
+
+    def _retain(self) -> None:
+        """keep_last in every tier; keep_every in the persistent tier (it is the long-term history; the memory and
+        peer tiers are bounded by RAM). Steps still needed by background work are never removed."""
+        opts = self.options
+        with self._lock:
+            committed, _ = snap.scan(self._memory_root)
+            keep = steps_to_keep(committed, opts.keep_last)
+            for s, path in committed.items():
+                if s not in keep and s not in self._pinned:
+                    snap.remove_dir(path)
+        if opts.peer_dir is not None:
+            committed, _ = snap.scan(opts.peer_dir)
+            keep = steps_to_keep(committed, opts.keep_last)
+            for s, path in committed.items():
+                if s not in keep:
+                    snap.remove_dir(path)
+        committed, _ = self._persistent.scan()
+        keep = steps_to_keep(committed, opts.keep_last, opts.keep_every)
+        for s in committed:
+            if s not in keep:
+                self._persistent.delete(s)
+
+    def _record(self, handle: SaveHandle | None, error: CheckpointError, cause: BaseException) -> None:
+        error.__cause__ = cause
+        log.error("%s", error)
+        with self._lock:
+            self._errors.append(error)
+        if handle is not None:
+            handle.errors.append(error)
+
+    # ------------------------------------------------------------------------------------------- waiting, errors
+
+    def wait(self) -> None:
+        """Blocks until all background work is done; raises the errors not yet reported (one, or a summary)."""
+        with self._lock:
+            while self._queue or self._worker is not None:
+                self._lock.wait()
+        errors = self.poll_errors()
+        if len(errors) == 1:
+            raise errors[0]
+        if errors:
+            raise CheckpointError(f"{len(errors)} background checkpoint errors: " + " | ".join(map(str, errors)),
+                                  errors=errors)
+
+    def poll_errors(self) -> list[CheckpointError]:
+        """Errors of background saves since the last call (each error is reported once, here or by wait())."""
+        with self._lock:
+            errors, self._errors = self._errors, []
+        return errors
+
+    # ------------------------------------------------------------------------------------------- reading
+
+    def _committed(self) -> dict[Tier, dict[int, Path]]:
+        return {"memory": snap.scan(self._memory_root)[0],
+                "peer": snap.scan(self.options.peer_dir)[0] if self.options.peer_dir is not None else {},
+                "persistent": self._persistent.scan()[0]}
+
+    def _candidates(self, step: int | None) -> list[tuple[int, Tier, Path]]:
+        """(step, tier, path), newest step first, fastest tier first within a step."""
+        committed = self._committed()
+        steps = sorted({s for tier in committed.values() for s in tier}, reverse=True)
+        if step is not None:
+            steps = [s for s in steps if s == step]
+        return [(s, t, committed[t][s]) for s in steps for t in TIERS if s in committed[t]]
+
+    def _load(self, step: int, tier: Tier, path: Path,
+              verify: bool) -> tuple[snap.SnapshotIndex, dict[str, np.ndarray]]:
+        pool = self._pool()
+        if tier == "persistent":
+            return self._persistent.load(step, verify=verify, pool=pool)
+        index, arrays = snap.load(path, verify=verify, pool=pool)
+        if tier == "memory":
+            self._snapshot_writer().mark_exported(path)  # its bytes back these arrays: never overwrite in place
+        return index, arrays
+
+    def restore(self, step: int | None = None) -> Restored:
+        """The newest valid checkpoint (or `step`), from memory, else peer, else persistent.
+
+        A damaged copy (bad checksum, missing or truncated file, unreadable index) is skipped with a warning naming
+        the problem, and the next copy or older step is tried. Raises CheckpointError if none is usable.
+        """
+        tried: list[str] = []
+        for s, tier, path in self._candidates(step):
+            try:
+                index, arrays = self._load(s, tier, path, verify=self.options.verify_on_restore)
+            except snap.SnapshotDamaged as e:
+                log.warning("checkpoint step %d in the %s tier is damaged, skipping it: %s", s, tier, e)
+                tried.extend(f"{tier} step {s}: {p}" for p in e.problems)
+                continue
+            return Restored(step=s, arrays=arrays, meta=index.meta, source=tier, path=path)
+        what = "any step" if step is None else f"step {step}"
+        detail = "; ".join(tried) if tried else f"no committed checkpoint in {self._tier_roots()}"
+        raise CheckpointError(f"no valid checkpoint for {what}: {detail}", step=step, stage="restore")
+
+    def latest_valid(self) -> CheckpointRef | None:
+        """The newest checkpoint whose every checksum verifies, and the tier restore() would read it from; or None."""
+        for s, tier, path in self._candidates(None):
+            problems = self._check(s, tier, path)
+            if not problems:
+                return CheckpointRef(step=s, tier=tier, path=path)
+            log.warning("checkpoint step %d in the %s tier is damaged: %s", s, tier, "; ".join(problems))
+        return None
+
+    def _check(self, step: int, tier: Tier, path: Path) -> list[str]:
+        # Read-only shared mappings, dropped on return: checking never pins a snapshot the way restore's views do.
+        return self._persistent.check(step, self._pool()) if tier == "persistent" else snap.check(path, self._pool())
+
+    def list(self) -> list[CheckpointInfo]:
+        """Every step present in any tier (committed or partial), oldest first; no checksum reading."""
+        states = {"memory": "snapshotted", "peer": "backed_up", "persistent": "persisted"}
+        found: dict[int, dict[str, TierState]] = {}
+        scans = {"memory": snap.scan(self._memory_root),
+                 "peer": snap.scan(self.options.peer_dir) if self.options.peer_dir else ({}, {}),
+                 "persistent": self._persistent.scan()}
+        for tier in TIERS:
+            committed, partial = scans[tier]
+            for s, path in partial.items():
+                found.setdefault(s, {})[tier] = TierState("partial", snap.dir_bytes(path), path)
+            for s, path in committed.items():  # a committed copy outranks a partial one of the same step
+                found.setdefault(s, {})[tier] = TierState(states[tier], snap.dir_bytes(path), path)
+        return [CheckpointInfo(step=s, tiers=found[s]) for s in sorted(found)]
+
+    def verify(self, step: int) -> list[str]:
+        """Problems of every committed copy of `step` (reads and checksums all of them); empty = all fine."""
+        problems: list[str] = []
+        copies = [(t, p) for s, t, p in self._candidates(step)]
+        if not copies:
+            return [f"step {step}: no committed copy in any tier ({self._tier_roots()})"]
+        for tier, path in copies:
+            problems.extend(f"{tier}: {p}" for p in self._check(step, tier, path))
+        return problems
+
+    def _tier_roots(self) -> str:
+        return f"memory={self._memory_root}, peer={self.options.peer_dir}, persistent={self.options.persistent_dir}"
+
+    # ------------------------------------------------------------------------------------------- closing
+
+    def close(self) -> None:
+        """Finishes background work and releases mappings and threads; errors stay available to poll_errors()."""
+        if self._closed:
+            return
+        with self._lock:
+            while self._queue or self._worker is not None:
+                self._lock.wait()
+        self._closed = True
+        if self._writer is not None:
+            self._writer.close()
+        if self._crc_pool is not None:
+            self._crc_pool.shutdown()
+
+    def __enter__(self) -> "CheckpointEngine":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# ----------------------------------------------------------------------------------------------- helpers
+
+
+def _to_host(arrays: Mapping[str, Any]) -> dict[str, np.ndarray]:
+    """numpy views of the caller's arrays; device arrays are fetched with all transfers started first."""
+    for x in arrays.values():
+        if isinstance(x, jax.Array):
+            x.copy_to_host_async()
+    return {name: np.asarray(x) for name, x in arrays.items()}
+
+
+def _bytes_view(arr: np.ndarray) -> memoryview:
+    return memoryview(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))

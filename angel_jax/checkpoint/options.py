@@ -1,0 +1,51 @@
+"""Options of the checkpoint engine: where each tier lives and what retention keeps."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+def _doc(default: Any, text: str) -> Any:
+    """A field with a default and the one-line description that config tooling shows (metadata key "doc")."""
+    return field(default=default, metadata={"doc": text})
+
+
+@dataclass(frozen=True)
+class CheckpointOptions:
+    persistent_dir: Path = _doc(Path("checkpoints"), "Root of the orbax checkpoints (one directory per step).")
+    memory_dir: Path | None = _doc(None, "Memory tier (tmpfs); None = /dev/shm/angel_jax/<run id from persistent_dir>.")
+    peer_dir: Path | None = _doc(None, "Backup copy of each snapshot, e.g. a peer host's tmpfs mount; None = no peer.")
+    keep_last: int = _doc(3, "Keep this many newest checkpoints in every tier.")
+    keep_every: int | None = _doc(None, "Also keep persisted steps divisible by this (persistent tier only).")
+    verify_on_restore: bool = _doc(True, "Check every array's CRC-32 before a restore returns it.")
+    io_threads: int = _doc(2, "Threads that compute CRC-32 checksums in parallel (1 = in the calling thread).")
+
+    def __post_init__(self) -> None:
+        # Accept str paths (YAML, command line) but store Paths; reject impossible values naming the field.
+        for key in ("persistent_dir", "memory_dir", "peer_dir"):
+            value = getattr(self, key)
+            if value is not None and not isinstance(value, Path):
+                if not isinstance(value, (str, os.PathLike)):
+                    raise TypeError(f"CheckpointOptions.{key}: expected a path, got {type(value).__name__}")
+                object.__setattr__(self, key, Path(value))
+        if not isinstance(self.keep_last, int) or self.keep_last < 1:
+            raise ValueError(f"CheckpointOptions.keep_last: must be an int >= 1, got {self.keep_last!r}")
+        if self.keep_every is not None and (not isinstance(self.keep_every, int) or self.keep_every < 1):
+            raise ValueError(f"CheckpointOptions.keep_every: must be None or an int >= 1, got {self.keep_every!r}")
+        if not isinstance(self.io_threads, int) or self.io_threads < 1:
+            raise ValueError(f"CheckpointOptions.io_threads: must be an int >= 1, got {self.io_threads!r}")
+
+    def resolved_memory_dir(self) -> Path:
+        """The memory tier's directory. The default depends only on persistent_dir, so a restarted process finds the
+        snapshots its predecessor left in /dev/shm. Pure: creates nothing."""
+        if self.memory_dir is not None:
+            return self.memory_dir
+        absolute = os.path.abspath(self.persistent_dir)
+        run_id = f"{Path(absolute).name}-{hashlib.sha1(absolute.encode()).hexdigest()[:10]}"
+        base = Path("/dev/shm") if os.path.isdir("/dev/shm") else Path(tempfile.gettempdir())
+        return base / "angel_jax" / run_id

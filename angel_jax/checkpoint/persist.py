@@ -1,0 +1,180 @@
+"""The persistent tier: one ordinary orbax checkpoint per step, written from a memory-tier snapshot.
+
+Layout (what `orbax.checkpoint.CheckpointManager` itself writes, so plain orbax reads it):
+
+    <persistent_dir>/<step>/_CHECKPOINT_METADATA
+    <persistent_dir>/<step>/state/   the arrays: a flat dict {name: np.ndarray}, StandardSave (tensorstore, OCDBT)
+    <persistent_dir>/<step>/meta/    JSON: the snapshot index (format, step, user meta, dtype/shape/crc32 per array)
+
+Reading it with nothing but orbax:
+
+    import orbax.checkpoint as ocp
+    mngr = ocp.CheckpointManager("/path/to/persistent_dir")
+    ckpt = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(),
+                                                      meta=ocp.args.JsonRestore()))
+    ckpt.state["w"]            # np.ndarray;  ckpt.meta["meta"] is the user meta
+    zlib.crc32(ckpt.state["w"].tobytes()) == {a["name"]: a["crc32"] for a in ckpt.meta["arrays"]}["w"]
+
+Orbax refuses zero-size arrays, so empty arrays are not in `state`: their dtype and shape are in `meta.arrays`
+(nbytes 0), and restore rebuilds them. A step with only empty arrays has no `state` item.
+
+Commit is orbax's: it writes `<step>.orbax-checkpoint-tmp*/` and renames it to `<step>/` when complete (POSIX
+file systems), with the meta (and so the checksums) in the same directory, so they commit together. A directory
+with the tmp suffix is never read and is removed after a failed save or by the next writer.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+from concurrent.futures import Executor
+from pathlib import Path
+from typing import Mapping
+
+import numpy as np
+import orbax.checkpoint as ocp
+
+from angel_jax.checkpoint.faults import fault_point
+from angel_jax.checkpoint.snapshot import SnapshotDamaged, SnapshotIndex, decode_dtype, remove_dir, verify_arrays
+
+STATE_ITEM = "state"
+META_ITEM = "meta"
+_STEP_RE = re.compile(r"^(\d+)$")
+_TMP_RE = re.compile(r"^(\d+)\.orbax-checkpoint-tmp.*$")
+
+
+class OrbaxTier:
+    """Saves, lists, loads and checks orbax checkpoints under `root`. Thread-safe (one orbax call at a time)."""
+
+    def __init__(self, root: Path):
+        self.root = root
+        # One orbax call at a time (checkpointers keep per-call state), and no cleanup racing a save in progress.
+        self._lock = threading.RLock()
+
+    @staticmethod
+    def _checkpointer(step: int) -> ocp.Checkpointer:
+        """A synchronous orbax Checkpointer (we already run in a background thread) with one fault-injection point
+        between "all data written" and orbax's commit. Patched on the instance: orbax finds a handler's args class
+        by its type, so a subclass would not be recognised."""
+        handler = ocp.CompositeCheckpointHandler()
+        finalize = handler.finalize
+
+        def finalize_with_fault_point(directory):  # noqa: ANN001, ANN202 - orbax's signature
+            fault_point("persist.commit", step)
+            return finalize(directory)
+
+        handler.finalize = finalize_with_fault_point
+        return ocp.Checkpointer(handler)
+
+    # ------------------------------------------------------------------------------------------- listing
+
+    def scan(self) -> tuple[dict[int, Path], dict[int, Path]]:
+        """(committed, partial) step directories; partial = orbax tmp directories of unfinished saves."""
+        committed: dict[int, Path] = {}
+        partial: dict[int, Path] = {}
+        if not self.root.is_dir():
+            return committed, partial
+        for child in self.root.iterdir():
+            if (m := _STEP_RE.match(child.name)) and child.is_dir():
+                committed[int(m.group(1))] = child
+            elif m := _TMP_RE.match(child.name):
+                partial[int(m.group(1))] = child
+        return committed, partial
+
+    def remove_partial(self, step: int | None = None) -> None:
+        """Deletes unfinished orbax tmp directories (all, or one step's): they hold space and are never read."""
+        with self._lock:
+            for s, path in self.scan()[1].items():
+                if step is None or s == step:
+                    remove_dir(path)
+
+    def delete(self, step: int) -> None:
+        remove_dir(self.root / str(step))
+
+    # ------------------------------------------------------------------------------------------- saving
+
+    def save(self, index: SnapshotIndex, arrays: Mapping[str, np.ndarray]) -> Path:
+        """Writes and commits step `index.step`; on any error the partial directory is removed and the error raised.
+
+        `arrays` are the snapshot's read-only views: persistence never touches the trainer's live arrays.
+        An existing committed copy of the same step is replaced only after the new one is complete.
+        """
+        step = index.step
+        items = {META_ITEM: ocp.args.JsonSave(index.to_json())}
+        state = {a.name: arrays[a.name] for a in index.arrays if a.nbytes > 0}
+        if state:
+            items[STATE_ITEM] = ocp.args.StandardSave(state)
+        final = self.root / str(step)
+        # A re-save of a step (after a rollback) goes to a side name first, so the old copy survives a failure.
+        target = final if not final.exists() else self.root / f"{step}.orbax-checkpoint-tmp-resave"
+        with self._lock:
+            self.root.mkdir(parents=True, exist_ok=True)
+            self.remove_partial(step)
+            try:
+                self._checkpointer(step).save(target, args=ocp.args.Composite(**items))
+            except BaseException:
+                self.remove_partial(step)
+                if target != final:
+                    remove_dir(target)
+                raise
+            if target != final:  # swap in the new copy; a crash between the renames leaves the memory tier's copy
+                old = self.root / f"{step}.orbax-checkpoint-tmp-old"
+                remove_dir(old)
+                final.rename(old)
+                target.rename(final)
+                remove_dir(old)
+        return final
+
+    # ------------------------------------------------------------------------------------------- reading
+
+    def load(self, step: int, *, verify: bool, pool: Executor | None) -> tuple[SnapshotIndex, dict[str, np.ndarray]]:
+        """The arrays and index of a committed step; raises SnapshotDamaged naming what is wrong."""
+        path = self.root / str(step)
+        if not path.is_dir():
+            raise SnapshotDamaged([f"{path}: missing"])
+        index = self._read_index(path)
+        items = {META_ITEM: ocp.args.JsonRestore()}
+        if any(a.nbytes for a in index.arrays):
+            items[STATE_ITEM] = ocp.args.StandardRestore()
+        try:
+            with self._lock:
+                restored = self._checkpointer(step).restore(path, args=ocp.args.Composite(**items))
+        except Exception as e:  # tensorstore/orbax raise many types for corrupt or missing files
+            raise SnapshotDamaged([f"{path}: orbax restore failed: {type(e).__name__}: {_short(e)}"]) from None
+        state = dict(restored[STATE_ITEM]) if STATE_ITEM in items else {}
+        arrays = {}
+        for a in index.arrays:
+            if a.nbytes == 0:
+                arrays[a.name] = np.zeros(a.shape, decode_dtype(a.dtype))
+            elif a.name in state:
+                arrays[a.name] = np.asarray(state[a.name])
+        problems = verify_arrays(index, arrays, pool, str(path)) if verify else []
+        if problems:
+            raise SnapshotDamaged(problems)
+        return index, arrays
+
+    def check(self, step: int, pool: Executor | None) -> list[str]:
+        try:
+            self.load(step, verify=True, pool=pool)
+        except SnapshotDamaged as e:
+            return e.problems
+        return []
+
+    def read_index(self, step: int) -> SnapshotIndex:
+        return self._read_index(self.root / str(step))
+
+    @staticmethod
+    def _read_index(path: Path) -> SnapshotIndex:
+        meta_file = path / META_ITEM / "metadata"  # where orbax's JsonCheckpointHandler puts the JSON
+        try:
+            return SnapshotIndex.from_json(json.loads(meta_file.read_text()))
+        except FileNotFoundError:
+            raise SnapshotDamaged([f"{meta_file}: missing"]) from None
+        except (ValueError, KeyError, TypeError) as e:
+            raise SnapshotDamaged([f"{meta_file}: unreadable ({e})"]) from None
+
+
+def _short(e: BaseException, limit: int = 300) -> str:
+    text = " ".join(str(e).split())
+    return text if len(text) <= limit else text[:limit] + "..."

@@ -1,0 +1,388 @@
+"""CheckpointEngine against real files and real orbax: round trips, consistency, damage, partial saves, retention,
+fallbacks. Every restore is compared bitwise with an independent copy taken before the save."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import shutil
+import subprocess
+import threading
+import zlib
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from angel_jax.checkpoint import CheckpointEngine, CheckpointError, CheckpointOptions
+from angel_jax.checkpoint.snapshot import read_index, write_index
+
+
+def make_state(seed: int) -> dict[str, np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return {
+        "stage0/params/w": rng.standard_normal((33, 17), dtype=np.float32),
+        "stage0/params/w_bf16": rng.standard_normal(1000).astype(ml_dtypes.bfloat16),
+        "opt/count": rng.integers(-2**31, 2**31 - 1, size=(5, 3), dtype=np.int32),
+        "rng/key": rng.integers(0, 2**32 - 1, size=2, dtype=np.uint32),
+        "scalar.loss_scale": np.array(rng.standard_normal(), dtype=np.float64),  # 0-d
+        "empty": np.zeros((0, 4), np.float32),
+        "mask": rng.random(9) > 0.5,
+        "page_u8": rng.integers(0, 255, size=70000, dtype=np.uint8),  # spans pages of data.bin
+    }
+
+
+def copy_of(state: dict) -> dict[str, np.ndarray]:
+    return {k: np.array(v, copy=True) for k, v in state.items()}
+
+
+def assert_bitwise(restored: dict[str, np.ndarray], expected: dict[str, np.ndarray]) -> None:
+    assert set(restored) == set(expected)
+    for name, want in expected.items():
+        got = restored[name]
+        assert got.dtype == want.dtype and got.shape == want.shape, name
+        assert got.tobytes() == want.tobytes(), name
+
+
+def options(tmp_path: Path, **kw) -> CheckpointOptions:
+    kw.setdefault("persistent_dir", tmp_path / "persistent")
+    kw.setdefault("memory_dir", tmp_path / "memory")
+    return CheckpointOptions(**kw)
+
+
+def largest_file(root: Path) -> Path:
+    return max((p for p in root.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+
+
+def flip_byte(path: Path, offset: int | None = None) -> None:
+    data = bytearray(path.read_bytes())
+    i = len(data) // 2 if offset is None else offset
+    data[i] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+# ----------------------------------------------------------------------------------------------- round trips
+
+
+def test_round_trip_from_each_tier(tmp_path: Path) -> None:
+    state, meta = make_state(1), {"data": {"shard": 3, "offset": 12345}, "lr": 3e-4, "tags": ["a", "b"]}
+    with CheckpointEngine(options(tmp_path, peer_dir=tmp_path / "peer")) as engine:
+        handle = engine.save(10, state, meta)
+        assert handle.stall_s > 0
+        engine.wait()
+        assert handle.state == "persisted" and not handle.errors
+        for tier, wipe in (("memory", None), ("peer", tmp_path / "memory"), ("persistent", tmp_path / "peer")):
+            if wipe is not None:
+                shutil.rmtree(wipe)
+            restored = engine.restore()
+            assert (restored.step, restored.source) == (10, tier)
+            assert_bitwise(restored.arrays, state)
+            assert restored.meta == meta
+
+
+def test_plain_orbax_reads_the_persistent_checkpoint(tmp_path: Path) -> None:
+    """The module docstring's recipe: nothing from angel_jax is needed to read a persisted step."""
+    state = make_state(2)
+    with CheckpointEngine(options(tmp_path)) as engine:
+        engine.save(4, state, {"epoch": 1})
+        engine.wait()
+    mngr = ocp.CheckpointManager(tmp_path / "persistent")
+    assert mngr.latest_step() == 4
+    ckpt = mngr.restore(4, args=ocp.args.Composite(state=ocp.args.StandardRestore(), meta=ocp.args.JsonRestore()))
+    mngr.close()
+    assert ckpt.meta["meta"] == {"epoch": 1}
+    crcs = {a["name"]: a["crc32"] for a in ckpt.meta["arrays"]}
+    for name, want in state.items():
+        if want.size == 0:  # orbax refuses zero-size arrays: described in meta only
+            assert name not in ckpt.state and name in crcs
+            continue
+        got = np.asarray(ckpt.state[name])
+        assert got.dtype == want.dtype and got.tobytes() == want.tobytes()
+        assert zlib.crc32(got.tobytes()) == crcs[name]
+
+
+# ----------------------------------------------------------------------------------------------- consistency
+
+
+def test_snapshot_is_a_copy_numpy_arrays_mutated_in_place(tmp_path: Path) -> None:
+    state = make_state(3)
+    expected = copy_of(state)
+    with CheckpointEngine(options(tmp_path)) as engine:
+        engine.save(1, state, {})
+        for arr in state.values():  # the trainer's next step overwrites its buffers at once
+            if arr.size:
+                arr.reshape(-1)[...] = np.zeros((), arr.dtype) if arr.dtype == bool else arr.reshape(-1)[::-1]
+        engine.wait()
+        assert_bitwise(engine.restore().arrays, expected)
+        shutil.rmtree(tmp_path / "memory")  # the persisted copy was made from the snapshot, not the live arrays
+        restored = engine.restore()
+        assert restored.source == "persistent"
+        assert_bitwise(restored.arrays, expected)
+
+
+def test_snapshot_is_a_copy_jax_arrays_donated(tmp_path: Path) -> None:
+    state = {"w": jnp.arange(4096, dtype=jnp.float32), "b": jnp.ones((8, 8), jnp.bfloat16)}
+    expected = {k: np.array(v) for k, v in state.items()}
+    step_fn = jax.jit(lambda s: jax.tree.map(lambda x: x * 3 + 1, s), donate_argnums=0)
+    with CheckpointEngine(options(tmp_path)) as engine:
+        engine.save(1, state, {})
+        state = step_fn(state)  # donates (deletes) the saved buffers where the backend supports it
+        state = step_fn(state)
+        engine.wait()
+        assert_bitwise(engine.restore().arrays, expected)
+        shutil.rmtree(tmp_path / "memory")
+        assert_bitwise(engine.restore().arrays, expected)
+    assert not np.array_equal(np.asarray(state["w"]), expected["w"])
+
+
+# ----------------------------------------------------------------------------------------------- damage
+
+
+def test_damaged_persisted_array_falls_back_to_older_step(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    s1, s2 = make_state(11), make_state(12)
+    with CheckpointEngine(options(tmp_path)) as engine:
+        engine.save(1, s1, {"n": 1})
+        engine.wait()  # back to back, step 1's persistence would be skipped as superseded by step 2
+        engine.save(2, s2, {"n": 2})
+        engine.wait()
+        flip_byte(largest_file(tmp_path / "persistent" / "2" / "state"))  # the data file orbax wrote
+        shutil.rmtree(tmp_path / "memory")
+        caplog.set_level(logging.WARNING)
+        restored = engine.restore()
+        assert (restored.step, restored.source, restored.meta) == (1, "persistent", {"n": 1})
+        assert_bitwise(restored.arrays, s1)
+        warning = " ".join(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
+        assert "step 2" in warning and "persistent" in warning and "damaged" in warning
+        assert engine.verify(2) and engine.verify(1) == []
+        assert engine.latest_valid().step == 1
+
+
+def test_damaged_memory_snapshot_uses_same_step_from_persistent(tmp_path: Path,
+                                                                 caplog: pytest.LogCaptureFixture) -> None:
+    s1, s2 = make_state(21), make_state(22)
+    with CheckpointEngine(options(tmp_path)) as engine:
+        engine.save(1, s1, {})
+        engine.save(2, s2, {})
+        engine.wait()
+        entry = next(a for a in read_index(tmp_path / "memory" / "step_2").arrays if a.name == "opt/count")
+        flip_byte(tmp_path / "memory" / "step_2" / "data.bin", entry.offset + 5)
+        caplog.set_level(logging.WARNING)
+        restored = engine.restore()
+        # The newest step wins; only its damaged copy is skipped.
+        assert (restored.step, restored.source) == (2, "persistent")
+        assert_bitwise(restored.arrays, s2)
+        assert "'opt/count' checksum mismatch" in caplog.text
+        problems = engine.verify(2)
+        assert len(problems) == 1 and problems[0].startswith("memory:") and "opt/count" in problems[0]
+
+
+def test_memory_tier_deleted_restores_from_persistent(tmp_path: Path) -> None:
+    state = make_state(5)
+    with CheckpointEngine(options(tmp_path)) as engine:
+        engine.save(3, state, {"k": "v"})
+        engine.wait()
+    shutil.rmtree(tmp_path / "memory")
+    with CheckpointEngine(options(tmp_path)) as fresh:  # a new process after a node reboot
+        restored = fresh.restore()
+        assert (restored.step, restored.source, restored.meta) == (3, "persistent", {"k": "v"})
+        assert_bitwise(restored.arrays, state)
+
+
+def test_partial_checkpoints_are_never_used(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    s1 = make_state(31)
+    mem, pers = tmp_path / "memory", tmp_path / "persistent"
+    with CheckpointEngine(options(tmp_path)) as engine:
+        engine.save(1, s1, {})
+        engine.wait()
+        # Complete-looking copies of step 1 under uncommitted names / without the index (the commit marker).
+        shutil.copytree(mem / "step_1", mem / "step_3.tmp")
+        write_index(mem / "step_3.tmp", dataclasses.replace(read_index(mem / "step_1"), step=3))
+        shutil.copytree(pers / "1", pers / "3.orbax-checkpoint-tmp-1712345")
+        shutil.copytree(mem / "step_1", mem / "step_4")
+        (mem / "step_4" / "index.json").unlink()
+        shutil.copytree(mem / "step_1", mem / "step_5")
+        with open(mem / "step_5" / "data.bin", "r+b") as f:  # a torn write
+            f.truncate(100)
+        caplog.set_level(logging.WARNING)
+        restored = engine.restore()
+        assert (restored.step, restored.source) == (1, "memory")
+        assert_bitwise(restored.arrays, s1)
+        assert "step_4/index.json: missing" in caplog.text and "truncated" in caplog.text
+        states = {info.step: {t: s.state for t, s in info.tiers.items()} for info in engine.list()}
+        assert states[3] == {"memory": "partial", "persistent": "partial"}
+        assert engine.verify(3)[0].startswith("step 3: no committed copy")
+        with pytest.raises(CheckpointError, match="no valid checkpoint for step 4"):
+            engine.restore(4)
+
+
+# ----------------------------------------------------------------------------------------------- retention, list
+
+
+def test_retention_keep_last_and_keep_every_in_every_tier(tmp_path: Path) -> None:
+    opts = options(tmp_path, peer_dir=tmp_path / "peer", keep_last=2, keep_every=3)
+    with CheckpointEngine(opts) as engine:
+        for step in range(1, 8):
+            engine.save(step, make_state(step), {"step": step})
+            engine.wait()
+        infos = engine.list()
+        tiers = {t: {i.step for i in infos if t in i.tiers} for t in ("memory", "peer", "persistent")}
+        assert tiers == {"memory": {6, 7}, "peer": {6, 7}, "persistent": {3, 6, 7}}
+        by_step = {i.step: i for i in infos}
+        assert {t: s.state for t, s in by_step[7].tiers.items()} == {
+            "memory": "snapshotted", "peer": "backed_up", "persistent": "persisted"}
+        assert all(s.nbytes > 70000 for s in by_step[7].tiers.values())
+        assert engine.verify(3) == [] and engine.verify(7) == []
+        restored = engine.restore(3)  # an old kept step, from the only tier that has it
+        assert (restored.source, restored.meta) == ("persistent", {"step": 3})
+        assert_bitwise(restored.arrays, make_state(3))
+
+
+def test_snapshot_buffers_are_reused_but_never_under_restored_arrays(tmp_path: Path) -> None:
+    mem = tmp_path / "memory"
+    with CheckpointEngine(options(tmp_path, keep_last=1)) as engine:
+        engine.save(1, make_state(1), {})
+        engine.wait()
+        inode1 = (mem / "step_1" / "data.bin").stat().st_ino
+        engine.save(2, make_state(2), {})
+        engine.wait()
+        assert not (mem / "step_1").exists()
+        assert (mem / "step_2" / "data.bin").stat().st_ino == inode1  # the evicted snapshot's file, recycled
+        restored = engine.restore()
+        assert restored.source == "memory"
+        engine.save(3, make_state(3), {})
+        engine.wait()
+        # The restored arrays are views of step 2's file: it must not have been overwritten in place.
+        assert (mem / "step_3" / "data.bin").stat().st_ino != inode1
+        assert_bitwise(restored.arrays, make_state(2))
+        restored.arrays["opt/count"][...] = 0  # copy-on-write: the trainer may write to them
+        engine.save(4, make_state(4), {})
+        engine.wait()
+        assert_bitwise(engine.restore().arrays, make_state(4))
+
+
+def test_back_to_back_saves_finish_and_newest_is_persisted(tmp_path: Path) -> None:
+    with CheckpointEngine(options(tmp_path, keep_last=3)) as engine:
+        handles = [engine.save(s, make_state(s), {}) for s in (1, 2, 3)]
+        engine.wait()
+        assert all(h.done and h.state in ("persisted", "superseded") for h in handles)
+        assert handles[-1].state == "persisted"
+        shutil.rmtree(tmp_path / "memory")
+        restored = engine.restore()
+        assert restored.step == 3 and restored.source == "persistent"
+        assert_bitwise(restored.arrays, make_state(3))
+
+
+@pytest.mark.parametrize("keep_every, expected", [(None, ["persisted", "superseded", "persisted"]),
+                                                   (2, ["persisted", "persisted", "persisted"])])
+def test_queued_older_save_is_superseded_unless_kept_by_keep_every(tmp_path: Path, keep_every: int | None,
+                                                                    expected: list[str]) -> None:
+    with CheckpointEngine(options(tmp_path, keep_every=keep_every)) as engine:
+        # A slow disk, made deterministic: step 1's orbax write waits until steps 2 and 3 are queued behind it.
+        entered, release = threading.Event(), threading.Event()
+        real_save = engine._persistent.save
+
+        def slow_save(index, arrays):
+            entered.set()
+            release.wait(30)
+            return real_save(index, arrays)
+
+        engine._persistent.save = slow_save
+        handles = [engine.save(1, make_state(1), {})]
+        assert entered.wait(30)
+        handles += [engine.save(s, make_state(s), {}) for s in (2, 3)]
+        release.set()
+        engine.wait()
+        assert [h.state for h in handles] == expected
+        persisted = {i.step for i in engine.list() if "persistent" in i.tiers}
+        assert persisted == {s for s, state in zip((1, 2, 3), expected) if state == "persisted"}
+        assert_bitwise(engine.restore(2).arrays, make_state(2))  # the memory tier has it either way
+
+
+def test_same_step_saved_again_replaces_it_everywhere(tmp_path: Path) -> None:
+    with CheckpointEngine(options(tmp_path)) as engine:
+        engine.save(5, make_state(1), {"v": 1})
+        engine.wait()
+        engine.save(5, make_state(2), {"v": 2})  # e.g. after a rollback the step is reached again
+        engine.wait()
+        assert_bitwise(engine.restore().arrays, make_state(2))
+        shutil.rmtree(tmp_path / "memory")
+        restored = engine.restore()
+        assert restored.meta == {"v": 2} and restored.source == "persistent"
+        assert_bitwise(restored.arrays, make_state(2))
+
+
+# ----------------------------------------------------------------------------------------------- errors
+
+
+def test_bad_input_raises_before_anything_is_written(tmp_path: Path) -> None:
+    with CheckpointEngine(options(tmp_path)) as engine:
+        with pytest.raises(TypeError, match="not JSON serializable"):
+            engine.save(1, make_state(1), {"when": object()})
+        with pytest.raises(TypeError, match="raw bytes"):
+            engine.save(1, {"names": np.array(["a", "b"], dtype=object)}, {})
+        with pytest.raises(ValueError, match="step"):
+            engine.save(-1, make_state(1), {})
+    assert not (tmp_path / "memory").exists() and not (tmp_path / "persistent").exists()
+    with CheckpointEngine(options(tmp_path)) as engine:
+        with pytest.raises(CheckpointError, match="no valid checkpoint"):
+            engine.restore()
+        assert engine.latest_valid() is None and engine.list() == []
+
+
+def test_background_error_is_surfaced_once_and_training_continues(tmp_path: Path) -> None:
+    blocker = tmp_path / "not_a_dir"
+    blocker.write_text("x")  # persistent_dir below a regular file: every orbax save fails
+    with CheckpointEngine(options(tmp_path, persistent_dir=blocker / "ckpt")) as engine:
+        handle = engine.save(1, make_state(1), {})
+        assert handle.wait(timeout=60) == "failed"
+        errors = engine.poll_errors()
+        assert len(errors) == 1 and errors[0].step == 1 and errors[0].stage == "persist"
+        assert engine.poll_errors() == []
+        engine.wait()  # already reported: nothing to raise
+        engine.save(2, make_state(2), {})  # the caller keeps training and saving
+        with pytest.raises(CheckpointError, match="checkpoint step 2: persist failed"):
+            engine.wait()
+        restored = engine.restore()  # the memory tier still has the snapshots
+        assert (restored.step, restored.source) == (2, "memory")
+
+
+def test_unusable_memory_tier_falls_back_to_direct_persistence(tmp_path: Path,
+                                                               caplog: pytest.LogCaptureFixture) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    state = make_state(6)
+    caplog.set_level(logging.WARNING)
+    with CheckpointEngine(options(tmp_path, memory_dir=blocker / "shm")) as engine:
+        handle = engine.save(1, state, {"m": 1})
+        assert handle.state == "persisted"  # persisted before save() returned: nothing to copy from later
+        assert "persisting directly" in caplog.text
+        restored = engine.restore()
+        assert (restored.step, restored.source) == (1, "persistent")
+        assert_bitwise(restored.arrays, state)
+
+
+@pytest.fixture
+def small_tmpfs(tmp_path: Path):
+    """A 2 MiB tmpfs (needs root / CAP_SYS_ADMIN, as in the dev container); skipped where mounting is not allowed."""
+    mount = tmp_path / "tmpfs"
+    mount.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=2m", "tmpfs", str(mount)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    yield mount
+    subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def test_full_memory_tier_falls_back_with_a_warning(tmp_path: Path, small_tmpfs: Path,
+                                                   caplog: pytest.LogCaptureFixture) -> None:
+    big = {"w": np.random.default_rng(0).standard_normal(1 << 20, dtype=np.float32)}  # 4 MiB > 2 MiB tmpfs
+    caplog.set_level(logging.WARNING)
+    with CheckpointEngine(options(tmp_path, memory_dir=small_tmpfs / "shm")) as engine:
+        handle = engine.save(1, big, {})
+        assert handle.state == "persisted"
+        assert "No space left" in caplog.text and "persisting directly" in caplog.text
+        assert not any(small_tmpfs.rglob("*.bin"))  # the failed reservation was given back
+        assert_bitwise(engine.restore().arrays, big)
