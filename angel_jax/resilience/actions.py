@@ -1,0 +1,291 @@
+"""TEE -> TOL: what to do about an anomaly, and the suites that run the detectors.
+
+    suite = DetectorSuite(AnomalyConfig(), ActionPolicy.from_dict({"step_time": "log"}))
+    for anomaly in suite.update({"step": 12, "loss": 2.31, "grad_norm": 0.8, "step_time": 0.41, "phase": "train"}):
+        ...  # anomaly.action is an Action; strongest(anomalies) is the one to act on
+    ckpt_extra["tee"] = suite.to_dict()        # JSON; DetectorSuite.from_dict(...) on restore
+
+`DetectorSuite` runs the per-step detectors inside a worker (NaN, loss / gradient-norm / update-norm spikes,
+step-time regression, host and device memory growth); `CrossRankSuite` runs the straggler and hang detectors on
+the coordinator's heartbeat data. Both are thin stateful shells around the pure detectors: `step(state, obs)`
+is the pure form, `update(obs)` keeps the state in the object.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import numbers
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from angel_jax.resilience.detectors import (
+    PHASES,
+    AnomalyConfig,
+    Anomaly,
+    HangDetector,
+    MemoryGrowthDetector,
+    NanDetector,
+    SpikeDetector,
+    StepTimeDetector,
+    StragglerDetector,
+)
+
+
+class Action(enum.StrEnum):
+    """What the trainer / coordinator does, weakest first."""
+
+    LOG = "log"  # record it, carry on
+    SKIP = "skip"  # drop this batch's update
+    ROLLBACK = "rollback"  # restore the last good checkpoint and skip the data window since
+    RESTART = "restart"  # stop the whole group and restart from the last good checkpoint
+    EXCLUDE = "exclude"  # restart without the node of the named rank
+
+    @property
+    def strength(self) -> int:
+        return list(Action).index(self)
+
+
+def strongest(anomalies: Iterable[Anomaly]) -> Action | None:
+    """The strongest action among anomalies (None when there are none)."""
+    actions = [Action(a.action) for a in anomalies if a.action is not None]
+    return max(actions, key=lambda a: a.strength) if actions else None
+
+
+def _act(default: Action, text: str) -> Any:
+    return field(default=default, metadata={"doc": text})
+
+
+@dataclass(frozen=True)
+class ActionPolicy:
+    """Detector name -> Action. Defaults: act as little as fixes the problem.
+
+    straggler defaults to `log`, not `exclude`: excluding a node forces a full restart (lost progress since the
+    last checkpoint plus start-up and compile), changes the world size, and a rank that is slow for k of m steps
+    is often transiently slow (a checkpoint persisting on that host, a noisy neighbour). Opt in with
+    `straggler: exclude` together with a longer `straggler.sustain_m` when spare nodes exist.
+    """
+
+    nan: Action = _act(Action.ROLLBACK, "NaN/Inf: the state may already be poisoned; go back to a good checkpoint.")
+    loss_spike: Action = _act(Action.ROLLBACK, "Loss spike: roll back and skip the data window (PaLM-style).")
+    grad_spike: Action = _act(Action.SKIP, "Gradient-norm spike: drop this batch's update.")
+    update_spike: Action = _act(Action.SKIP, "Update-norm spike: drop this batch's update.")
+    step_time: Action = _act(Action.LOG, "Job-wide slowdown: nothing a restart reliably fixes; report it.")
+    straggler: Action = _act(Action.LOG, "Straggler rank: report (see the class doc for why not exclude).")
+    hang: Action = _act(Action.RESTART, "Hang: the group is stuck; restart from the last checkpoint.")
+    memory_growth: Action = _act(Action.RESTART, "Leak: restart before it runs out of memory.")
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> ActionPolicy:
+        """Strict: an unknown detector or action raises ValueError naming it; absent detectors keep defaults."""
+        if not isinstance(raw, Mapping):
+            raise ValueError(f"action policy: expected a mapping of detector -> action, got {raw!r}")
+        known = cls.names()
+        actions = ", ".join(a.value for a in Action)
+        kwargs = {}
+        for key, value in raw.items():
+            if key not in known:
+                raise ValueError(f"action policy: unknown detector {key!r}; known: {', '.join(known)}")
+            if not isinstance(value, str) or value not in {a.value for a in Action}:
+                raise ValueError(f"action policy: unknown action {value!r} for detector {key!r}; known: {actions}")
+            kwargs[key] = Action(value)
+        return cls(**kwargs)
+
+    def to_dict(self) -> dict[str, str]:
+        return {name: getattr(self, name).value for name in self.names()}
+
+    def action_for(self, detector: str) -> Action:
+        if detector not in self.names():
+            raise ValueError(f"action policy: unknown detector {detector!r}; known: {', '.join(self.names())}")
+        return getattr(self, detector)
+
+
+# --------------------------------------------------------------------------------------------- suites
+
+
+def _real(key: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise ValueError(f"observation {key!r}: expected a number, got {type(value).__name__} {value!r}")
+    return float(value)
+
+
+def _rank_map(key: str, value: Any) -> dict[int, float]:
+    if not isinstance(value, Mapping):
+        raise ValueError(f"observation {key!r}: expected a mapping rank -> number, got {value!r}")
+    out = {}
+    for rank, t in value.items():
+        if isinstance(rank, bool) or not isinstance(rank, numbers.Integral):
+            raise ValueError(f"observation {key!r}: rank {rank!r} is not an int")
+        out[int(rank)] = _real(f"{key}[{rank}]", t)
+    return out
+
+
+class _Suite:
+    FORMAT = "angel_jax.tee/1"
+    KEYS: tuple[str, ...] = ()  # observation keys
+    KEYS_ALL: tuple[str, ...] = ()  # detector state keys
+    PROCESS_LOCAL: tuple[str, ...] = ()
+
+    def __init__(self, config: AnomalyConfig | None = None, policy: ActionPolicy | None = None):
+        self.config = config if config is not None else AnomalyConfig()
+        self.policy = policy if policy is not None else ActionPolicy()
+        for key, problem in self.config.validate():
+            raise ValueError(f"anomaly config {key!r}: {problem}")
+        self.detectors = self._build()
+        for det in self.detectors.values():
+            self.policy.action_for(det.name)
+        self.state = self.init()
+
+    def _build(self) -> dict[str, Any]:
+        raise NotImplementedError
+
+    def _args(self, key: str, obs: dict) -> tuple | None:
+        raise NotImplementedError
+
+    def _check(self, obs: Mapping[str, Any]) -> dict:
+        if not isinstance(obs, Mapping):
+            raise ValueError(f"observation: expected a mapping, got {type(obs).__name__}")
+        for key in obs:
+            if key not in self.KEYS:
+                raise ValueError(f"observation: unknown key {key!r}; known: {', '.join(self.KEYS)}")
+        out = {k: v for k, v in obs.items() if v is not None}
+        step = out.get("step")
+        if isinstance(step, bool) or not isinstance(step, numbers.Integral):
+            raise ValueError(f"observation 'step': expected an int, got {step!r}")
+        out["step"] = int(step)
+        phase = out.setdefault("phase", "train")
+        if phase not in PHASES:
+            raise ValueError(f"observation 'phase': {phase!r} is not one of {', '.join(PHASES)}")
+        return out
+
+    def init(self) -> dict[str, Any]:
+        return {key: det.init() for key, det in self.detectors.items()}
+
+    def step(self, state: Mapping[str, Any], obs: Mapping[str, Any]) -> tuple[dict[str, Any], list[Anomaly]]:
+        """Pure: (state, observation) -> (new state, anomalies with the policy's action)."""
+        obs = self._check(obs)
+        new, found = dict(state), []
+        for key, det in self.detectors.items():
+            args = self._args(key, obs)
+            if args is None:
+                continue
+            new[key], anomaly = det.update(state[key], *args)
+            if anomaly is not None:
+                found.append(anomaly.with_action(self.policy.action_for(anomaly.detector)))
+        return new, found
+
+    def update(self, obs: Mapping[str, Any]) -> list[Anomaly]:
+        self.state, found = self.step(self.state, obs)
+        return found
+
+    def reset(self, *keys: str) -> None:
+        """Start the named detectors (default: the process-local ones, e.g. memory after a restart) afresh."""
+        for key in keys or self.PROCESS_LOCAL:
+            if key in self.detectors:
+                self.state[key] = self.detectors[key].init()
+            elif key not in self.KEYS_ALL:
+                raise ValueError(f"unknown detector state {key!r}; known: {', '.join(self.KEYS_ALL)}")
+
+    def to_dict(self) -> dict:
+        return {"format": self.FORMAT, "states": {k: s.to_dict() for k, s in self.state.items()}}
+
+    def load_dict(self, raw: Any) -> None:
+        """Restore states saved by to_dict. A detector absent from `raw` starts fresh (it was disabled when
+        saved); a state for a detector now disabled is ignored; a malformed state raises ValueError."""
+        ok = isinstance(raw, Mapping) and raw.get("format") == self.FORMAT and isinstance(raw.get("states"), Mapping)
+        if not ok:
+            raise ValueError(f"detector suite state: expected {{'format': {self.FORMAT!r}, 'states': {{...}}}}")
+        state = self.init()
+        for key, det in self.detectors.items():
+            if key in raw["states"]:
+                try:
+                    state[key] = type(det.init()).from_dict(raw["states"][key])
+                except ValueError as e:
+                    raise ValueError(f"detector suite state {key!r}: {e}") from None
+        self.state = state
+
+    @classmethod
+    def from_dict(cls, raw: Any, config: AnomalyConfig | None = None, policy: ActionPolicy | None = None):
+        suite = cls(config, policy)
+        suite.load_dict(raw)
+        return suite
+
+
+class DetectorSuite(_Suite):
+    """Per-step detectors inside a worker. Observation keys (all but 'step' optional; a missing or None value
+    skips the detectors that need it): step, loss, grad_norm, update_norm, step_time, phase, host_bytes,
+    device_bytes. `reset()` after a process restart: memory detectors start over (a new process re-warms)."""
+
+    KEYS = ("step", "loss", "grad_norm", "update_norm", "step_time", "phase", "host_bytes", "device_bytes")
+    KEYS_ALL = ("nan", "loss_spike", "grad_spike", "update_spike", "step_time", "host_memory", "device_memory")
+    PROCESS_LOCAL = ("host_memory", "device_memory")
+    _SPIKES = {"loss_spike": "loss", "grad_spike": "grad_norm", "update_spike": "update_norm"}
+    _MEMORY = {"host_memory": "host_bytes", "device_memory": "device_bytes"}
+
+    def _build(self) -> dict[str, Any]:
+        c = self.config
+        dets = {
+            "nan": NanDetector(c.nan),
+            "loss_spike": SpikeDetector("loss_spike", "loss", c.loss_spike, "error"),
+            "grad_spike": SpikeDetector("grad_spike", "grad_norm", c.grad_spike, "warning"),
+            "update_spike": SpikeDetector("update_spike", "update_norm", c.update_spike, "warning"),
+            "step_time": StepTimeDetector(c.step_time),
+            "host_memory": MemoryGrowthDetector("host_bytes", c.memory_growth),
+            "device_memory": MemoryGrowthDetector("device_bytes", c.memory_growth),
+        }
+        return {key: det for key, det in dets.items() if det.config.enabled}
+
+    def _check(self, obs: Mapping[str, Any]) -> dict:
+        out = super()._check(obs)
+        for key in ("loss", "grad_norm", "update_norm", "step_time", "host_bytes", "device_bytes"):
+            if key in out:
+                out[key] = _real(key, out[key])
+        return out
+
+    def _args(self, key: str, obs: dict) -> tuple | None:
+        step = obs["step"]
+        if key == "nan":
+            values = {k: obs[k] for k in ("loss", "grad_norm", "update_norm") if k in obs}
+            return (step, values) if values else None
+        metric = self._SPIKES.get(key) or self._MEMORY.get(key)
+        if metric is not None:
+            return (step, obs[metric]) if metric in obs else None
+        return (step, obs["step_time"], obs["phase"]) if "step_time" in obs else None
+
+
+class CrossRankSuite(_Suite):
+    """Straggler + hang detectors on the coordinator. Observation keys: step (required; for a hang, the last
+    step reached), rank_step_times (rank -> seconds, for the stragglers), now and last_progress (seconds on the
+    coordinator's clock; last_progress is one time or rank -> time), expected_step_time (s), phase."""
+
+    KEYS = ("step", "rank_step_times", "now", "last_progress", "expected_step_time", "phase")
+    KEYS_ALL = ("straggler", "hang")
+
+    def _build(self) -> dict[str, Any]:
+        dets = {"straggler": StragglerDetector(self.config.straggler), "hang": HangDetector(self.config.hang)}
+        return {key: det for key, det in dets.items() if det.config.enabled}
+
+    def _check(self, obs: Mapping[str, Any]) -> dict:
+        out = super()._check(obs)
+        if "rank_step_times" in out:
+            out["rank_step_times"] = _rank_map("rank_step_times", out["rank_step_times"])
+        for key in ("now", "expected_step_time"):
+            if key in out:
+                out[key] = _real(key, out[key])
+        if "last_progress" in out:
+            lp = out["last_progress"]
+            out["last_progress"] = (_rank_map("last_progress", lp) if isinstance(lp, Mapping)
+                                    else _real("last_progress", lp))
+        return out
+
+    def _args(self, key: str, obs: dict) -> tuple | None:
+        if key == "straggler":
+            return (obs["step"], obs["rank_step_times"]) if "rank_step_times" in obs else None
+        if "now" not in obs or "last_progress" not in obs:
+            return None
+        return (obs["step"], obs["now"], obs["last_progress"], obs.get("expected_step_time"), obs["phase"])

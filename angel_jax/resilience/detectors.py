@@ -1,0 +1,596 @@
+"""TEE — streaming anomaly detectors over per-step, per-rank training metrics.
+
+Every detector is a pure pair, optax style:
+
+    det = SpikeDetector("loss_spike", "loss", LossSpikeConfig())
+    state = det.init()
+    state, anomaly = det.update(state, step, value)     # anomaly is an `Anomaly` or None
+
+States are frozen dataclasses of plain values and tuples; `state.to_dict()` is JSON-ready and
+`type(state).from_dict(d)` restores it (strictly), so detector states go into checkpoints. Nothing here reads a
+clock, a file or a device: the hang detector is handed `now`. Thresholds live in one typed config dataclass per
+detector; the defaults are chosen so that clean runs give no anomaly (see tests/test_detectors.py).
+
+Detectors only detect: `Anomaly.action` is left None and filled in by the policy (`actions.ActionPolicy`) when a
+`DetectorSuite` runs them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import operator
+import types
+import typing
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+Severity = Literal["info", "warning", "error", "critical"]
+PHASES = ("train", "compile", "checkpoint", "restore", "eval")
+"""Phases a step may be flagged with; only 'train' steps are judged for step time."""
+MAD_TO_SIGMA = 1.4826
+"""MAD of a normal distribution times this is its standard deviation."""
+MiB = 1 << 20
+
+
+def _doc(default: Any, text: str) -> Any:
+    """A config field with a default and a one-line description (same metadata key as angel_jax.config)."""
+    return field(default=default, metadata={"doc": text})
+
+
+def _sub(cls: type, text: str) -> Any:
+    return field(default_factory=cls, metadata={"doc": text})
+
+
+# --------------------------------------------------------------------------------------------- records
+
+
+@dataclass(frozen=True)
+class Anomaly:
+    """One finding: which detector, where, how bad, and the numbers behind it."""
+
+    detector: str
+    step: int
+    severity: Severity
+    metric: str
+    message: str
+    value: float | None = None
+    baseline: float | None = None
+    threshold: float | None = None
+    rank: int | None = None
+    action: Any = None  # an actions.Action, filled in from the policy by the suite
+
+    @property
+    def metric_key(self) -> str:
+        return f"anomaly/{self.detector}"
+
+    def with_action(self, action: Any) -> Anomaly:
+        return dataclasses.replace(self, action=action)
+
+    def to_dict(self) -> dict:
+        """Strict-JSON form for the events log (non-finite numbers become strings such as 'nan')."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        for key in ("value", "baseline", "threshold"):
+            if out[key] is not None and not math.isfinite(out[key]):
+                out[key] = repr(float(out[key]))
+        out["action"] = None if self.action is None else str(self.action)
+        return out
+
+
+class _State:
+    """JSON round trip for the frozen state dataclasses: tuples <-> lists, types checked on the way in."""
+
+    __slots__ = ()
+
+    def to_dict(self) -> dict:
+        return {f.name: _listify(getattr(self, f.name)) for f in dataclasses.fields(self)}
+
+    @classmethod
+    def from_dict(cls, raw: Any) -> Any:
+        name = cls.__name__
+        if not isinstance(raw, Mapping):
+            raise ValueError(f"{name}: expected a mapping, got {type(raw).__name__}")
+        hints = typing.get_type_hints(cls)
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(raw) - set(names))
+        missing = [n for n in names if n not in raw]
+        if unknown or missing:
+            raise ValueError(f"{name}: unknown keys {unknown}, missing keys {missing}")
+        return cls(**{n: _typed(raw[n], hints[n], f"{name}.{n}") for n in names})
+
+
+def _listify(value: Any) -> Any:
+    return [_listify(v) for v in value] if isinstance(value, tuple) else value
+
+
+def _typed(value: Any, tp: Any, where: str) -> Any:
+    """Check a JSON value against a state annotation; lists become tuples, ints become floats where asked."""
+    origin, args = typing.get_origin(tp), typing.get_args(tp)
+    if origin in (typing.Union, types.UnionType):
+        for option in args:
+            try:
+                return _typed(value, option, where)
+            except ValueError:
+                pass
+    elif origin is tuple:
+        if isinstance(value, (list, tuple)):
+            if len(args) == 2 and args[1] is Ellipsis:
+                return tuple(_typed(v, args[0], f"{where}[{i}]") for i, v in enumerate(value))
+            if len(value) == len(args):
+                return tuple(_typed(v, a, f"{where}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
+    elif tp is type(None):
+        if value is None:
+            return None
+    elif tp is bool:
+        if isinstance(value, bool):
+            return value
+    elif tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    elif tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
+            return float(value)
+    raise ValueError(f"{where}: {value!r} is not a {getattr(tp, '__name__', tp)}")
+
+
+def _median(sorted_values: typing.Sequence[float]) -> float:
+    n = len(sorted_values)
+    mid = n // 2
+    return sorted_values[mid] if n % 2 else 0.5 * (sorted_values[mid - 1] + sorted_values[mid])
+
+
+def median(values: typing.Iterable[float]) -> float:
+    return _median(sorted(values))
+
+
+def _check(errs: list, ok: bool, key: str, problem: str) -> None:
+    if not ok:
+        errs.append((key, problem))
+
+
+# --------------------------------------------------------------------------------------------- NaN / Inf
+
+
+@dataclass(frozen=True)
+class NanConfig:
+    enabled: bool = _doc(True, "Report NaN/Inf in the loss, gradient norm or update norm (fires at once).")
+
+    def validate(self) -> list[tuple[str, str]]:
+        return []
+
+
+@dataclass(frozen=True, slots=True)
+class NanState(_State):
+    count: int = 0  # non-finite steps seen so far
+
+
+class NanDetector:
+    """Fires on every step where one of the given values is NaN or +-Inf (None means not reported)."""
+
+    name = "nan"
+
+    def __init__(self, config: NanConfig = NanConfig()):
+        self.config = config
+
+    def init(self) -> NanState:
+        return NanState()
+
+    def update(self, state: NanState, step: int, values: Mapping[str, float | None]) -> tuple[NanState, Anomaly | None]:
+        bad = {k: float(v) for k, v in values.items() if v is not None and not math.isfinite(float(v))}
+        if not bad:
+            return state, None
+        metric, value = next(iter(bad.items()))
+        what = ", ".join(f"{k}={v!r}" for k, v in bad.items())
+        return NanState(state.count + 1), Anomaly(
+            self.name, step, "critical", metric, f"non-finite {what} at step {step}", value=value)
+
+
+# --------------------------------------------------------------------------------------------- spikes
+
+
+@dataclass(frozen=True)
+class SpikeConfig:
+    enabled: bool = _doc(True, "Run this detector.")
+    window: int = _doc(100, "Recent healthy values kept as the baseline (median and MAD); spikes never enter it.")
+    warmup: int = _doc(20, "No judgement until the window holds this many values (all values enter it until then).")
+    z_threshold: float = _doc(8.0, "Fire when (value - median) / (1.4826 * MAD) exceeds this (one-sided: upward).")
+    min_rel_dev: float = _doc(0.2, "... and value - median also exceeds this fraction of |median| ...")
+    min_abs_dev: float = _doc(1e-3, "... and this absolute amount, so a flat plateau (MAD ~ 0) does not fire on noise.")
+    rebaseline_after: int = _doc(10, "After this many spikes in a row, accept them as the new level (0 = never).")
+    log_scale: bool = _doc(False, "Compute median, MAD and z on log(value) (multiplicative noise, e.g. norms).")
+
+    def validate(self) -> list[tuple[str, str]]:
+        errs: list = []
+        _check(errs, self.window >= 1, "window", "must be >= 1")
+        _check(errs, 1 <= self.warmup <= self.window, "warmup", f"must be in [1, window={self.window}]")
+        _check(errs, self.z_threshold > 0, "z_threshold", "must be > 0")
+        _check(errs, self.min_rel_dev >= 0, "min_rel_dev", "must be >= 0")
+        _check(errs, self.min_abs_dev >= 0, "min_abs_dev", "must be >= 0")
+        _check(errs, 0 <= self.rebaseline_after <= self.window, "rebaseline_after",
+               f"must be in [0, window={self.window}]")
+        return errs
+
+
+@dataclass(frozen=True)
+class LossSpikeConfig(SpikeConfig):
+    """Loss: noise of a few % around a trend; a spike worth a rollback is > 20% above the median and > 8 sigmas."""
+
+
+@dataclass(frozen=True)
+class GradSpikeConfig(SpikeConfig):
+    """Gradient / update norms: multiplicative, right-skewed noise (20%+), so judged on log scale; only a jump
+    to > 2x the median and > 6 robust sigmas of log(norm) fires."""
+
+    z_threshold: float = _doc(6.0, "Fire when the robust z of log(value) exceeds this (one-sided: upward).")
+    min_rel_dev: float = _doc(1.0, "... and value - median also exceeds this fraction of the median ...")
+    min_abs_dev: float = _doc(1e-8, "... and this absolute amount.")
+    log_scale: bool = _doc(True, "Compute median, MAD and z on log(value).")
+
+
+@dataclass(frozen=True, slots=True)
+class SpikeState(_State):
+    window: tuple[float, ...] = ()  # recent healthy values (their logs with log_scale), oldest first
+    pending: tuple[float, ...] = ()  # the current run of consecutive spikes (same scale)
+
+
+class SpikeDetector:
+    """Robust z-score spike detector (median / MAD of a rolling window of healthy values).
+
+    Fires when value - median > max(min_abs_dev, min_rel_dev * |median|) and the robust z-score
+    (value - median) / (1.4826 * MAD) > z_threshold. A spike is not added to the window, so it cannot move the
+    baseline; after `rebaseline_after` spikes in a row the run is taken as a level shift and becomes the window
+    (warm-up again if it is shorter than `warmup`), so a lasting change does not fire forever. Non-finite
+    values are ignored here (the NaN detector reports them).
+    """
+
+    def __init__(self, name: str, metric: str, config: SpikeConfig, severity: Severity = "error"):
+        self.name, self.metric, self.config, self.severity = name, metric, config, severity
+
+    def init(self) -> SpikeState:
+        return SpikeState()
+
+    def update(self, state: SpikeState, step: int, value: float | None) -> tuple[SpikeState, Anomaly | None]:
+        cfg = self.config
+        if value is None or not math.isfinite(value) or (cfg.log_scale and value <= 0):
+            return state, None
+        x = math.log(value) if cfg.log_scale else value
+        window = state.window[-cfg.window:]
+        if len(window) < cfg.warmup:
+            return SpikeState(window + (x,), ()), None
+        ordered = sorted(window)
+        center = _median(ordered)
+        sigma = MAD_TO_SIGMA * _median(sorted([abs(v - center) for v in ordered]))
+        z = (x - center) / sigma if sigma > 0 else (math.inf if x > center else 0.0)
+        med = math.exp(center) if cfg.log_scale else center
+        gate = max(cfg.min_abs_dev, cfg.min_rel_dev * abs(med))
+        if value - med <= gate or z <= cfg.z_threshold:
+            return SpikeState((window + (x,))[-cfg.window:], ()), None
+        z_edge = center + cfg.z_threshold * sigma
+        threshold = max(med + gate, math.exp(z_edge) if cfg.log_scale else z_edge)
+        pending = state.pending + (x,)
+        scale = "log " if cfg.log_scale else ""
+        message = (f"{self.metric} spike at step {step}: {value:.6g} > threshold {threshold:.6g} "
+                   f"(median {med:.6g} of {len(window)}, robust {scale}z {z:.3g} > {cfg.z_threshold:g}, "
+                   f"min deviation {gate:.3g})")
+        if cfg.rebaseline_after and len(pending) >= cfg.rebaseline_after:
+            message += f"; {len(pending)} in a row, taken as the new level (re-baselined)"
+            new = SpikeState(pending[-cfg.window:], ())
+        else:
+            new = SpikeState(window, pending)
+        return new, Anomaly(self.name, step, self.severity, self.metric, message, value, med, threshold)
+
+
+# --------------------------------------------------------------------------------------------- step time
+
+
+@dataclass(frozen=True)
+class StepTimeConfig:
+    enabled: bool = _doc(True, "Run this detector.")
+    window: int = _doc(100, "Recent normal 'train' step times kept as the baseline (their median).")
+    warmup: int = _doc(20, "No judgement until the window holds this many step times.")
+    factor: float = _doc(1.5, "A step is slow when its time exceeds factor x the baseline median ...")
+    min_excess_s: float = _doc(0.01, "... and the median by at least this many seconds (millisecond steps jitter).")
+    sustain_k: int = _doc(8, "Fire when at least k of ...")
+    sustain_m: int = _doc(10, "... the last m judged steps were slow; re-armed once fewer than k are.")
+
+    def validate(self) -> list[tuple[str, str]]:
+        errs: list = []
+        _check(errs, self.window >= 1, "window", "must be >= 1")
+        _check(errs, 1 <= self.warmup <= self.window, "warmup", f"must be in [1, window={self.window}]")
+        _check(errs, self.factor > 1, "factor", "must be > 1")
+        _check(errs, self.min_excess_s >= 0, "min_excess_s", "must be >= 0")
+        _check(errs, self.sustain_m >= 1, "sustain_m", "must be >= 1")
+        _check(errs, 1 <= self.sustain_k <= self.sustain_m, "sustain_k", f"must be in [1, sustain_m={self.sustain_m}]")
+        return errs
+
+
+@dataclass(frozen=True, slots=True)
+class StepTimeState(_State):
+    window: tuple[float, ...] = ()  # recent normal step times (slow ones never enter)
+    recent: tuple[bool, ...] = ()  # slow flags of the last sustain_m judged steps
+    active: bool = False  # already reported this regression
+
+
+class StepTimeDetector:
+    """Job-wide step-time regression: k of the last m 'train' steps slower than factor x the rolling median.
+
+    Steps flagged with another phase (compile, checkpoint, restore, eval) are ignored entirely. Fires once per
+    episode; slow steps stay out of the baseline so a lasting regression is not absorbed into it.
+    """
+
+    name = "step_time"
+
+    def __init__(self, config: StepTimeConfig = StepTimeConfig()):
+        self.config = config
+
+    def init(self) -> StepTimeState:
+        return StepTimeState()
+
+    def update(self, state: StepTimeState, step: int, step_time: float | None,
+               phase: str = "train") -> tuple[StepTimeState, Anomaly | None]:
+        cfg = self.config
+        if phase != "train" or step_time is None or not math.isfinite(step_time) or step_time < 0:
+            return state, None
+        window = state.window[-cfg.window:]
+        if len(window) < cfg.warmup:
+            return StepTimeState(window + (step_time,), (), False), None
+        med = median(window)
+        threshold = max(cfg.factor * med, med + cfg.min_excess_s)
+        slow = step_time > threshold
+        recent = (state.recent + (slow,))[-cfg.sustain_m:]
+        if not slow:
+            window = (window + (step_time,))[-cfg.window:]
+        count = sum(recent)
+        if count < cfg.sustain_k:
+            return StepTimeState(window, recent, False), None
+        if state.active:
+            return StepTimeState(window, recent, True), None
+        message = (f"step time regression at step {step}: {step_time:.4g}s; {count} of the last {len(recent)} steps "
+                   f"> {threshold:.4g}s ({cfg.factor:g}x baseline median {med:.4g}s)")
+        return StepTimeState(window, recent, True), Anomaly(
+            self.name, step, "warning", "step_time", message, step_time, med, threshold)
+
+
+# --------------------------------------------------------------------------------------------- stragglers
+
+
+@dataclass(frozen=True)
+class StragglerConfig:
+    enabled: bool = _doc(True, "Run this detector (cross-rank, on the coordinator).")
+    factor: float = _doc(1.5, "A rank is slow in a step when its time exceeds factor x the median of all ranks ...")
+    min_excess_s: float = _doc(0.01, "... and that median by at least this many seconds.")
+    sustain_k: int = _doc(8, "Fire for a rank slow in at least k of ...")
+    sustain_m: int = _doc(10, "... its last m steps; re-armed once fewer than k are; forgotten after m unseen steps.")
+    min_ranks: int = _doc(2, "Judge a step only when at least this many ranks reported a time for it.")
+
+    def validate(self) -> list[tuple[str, str]]:
+        errs: list = []
+        _check(errs, self.factor > 1, "factor", "must be > 1")
+        _check(errs, self.min_excess_s >= 0, "min_excess_s", "must be >= 0")
+        _check(errs, self.sustain_m >= 1, "sustain_m", "must be >= 1")
+        _check(errs, 1 <= self.sustain_k <= self.sustain_m, "sustain_k", f"must be in [1, sustain_m={self.sustain_m}]")
+        _check(errs, self.min_ranks >= 2, "min_ranks", "must be >= 2")
+        return errs
+
+
+@dataclass(frozen=True, slots=True)
+class StragglerState(_State):
+    ranks: tuple[tuple[int, int, tuple[bool, ...]], ...] = ()  # (rank, last step seen, slow flags), by rank
+    active: tuple[int, ...] = ()  # ranks already reported in their current episode
+
+
+class StragglerDetector:
+    """Per step, rank -> step time; a rank slower than factor x the median of ranks in k of its last m steps.
+
+    Feed each rank's own time (compute before the collective wait, or its heartbeat interval): in synchronous
+    data parallelism the wall time of a whole step is the same on every rank. Reports one rank per step (the
+    one with most slow steps, then the slowest); another straggler is reported on the next step.
+    """
+
+    name = "straggler"
+
+    def __init__(self, config: StragglerConfig = StragglerConfig()):
+        self.config = config
+
+    def init(self) -> StragglerState:
+        return StragglerState()
+
+    def update(self, state: StragglerState, step: int,
+               times: Mapping[int, float | None]) -> tuple[StragglerState, Anomaly | None]:
+        cfg = self.config
+        valid = {int(r): float(t) for r, t in times.items() if t is not None and math.isfinite(t) and t >= 0}
+        history = {r: (seen, flags) for r, seen, flags in state.ranks if step - seen <= cfg.sustain_m}
+        active = {r for r in state.active if r in history}
+        judged = len(valid) >= cfg.min_ranks
+        med = median(valid.values()) if judged else 0.0
+        threshold = max(cfg.factor * med, med + cfg.min_excess_s)
+        if judged:
+            for r, t in valid.items():
+                history[r] = (step, (history.get(r, (step, ()))[1] + (t > threshold,))[-cfg.sustain_m:])
+        candidates = []
+        for r, (_, flags) in history.items():
+            if sum(flags) < cfg.sustain_k:
+                active.discard(r)
+            elif judged and r in valid and r not in active:
+                candidates.append((-sum(flags), -valid[r], r))
+        anomaly = None
+        if candidates:
+            _, _, r = min(candidates)
+            flags = history[r][1]
+            active.add(r)
+            message = (f"straggler rank {r} at step {step}: {valid[r]:.4g}s > {threshold:.4g}s "
+                       f"({cfg.factor:g}x median {med:.4g}s of {len(valid)} ranks) in {sum(flags)} of its "
+                       f"last {len(flags)} steps")
+            anomaly = Anomaly(self.name, step, "warning", "step_time", message, valid[r], med, threshold, rank=r)
+        ranks = tuple((r, seen, flags) for r, (seen, flags) in sorted(history.items()))
+        return StragglerState(ranks, tuple(sorted(active))), anomaly
+
+
+# --------------------------------------------------------------------------------------------- hangs
+
+
+@dataclass(frozen=True)
+class HangConfig:
+    enabled: bool = _doc(True, "Run this detector (cross-rank, on the coordinator).")
+    min_timeout_s: float = _doc(60.0, "No hang is declared in a 'train' step before this many seconds.")
+    factor: float = _doc(10.0, "Otherwise the timeout is factor x the expected step time, when that is longer.")
+    slow_phase_timeout_s: float = _doc(900.0, "Minimum timeout during compile, checkpoint, restore or eval phases.")
+    startup_timeout_s: float = _doc(900.0, "Minimum timeout while no expected step time is known (first steps).")
+
+    def validate(self) -> list[tuple[str, str]]:
+        errs: list = []
+        for key in ("min_timeout_s", "factor", "slow_phase_timeout_s", "startup_timeout_s"):
+            _check(errs, getattr(self, key) > 0, key, "must be > 0")
+        return errs
+
+
+@dataclass(frozen=True, slots=True)
+class HangState(_State):
+    reported: float | None = None  # last-progress time of the stall already reported
+
+
+class HangDetector:
+    """No progress for longer than max(min timeout for the phase, factor x expected step time).
+
+    `now` and the last-progress time come from the caller's clock (the detector reads none). With a mapping
+    rank -> last-progress time, the rank that progressed least recently is named. Fires once per stall.
+    """
+
+    name = "hang"
+
+    def __init__(self, config: HangConfig = HangConfig()):
+        self.config = config
+
+    def init(self) -> HangState:
+        return HangState()
+
+    def timeout(self, expected_step_time: float | None, phase: str = "train") -> float:
+        cfg = self.config
+        floor = cfg.min_timeout_s if phase == "train" else max(cfg.min_timeout_s, cfg.slow_phase_timeout_s)
+        if expected_step_time is None or not math.isfinite(expected_step_time) or expected_step_time <= 0:
+            return max(floor, cfg.startup_timeout_s)
+        return max(floor, cfg.factor * expected_step_time)
+
+    def update(self, state: HangState, step: int, now: float, last_progress: float | Mapping[int, float],
+               expected_step_time: float | None = None, phase: str = "train") -> tuple[HangState, Anomaly | None]:
+        rank = None
+        if isinstance(last_progress, Mapping):
+            if not last_progress:
+                return state, None
+            last, rank = min((float(t), int(r)) for r, t in last_progress.items())
+        else:
+            last = float(last_progress)
+        timeout = self.timeout(expected_step_time, phase)
+        stalled = now - last
+        if stalled <= timeout or state.reported == last:
+            return state, None
+        who = "" if rank is None else f" (rank {rank} is the furthest behind)"
+        expected = "unknown" if expected_step_time is None else f"{expected_step_time:.4g}s"
+        message = (f"hang after step {step}: no progress for {stalled:.1f}s > timeout {timeout:.1f}s "
+                   f"(phase {phase}, expected step time {expected}){who}")
+        return HangState(last), Anomaly(self.name, step, "critical", "progress", message, stalled,
+                                        expected_step_time, timeout, rank=rank)
+
+
+# --------------------------------------------------------------------------------------------- memory growth
+
+
+@dataclass(frozen=True)
+class MemoryGrowthConfig:
+    enabled: bool = _doc(True, "Run this detector (host and device bytes separately).")
+    window: int = _doc(200, "Observations in the trend window (least-squares slope of bytes vs step).")
+    warmup: int = _doc(100, "Observations ignored after start (allocators and caches fill up first).")
+    min_growth_bytes: float = _doc(256.0 * MiB, "Fire when the growth projected over the window exceeds this ...")
+    min_growth_fraction: float = _doc(0.02, "... and this fraction of the level at the start of the window.")
+
+    def validate(self) -> list[tuple[str, str]]:
+        errs: list = []
+        _check(errs, self.window >= 4, "window", "must be >= 4")
+        _check(errs, self.warmup >= 0, "warmup", "must be >= 0")
+        _check(errs, self.min_growth_bytes > 0, "min_growth_bytes", "must be > 0")
+        _check(errs, self.min_growth_fraction >= 0, "min_growth_fraction", "must be >= 0")
+        return errs
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryState(_State):
+    seen: int = 0  # observations counted towards the warm-up (stops at warmup)
+    steps: tuple[int, ...] = ()
+    values: tuple[float, ...] = ()
+    active: bool = False  # already reported this growth episode
+
+
+def _slope(xs: typing.Sequence[int], ys: typing.Sequence[float]) -> float:
+    """Least-squares slope of ys against integer xs (sums of products; xs exact, ys shifted by ys[0])."""
+    n, y0 = len(xs), ys[0]
+    ys = [y - y0 for y in ys]
+    sx, sy = sum(xs), sum(ys)
+    sxx = n * sum(map(operator.mul, xs, xs)) - sx * sx
+    return (n * sum(map(operator.mul, xs, ys)) - sx * sy) / sxx if sxx > 0 else 0.0
+
+
+class MemoryGrowthDetector:
+    """Leak trend: bytes grow steadily over a full window of observations.
+
+    The least-squares slope is fitted separately to the older and the recent half of the window, and the
+    *smaller* slope, projected over the window's span of steps, must exceed both thresholds. A leak grows in
+    both halves; a one-off jump that then stays flat (a cache filling, a buffer allocated once) shows in at
+    most one half, and a curve that is levelling off grows less in the recent half, so neither fires. The price:
+    a leak must last a whole window before it is reported. Fires once per episode.
+    """
+
+    name = "memory_growth"
+
+    def __init__(self, metric: str = "host_bytes", config: MemoryGrowthConfig = MemoryGrowthConfig()):
+        self.metric, self.config = metric, config
+
+    def init(self) -> MemoryState:
+        return MemoryState()
+
+    def update(self, state: MemoryState, step: int, nbytes: float | None) -> tuple[MemoryState, Anomaly | None]:
+        cfg = self.config
+        if nbytes is None or not math.isfinite(nbytes) or nbytes < 0:
+            return state, None
+        if state.seen < cfg.warmup:
+            return MemoryState(state.seen + 1), None
+        steps = (state.steps + (int(step),))[-cfg.window:]
+        values = (state.values + (float(nbytes),))[-cfg.window:]
+        if len(steps) < cfg.window:
+            return MemoryState(state.seen, steps, values, False), None
+        half = len(steps) // 2
+        span = steps[-1] - steps[0]
+        level = sum(values[:half]) / half
+        threshold = max(cfg.min_growth_bytes, cfg.min_growth_fraction * level)
+        new = _slope(steps[half:], values[half:])
+        old = _slope(steps[:half], values[:half]) if new * span > threshold else 0.0  # skip when it cannot fire
+        growth = min(old, new) * span
+        if growth <= threshold:
+            return MemoryState(state.seen, steps, values, False), None
+        if state.active:
+            return MemoryState(state.seen, steps, values, True), None
+        message = (f"{self.metric} growing at step {step}: {old / MiB:.3g} then {new / MiB:.3g} MiB/step, "
+                   f"{growth / MiB:.4g} MiB projected over {span} steps > threshold {threshold / MiB:.4g} MiB "
+                   f"(max of {cfg.min_growth_bytes / MiB:.4g} MiB and {cfg.min_growth_fraction:.1%} of "
+                   f"{level / MiB:.5g} MiB)")
+        return MemoryState(state.seen, steps, values, True), Anomaly(
+            self.name, step, "error", self.metric, message, growth, level, threshold)
+
+
+# --------------------------------------------------------------------------------------------- all thresholds
+
+
+@dataclass(frozen=True)
+class AnomalyConfig:
+    nan: NanConfig = _sub(NanConfig, "NaN/Inf in loss, gradient norm, update norm.")
+    loss_spike: LossSpikeConfig = _sub(LossSpikeConfig, "Loss spikes (robust z-score).")
+    grad_spike: GradSpikeConfig = _sub(GradSpikeConfig, "Gradient-norm spikes (robust z-score).")
+    update_spike: GradSpikeConfig = _sub(GradSpikeConfig, "Update-norm spikes (robust z-score).")
+    step_time: StepTimeConfig = _sub(StepTimeConfig, "Job-wide step-time regression.")
+    straggler: StragglerConfig = _sub(StragglerConfig, "Straggler ranks (coordinator).")
+    hang: HangConfig = _sub(HangConfig, "Hangs: no progress within a timeout (coordinator).")
+    memory_growth: MemoryGrowthConfig = _sub(MemoryGrowthConfig, "Host/device memory leak trends.")
+
+    def validate(self) -> list[tuple[str, str]]:
+        return [(f"{f.name}.{key}", problem) for f in dataclasses.fields(self)
+                for key, problem in getattr(self, f.name).validate()]

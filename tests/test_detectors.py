@@ -1,0 +1,501 @@
+"""TEE anomaly detectors: exact firing steps, no false positives on noisy healthy runs, JSON round trips, policy."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from angel_jax.resilience.actions import Action, ActionPolicy, CrossRankSuite, DetectorSuite, strongest
+from angel_jax.resilience.detectors import (
+    AnomalyConfig,
+    GradSpikeConfig,
+    HangConfig,
+    HangDetector,
+    LossSpikeConfig,
+    MemoryGrowthConfig,
+    MemoryGrowthDetector,
+    MemoryState,
+    NanDetector,
+    SpikeDetector,
+    SpikeState,
+    StepTimeDetector,
+    StragglerDetector,
+    _slope,
+)
+
+MiB, GiB = 1 << 20, 1 << 30
+
+
+def fire_steps(det, seq):
+    """Feed (step, *args) tuples; return the final state and {step: anomaly} of what fired."""
+    state, fired = det.init(), {}
+    for args in seq:
+        state, anomaly = det.update(state, *args)
+        if anomaly is not None:
+            fired[args[0]] = anomaly
+    return state, fired
+
+
+def alternating(n, lo, hi, start=0):
+    return [(i, lo if i % 2 == 0 else hi) for i in range(start, start + n)]
+
+
+# --------------------------------------------------------------------------------------------- NaN
+
+
+def test_nan_fires_at_once_even_before_any_warmup():
+    seq = [(0, {"loss": math.inf}), (1, {"loss": 2.0, "grad_norm": 1.0}), (2, {"loss": 2.0, "grad_norm": math.nan}),
+           (3, {"loss": 2.0})]
+    state, fired = fire_steps(NanDetector(), seq)
+    assert sorted(fired) == [0, 2]
+    assert fired[0].metric == "loss" and fired[2].metric == "grad_norm" and fired[2].severity == "critical"
+    assert "grad_norm=nan" in fired[2].message and state.count == 2
+
+
+# --------------------------------------------------------------------------------------------- spikes
+
+
+def test_loss_spike_threshold_is_exact():
+    # Window alternates 2.0 / 2.1: median 2.05, MAD 0.05 -> sigma 0.07413; z 8 -> 2.05 + 0.59304 = 2.64304,
+    # min deviation 0.2 * 2.05 = 0.41 -> 2.46; the threshold is the larger, 2.64304.
+    det = SpikeDetector("loss_spike", "loss", LossSpikeConfig())
+    state, fired = fire_steps(det, alternating(40, 2.0, 2.1))
+    assert fired == {}
+    assert det.update(state, 40, 2.642)[1] is None
+    _, anomaly = det.update(state, 40, 2.644)
+    assert anomaly.step == 40 and anomaly.value == 2.644 and anomaly.action is None
+    assert anomaly.baseline == pytest.approx(2.05)
+    assert anomaly.threshold == pytest.approx(2.05 + 8 * 1.4826 * 0.05)
+    assert "2.644" in anomaly.message and "2.64304" in anomaly.message
+
+
+def test_loss_spike_fires_at_the_exact_step_only():
+    seq = alternating(60, 2.0, 2.1)
+    seq[25] = (25, 3.0)
+    _, fired = fire_steps(SpikeDetector("loss_spike", "loss", LossSpikeConfig()), seq)
+    assert sorted(fired) == [25]
+
+
+def test_spike_warmup_is_respected():
+    cfg = LossSpikeConfig()  # warmup 20: the 21st value (step 20) is the first judged
+    for step, expect in [(19, []), (20, [20])]:
+        seq = alternating(40, 2.0, 2.1)
+        seq[step] = (step, 10.0)
+        _, fired = fire_steps(SpikeDetector("loss_spike", "loss", cfg), seq)
+        assert sorted(fired) == expect
+
+
+def test_spikes_do_not_poison_the_window():
+    clean = alternating(60, 2.0, 2.1)
+    spiky = [(i, 50.0) if 30 <= i < 35 else (i, v) for i, v in clean]
+    det = SpikeDetector("loss_spike", "loss", LossSpikeConfig())
+    s_spiky, fired = fire_steps(det, spiky)
+    s_clean, _ = fire_steps(det, [x for x in clean if not 30 <= x[0] < 35])
+    assert sorted(fired) == [30, 31, 32, 33, 34]  # a burst shorter than rebaseline_after: every one fires
+    assert s_spiky == s_clean  # the baseline never saw them
+    assert len(s_spiky.window) == 55 and max(s_spiky.window) == 2.1
+
+
+def test_lasting_level_shift_is_rebaselined():
+    seq = alternating(30, 2.0, 2.1) + alternating(60, 4.0, 4.1, start=30)
+    state, fired = fire_steps(SpikeDetector("loss_spike", "loss", LossSpikeConfig()), seq)
+    assert sorted(fired) == list(range(30, 40))  # rebaseline_after = 10
+    assert "re-baselined" in fired[39].message and "re-baselined" not in fired[38].message
+    assert min(state.window) == 4.0
+
+
+def test_grad_spike_is_judged_on_log_scale():
+    # log window alternates 0 / log 1.1: median = log sqrt(1.1), so the baseline is sqrt(1.1) = 1.0488; the
+    # z edge is exp(median + 6 * 1.4826 * MAD) = 1.6025, below the 2x gate 2 * 1.0488 = 2.0976, which decides.
+    det = SpikeDetector("grad_spike", "grad_norm", GradSpikeConfig())
+    state, fired = fire_steps(det, alternating(40, 1.0, 1.1))
+    assert fired == {}
+    assert det.update(state, 40, 2.09)[1] is None
+    _, anomaly = det.update(state, 40, 2.10)
+    assert anomaly.baseline == pytest.approx(math.sqrt(1.1))
+    assert anomaly.threshold == pytest.approx(2 * math.sqrt(1.1))
+    assert "log z" in anomaly.message
+    assert det.update(state, 40, 0.0)[1] is None and det.update(state, 40, 0.0)[0] is state  # not judged
+
+
+def test_flat_plateau_with_zero_mad_needs_the_minimum_deviation():
+    det = SpikeDetector("loss_spike", "loss", LossSpikeConfig())
+    state, _ = fire_steps(det, [(i, 2.3) for i in range(30)])
+    assert det.update(state, 30, 2.3 * 1.19)[1] is None  # z = inf, but under the 20% gate
+    assert det.update(state, 30, 2.3 * 1.21)[1] is not None
+
+
+# --------------------------------------------------------------------------------------------- step time
+
+
+def step_time_seq(slow_ranges, flagged=()):
+    seq = [(0, 60.0, "compile")]
+    for i in range(1, 300):
+        if i in flagged or i == 100:
+            seq.append((i, 2.0 if i in flagged else 20.0, "checkpoint"))
+        elif any(a <= i < b for a, b in slow_ranges):
+            seq.append((i, 2.0, "train"))
+        else:
+            seq.append((i, 1.0 if i % 2 else 1.02, "train"))
+    return seq
+
+
+def test_step_time_regression_exact_steps_and_flagged_steps_ignored():
+    seq = step_time_seq([(150, 180), (230, 250)], flagged={233})
+    _, fired = fire_steps(StepTimeDetector(), seq)
+    # 8 of the last 10 judged steps slow: 150..157 -> 157; the second episode skips flagged step 233 -> 238.
+    assert sorted(fired) == [157, 238]
+    a = fired[157]
+    assert a.value == 2.0 and a.baseline in (1.0, 1.01, 1.02) and a.threshold == pytest.approx(1.5 * a.baseline)
+
+
+def test_step_time_intermittent_slowness_is_not_sustained():
+    seq = [(i, 2.0 if i % 2 and i > 50 else 1.0, "train") for i in range(300)]
+    assert fire_steps(StepTimeDetector(), seq)[1] == {}
+
+
+# --------------------------------------------------------------------------------------------- stragglers
+
+
+def rank_times(step, n=8, slow=None):
+    times = {r: 1.0 + 0.01 * ((r + step) % 3) for r in range(n)}
+    times.update((slow or {}).get(step, {}))
+    return times
+
+
+def test_straggler_exact_step_and_rank():
+    slow = {s: {5: 2.0} if s >= 50 else {} for s in range(100)}
+    for s in range(100):
+        if s % 10 < 7:
+            slow[s][2] = 2.0  # rank 2: 7 of every 10 steps -> never sustained
+    _, fired = fire_steps(StragglerDetector(), [(s, rank_times(s, slow=slow)) for s in range(100)])
+    assert sorted(fired) == [57] and fired[57].rank == 5
+    assert fired[57].baseline == pytest.approx(1.01) and "rank 5" in fired[57].message
+
+
+def test_two_stragglers_are_reported_worst_first_on_consecutive_steps():
+    slow = {s: {3: 1.8, 6: 2.4} for s in range(50, 100)}
+    _, fired = fire_steps(StragglerDetector(), [(s, rank_times(s, slow=slow)) for s in range(100)])
+    assert {s: a.rank for s, a in fired.items()} == {57: 6, 58: 3}
+
+
+def test_straggler_needs_min_ranks_and_forgets_absent_ranks():
+    det = StragglerDetector()
+    _, fired = fire_steps(det, [(s, {0: 5.0}) for s in range(50)])
+    assert fired == {}
+    state, _ = fire_steps(det, [(s, rank_times(s, n=4)) for s in range(20)])
+    state, _ = fire_steps_from(det, state, [(s, rank_times(s, n=3)) for s in range(20, 40)])
+    assert [r for r, _, _ in state.ranks] == [0, 1, 2]
+
+
+def fire_steps_from(det, state, seq):
+    fired = {}
+    for args in seq:
+        state, anomaly = det.update(state, *args)
+        if anomaly is not None:
+            fired[args[0]] = anomaly
+    return state, fired
+
+
+# --------------------------------------------------------------------------------------------- hangs
+
+
+def test_hang_exact_time_once_per_stall():
+    det = HangDetector(HangConfig())  # timeout max(60, 10 x expected)
+    polls = [(7, 1000.0 + 0.5 * k, 1000.0, 2.0) for k in range(200)]  # no progress since t=1000
+    polls += [(8, 1100.0 + 0.5 * k, 1100.0, 10.0) for k in range(300)]  # progress at 1100, slower steps
+    _, fired = fire_steps(det, polls)
+    assert sorted(fired) == [7, 8]
+    assert fired[7].value == 60.5 and fired[7].threshold == 60.0
+    assert fired[8].value == 100.5 and fired[8].threshold == 100.0 and fired[8].severity == "critical"
+
+
+def test_hang_timeouts_by_phase_and_rank_named():
+    det = HangDetector(HangConfig())
+    assert det.timeout(2.0, "train") == 60.0
+    assert det.timeout(2.0, "checkpoint") == 900.0 and det.timeout(200.0, "compile") == 2000.0
+    assert det.timeout(None, "train") == 900.0
+    _, a = det.update(det.init(), 3, 1100.0, {0: 1050.0, 1: 990.0, 2: 1060.0}, 1.0)
+    assert a.rank == 1 and a.value == 110.0
+    assert det.update(det.init(), 3, 1100.0, {0: 1050.0, 1: 990.0}, 1.0, "checkpoint")[1] is None
+
+
+# --------------------------------------------------------------------------------------------- memory
+
+
+def test_memory_linear_leak_fires_when_the_window_is_full():
+    # warmup 100 ignores steps 0..99; the window (200) is full at step 299; slope 2 MiB/step x span 199.
+    _, fired = fire_steps(MemoryGrowthDetector(), [(s, GiB + 2 * MiB * s) for s in range(400)])
+    assert sorted(fired) == [299]
+    assert fired[299].value == pytest.approx(398 * MiB) and fired[299].threshold == 256 * MiB
+
+
+def test_memory_threshold_boundary():
+    det = MemoryGrowthDetector()
+    for rate, expect in [(1.28, {}), (1.30, [299])]:  # x 199 steps: 254.7 MiB vs 258.7 MiB > 256 MiB
+        _, fired = fire_steps(det, [(s, GiB + rate * MiB * s) for s in range(400)])
+        assert (sorted(fired) or {}) == expect
+
+
+def test_memory_one_off_jump_does_not_fire_but_a_staircase_leak_does():
+    cfg = MemoryGrowthConfig()
+    jump = [(s, 4 * GiB + (GiB if s >= 400 else 0)) for s in range(1000)]
+    assert fire_steps(MemoryGrowthDetector("device_bytes", cfg), jump)[1] == {}
+    # A single least-squares fit over the window would have fired on the jump: the half-window rule matters.
+    xs, ys = [s for s, _ in jump[300:500]], [v for _, v in jump[300:500]]
+    assert _slope(xs, ys) * 199 > 256 * MiB
+    stairs = [(s, 4 * GiB + 64 * MiB * (s // 20)) for s in range(600)]
+    assert sorted(fire_steps(MemoryGrowthDetector("device_bytes", cfg), stairs)[1]) == [299]
+
+
+def test_memory_plateau_after_warmup_is_quiet():
+    rng = np.random.default_rng(3)
+    t = np.arange(3000)
+    host = 8 * GiB + 2 * GiB * (1 - np.exp(-t / 30)) + 16 * MiB * rng.standard_normal(t.size)
+    assert fire_steps(MemoryGrowthDetector(), list(zip(t.tolist(), host.tolist())))[1] == {}
+
+
+# --------------------------------------------------------------------------------------------- healthy runs
+
+
+def healthy_run(seed, n=2000):
+    """A realistic clean job: decaying loss with 5% multiplicative noise, noisy norms, LR warm-up, jittery
+    step times with flagged compile / checkpoint / eval steps and unflagged one-off GC pauses, memory that
+    fills up then plateaus."""
+    rng = np.random.default_rng(seed)
+    t = np.arange(n)
+    noise = lambda s: np.exp(s * rng.standard_normal(n))  # noqa: E731
+    loss = (2.0 + 8.0 * np.exp(-t / 300) + 0.5 * np.exp(-t / 30)) * noise(0.05)
+    grad = (0.5 + 5.0 * np.exp(-t / 50) + 2e-4 * t) * noise(0.25)
+    lr = np.minimum((t + 1) / 200, 1.0) * (0.1 + 0.9 * 0.5 * (1 + np.cos(np.pi * t / n)))
+    update = 3.0 * lr * noise(0.05)
+    step_time = 0.4 * (1 + 0.1 * rng.uniform(-1, 1, n))
+    phase = np.array(["train"] * n, dtype=object)
+    phase[0], step_time[0] = "compile", 45.0
+    for s in range(200, n, 200):
+        phase[s], step_time[s] = "checkpoint", 6.0
+    for s in range(500, n, 500):
+        phase[s], step_time[s] = "eval", 3.0
+    step_time[97::97] *= 3.0  # GC pauses: not flagged, not sustained
+    host = 6 * GiB + 2 * GiB * (1 - np.exp(-t / 25)) + 32 * MiB * rng.standard_normal(n)
+    device = 30 * GiB + 512 * MiB * (t > 0) + 4 * MiB * rng.standard_normal(n)
+    return [{"step": int(i), "loss": float(loss[i]), "grad_norm": float(grad[i]), "update_norm": float(update[i]),
+             "step_time": float(step_time[i]), "phase": str(phase[i]), "host_bytes": float(host[i]),
+             "device_bytes": float(device[i])} for i in range(n)]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_no_false_positives_on_a_healthy_run(seed):
+    suite = DetectorSuite()
+    found = [a for obs in healthy_run(seed) for a in suite.update(obs)]
+    assert found == []
+
+
+def test_no_false_positives_across_ranks():
+    rng = np.random.default_rng(7)
+    suite, now, found = CrossRankSuite(), 0.0, []
+    for step in range(1500):
+        times = {r: 0.4 * (1 + 0.1 * rng.uniform(-1, 1)) for r in range(16)}
+        if step % 37 == 0:
+            times[int(rng.integers(16))] *= 4  # one rank's GC pause
+        phase = "compile" if step == 0 else "checkpoint" if step % 300 == 0 else "train"
+        dur = 45.0 if step == 0 else 8.0 if phase == "checkpoint" else max(times.values())
+        for k in range(int(dur / 0.5)):  # coordinator polls every 0.5 s during the step
+            found += suite.update({"step": step, "now": now + 0.5 * k, "last_progress": now, "phase": phase,
+                                   "expected_step_time": None if step < 5 else 0.4})
+        now += dur
+        found += suite.update({"step": step, "rank_step_times": times})
+    assert found == []
+
+
+# --------------------------------------------------------------------------------------------- suites
+
+
+def faulty_run():
+    obs = healthy_run(11, n=1400)
+    obs[150]["grad_norm"] = math.nan
+    obs[400]["loss"] *= 3
+    obs[600]["grad_norm"] *= 20
+    for o in obs[800:830]:
+        o["step_time"] *= 3
+    for o in obs[700:]:
+        o["host_bytes"] += 4 * MiB * (o["step"] - 700)
+    return obs
+
+
+def test_suite_reports_each_fault_with_the_policy_action():
+    suite = DetectorSuite(policy=ActionPolicy.from_dict({"step_time": "restart"}))
+    found = {(a.detector, a.step): a.action for obs in faulty_run() for a in suite.update(obs)}
+    assert found == {("nan", 150): Action.ROLLBACK, ("loss_spike", 400): Action.ROLLBACK,
+                     ("grad_spike", 600): Action.SKIP, ("step_time", 808): Action.RESTART,
+                     ("memory_growth", 839): Action.RESTART}
+    # step_time: 801..808 (step 800 is a checkpoint, not judged); memory: 4 MiB/step from step 700 — by step 839
+    # the older half of the window (640..739) holds 40 leaking steps, enough for both halves to pass.
+
+
+def test_suite_json_round_trip_mid_stream_gives_identical_outputs():
+    obs = faulty_run()
+    a, outs_a = DetectorSuite(), []
+    for o in obs[:500]:
+        a.update(o)
+    blob = json.dumps(a.to_dict(), allow_nan=False)
+    b = DetectorSuite.from_dict(json.loads(blob))
+    assert b.state == a.state
+    outs_b = []
+    for o in obs[500:]:
+        outs_a += [x.to_dict() for x in a.update(o)]
+        outs_b += [x.to_dict() for x in b.update(o)]
+    assert len(outs_a) == 3 and outs_a == outs_b
+    assert json.dumps(a.to_dict()) == json.dumps(b.to_dict())
+
+
+def test_cross_rank_json_round_trip_mid_stream():
+    slow = {s: {4: 2.0} for s in range(30, 60)}
+    obs = []
+    for s in range(80):  # progress stops after step 50; rank 2 reported 1 s before the others
+        last = {r: 100.0 + 5 * min(s, 50) - (r == 2) for r in range(8)}
+        obs.append({"step": s, "rank_step_times": rank_times(s, slow=slow)})
+        obs.append({"step": s, "now": 100.0 + 5 * s, "last_progress": last, "expected_step_time": 1.0})
+    a = CrossRankSuite()
+    for o in obs[:70]:  # up to step 34
+        a.update(o)
+    b = CrossRankSuite.from_dict(json.loads(json.dumps(a.to_dict(), allow_nan=False)))
+    outs_a = [x.to_dict() for o in obs[70:] for x in a.update(o)]
+    outs_b = [x.to_dict() for o in obs[70:] for x in b.update(o)]
+    # straggler: 30..37 slow -> 37; hang: stalled 5 * (s - 50) + 1 > 60 s first at step 62.
+    assert [(x["detector"], x["step"], x["rank"]) for x in outs_a] == [("straggler", 37, 4), ("hang", 62, 2)]
+    assert outs_a == outs_b
+
+
+def test_state_from_dict_is_strict():
+    with pytest.raises(ValueError, match="unknown keys"):
+        SpikeState.from_dict({"window": [], "pending": [], "extra": 1})
+    with pytest.raises(ValueError, match=r"SpikeState.window\[1\]"):
+        SpikeState.from_dict({"window": [1.0, "x"], "pending": []})
+    with pytest.raises(ValueError, match="MemoryState.seen"):
+        MemoryState.from_dict({"seen": 1.5, "steps": [], "values": [], "active": False})
+    suite = DetectorSuite()
+    with pytest.raises(ValueError, match="format"):
+        suite.load_dict({"states": {}})
+    raw = suite.to_dict()
+    raw["states"]["step_time"]["recent"] = [1]
+    with pytest.raises(ValueError, match="'step_time'.*StepTimeState.recent"):
+        suite.load_dict(raw)
+    # A detector disabled now: its saved state is ignored; one missing from the save starts fresh.
+    off = dataclasses.replace(AnomalyConfig(), step_time=dataclasses.replace(AnomalyConfig().step_time, enabled=False))
+    fewer = DetectorSuite.from_dict(DetectorSuite().to_dict(), off)
+    assert "step_time" not in fewer.state
+    assert DetectorSuite.from_dict(fewer.to_dict()).state["step_time"] == StepTimeDetector().init()
+
+
+def test_suite_observation_checks_and_missing_keys():
+    suite = DetectorSuite()
+    with pytest.raises(ValueError, match="'grad_nrom'"):
+        suite.update({"step": 1, "grad_nrom": 1.0})
+    with pytest.raises(ValueError, match="'step'"):
+        suite.update({"loss": 1.0})
+    with pytest.raises(ValueError, match="'phase'"):
+        suite.update({"step": 1, "phase": "warmup"})
+    with pytest.raises(ValueError, match="'loss'"):
+        suite.update({"step": 1, "loss": "2.0"})
+    before = dict(suite.state)
+    suite.update({"step": 1, "loss": np.float32(2.0), "phase": None})
+    changed = {k for k in before if suite.state[k] != before[k]}
+    assert changed == {"loss_spike"}
+    suite.state["host_memory"] = MemoryState(5)
+    suite.reset()
+    assert suite.state["host_memory"] == MemoryState()
+    with pytest.raises(ValueError, match="'rank_step_times': rank 'x' is not an int"):
+        CrossRankSuite().update({"step": 1, "rank_step_times": {"x": 1.0}})
+
+
+def test_invalid_config_is_an_error_naming_the_key():
+    bad = dataclasses.replace(AnomalyConfig(), loss_spike=LossSpikeConfig(warmup=0))
+    with pytest.raises(ValueError, match="'loss_spike.warmup'"):
+        DetectorSuite(bad)
+
+
+def test_every_config_field_has_a_doc():
+    sections = [AnomalyConfig, ActionPolicy] + [type(getattr(AnomalyConfig(), f.name))
+                                               for f in dataclasses.fields(AnomalyConfig)]
+    undocumented = [f"{cls.__name__}.{f.name}" for cls in sections for f in dataclasses.fields(cls)
+                    if not f.metadata.get("doc")]
+    assert len(sections) == 10 and undocumented == []
+
+
+# --------------------------------------------------------------------------------------------- policy
+
+
+def test_policy_defaults_and_strict_parsing():
+    p = ActionPolicy()
+    assert p.to_dict() == {"nan": "rollback", "loss_spike": "rollback", "grad_spike": "skip",
+                           "update_spike": "skip", "step_time": "log", "straggler": "log", "hang": "restart",
+                           "memory_growth": "restart"}
+    q = ActionPolicy.from_dict({"straggler": "exclude", "step_time": "restart"})
+    assert q.straggler is Action.EXCLUDE and q.action_for("step_time") is Action.RESTART and q.nan is Action.ROLLBACK
+    assert ActionPolicy.from_dict(q.to_dict()) == q
+    with pytest.raises(ValueError, match="unknown detector 'loss_spikes'"):
+        ActionPolicy.from_dict({"loss_spikes": "log"})
+    with pytest.raises(ValueError, match="unknown action 'reboot' for detector 'hang'"):
+        ActionPolicy.from_dict({"hang": "reboot"})
+    with pytest.raises(ValueError, match="unknown action 3"):
+        ActionPolicy.from_dict({"hang": 3})
+    with pytest.raises(ValueError, match="unknown detector 'disk'"):
+        p.action_for("disk")
+
+
+def test_policy_names_match_the_detectors():
+    names = {d.name for s in (DetectorSuite(), CrossRankSuite()) for d in s.detectors.values()}
+    assert names == set(ActionPolicy.names())
+
+
+def test_strongest_action():
+    suite = DetectorSuite()
+    found = suite.update({"step": 0, "loss": math.nan})
+    assert strongest(found) is Action.ROLLBACK and strongest([]) is None
+    marked = [dataclasses.replace(found[0], action=a) for a in (Action.SKIP, Action.EXCLUDE, Action.RESTART)]
+    assert strongest(marked) is Action.EXCLUDE
+
+
+# --------------------------------------------------------------------------------------------- properties
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.floats(1e-3, 1e3), st.lists(st.floats(-0.09, 0.09), min_size=30, max_size=150))
+def test_loss_noise_inside_the_gate_never_fires(level, rel):
+    # Every value within +-9% of `level`: value - median <= 0.18 level < 0.2 x median (>= 0.91 level).
+    _, fired = fire_steps(SpikeDetector("loss_spike", "loss", LossSpikeConfig()),
+                          [(i, level * (1 + r)) for i, r in enumerate(rel)])
+    assert fired == {}
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.floats(1e-6, 1e3), st.lists(st.floats(-0.33, 0.33), min_size=30, max_size=150))
+def test_norm_noise_inside_the_gate_never_fires(level, rel):
+    _, fired = fire_steps(SpikeDetector("grad_spike", "grad_norm", GradSpikeConfig()),
+                          [(i, level * (1 + r)) for i, r in enumerate(rel)])
+    assert fired == {}
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.floats(1e-3, 1e3), st.lists(st.floats(0.0, 0.49), min_size=30, max_size=150))
+def test_step_time_and_stragglers_below_the_factor_never_fire(base, rel):
+    seq = [(i, base * (1 + r), "train") for i, r in enumerate(rel)]
+    assert fire_steps(StepTimeDetector(), seq)[1] == {}
+    ranks = [(i, {k: base * (1 + rel[(i + k) % len(rel)]) for k in range(6)}) for i in range(len(rel))]
+    assert fire_steps(StragglerDetector(), ranks)[1] == {}
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.floats(0.0, 85.0), min_size=40, max_size=120))
+def test_bounded_memory_noise_never_fires(noise_mib):
+    # With a 20-step window, the half-window slope x span is at most 2.88 x the noise amplitude (85 MiB).
+    cfg = MemoryGrowthConfig(window=20, warmup=0)
+    seq = [(i, GiB + n * MiB) for i, n in enumerate(noise_mib)]
+    assert fire_steps(MemoryGrowthDetector("host_bytes", cfg), seq)[1] == {}
