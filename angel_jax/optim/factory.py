@@ -25,8 +25,12 @@ def make_schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Schedule:
     return optax.join_schedules([ramp, after], [warmup])
 
 
-def make_optimizer(cfg: OptimizerConfig, total_steps: int) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """(transformation, schedule). Clipping by global norm comes first, as in every large-model recipe."""
+def make_optimizer(cfg: OptimizerConfig, total_steps: int, *,
+                   clip: bool = True) -> tuple[optax.GradientTransformation, optax.Schedule]:
+    """(transformation, schedule). Clipping by global norm comes first, as in every large-model recipe.
+
+    clip=False leaves clipping out: the paged engine applies the transformation per stage and clips with the
+    norm over all stages itself (`clip_scale`)."""
     lr = make_schedule(cfg, total_steps)
     if cfg.name == "adamw":
         core = optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay)
@@ -38,6 +42,19 @@ def make_optimizer(cfg: OptimizerConfig, total_steps: int) -> tuple[optax.Gradie
         core = optax.adafactor(lr)
     else:
         core = optax.sgd(lr, momentum=cfg.b1 or None)
-    if cfg.grad_clip > 0:
+    if clip and cfg.grad_clip > 0:
         core = optax.chain(optax.clip_by_global_norm(cfg.grad_clip), core)
     return core, lr
+
+
+
+def clip_with_norm(tree, global_norm, max_norm: float):
+    """`optax.clip_by_global_norm(max_norm)` given the norm computed elsewhere (over every stage's pages), with
+    optax's own arithmetic, (t / norm) * max_norm, so paged and whole-model updates agree."""
+    import jax
+    import jax.numpy as jnp
+
+    if max_norm <= 0:
+        return tree
+    trigger = global_norm < max_norm
+    return jax.tree.map(lambda t: jnp.where(trigger, t, (t / global_norm.astype(t.dtype)) * max_norm), tree)
