@@ -170,8 +170,12 @@ class MemoryConfig:
 @dataclass
 class CheckpointConfig:
     every: int = doc(100, "Save a checkpoint every this many steps (0 = only at the end).")
-    keep: int = doc(2, "Keep this many newest checkpoints.")
+    keep: int = doc(2, "Keep this many newest checkpoints in every tier (memory, peer, persistent).")
+    keep_every: int = doc(0, "Also keep every persisted step divisible by this (0 = off): a long-term history.")
     at_end: bool = doc(True, "Save a checkpoint after the last step.")
+    memory_dir: str = doc("", "Memory tier (a RAM-backed directory); empty = /dev/shm/angel_jax/<run id>.")
+    peer_dir: str = doc("", "Where each snapshot is copied in the background (a peer host's mount); empty = none.")
+    verify_on_restore: bool = doc(True, "Check every array's CRC-32 before resuming from it.")
 
     def validate(self) -> list[tuple[str, str]]:
         errs = []
@@ -179,6 +183,8 @@ class CheckpointConfig:
             errs.append(("every", "must be >= 0"))
         if self.keep <= 0:
             errs.append(("keep", "must be > 0"))
+        if self.keep_every < 0:
+            errs.append(("keep_every", "must be >= 0"))
         return errs
 
 

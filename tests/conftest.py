@@ -35,7 +35,8 @@ def tiny_config_dict(corpus: tuple[Path, Path], run_dir: Path, **sections: dict)
         "data": {"source": str(source), "tokenizer": "byte", "dir": str(data_dir)},
         "optimizer": {"name": "adamw", "lr": 3e-3, "warmup_steps": 2, "schedule": "constant"},
         "train": {"steps": 30, "batch_size": 4, "log_every": 1, "progress": False, "run_dir": str(run_dir)},
-        "checkpoint": {"every": 10, "keep": 2},
+        # The memory tier beside the run (not /dev/shm): test runs leave nothing in shared RAM.
+        "checkpoint": {"every": 10, "keep": 2, "memory_dir": str(run_dir) + ".memtier"},
     }
     for section, values in sections.items():
         raw.setdefault(section, {}).update(values)

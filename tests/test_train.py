@@ -31,7 +31,7 @@ from angel_jax.config import describe, dump_yaml, load_config, to_dict
 from angel_jax.errors import AngelError
 from angel_jax.train import loop
 from angel_jax.train import metrics as M
-from angel_jax.train.checkpointing import ReferenceCheckpointer, abstract_like
+from angel_jax.checkpoint import CheckpointEngine, CheckpointOptions
 from angel_jax.train.loop import TrainingDiverged, TrainResult, train
 from models import gpt
 
@@ -65,27 +65,51 @@ def _train(cfg_path: Path, overrides: list[str] = ()) -> tuple[TrainResult, dict
     return result, exact
 
 
+def _flat(tree) -> dict[str, np.ndarray]:
+    from angel_jax.train.engines import named_leaves
+
+    return {k: np.asarray(v) for k, v in named_leaves(tree).items()}
+
+
 def _leaves_equal(a, b) -> bool:
     la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
     return len(la) == len(lb) and all(np.asarray(x).dtype == np.asarray(y).dtype and np.array_equal(x, y)
                                       for x, y in zip(la, lb))
 
 
-def _restore(run_dir: Path, step: int, like) -> tuple:
-    ckpt = ReferenceCheckpointer(run_dir / "checkpoints", keep=2, primary=True)
-    try:
-        return ckpt.restore(step, abstract_like(like))
-    finally:
-        ckpt.close()
+def _engine(run_dir: Path) -> CheckpointEngine:
+    """A checkpoint engine over a run's tiers (the trainer's options: see conftest's memory_dir)."""
+    cfg = load_config(run_dir / "config.yaml")  # the resolved config the run wrote
+    return CheckpointEngine(CheckpointOptions(persistent_dir=(run_dir / "checkpoints").absolute(),
+                                              memory_dir=Path(cfg.checkpoint.memory_dir)))
 
 
-def _committed_steps(ckpt_dir: Path) -> list[int]:
-    """Steps whose orbax save finished: orbax writes <step>.orbax-checkpoint-tmp/ and renames it to <step>/ last."""
-    try:
-        entries = list(ckpt_dir.iterdir())
-    except FileNotFoundError:
+def _restore(run_dir: Path, step: int) -> tuple[dict[str, np.ndarray], dict]:
+    """(arrays, data iterator state) of a run's checkpoint of `step`, checksums verified."""
+    with _engine(run_dir) as engine:
+        restored = engine.restore(step)
+    return restored.arrays, restored.meta["data"]
+
+
+def _params(arrays: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+    return {k: v for k, v in arrays.items() if k.startswith("params/")}
+
+
+def _same_arrays(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> bool:
+    return a.keys() == b.keys() and all(a[k].dtype == b[k].dtype and np.array_equal(a[k], b[k]) for k in a)
+
+
+def _steps_in(persistent: Path) -> list[int]:
+    return [int(p.name) for p in persistent.iterdir() if p.name.isdigit()]
+
+
+def _committed_steps(run_dir: Path, tier: str = "persistent") -> list[int]:
+    """Steps committed in a tier of a run ('memory': snapshotted; 'persistent': orbax commit done)."""
+    if not (run_dir / "config.yaml").exists():
         return []
-    return sorted(int(p.name) for p in entries if p.name.isdigit() and (p / "commit_success.txt").is_file())
+    with _engine(run_dir) as engine:
+        return [info.step for info in engine.list()
+                if info.tiers.get(tier) is not None and info.tiers[tier].state != "partial"]
 
 
 @pytest.fixture(scope="module")
@@ -104,13 +128,21 @@ def straight(tmp_path_factory, write_tiny_config) -> Run:
 def test_run_directory_contents(straight):
     run_dir = straight.run_dir
     cfg = load_config(straight.cfg_path)
-    assert straight.result.final_step == STEPS and int(straight.result.state.step) == STEPS
+    assert straight.result.final_step == STEPS
     # the resolved config, loadable as is
     assert (run_dir / "config.yaml").read_text() == dump_yaml(cfg)
     assert load_config(run_dir / "config.yaml") == cfg
     # checkpoints every 10 steps, the newest 2 kept, each fully committed
-    assert _committed_steps(run_dir / "checkpoints") == [20, 30]
-    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["20", "30"]
+    # (a save whose persistence has not started when a newer one arrives is not persisted: its snapshot is kept)
+    assert _committed_steps(run_dir, "memory") == [20, 30]
+    persisted = _committed_steps(run_dir)
+    assert persisted[-1] == STEPS and len(persisted) <= 2 and set(persisted) <= {10, 20, 30}
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == [str(s) for s in persisted]
+    # the checkpoint holds the whole train state: parameters, optimizer state, step; and the data position
+    arrays, data_state = _restore(run_dir, STEPS)
+    assert int(arrays["step"]) == STEPS and any(k.startswith("opt_state/") for k in arrays)
+    assert _same_arrays(_params(arrays), {f"params/{k}": v for k, v in _flat(straight.result.params).items()})
+    assert (data_state["epoch"], data_state["position"]) == (0, STEPS * 4)  # batch 4: 120 of 261 windows
 
 
 @pytest.mark.slow
@@ -157,7 +189,7 @@ def test_resume_in_process_is_exact(straight, tmp_path, write_tiny_config):
     """6 steps, then the same run dir extended to 30: every step's numbers and the final state equal `straight`."""
     cfg_path = write_tiny_config(tmp_path, "resumed", checkpoint={"every": 4})
     first, exact_1 = _train(cfg_path, ["train.steps=6"])
-    assert _committed_steps(first.run_dir / "checkpoints") == [4, 6]  # every 4, and at the end
+    assert _committed_steps(first.run_dir, "memory") == [4, 6]  # every 4, and at the end
     # train.steps=30 resumes from the step-6 checkpoint (saving only at the end: checkpoints do not change numbers)
     second, exact_2 = _train(cfg_path, ["checkpoint.every=0"])
     assert sorted(exact_1) == list(range(1, 7)) and sorted(exact_2) == list(range(7, STEPS + 1))
@@ -165,38 +197,40 @@ def test_resume_in_process_is_exact(straight, tmp_path, write_tiny_config):
     for step, values in {**exact_1, **exact_2}.items():
         for k in EXACT_KEYS:
             assert values[k] == straight.exact[step][k], (step, k)
-    assert _leaves_equal(second.state, straight.result.state)
+    assert _leaves_equal(second.params, straight.result.params)
     # the metrics file reads like one run: one line per step, the same numbers as the straight run's file
     records = M.read_jsonl(second.run_dir / "metrics.jsonl")
     assert [r["step"] for r in records] == list(range(1, STEPS + 1))
     assert [[r[k] for k in EXACT_KEYS] for r in records] == [[r[k] for k in EXACT_KEYS] for r in straight.records()]
     # and the saved state of step 30 is the straight run's, bit for bit
-    state, data_state = _restore(second.run_dir, STEPS, straight.result.state)
-    assert _leaves_equal(state, straight.result.state)
-    assert data_state == _restore(straight.run_dir, STEPS, straight.result.state)[1]
+    arrays, data_state = _restore(second.run_dir, STEPS)
+    straight_arrays, straight_data = _restore(straight.run_dir, STEPS)
+    assert _same_arrays(arrays, straight_arrays)  # parameters, optimizer state and step, bit for bit
+    assert data_state == straight_data
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="BUG loop.py setup(): with train.resume=false the old run's checkpoints stay "
-                   "in <run_dir>/checkpoints and orbax skips saving any step <= the newest old step, so the new "
-                   "run's checkpoints are silently not written and the next resume restores the OLD run's state")
 def test_resume_false_run_owns_its_checkpoints(straight, tmp_path):
     run_dir = tmp_path / "restart"
-    shutil.copytree(straight.run_dir, run_dir)  # an earlier 30-step run's checkpoints 20 and 30
+    shutil.copytree(straight.run_dir, run_dir)  # an earlier 30-step run's checkpoints
+    shutil.copytree(f"{straight.run_dir}.memtier", f"{run_dir}.memtier")
+    earlier = _steps_in(run_dir / "checkpoints")
     try:
         result, exact = _train(straight.cfg_path, [f"train.run_dir={run_dir}", "train.resume=false",
-                                                   "train.steps=3", "checkpoint.every=0"])
+                                                   "train.steps=3", "checkpoint.every=0",
+                                                   f"checkpoint.memory_dir={run_dir}.memtier"])
     except AngelError as e:  # refusing to start over in a directory with checkpoints is an acceptable fix too
         assert "checkpoint" in str(e)
         return
-    ckpt = ReferenceCheckpointer(run_dir / "checkpoints", keep=2, primary=True)
-    latest = ckpt.latest_step()
-    ckpt.close()
+    latest = max(_committed_steps(run_dir))
+    archived = [p.name for p in run_dir.iterdir() if p.name.startswith("checkpoints.replaced-")]
+    assert len(archived) == 1 and sorted(_steps_in(run_dir / archived[0] / "persistent")) == sorted(earlier)
+    assert (run_dir / archived[0] / "memory").is_dir()  # the memory tier's snapshots were moved aside too
     # nothing was restored: the run computed straight's first 3 steps again
     assert sorted(exact) == [1, 2, 3] and all(exact[s][k] == straight.exact[s][k] for s in exact for k in EXACT_KEYS)
     assert latest == 3, f"the next resume would restore step {latest} of the earlier run"
-    state, _ = _restore(run_dir, 3, result.state)
-    assert _leaves_equal(state, result.state)
+    arrays, _ = _restore(run_dir, 3)
+    assert _same_arrays(_params(arrays), {f"params/{k}": v for k, v in _flat(result.params).items()})
 
 
 # ------------------------------------------------------------------------------------- real processes
@@ -265,11 +299,11 @@ def test_resume_after_sigkill_is_exact(straight, tmp_path, procs, write_tiny_con
     run_dir = tmp_path / "killed"
     victim = procs.start("victim", "train", str(cfg_path))
     deadline = time.monotonic() + PROC_LIMIT
-    while not [s for s in _committed_steps(run_dir / "checkpoints") if s >= 4]:
+    while not [s for s in _committed_steps(run_dir, "memory") if s >= 4]:
         assert victim.poll() is None, f"the run ended before a checkpoint was committed: {procs.output('victim')}"
         assert time.monotonic() < deadline, "no checkpoint committed in time"
         time.sleep(0.01)
-    committed = max(_committed_steps(run_dir / "checkpoints"))
+    committed = max(_committed_steps(run_dir, "memory"))
     killed_at = time.time()
     procs.kill(victim)
     assert victim.returncode == -signal.SIGKILL, procs.output("victim")
@@ -294,9 +328,8 @@ def test_resume_after_sigkill_is_exact(straight, tmp_path, procs, write_tiny_con
     assert all(r["time"] > killed_at for r in records[resumed_from:])
     assert [r["step"] for r in records if "perf/first_step_time" in r] == [1, resumed_from + 1]
     # the final checkpoint holds the straight run's state, bit for bit
-    assert _committed_steps(run_dir / "checkpoints")[-1] == STEPS
-    state, _ = _restore(run_dir, STEPS, straight.result.state)
-    assert _leaves_equal(state, straight.result.state)
+    assert _committed_steps(run_dir)[-1] == STEPS
+    assert _same_arrays(_restore(run_dir, STEPS)[0], _restore(straight.run_dir, STEPS)[0])
 
 
 # --------------------------------------------------------------------------------------------- divergence
@@ -343,7 +376,7 @@ def diverged(tmp_path_factory, write_tiny_config) -> Diverged:
         try:
             return real_train(cfg, on_step=lambda step, values: seen.append(step))
         except BaseException as e:
-            caught["committed"] = _committed_steps(cfg.run_dir / "checkpoints")
+            caught["committed"] = _committed_steps(cfg.run_dir)
             caught["error"] = e
             raise
 
@@ -372,10 +405,6 @@ def test_cli_divergence_returns_1_with_the_message(diverged):
 
 
 @pytest.mark.slow
-@pytest.mark.xfail(strict=True, reason="BUG loop.py train(): an exception in the loop (TrainingDiverged, Ctrl-C, ...) "
-                   "skips checkpointer.close(), so the asynchronous save of the last good step is still in flight "
-                   "when train() raises; in a real process it is abandoned at exit and only "
-                   "'<step>.orbax-checkpoint-tmp' remains")
 def test_diverged_run_has_committed_its_last_good_checkpoint(diverged):
     last_good = len(diverged.seen)
     assert diverged.committed[-1:] == [last_good], diverged.committed

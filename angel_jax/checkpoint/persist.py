@@ -32,6 +32,7 @@ from concurrent.futures import Executor
 from pathlib import Path
 from typing import Mapping
 
+import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
@@ -57,7 +58,13 @@ class OrbaxTier:
         """A synchronous orbax Checkpointer (we already run in a background thread) with one fault-injection point
         between "all data written" and orbax's commit. Patched on the instance: orbax finds a handler's args class
         by its type, so a subclass would not be recognised."""
-        handler = ocp.CompositeCheckpointHandler()
+        # In a multi-process run one process writes (the trainer's process 0) and each reads on its own: every
+        # orbax barrier is local to the calling process, or a save by one process would wait for the others.
+        me = jax.process_index()
+        mp = (ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me})
+              if jax.process_count() > 1 else ocp.options.MultiprocessingOptions())
+        handler = ocp.CompositeCheckpointHandler(
+            composite_options=ocp.CompositeOptions(multiprocessing_options=mp))
         finalize = handler.finalize
 
         def finalize_with_fault_point(directory):  # noqa: ANN001, ANN202 - orbax's signature
@@ -65,7 +72,7 @@ class OrbaxTier:
             return finalize(directory)
 
         handler.finalize = finalize_with_fault_point
-        return ocp.Checkpointer(handler)
+        return ocp.Checkpointer(handler, multiprocessing_options=mp)
 
     # ------------------------------------------------------------------------------------------- listing
 

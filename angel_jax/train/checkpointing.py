@@ -1,54 +1,110 @@
-"""Thin orbax checkpointing for the reference trainer: the train state plus the data iterator's state.
+"""The trainer's side of checkpoints: what a checkpoint of a run holds, and when it is written and read.
 
-Kept deliberately small so `angel_jax/checkpoint/` (memory-tier snapshots, peers, integrity) can replace it.
-Layout: <run_dir>/checkpoints/<step>/{state,data}; an ordinary orbax CheckpointManager directory, so plain
-orbax can read it:
+A checkpoint of step k (written by `angel_jax.checkpoint.CheckpointEngine`: a memory-tier snapshot first, then a
+peer copy and an orbax checkpoint in the background) holds
 
-    mngr = ocp.CheckpointManager(path)
-    restored = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(), data=ocp.args.JsonRestore()))
+    arrays   every array of the engine's training state (`TrainEngine.state_arrays`: parameters and optimizer
+             state; for the paged engine, every page family wherever it lives)
+    meta     {"step": k, "data": the data iterator's state, "engine": engine meta (name, page layout),
+              "seed": train.seed, "config": the resolved config}
+
+The run's persistent tier is `<run_dir>/checkpoints/<k>/` (ordinary orbax checkpoints; see
+angel_jax/checkpoint/persist.py for reading one with plain orbax). The memory tier defaults to
+/dev/shm/angel_jax/<run id>, so a restarted process finds its predecessor's snapshots there.
+
+In a multi-process run every process holds the same replicated state; process 0 writes the checkpoints, every
+process reads them, and process 0 decides which step all of them restore.
 """
 
 from __future__ import annotations
 
 import logging
+import shutil
+import time
 from pathlib import Path
 from typing import Any
 
 import jax
-import orbax.checkpoint as ocp
+import numpy as np
+
+from angel_jax.checkpoint import CheckpointEngine, CheckpointError, CheckpointOptions, SaveHandle
+from angel_jax.config import Config, to_dict
 
 log = logging.getLogger(__name__)
 
 
-class ReferenceCheckpointer:
-    def __init__(self, directory: Path, *, keep: int, primary: bool):
-        self.directory = directory.absolute()
-        options = ocp.CheckpointManagerOptions(max_to_keep=keep, create=True, enable_async_checkpointing=True)
-        self._manager = ocp.CheckpointManager(self.directory, options=options)
-        self._primary = primary
+def checkpoint_options(cfg: Config, run_dir: Path) -> CheckpointOptions:
+    c = cfg.checkpoint
+    return CheckpointOptions(persistent_dir=(run_dir / "checkpoints").absolute(),
+                             memory_dir=Path(c.memory_dir) if c.memory_dir else None,
+                             peer_dir=Path(c.peer_dir) if c.peer_dir else None,
+                             keep_last=c.keep, keep_every=c.keep_every or None,
+                             verify_on_restore=c.verify_on_restore)
 
-    def latest_step(self) -> int | None:
-        return self._manager.latest_step()
 
-    def save(self, step: int, state: Any, data_state: dict) -> None:
-        """Starts an asynchronous save; returns once device arrays are copied out (state may then be donated)."""
-        self._manager.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                                           data=ocp.args.JsonSave(data_state)))
+class TrainCheckpointer:
+    """Saves (process 0) and restores (every process) a run's training state through the checkpoint engine."""
 
-    def restore(self, step: int, abstract_state: Any) -> tuple[Any, dict]:
-        """(state, data iterator state) of `step`; arrays placed with the shardings of `abstract_state`."""
-        restored = self._manager.restore(step, args=ocp.args.Composite(
-            state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
-        return restored.state, restored.data
+    def __init__(self, cfg: Config, run_dir: Path, *, primary: bool):
+        self.cfg = cfg
+        self.options = checkpoint_options(cfg, run_dir)
+        self.primary = primary
+        self.engine = CheckpointEngine(self.options)
+        self.last_handle: SaveHandle | None = None
 
-    def wait(self) -> None:
-        self._manager.wait_until_finished()
+    # --------------------------------------------------------------------------------------------- saving
+
+    def save(self, step: int, arrays: dict[str, Any], meta: dict[str, Any]) -> SaveHandle | None:
+        """Blocks only for the memory-tier snapshot; None on processes other than 0."""
+        if not self.primary:
+            return None
+        full = {"step": step, **meta, "seed": self.cfg.train.seed, "config": to_dict(self.cfg)}
+        self.last_handle = self.engine.save(step, arrays, full)
+        return self.last_handle
+
+    def poll_errors(self) -> list[CheckpointError]:
+        """Background save failures since the last call: training goes on; the caller warns."""
+        return self.engine.poll_errors()
+
+    # --------------------------------------------------------------------------------------------- restoring
+
+    def has_any(self) -> bool:
+        return any(info.committed for info in self.engine.list())
+
+    def restore_latest(self) -> tuple[int, dict[str, np.ndarray], dict[str, Any], str] | None:
+        """(step, arrays, meta, tier) of the newest valid checkpoint, or None when there is none. Damaged copies
+        are skipped with a warning. Every process restores the step process 0 chose."""
+        chosen = None
+        if self.primary:
+            ref = self.engine.latest_valid()
+            chosen = ref.step if ref is not None else -1
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            chosen = int(multihost_utils.broadcast_one_to_all(np.int64(-1 if chosen is None else chosen)))
+        if chosen is None or chosen < 0:
+            return None
+        restored = self.engine.restore(chosen)
+        return restored.step, restored.arrays, dict(restored.meta), restored.source
+
+    def archive_existing(self) -> Path | None:
+        """Move every tier's checkpoints of this run aside (train.resume=false): the new run owns the run
+        directory's checkpoints, and nothing of the old run is deleted. Returns the archive directory."""
+        if not self.primary or not self.has_any():
+            return None
+        self.engine.close()
+        stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+        persistent = self.options.persistent_dir
+        archive = persistent.with_name(f"{persistent.name}.replaced-{stamp}")
+        archive.mkdir(parents=True)
+        for tier, root in (("persistent", persistent), ("memory", self.options.resolved_memory_dir()),
+                           ("peer", self.options.peer_dir)):
+            if root is not None and root.is_dir():
+                shutil.move(str(root), str(archive / tier))
+        log.warning("train.resume=false: the run directory's earlier checkpoints were moved to %s", archive)
+        self.engine = CheckpointEngine(self.options)
+        return archive
 
     def close(self) -> None:
-        self._manager.wait_until_finished()
-        self._manager.close()
-
-
-def abstract_like(tree: Any) -> Any:
-    """ShapeDtypeStructs with shardings: the restore target for `tree`'s structure."""
-    return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding), tree)
+        """Waits for background saves (the last checkpoint is committed before the process moves on)."""
+        self.engine.close()

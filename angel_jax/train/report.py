@@ -23,11 +23,14 @@ def tree_bytes(tree: Any) -> int:
     return sum(leaf.nbytes for leaf in jax.tree.leaves(tree) if hasattr(leaf, "nbytes"))
 
 
-def memory_report(state: Any, cfg: Config, mesh: jax.sharding.Mesh) -> str:
+def memory_report(cfg: Config, mesh: jax.sharding.Mesh, placement: list[str] = ()) -> str:
     """A few lines: parameter count, bytes of params / optimizer state / gradients, activations estimate,
-    per-device memory where the backend reports it, host RSS."""
+    where the engine keeps the state (`placement`), per-device memory where the backend reports it, host RSS."""
+    from angel_jax.train.engines import state_bytes
+
     counts = gpt.param_count(cfg.model)
-    params, opt = tree_bytes(state.params), tree_bytes(state.opt_state)
+    params = counts["total"] * jax.numpy.dtype(cfg.model.param_dtype).itemsize
+    opt = state_bytes(cfg) - 2 * params
     m = cfg.model
     per_device_batch = cfg.train.batch_size // mesh.size
     # Saved activations per block without remat: ~ (attention inputs, qkv, mlp hidden, residuals) in compute
@@ -37,10 +40,11 @@ def memory_report(state: Any, cfg: Config, mesh: jax.sharding.Mesh) -> str:
     lines = [
         f"model: {counts['total'] / 1e6:.2f}M parameters ({counts['matmul'] / 1e6:.2f}M in matmuls), "
         f"{m.n_layers} blocks x d_model {m.d_model}, seq_len {m.seq_len}",
-        f"state per device: params {human_bytes(params)}, optimizer {human_bytes(opt)}, "
+        f"state: params {human_bytes(params)}, optimizer {human_bytes(opt)}, "
         f"gradients {human_bytes(params)}, activations ~{human_bytes(act_bytes)}"
         f" -> ~{human_bytes(2 * params + opt + act_bytes)}",
     ]
+    lines += list(placement)
     for device in mesh.devices.flat[:4]:
         stats = device.memory_stats() if hasattr(device, "memory_stats") else None
         if stats and "bytes_limit" in stats:
