@@ -3,6 +3,7 @@
     angel-jax train CONFIG [key=value ...]     train (resumes from the run directory's newest checkpoint)
     angel-jax data prepare [--source S] ...    turn text files into token shards
     angel-jax bench io                         measure H2D/D2H/disk/memcpy bandwidths (cost-model calibration)
+    angel-jax ckpt ls|verify RUN_DIR [STEP]    list a run's checkpoints per tier / check their checksums
     angel-jax config [CONFIG]                  list every config key with its type, default and meaning
 """
 
@@ -22,6 +23,12 @@ overridden as key=value, e.g. `optimizer.lr=3e-4 train.steps=200 train.run_dir=r
 (runs/<config name> by default) receives config.yaml (the resolved config), metrics.jsonl and checkpoints/; a
 second run with the same run directory resumes from its newest checkpoint (train.resume=false starts over).
 `angel-jax config` lists every key."""
+
+_CKPT_HELP = """\
+A run's checkpoints live in three tiers: memory (a RAM-backed directory, checkpoint.memory_dir), peer (a copy on
+another host, checkpoint.peer_dir) and persistent (<run_dir>/checkpoints, ordinary orbax checkpoints). `ls` lists
+each step's state per tier (snapshotted, backed_up, persisted, partial) without reading data; `verify` reads every
+committed copy and checks every array's CRC-32 (exit status 1 if any copy is damaged)."""
 
 _DATA_HELP = """\
 Tokenize text files into memory-mapped token shards (uint16 .bin files) plus meta.json. `--source stdlib` (the
@@ -50,6 +57,14 @@ def _parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="measure this machine (bench io: bandwidths for the cost model)")
     bench.add_argument("what", choices=["io"], help="io: H2D/D2H, device copy, disk tier, memcpy")
     bench.add_argument("rest", nargs=argparse.REMAINDER, help="options passed to the benchmark (see --help)")
+
+    ckpt = sub.add_parser("ckpt", help="inspect a run's checkpoints (ls, verify)", description=_CKPT_HELP)
+    ckpt_sub = ckpt.add_subparsers(dest="ckpt_command", required=True)
+    ls = ckpt_sub.add_parser("ls", help="steps, tiers, states and sizes", description=_CKPT_HELP)
+    ls.add_argument("run_dir", type=Path, help="the run directory (e.g. runs/gpt_tiny)")
+    verify = ckpt_sub.add_parser("verify", help="read every copy and check its checksums", description=_CKPT_HELP)
+    verify.add_argument("run_dir", type=Path, help="the run directory (e.g. runs/gpt_tiny)")
+    verify.add_argument("step", type=int, nargs="?", help="only this step (default: every committed step)")
 
     cfg = sub.add_parser("config", help="list every config key with type, default and meaning")
     cfg.add_argument("config", type=Path, nargs="?", help="show this file's resolved values instead")
@@ -93,6 +108,17 @@ def _bench(args: argparse.Namespace) -> int:
     return bench_io.main(args.rest)
 
 
+def _ckpt(args: argparse.Namespace) -> int:
+    from angel_jax.train.checkpointing import list_table, verify_report
+
+    if args.ckpt_command == "ls":
+        print("\n".join(list_table(args.run_dir)))
+        return 0
+    ok, lines = verify_report(args.run_dir, args.step)
+    print("\n".join(lines))
+    return 0 if ok else 1
+
+
 def _config(args: argparse.Namespace) -> int:
     if args.config is None:
         print("\n".join(describe()))
@@ -114,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
                         datefmt="%H:%M:%S")
     for noisy in ("absl", "jax._src", "orbax"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    handlers = {"train": _train, "data": _data, "bench": _bench, "config": _config}
+    handlers = {"train": _train, "data": _data, "bench": _bench, "ckpt": _ckpt, "config": _config}
     try:
         return handlers[args.command](args)
     except ConfigError as e:

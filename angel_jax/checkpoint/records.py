@@ -8,11 +8,13 @@ from typing import Any, Literal
 
 import numpy as np
 
+from angel_jax.errors import AngelError
+
 Tier = Literal["memory", "peer", "persistent"]
 TIERS: tuple[Tier, ...] = ("memory", "peer", "persistent")  # restore order: fastest first
 
 
-class CheckpointError(Exception):
+class CheckpointError(AngelError):
     """A checkpoint could not be saved or restored; `step` and `stage` say which and where (None when unknown)."""
 
     def __init__(self, message: str, *, step: int | None = None, stage: str | None = None,

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+from angel_jax.errors import AngelError
 
-class PageStoreError(Exception):
+
+class PageStoreError(AngelError):
     """Base class: a page-store operation that cannot be done. The store's state is unchanged by a refused
     operation (a raise at issue time) and rolled back by a failed one (a raise from `PageHandle.wait`)."""
 

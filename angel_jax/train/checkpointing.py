@@ -108,3 +108,61 @@ class TrainCheckpointer:
     def close(self) -> None:
         """Waits for background saves (the last checkpoint is committed before the process moves on)."""
         self.engine.close()
+
+
+# ------------------------------------------------------------------------------------------------- inspection
+
+
+def engine_for_run(run_dir: Path) -> CheckpointEngine:
+    """A checkpoint engine over a run directory's tiers, as its resolved config (<run_dir>/config.yaml) names
+    them; the defaults when the run wrote no config."""
+    from angel_jax.config import Config, load_config
+
+    run_dir = Path(run_dir)
+    if not run_dir.is_dir():
+        raise CheckpointError(f"run directory {run_dir} does not exist")
+    config_file = run_dir / "config.yaml"
+    cfg = load_config(config_file) if config_file.is_file() else Config()
+    return CheckpointEngine(checkpoint_options(cfg, run_dir))
+
+
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return str(n)
+
+
+def list_table(run_dir: Path) -> list[str]:
+    """`angel-jax ckpt ls`: one line per step with its state and size in each tier (no checksum reading)."""
+    with engine_for_run(run_dir) as engine:
+        infos = engine.list()
+        roots = engine._tier_roots()
+    if not infos:
+        return [f"no checkpoints ({roots})"]
+    lines = [f"{'step':>8}  {'memory':<22}{'peer':<22}{'persistent':<22}"]
+    for info in infos:
+        cells = []
+        for tier in ("memory", "peer", "persistent"):
+            t = info.tiers.get(tier)
+            cells.append(f"{t.state} {_size(t.nbytes)}" if t else "-")
+        lines.append(f"{info.step:>8}  " + "".join(f"{c:<22}" for c in cells))
+    lines.append(f"tiers: {roots}")
+    return lines
+
+
+def verify_report(run_dir: Path, step: int | None = None) -> tuple[bool, list[str]]:
+    """`angel-jax ckpt verify`: read every committed copy of `step` (default: every step) and check each array's
+    CRC-32. Returns (all good, lines)."""
+    with engine_for_run(run_dir) as engine:
+        steps = [step] if step is not None else [i.step for i in engine.list() if i.committed]
+        if not steps:
+            return False, ["no committed checkpoint to verify"]
+        ok, lines = True, []
+        for s in steps:
+            problems = engine.verify(s)
+            ok = ok and not problems
+            lines.append(f"step {s}: " + ("ok" if not problems else "DAMAGED"))
+            lines += [f"  {p}" for p in problems]
+    return ok, lines

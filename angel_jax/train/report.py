@@ -45,7 +45,7 @@ def memory_report(cfg: Config, mesh: jax.sharding.Mesh, placement: list[str] = (
         f" -> ~{human_bytes(2 * params + opt + act_bytes)}",
     ]
     lines += list(placement)
-    for device in mesh.devices.flat[:4]:
+    for device in [d for d in mesh.devices.flat if d.process_index == jax.process_index()][:4]:
         stats = device.memory_stats() if hasattr(device, "memory_stats") else None
         if stats and "bytes_limit" in stats:
             lines.append(f"{device}: in use {human_bytes(stats.get('bytes_in_use', 0))} of "
