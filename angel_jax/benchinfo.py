@@ -47,6 +47,9 @@ def machine_info() -> dict[str, Any]:
         "versions": {p: _version(p) for p in ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "tensorstore")},
         "python": platform.python_version(),
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        # The 1-minute load average when the figure was written: on a shared machine, a figure taken under load
+        # says so.
+        "loadavg_1m": round(os.getloadavg()[0], 2) if hasattr(os, "getloadavg") else None,
     }
 
 
