@@ -7,7 +7,7 @@
     restored = engine.restore()          # newest valid: memory -> peer -> persistent, checksums verified
 
 Modules: options (CheckpointOptions), snapshot (the memory/peer directory format, reading, checking), memtier
-(the fast, buffer-reusing snapshot writer), checksum (parallel CRC-32), persist (the orbax tier; its docstring
+(the fast, buffer-reusing snapshot writer), checksum (XXH3-64 per array), persist (the orbax tier; its docstring
 shows how plain orbax reads a checkpoint), retention (pure policy), faults (crash-test hook), engine (the shell).
 """
 

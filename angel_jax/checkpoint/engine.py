@@ -3,16 +3,23 @@
 A save, in order:
 
     save()  [blocks]   copy every array into memory_dir/step_<k>.tmp/data.bin              state "copied"
-    worker             CRC-32 of the copy, index.json, rename to step_<k>/  (the commit)  state "snapshotted"
+    worker             XXH3-64 of the copy, index.json, rename to step_<k>/  (the commit) state "snapshotted"
     worker             copy to peer_dir/step_<k>/ (tmp + fsync + rename)                  state "backed_up"
     worker             orbax save of the snapshot's bytes to persistent_dir/<k>/          state "persisted"
     worker             retention in every tier
 
-Why the checksum is not in the blocking part: zlib's CRC-32 runs at ~2-3 GB/s per core here, a memcpy into the
-already-mapped snapshot at ~10 GB/s, so checksumming inside save() would have tripled the training stall. The
-checksum is computed from the snapshot (never the live arrays), and a snapshot only gets its committed name after
-its checksums are written, so every committed checkpoint in every tier carries them. The price: a crash in the
-~0.5 s/GiB between save() returning and the commit loses that snapshot, and restore falls back to the previous one.
+`save(..., hold=True)` moves the copy itself off the training thread too: the engine only takes references to the
+arrays, and the worker copies them into the memory tier, then sets `handle.released`. The caller promises that the
+arrays stay unchanged and alive until then: for jax arrays (immutable) that means not donating or deleting them,
+which the in-memory train engine does by running its step without donation while a held save is copying. The
+training stall is then the time to hand over references (microseconds), at the price of the arrays' memory being
+kept until the copy is done. Without `hold` (numpy arrays that the caller updates in place, such as host pages),
+save() copies before it returns.
+
+Why the checksum is not in the blocking part: hashing is cheap (XXH3-64, ~11 GB/s per core here) but not free, and
+it is computed from the snapshot (never the live arrays). A snapshot only gets its committed name after its
+checksums are written, so every committed checkpoint in every tier carries them. The price: a crash between save()
+returning and the commit loses that snapshot, and restore falls back to the previous one.
 
 Work for a step whose persistence has not started when a newer save arrives is skipped ("superseded", except steps
 kept by keep_every): the memory tier has it, and persisting an older state behind a newer one only delays the newer.
@@ -34,7 +41,7 @@ import jax
 import numpy as np
 
 from angel_jax.checkpoint import snapshot as snap
-from angel_jax.checkpoint.checksum import crc32_many
+from angel_jax.checkpoint.checksum import digest_many
 from angel_jax.checkpoint.faults import fault_point
 from angel_jax.checkpoint.memtier import MemoryTierFull, SnapshotWriter
 from angel_jax.checkpoint.options import CheckpointOptions
@@ -51,13 +58,15 @@ _TERMINAL = ("persisted", "superseded", "failed")
 class SaveHandle:
     """Progress of one save: copied -> snapshotted -> [backed_up ->] persisted | superseded | failed."""
 
-    def __init__(self, step: int):
+    def __init__(self, step: int, released: threading.Event | None = None):
         self.step = step
         self.stall_s = 0.0
         self.timings: dict[str, float] = {}  # ckpt/... metric names -> seconds
         self.errors: list[CheckpointError] = []
         self._state = "copied"
         self._done = threading.Event()
+        self.released = released if released is not None else threading.Event()
+        """Set once the engine no longer needs the caller's arrays (at return, or after a held save's copy)."""
 
     @property
     def state(self) -> str:
@@ -85,9 +94,12 @@ class SaveHandle:
 class _Job:
     step: int
     index: snap.SnapshotIndex
-    tmp: Path
+    tmp: Path | None
+    """The snapshot's .tmp directory; None until a held save's arrays are copied."""
     handle: SaveHandle
     started: float
+    held: dict[str, Any] | None = None
+    """A held save's arrays, until the worker has copied them."""
     extra: dict[str, Any] = field(default_factory=dict)
 
 
@@ -112,9 +124,9 @@ class CheckpointEngine:
     # ------------------------------------------------------------------------------------------- lazy resources
 
     def _pool(self) -> ThreadPoolExecutor | None:
-        """Threads for CRC-32 (zlib releases the GIL on large buffers, so chunks run in parallel)."""
+        """Threads that hash arrays (xxhash releases the GIL on large buffers)."""
         if self.options.io_threads > 1 and self._crc_pool is None:
-            self._crc_pool = ThreadPoolExecutor(self.options.io_threads, thread_name_prefix="ckpt-crc")
+            self._crc_pool = ThreadPoolExecutor(self.options.io_threads, thread_name_prefix="ckpt-hash")
         return self._crc_pool
 
     def _snapshot_writer(self) -> SnapshotWriter:
@@ -124,48 +136,80 @@ class CheckpointEngine:
 
     # ------------------------------------------------------------------------------------------- saving
 
-    def save(self, step: int, arrays: Mapping[str, np.ndarray | jax.Array], meta: dict[str, Any]) -> SaveHandle:
+    def save(self, step: int, arrays: Mapping[str, np.ndarray | jax.Array], meta: dict[str, Any], *,
+             hold: bool = False, released: threading.Event | None = None) -> SaveHandle:
         """Snapshots `arrays` into the memory tier and returns; the rest happens in the background.
 
-        The arrays may be modified, donated or deleted as soon as this returns. Bad input (non-JSON meta, object
-        dtypes, a negative step) raises here, before anything is written. If the memory tier is full or unusable,
-        the state is persisted directly (blocking) with a warning.
+        Without `hold`, the arrays may be modified, donated or deleted as soon as this returns. With `hold`, the
+        copy into the memory tier happens in the background as well, and the caller must keep the arrays unchanged
+        and alive until `handle.released` is set (the caller's own Event when `released` is given). Bad input (non-JSON meta, object dtypes, a negative step)
+        raises here, before anything is written. If the memory tier is full or unusable, the state is persisted
+        directly (blocking, or in the background with `hold`) with a warning.
         """
         if self._closed:
             raise CheckpointError("engine is closed", step=step, stage="save")
         if not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be an int >= 0, got {step!r}")
         started = self._clock()
-        host = _to_host(arrays)
-        index = snap.plan_layout(step, host, meta)
-        handle = SaveHandle(step)
+        index = snap.plan_layout(step, arrays, meta)
+        handle = SaveHandle(step, released)
         with self._lock:
             while step in self._pinned:  # the same step again while its previous save is in flight: let it finish
                 self._lock.wait()
             self._pinned.add(step)
-        try:
-            tmp = self._write_snapshot(step, index, host)
-        except MemoryTierFull as e:
-            log.warning("checkpoint step %d: %s; persisting directly (blocking) instead", step, e)
-            self._persist_directly(index, host, handle)
-            with self._lock:
-                self._pinned.discard(step)
-                self._lock.notify_all()
-            handle.stall_s = handle.timings["ckpt/stall_s"] = self._clock() - started
-            return handle
-        except BaseException:
-            with self._lock:
-                self._pinned.discard(step)
-                self._lock.notify_all()
-            raise
+        if hold:
+            for x in arrays.values():  # start device-to-host transfers now; the worker waits for them
+                if isinstance(x, jax.Array):
+                    x.copy_to_host_async()
+            job = _Job(step, index, None, handle, started, held=dict(arrays))
+        else:
+            host = _to_host(arrays)
+            try:
+                tmp = self._write_snapshot(step, index, host)
+            except MemoryTierFull as e:
+                log.warning("checkpoint step %d: %s; persisting directly (blocking) instead", step, e)
+                self._persist_directly(index, host, handle)
+                with self._lock:
+                    self._pinned.discard(step)
+                    self._lock.notify_all()
+                handle.stall_s = handle.timings["ckpt/stall_s"] = self._clock() - started
+                handle.released.set()
+                return handle
+            except BaseException:
+                with self._lock:
+                    self._pinned.discard(step)
+                    self._lock.notify_all()
+                raise
+            handle.released.set()
+            job = _Job(step, index, tmp, handle, started)
         handle.stall_s = handle.timings["ckpt/stall_s"] = self._clock() - started
         with self._lock:
-            self._queue.append(_Job(step, index, tmp, handle, started))
+            self._queue.append(job)
             if self._worker is None:
                 self._worker = threading.Thread(target=self._work, name="ckpt-persist", daemon=False)
                 self._worker.start()
             self._lock.notify_all()
         return handle
+
+    def _copy_held(self, job: "_Job") -> bool:
+        """The background half of a held save: copy the arrays into the memory tier, then release them. Returns
+        False when the memory tier could not take them and the state was persisted directly instead."""
+        t0 = self._clock()
+        try:
+            host = _to_host(job.held)
+            try:
+                job.tmp = self._write_snapshot(job.step, job.index, host)
+            except MemoryTierFull as e:
+                log.warning("checkpoint step %d: %s; persisting directly instead", job.step, e)
+                self._persist_directly(job.index, host, job.handle)
+                return False
+            finally:
+                del host
+        finally:
+            job.held = None
+            job.handle.released.set()
+            job.handle.timings["ckpt/copy_s"] = self._clock() - t0
+        return True
 
     def _write_snapshot(self, step: int, index: snap.SnapshotIndex, host: Mapping[str, np.ndarray]) -> Path:
         writer = self._snapshot_writer()
@@ -186,7 +230,7 @@ class CheckpointEngine:
     def _persist_directly(self, index: snap.SnapshotIndex, host: Mapping[str, np.ndarray], handle: SaveHandle) -> None:
         t0 = self._clock()
         try:
-            index = index.with_checksums(crc32_many([_bytes_view(host[a.name]) for a in index.arrays], self._pool()))
+            index = index.with_checksums(digest_many([_bytes_view(host[a.name]) for a in index.arrays], self._pool()))
             self._persistent.save(index, host)
         except Exception as e:  # noqa: BLE001 - every failure is surfaced, never swallowed
             self._record(handle, CheckpointError(f"checkpoint step {index.step}: persist failed (direct): {e}",
@@ -219,6 +263,8 @@ class CheckpointEngine:
                                                          step=job.step, stage=stage), cause=e)
                 job.handle._advance("failed")
             finally:
+                job.held = None
+                job.handle.released.set()  # also when the copy failed: the caller's arrays are free either way
                 with self._lock:
                     self._queue.popleft()
                     self._pinned.discard(job.step)
@@ -241,9 +287,11 @@ class CheckpointEngine:
                         snap.remove_dir(partial)
             self._cleaned = True
         job.extra["stage"] = "snapshot"
+        if job.held is not None and not self._copy_held(job):
+            return
         t0 = self._clock()
         _, views = snap.map_data(job.tmp, job.index, private=False)
-        index = job.index.with_checksums(crc32_many([_bytes_view(views[a.name]) for a in job.index.arrays],
+        index = job.index.with_checksums(digest_many([_bytes_view(views[a.name]) for a in job.index.arrays],
                                                     self._pool()))
         del views
         snap.write_index(job.tmp, index)

@@ -22,8 +22,8 @@ class CheckpointOptions:
     peer_dir: Path | None = _doc(None, "Backup copy of each snapshot, e.g. a peer host's tmpfs mount; None = no peer.")
     keep_last: int = _doc(3, "Keep this many newest checkpoints in every tier.")
     keep_every: int | None = _doc(None, "Also keep persisted steps divisible by this (persistent tier only).")
-    verify_on_restore: bool = _doc(True, "Check every array's CRC-32 before a restore returns it.")
-    io_threads: int = _doc(2, "Threads that compute CRC-32 checksums in parallel (1 = in the calling thread).")
+    verify_on_restore: bool = _doc(True, "Check every array's XXH3-64 checksum before a restore returns it.")
+    io_threads: int = _doc(2, "Threads that compute checksums in parallel (1 = in the calling thread).")
 
     def __post_init__(self) -> None:
         # Accept str paths (YAML, command line) but store Paths; reject impossible values naming the field.

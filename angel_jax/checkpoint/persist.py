@@ -4,7 +4,7 @@ Layout (what `orbax.checkpoint.CheckpointManager` itself writes, so plain orbax 
 
     <persistent_dir>/<step>/_CHECKPOINT_METADATA
     <persistent_dir>/<step>/state/   the arrays: a flat dict {name: np.ndarray}, StandardSave (tensorstore, OCDBT)
-    <persistent_dir>/<step>/meta/    JSON: the snapshot index (format, step, user meta, dtype/shape/crc32 per array)
+    <persistent_dir>/<step>/meta/    JSON: the snapshot index (format, step, user meta, dtype/shape/xxh3_64 per array)
 
 Reading it with nothing but orbax:
 
@@ -13,7 +13,7 @@ Reading it with nothing but orbax:
     ckpt = mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(),
                                                       meta=ocp.args.JsonRestore()))
     ckpt.state["w"]            # np.ndarray;  ckpt.meta["meta"] is the user meta
-    zlib.crc32(ckpt.state["w"].tobytes()) == {a["name"]: a["crc32"] for a in ckpt.meta["arrays"]}["w"]
+    xxhash.xxh3_64_intdigest(ckpt.state["w"].tobytes()) == {a["name"]: a["xxh3_64"] for a in ckpt.meta["arrays"]}["w"]
 
 Orbax refuses zero-size arrays, so empty arrays are not in `state`: their dtype and shape are in `meta.arrays`
 (nbytes 0), and restore rebuilds them. A step with only empty arrays has no `state` item.

@@ -3,8 +3,8 @@
 A snapshot of step k is a directory `step_<k>/` holding two files:
 
     data.bin     every array's raw bytes (C order, little-endian), each starting at a 4096-byte aligned offset
-    index.json   {"format": "angel_jax.snapshot/1", "step": k, "data_bytes": N, "meta": {...},
-                  "arrays": [{"name", "dtype", "shape", "offset", "nbytes", "crc32"}, ...]}
+    index.json   {"format": "angel_jax.snapshot/2", "step": k, "data_bytes": N, "meta": {...},
+                  "arrays": [{"name", "dtype", "shape", "offset", "nbytes", "xxh3_64"}, ...]}
 
 No pickle anywhere: dtypes are stored by name (`float32`, `bfloat16`, ...), meta must be JSON. One data file per
 snapshot (not one per array) keeps the file-descriptor and mmap count independent of the number of arrays, which
@@ -30,9 +30,9 @@ from typing import Any, Mapping
 import ml_dtypes
 import numpy as np
 
-from angel_jax.checkpoint.checksum import crc32_many
+from angel_jax.checkpoint.checksum import ALGORITHM, digest_many
 
-FORMAT = "angel_jax.snapshot/1"
+FORMAT = "angel_jax.snapshot/2"
 INDEX_FILE = "index.json"
 DATA_FILE = "data.bin"
 ALIGN = 4096
@@ -79,17 +79,18 @@ class ArrayEntry:
     shape: tuple[int, ...]
     offset: int
     nbytes: int
-    crc32: int | None = None  # None only while the snapshot is still being written
+    checksum: int | None = None
+    """XXH3-64 of the array's bytes (checksum.py); None only while the snapshot is still being written."""
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape), "offset": self.offset,
-                "nbytes": self.nbytes, "crc32": self.crc32}
+                "nbytes": self.nbytes, ALGORITHM: self.checksum}
 
     @staticmethod
     def from_json(obj: Mapping[str, Any]) -> "ArrayEntry":
         entry = ArrayEntry(name=str(obj["name"]), dtype=str(obj["dtype"]), shape=tuple(int(d) for d in obj["shape"]),
                            offset=int(obj["offset"]), nbytes=int(obj["nbytes"]),
-                           crc32=None if obj.get("crc32") is None else int(obj["crc32"]))
+                           checksum=None if obj.get(ALGORITHM) is None else int(obj[ALGORITHM]))
         expected = math.prod(entry.shape) * decode_dtype(entry.dtype).itemsize
         if expected != entry.nbytes or entry.offset < 0:
             raise ValueError(f"array {entry.name!r}: nbytes {entry.nbytes} does not match "
@@ -122,12 +123,12 @@ class SnapshotIndex:
                 raise ValueError(f"array {a.name!r} extends past data_bytes={index.data_bytes}")
         return index
 
-    def with_checksums(self, crcs: list[int]) -> "SnapshotIndex":
-        return replace(self, arrays=tuple(replace(a, crc32=c) for a, c in zip(self.arrays, crcs)))
+    def with_checksums(self, digests: list[int]) -> "SnapshotIndex":
+        return replace(self, arrays=tuple(replace(a, checksum=c) for a, c in zip(self.arrays, digests)))
 
     @property
     def checksums(self) -> dict[str, int | None]:
-        return {a.name: a.crc32 for a in self.arrays}
+        return {a.name: a.checksum for a in self.arrays}
 
 
 def plan_layout(step: int, arrays: Mapping[str, np.ndarray], meta: Mapping[str, Any]) -> SnapshotIndex:
@@ -255,15 +256,16 @@ def verify_arrays(index: SnapshotIndex, arrays: Mapping[str, np.ndarray], pool: 
             problems.append(f"{where}: array {a.name!r} is {arr.dtype}{list(arr.shape)}, "
                             f"index says {a.dtype}{list(a.shape)}")
             continue
-        if a.crc32 is None:
+        if a.checksum is None:
             problems.append(f"{where}: array {a.name!r} has no checksum")
             continue
         names.append(a.name)
         bufs.append(memoryview(np.ascontiguousarray(arr).reshape(-1).view(np.uint8)))
-        expected.append(a.crc32)
-    for name, got, want in zip(names, crc32_many(bufs, pool), expected):
+        expected.append(a.checksum)
+    for name, got, want in zip(names, digest_many(bufs, pool), expected):
         if got != want:
-            problems.append(f"{where}: array {name!r} checksum mismatch (crc32 {got:#010x}, expected {want:#010x})")
+            problems.append(f"{where}: array {name!r} checksum mismatch ({ALGORITHM} {got:#018x}, "
+                            f"expected {want:#018x})")
     return problems
 
 

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -54,12 +55,14 @@ class TrainCheckpointer:
 
     # --------------------------------------------------------------------------------------------- saving
 
-    def save(self, step: int, arrays: dict[str, Any], meta: dict[str, Any]) -> SaveHandle | None:
-        """Blocks only for the memory-tier snapshot; None on processes other than 0."""
+    def save(self, step: int, arrays: dict[str, Any], meta: dict[str, Any], *, hold: bool = False,
+             released: threading.Event | None = None) -> SaveHandle | None:
+        """Blocks only for the memory-tier snapshot (with `hold`, not even for that: see CheckpointEngine.save);
+        None on processes other than 0."""
         if not self.primary:
             return None
         full = {"step": step, **meta, "seed": self.cfg.train.seed, "config": to_dict(self.cfg)}
-        self.last_handle = self.engine.save(step, arrays, full)
+        self.last_handle = self.engine.save(step, arrays, full, hold=hold, released=released)
         return self.last_handle
 
     def poll_errors(self) -> list[CheckpointError]:

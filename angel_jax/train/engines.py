@@ -17,6 +17,7 @@ Two implementations, no `if paged` branches in the loop:
 from __future__ import annotations
 
 import logging
+import threading
 from typing import Any, Mapping, Protocol, runtime_checkable
 
 import jax
@@ -63,6 +64,13 @@ class TrainEngine(Protocol):
 
     def params(self) -> Any:
         """The whole model's parameters as numpy arrays, in `models.gpt`'s structure."""
+
+    # Optional (the loop uses getattr): an engine whose state_arrays() are immutable jax arrays can let a
+    # checkpoint hold them and copy them in the background instead of stalling training for the copy.
+    #   def keep_until(self, released: threading.Event) -> bool:
+    #       """Keep the arrays that state_arrays() returns next alive and unchanged (no donation) until
+    #       `released` is set; False if the engine cannot do it now (the checkpoint then copies before it
+    #       returns)."""
 
     def memory_report(self) -> list[str]:
         """Lines for the start-up memory report: where the state lives."""
@@ -116,7 +124,13 @@ def check_arrays(expected: Mapping[str, tuple[tuple[int, ...], np.dtype]], array
 
 
 class InMemoryEngine:
-    """The reference trainer: replicated parameters and optimizer state, the batch sharded over 'data'."""
+    """The reference trainer: replicated parameters and optimizer state, the batch sharded over 'data'.
+
+    The step donates the old state (no second copy of it in device memory). While a checkpoint holds the state of
+    a step (`keep_until`), the next steps run a non-donating compilation of the same step instead, so the held
+    arrays stay valid while the checkpoint copies them in the background. That variant is compiled in a
+    background thread once the first step is running, so it is ready by the first checkpoint.
+    """
 
     name = "in_memory"
 
@@ -132,11 +146,44 @@ class InMemoryEngine:
 
         # Created directly with its final (replicated) sharding: no host copy of the initial parameters.
         self.state: TrainState = jax.jit(make_state, out_shardings=self.replicated)()
-        self._step = jax.jit(make_train_step(graphdef, tx, schedule), donate_argnums=0)
+        self._step_fn = make_train_step(graphdef, tx, schedule)
+        self._step = jax.jit(self._step_fn, donate_argnums=0)
+        self._keeping: threading.Event | None = None
+        self._keep_step: Any = None  # the non-donating step, compiled ahead
+        self._keep_compile: threading.Thread | None = None
 
     def step(self, batch: jax.Array) -> dict[str, jax.Array]:
-        self.state, metrics = self._step(self.state, batch)
+        if self._keep_compile is None:
+            self._compile_keep_variant(batch)
+        if self._keeping is not None and self._keeping.is_set():
+            self._keeping = None
+        step = self._step if self._keeping is None else self._keep_step
+        self.state, metrics = step(self.state, batch)
         return metrics
+
+    def _compile_keep_variant(self, batch: jax.Array) -> None:
+        abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
+                                (self.state, batch))
+
+        def compile_it() -> None:
+            try:
+                self._keep_step = jax.jit(self._step_fn).lower(*abstract).compile()
+            except Exception as e:  # noqa: BLE001 - without it, checkpoints copy before returning: slower, correct
+                log.warning("could not compile the non-donating step (checkpoints will copy in the foreground): "
+                            "%s", e)
+
+        self._keep_compile = threading.Thread(target=compile_it, name="compile-keep-step", daemon=True)
+        self._keep_compile.start()
+
+    def keep_until(self, released: threading.Event) -> bool:
+        if self._keep_step is None:  # not compiled (yet): the checkpoint copies in the foreground this time
+            return False
+        # Holding keeps a second copy of the state alive for one step or two: only where the device has room.
+        held = sum(_local(a).nbytes for a in jax.tree.leaves(self.state))
+        if device_free_bytes(self.mesh.devices.flat[0]) < 1.25 * held:
+            return False
+        self._keeping = released
+        return True
 
     def state_arrays(self) -> dict[str, Any]:
         # A replicated global array is not fully addressable in a multi-process run; its local shard is all of it.
@@ -162,7 +209,8 @@ class InMemoryEngine:
         return ["  placement          in memory: parameters and optimizer state replicated on every device"]
 
     def close(self) -> None:
-        pass
+        if self._keep_compile is not None:
+            self._keep_compile.join()
 
 
 def _local(a: Any) -> Any:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -185,8 +186,15 @@ def _checkpoint_due(cfg: Config, step: int) -> bool:
 def _save(t: Trainer, step: int) -> None:
     t.hooks.on_phase("checkpointing", step)
     meta = {"data": t.data.state().to_dict(), "engine": t.engine.state_meta()}
-    handle = t.checkpointer.save(step, t.engine.state_arrays(), meta)
-    info = {"stall_s": handle.stall_s if handle else 0.0, "state": handle.state if handle else "not primary"}
+    # Engines with immutable state let the checkpoint hold it and copy it in the background (no stall).
+    release = threading.Event()
+    keep_until = getattr(t.engine, "keep_until", None)
+    hold = t.is_primary and keep_until is not None and keep_until(release)
+    handle = t.checkpointer.save(step, t.engine.state_arrays(), meta, hold=hold, released=release)
+    if handle is None:
+        release.set()
+    info = {"stall_s": handle.stall_s if handle else 0.0, "state": handle.state if handle else "not primary",
+            "held": hold}
     t.carry["ckpt/stall_s"] = info["stall_s"]
     t.carry["ckpt/step"] = step
     t.hooks.on_checkpoint(step, info)
