@@ -20,6 +20,7 @@ from typing import Any, Literal
 import yaml
 
 from angel_jax.errors import AngelError
+from angel_jax.resilience.detectors import AnomalyConfig
 
 
 class ConfigError(AngelError, ValueError):
@@ -77,9 +78,14 @@ class DataConfig:
     dir: str = doc("", "Where prepared token shards live; empty = data/<source>-<tokenizer> under the working directory.")
     max_bytes: int = doc(0, "Read at most this many bytes of source text (0 = all).")
     seed: int = doc(0, "Seed of the data order (independent of the model seed).")
+    skip_batches: list = doc([], "Global batch index ranges [first, last] (0-based, inclusive) never trained on, "
+                                 "e.g. [[120, 129]]; rollbacks record the windows they skip the same way.")
 
     def validate(self) -> list[tuple[str, str]]:
         errs = []
+        for r in self.skip_batches:
+            if not (isinstance(r, list) and len(r) == 2 and all(type(x) is int for x in r) and 0 <= r[0] <= r[1]):
+                errs.append(("skip_batches", f"each entry must be [first, last] with 0 <= first <= last, got {r!r}"))
         if self.max_bytes < 0:
             errs.append(("max_bytes", "must be >= 0"))
         if self.tokenizer == "bpe" and self.bpe_vocab_size < 257:
@@ -204,6 +210,37 @@ class ResilienceConfig:
 
 
 @dataclass
+class AnomalyDetectionConfig:
+    enabled: bool = doc(True, "Run the anomaly detectors on every step's figures (TEE).")
+    actions: dict = doc({}, "Detector -> action overrides, e.g. {loss_spike: log}. Detectors: nan, loss_spike, "
+                            "grad_spike, update_spike, step_time, straggler, hang, memory_growth; actions: log, "
+                            "skip, rollback, restart, exclude.")
+    thresholds: AnomalyConfig = sub(AnomalyConfig, "Detector thresholds (defaults: no false alarm on clean runs).")
+    max_consecutive_skips: int = doc(20, "Stop the run after this many updates in a row were dropped.")
+    max_rollbacks: int = doc(3, "Stop the run after this many rollbacks without reaching a new checkpoint.")
+
+    def validate(self) -> list[tuple[str, str]]:
+        from angel_jax.resilience.actions import Action, ActionPolicy
+
+        errs = [("thresholds." + key, problem) for key, problem in self.thresholds.validate()]
+        try:
+            policy = ActionPolicy.from_dict(self.actions)
+        except ValueError as e:
+            return errs + [("actions", str(e))]
+        # These detectors judge figures that differ between processes (time, memory, one rank): acting on them
+        # inside the step loop would split a data-parallel group. They may log, restart or exclude.
+        for name in ("step_time", "straggler", "hang", "memory_growth"):
+            if policy.action_for(name) in (Action.SKIP, Action.ROLLBACK):
+                errs.append((f"actions.{name}", f"{name} cannot be {policy.action_for(name).value!r}: "
+                                                 "use log, restart or exclude"))
+        if self.max_consecutive_skips < 1:
+            errs.append(("max_consecutive_skips", "must be >= 1"))
+        if self.max_rollbacks < 0:
+            errs.append(("max_rollbacks", "must be >= 0"))
+        return errs
+
+
+@dataclass
 class Config:
     name: str = doc("run", "Run name (defaults to the config file's stem).")
     model: ModelConfig = sub(ModelConfig, "The model.")
@@ -213,7 +250,8 @@ class Config:
     logging: LoggingConfig = sub(LoggingConfig, "Metrics sinks.")
     memory: MemoryConfig = sub(MemoryConfig, "Where model state lives (paged engine).")
     checkpoint: CheckpointConfig = sub(CheckpointConfig, "Checkpoints.")
-    resilience: ResilienceConfig = sub(ResilienceConfig, "Watchdog and anomaly detection.")
+    resilience: ResilienceConfig = sub(ResilienceConfig, "Watchdog: heartbeats, restarts.")
+    anomaly: AnomalyDetectionConfig = sub(AnomalyDetectionConfig, "Anomaly detection and the actions it takes.")
 
     def validate(self) -> list[tuple[str, str]]:
         errs = []

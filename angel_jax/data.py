@@ -588,6 +588,11 @@ class TokenIterator:
         self.skip(1)
         return batch
 
+    @property
+    def batch_index(self) -> int:
+        """Global index of the next batch in the stream (epoch-major, 0-based): the unit of data.skip_batches."""
+        return self.epoch * self.batches_per_epoch + self.position // self.batch_size
+
     def skip(self, n_batches: int = 1) -> None:
         """Advance past n global batches without reading them (e.g. to skip a data window after an anomaly)."""
         for _ in range(n_batches):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import random
 
 import numpy as np
 import pytest
@@ -499,3 +500,27 @@ def test_bounded_memory_noise_never_fires(noise_mib):
     cfg = MemoryGrowthConfig(window=20, warmup=0)
     seq = [(i, GiB + n * MiB) for i, n in enumerate(noise_mib)]
     assert fire_steps(MemoryGrowthDetector("host_bytes", cfg), seq)[1] == {}
+
+
+# ------------------------------------------------------------------------------------- guard bounds
+
+
+@pytest.mark.parametrize("log_scale", [False, True])
+def test_spike_bound_is_exactly_where_update_fires(log_scale):
+    """The trainer's on-device guard uses bound(state): a value above it fires, one at or below it does not."""
+    from angel_jax.resilience.detectors import SpikeConfig, SpikeDetector
+
+    cfg = SpikeConfig(window=50, warmup=10, log_scale=log_scale)
+    det = SpikeDetector("x", "x", cfg)
+    rng = random.Random(3)
+    state = det.init()
+    assert det.bound(state) == math.inf
+    for step in range(40):
+        state, fired = det.update(state, step, 2.0 + 0.1 * rng.random())
+        assert fired is None
+        if step < 9:
+            assert det.bound(state) == math.inf
+    bound = det.bound(state)
+    assert 2.0 < bound < math.inf
+    assert det.update(state, 40, bound * (1 + 1e-9))[1] is not None
+    assert det.update(state, 40, bound * (1 - 1e-9))[1] is None

@@ -32,6 +32,7 @@ from angel_jax.errors import AngelError
 from angel_jax.train import loop
 from angel_jax.train import metrics as M
 from angel_jax.checkpoint import CheckpointEngine, CheckpointOptions
+from angel_jax.resilience.events import read_events
 from angel_jax.train.hooks import TrainHooks
 from angel_jax.train.loop import TrainingDiverged, TrainResult, train
 from models import gpt
@@ -411,14 +412,22 @@ def diverged(tmp_path_factory, write_tiny_config) -> Diverged:
 
 
 @pytest.mark.slow
-def test_divergence_raises_naming_the_step(diverged):
+def test_divergence_is_rolled_back_then_stops_naming_the_step(diverged):
+    """lr=1e30: every update overflows (update_norm inf) from step 1. The guard drops it on the device, the NaN
+    detector asks for a rollback (to the initial state: no checkpoint yet), the bad batch is skipped, and after
+    anomaly.max_rollbacks (3) rollbacks the run stops with an error naming the step."""
     assert isinstance(diverged.error, TrainingDiverged)
-    assert diverged.seen and diverged.seen == list(range(1, len(diverged.seen) + 1))
-    bad = len(diverged.seen) + 1  # the first step whose numbers were not finite
-    assert re.match(rf"step {bad}: .*(nan|inf)", str(diverged.error)), str(diverged.error)
-    records = M.read_jsonl(diverged.run_dir / "metrics.jsonl")
-    assert [r["step"] for r in records] == diverged.seen  # the diverged step is not logged
-    assert all(math.isfinite(r["loss"]) for r in records)
+    assert re.match(r"step 1: the anomaly came back after 3 rollbacks to step 0", str(diverged.error)), diverged.error
+    assert diverged.seen == []  # no step's figures were accepted
+    assert not (diverged.run_dir / "metrics.jsonl").exists() or M.read_jsonl(diverged.run_dir / "metrics.jsonl") == []
+    assert diverged.committed == []  # nothing good to checkpoint
+    events = list(read_events(diverged.run_dir / "events.jsonl"))
+    nans = [e for e in events if e["kind"] == "anomaly"]
+    assert len(nans) == 4 and {e["detector"] for e in nans} == {"nan"} and all(e["step"] == 1 for e in nans)
+    assert all(e["requested"] == "rollback" and "inf" in e["message"] for e in nans)
+    rollbacks = [e for e in events if e["kind"] == "rollback"]
+    assert [e["skipped_batches"] for e in rollbacks] == [[0, 0], [1, 1], [2, 2]]
+    assert all(e["to_step"] == 0 and e["tier"] == "initial state" for e in rollbacks)
 
 
 @pytest.mark.slow
@@ -428,9 +437,14 @@ def test_cli_divergence_returns_1_with_the_message(diverged):
 
 
 @pytest.mark.slow
-def test_diverged_run_has_committed_its_last_good_checkpoint(diverged):
-    last_good = len(diverged.seen)
-    assert diverged.committed[-1:] == [last_good], diverged.committed
+def test_updates_dropped_in_a_row_stop_the_run(tmp_path, write_tiny_config):
+    """With nan: skip, the guard drops every overflowing update and the run stops after max_consecutive_skips."""
+    cfg_path = write_tiny_config(tmp_path, "skips", optimizer=DIVERGE, train={"steps": 30},
+                                 anomaly={"actions": {"nan": "skip"}, "max_consecutive_skips": 5})
+    with pytest.raises(TrainingDiverged, match=r"step 5: 5 updates in a row were dropped"):
+        _train(cfg_path)
+    skipped = [e for e in read_events(tmp_path / "skips" / "events.jsonl") if e["kind"] == "anomaly"]
+    assert [(e["step"], e["taken"]) for e in skipped] == [(s, "skipped") for s in range(1, 6)]
 
 
 # ---------------------------------------------------------------------------------------------------- CLI

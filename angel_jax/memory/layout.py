@@ -117,12 +117,14 @@ class StageLayout:
         out: list = []
         for group in self._groups():
             first = self.pages[group[0].id - self.pages[0].id]
-            parts = [xp.reshape(leaves[i], (-1,)) for i, s in enumerate(self.slots) if _in_group(s, group)]
+            parts = [_as_bits(xp, xp.reshape(leaves[i], (-1,)))
+                     for i, s in enumerate(self.slots) if _in_group(s, group)]
             pad = len(group) * first.length - sum(p.used for p in group)
             if pad:
-                parts.append(xp.zeros((pad,), first.dtype))
+                parts.append(_as_bits(xp, xp.zeros((pad,), first.dtype)))
             flat = xp.concatenate(parts)  # copies even a single part: pages never alias the caller's leaves
-            out.extend(flat[k * first.length:(k + 1) * first.length] for k in range(len(group)))
+            out.extend(_from_bits(xp, flat[k * first.length:(k + 1) * first.length], first.dtype)
+                       for k in range(len(group)))
         return tuple(out)
 
     def unpack(self, pages: Sequence) -> PyTree:
@@ -141,9 +143,9 @@ class StageLayout:
                 leaves.append(xp.zeros(slot.shape, slot.dtype))
                 continue
             length = self.pages[slot.page - first_id].length
-            parts = [pages[pid - first_id][a:b] for pid, a, b in slot.spans(length)]
+            parts = [_as_bits(xp, pages[pid - first_id][a:b]) for pid, a, b in slot.spans(length)]
             flat = xp.concatenate(parts)  # a fresh buffer: leaves never alias the pages
-            leaves.append(xp.reshape(flat, slot.shape))
+            leaves.append(xp.reshape(_from_bits(xp, flat, slot.dtype), slot.shape))
         return jax.tree_util.tree_unflatten(self.treedef, leaves)
 
     def _groups(self) -> list[list[PageSpec]]:
@@ -170,6 +172,24 @@ class StageLayout:
                                  f"got {dtype}{list(shape)}")
             leaves.append(leaf)
         return leaves
+
+
+def _as_bits(xp: Any, x: Any) -> Any:
+    """Floats as same-width unsigned integers under jax: XLA's CPU backend may quiet or canonicalise NaN payloads
+    when it moves floats through concatenate and slice (seen for bfloat16), and pages must hold bits unchanged.
+    The bitcasts are free; numpy moves bytes as they are and needs none."""
+    if xp is np or not jnp.issubdtype(x.dtype, jnp.floating):
+        return x
+    return jax.lax.bitcast_convert_type(x, _UINT[np.dtype(x.dtype).itemsize])
+
+
+def _from_bits(xp: Any, x: Any, dtype: np.dtype) -> Any:
+    if xp is np or x.dtype == dtype:
+        return x
+    return jax.lax.bitcast_convert_type(x, dtype)
+
+
+_UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
 
 
 def _in_group(slot: LeafSlot, group: list[PageSpec]) -> bool:

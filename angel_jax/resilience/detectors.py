@@ -250,6 +250,21 @@ class SpikeDetector:
     def init(self) -> SpikeState:
         return SpikeState()
 
+    def bound(self, state: SpikeState) -> float:
+        """The value above which `update(state, ...)` fires (inf during warm-up): the trainer's guard drops an
+        update whose figure exceeds it, on the device, before the host has read the figure."""
+        cfg = self.config
+        window = state.window[-cfg.window:]
+        if len(window) < cfg.warmup:
+            return math.inf
+        ordered = sorted(window)
+        center = _median(ordered)
+        sigma = MAD_TO_SIGMA * _median(sorted([abs(v - center) for v in ordered]))
+        med = math.exp(center) if cfg.log_scale else center
+        z_edge = center + cfg.z_threshold * sigma
+        return max(med + max(cfg.min_abs_dev, cfg.min_rel_dev * abs(med)),
+                   math.exp(min(z_edge, 700.0)) if cfg.log_scale else z_edge)
+
     def update(self, state: SpikeState, step: int, value: float | None) -> tuple[SpikeState, Anomaly | None]:
         cfg = self.config
         if value is None or not math.isfinite(value) or (cfg.log_scale and value <= 0):

@@ -65,6 +65,11 @@ class TrainCheckpointer:
         self.last_handle = self.engine.save(step, arrays, full, hold=hold, released=released)
         return self.last_handle
 
+    def wait(self) -> None:
+        """Until the newest save is committed (or failed); its errors stay for poll_errors()."""
+        if self.last_handle is not None:
+            self.last_handle.wait()
+
     def poll_errors(self) -> list[CheckpointError]:
         """Background save failures since the last call: training goes on; the caller warns."""
         return self.engine.poll_errors()

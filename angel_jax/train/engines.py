@@ -29,7 +29,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from angel_jax.config import Config
 from angel_jax.errors import AngelError
 from angel_jax.optim import make_optimizer
-from angel_jax.train.step import TrainState, init_state, make_train_step
+from angel_jax.train.step import StepControls, TrainState, init_state, make_train_step
 from models import gpt
 
 log = logging.getLogger(__name__)
@@ -48,9 +48,11 @@ class TrainEngine(Protocol):
     batch_sharding: jax.sharding.Sharding
     """Where `step` expects the global batch."""
 
-    def step(self, batch: jax.Array) -> dict[str, jax.Array]:
+    def step(self, batch: jax.Array, controls: StepControls | None = None) -> dict[str, jax.Array]:
         """One optimizer step on a global batch int32[B, T+1]; returns loss, grad_norm (before clipping),
-        update_norm and lr as scalars that may still be computing (the loop reads them one step late)."""
+        update_norm, lr and skipped (1.0 when the guard dropped the update) as scalars that may still be
+        computing (the loop reads them one step late). `controls`: the guard's bounds and the lr multiplier
+        (train/step.py); None = no bounds beyond finiteness."""
 
     def state_arrays(self) -> dict[str, Any]:
         """Every array of the training state after the last step, by stable name (numpy or jax arrays). They
@@ -152,18 +154,20 @@ class InMemoryEngine:
         self._keep_step: Any = None  # the non-donating step, compiled ahead
         self._keep_compile: threading.Thread | None = None
 
-    def step(self, batch: jax.Array) -> dict[str, jax.Array]:
+    def step(self, batch: jax.Array, controls: StepControls | None = None) -> dict[str, jax.Array]:
+        # numpy scalars: jit treats host values as replicated inputs, in multi-process runs too.
+        controls = (controls or StepControls()).as_numpy()
         if self._keep_compile is None:
-            self._compile_keep_variant(batch)
+            self._compile_keep_variant(batch, controls)
         if self._keeping is not None and self._keeping.is_set():
             self._keeping = None
         step = self._step if self._keeping is None else self._keep_step
-        self.state, metrics = step(self.state, batch)
+        self.state, metrics = step(self.state, batch, controls)
         return metrics
 
-    def _compile_keep_variant(self, batch: jax.Array) -> None:
-        abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=a.sharding),
-                                (self.state, batch))
+    def _compile_keep_variant(self, batch: jax.Array, controls: StepControls) -> None:
+        abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=getattr(a, "sharding", None)),
+                                (self.state, batch, controls))
 
         def compile_it() -> None:
             try:
@@ -176,7 +180,9 @@ class InMemoryEngine:
         self._keep_compile.start()
 
     def keep_until(self, released: threading.Event) -> bool:
-        if self._keep_step is None:  # not compiled (yet): the checkpoint copies in the foreground this time
+        if self._keep_compile is not None:
+            self._keep_compile.join()  # long done on real runs (compiled since step 1); tiny test runs may wait
+        if self._keep_step is None:  # could not compile: the checkpoint copies in the foreground
             return False
         # Holding keeps a second copy of the state alive for one step or two: only where the device has room.
         held = sum(_local(a).nbytes for a in jax.tree.leaves(self.state))

@@ -4,13 +4,13 @@ The loop knows nothing about where the model state lives: it drives a `TrainEngi
 paged, by `memory.mode`; see engines.py). Data parallel over every device of every process: each process feeds
 its rows of the global batch. Metrics are fetched one step late (step t's numbers are read after step t+1 is
 dispatched) so the host never stalls the device just to log. Checkpoints go through the checkpoint engine: the
-loop blocks only for the memory-tier snapshot.
+loop blocks only for handing the state over. Every step's figures go through the anomaly monitor (anomaly.py),
+whose guard drops bad updates on the device and whose verdict may roll the run back to its last checkpoint.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from dataclasses import dataclass, field
@@ -23,8 +23,11 @@ import numpy as np
 from angel_jax import config as config_lib
 from angel_jax import data as data_lib
 from angel_jax.config import Config
-from angel_jax.errors import AngelError
+from angel_jax.resilience.actions import Action
+from angel_jax.resilience.events import EventLog
 from angel_jax.train import metrics as metrics_lib
+from angel_jax.train.anomaly import (EXIT_EXCLUDE, EXIT_RESTART, AnomalyMonitor, RestartRequested,
+                                     TrainingDiverged, Verdict)
 from angel_jax.train.checkpointing import TrainCheckpointer
 from angel_jax.train.engines import TrainEngine, build_engine
 from angel_jax.train.hooks import HookList, OnStep, TrainHooks
@@ -33,9 +36,7 @@ from models import gpt
 
 log = logging.getLogger("angel_jax.train")
 
-
-class TrainingDiverged(AngelError, RuntimeError):
-    """Loss or gradient norm became NaN/Inf; the message names the step."""
+__all__ = ["TrainResult", "Trainer", "TrainingDiverged", "RestartRequested", "setup", "train"]
 
 
 @dataclass
@@ -48,15 +49,22 @@ class Trainer:
     engine: TrainEngine
     data: data_lib.TokenIterator
     checkpointer: TrainCheckpointer
+    monitor: AnomalyMonitor
+    events: EventLog
     sinks: list[metrics_lib.MetricsSink]
     hooks: HookList
     start_step: int
     flops_per_token: float
     peak: metrics_lib.Peak
     is_primary: bool
+    skips: list[list[int]] = field(default_factory=list)
+    """Global batch index ranges [first, last] this run will never train on (config + rollbacks)."""
+    trail: dict[int, tuple[int, dict]] = field(default_factory=dict)
+    """step -> (its batch index, the data iterator's state after its batch), since the last checkpoint."""
     history: list[dict] = field(default_factory=list)
     carry: dict[str, float] = field(default_factory=dict)
     """Figures measured between steps (checkpoint stalls), written with the next logged record."""
+    progress: Any = None
 
 
 @dataclass(frozen=True)
@@ -107,6 +115,9 @@ def setup(cfg: Config, hooks: HookList) -> Trainer:
     # Auto axes: XLA's partitioner places the replicated-parameter / sharded-batch computation.
     mesh = jax.make_mesh((len(devices),), ("data",), devices=devices, axis_types=(jax.sharding.AxisType.Auto,))
     engine = build_engine(cfg, mesh)
+    events = EventLog(run_dir / "events.jsonl", source=f"rank{jax.process_index()}")
+    monitor = AnomalyMonitor(cfg.anomaly, rank=jax.process_index(), primary=is_primary, events=events)
+    skips = [list(r) for r in cfg.data.skip_batches]
 
     checkpointer = TrainCheckpointer(cfg, run_dir, primary=is_primary)
     start_step = 0
@@ -119,7 +130,12 @@ def setup(cfg: Config, hooks: HookList) -> Trainer:
             start_step, arrays, meta, tier = restored
             engine.load_state(arrays, meta.get("engine", {}))
             data.restore(data_lib.IteratorState.from_dict(meta["data"]))
+            skips += [r for r in meta.get("data_skips", []) if r not in skips]
+            if "tee" in meta:
+                monitor.load_state_dict(meta["tee"])
             log.info("resumed from the checkpoint of step %d (%s tier)", start_step, tier)
+            if is_primary:
+                events.write("resumed", step=start_step, tier=tier)
 
     sinks: list[metrics_lib.MetricsSink] = []
     if is_primary:
@@ -127,8 +143,9 @@ def setup(cfg: Config, hooks: HookList) -> Trainer:
         if cfg.logging.tensorboard:
             sinks.append(metrics_lib.TensorBoardSink(run_dir / "tb"))
     return Trainer(cfg=cfg, run_dir=run_dir, mesh=mesh, engine=engine, data=data, checkpointer=checkpointer,
-                   sinks=sinks, hooks=hooks, start_step=start_step, flops_per_token=gpt.flops_per_token(cfg.model),
-                   peak=metrics_lib.device_peak(devices[0]), is_primary=is_primary)
+                   monitor=monitor, events=events, sinks=sinks, hooks=hooks, start_step=start_step,
+                   flops_per_token=gpt.flops_per_token(cfg.model), peak=metrics_lib.device_peak(devices[0]),
+                   is_primary=is_primary, skips=skips)
 
 
 def train(cfg: Config, *, hooks: Sequence[TrainHooks] = (),
@@ -149,33 +166,50 @@ def train(cfg: Config, *, hooks: Sequence[TrainHooks] = (),
 
 def _run(t: Trainer) -> TrainResult:
     cfg, steps = t.cfg, t.cfg.train.steps
-    tokens_per_step = cfg.train.batch_size * cfg.model.seq_len
     if t.is_primary:
         print(memory_report(cfg, t.mesh, t.engine.memory_report()), flush=True)
-    progress = _progress(t)
+    t.progress = _progress(t)
     t.hooks.on_phase("compiling", t.start_step)
 
-    pending: tuple[int, dict] | None = None  # (step, its metrics still on the device)
+    step, pending = t.start_step, None  # pending: (step, its metrics still on the device, dispatch time)
     last_done = time.perf_counter()
-    for step in range(t.start_step + 1, steps + 1):
-        batch = jax.make_array_from_process_local_data(t.engine.batch_sharding, next(t.data))
-        step_metrics = t.engine.step(batch)
+    while step < steps or pending is not None:
+        dispatched = None
+        if step < steps:
+            step += 1
+            batch = jax.make_array_from_process_local_data(t.engine.batch_sharding, _next_batch(t, step))
+            dispatched = (step, t.engine.step(batch, t.hooks.on_controls(step, t.monitor.controls())))
         if pending is not None:
-            last_done = _finish(t, pending, last_done, tokens_per_step, progress)
-        pending = (step, step_metrics)
-        if _checkpoint_due(cfg, step):
-            _finish(t, pending, last_done, tokens_per_step, progress)  # never checkpoint a diverged state
+            last_done, verdict = _finish(t, pending, last_done)
+            if verdict.action is not None:
+                step = _act(t, pending[0], verdict)  # the step dispatched meanwhile is dropped with it
+                pending, last_done = None, time.perf_counter()
+                continue
+        pending = dispatched
+        if pending is not None and _checkpoint_due(cfg, pending[0]):
+            last_done, verdict = _finish(t, pending, last_done)  # never checkpoint a state with an anomaly
             pending = None
-            _save(t, step)
+            if verdict.action is not None:
+                step = _act(t, step, verdict)
+            else:
+                _save(t, step)
             last_done = time.perf_counter()  # the save's blocking part is not a training step
-    if pending is not None:
-        _finish(t, pending, last_done, tokens_per_step, progress)
-    if progress is not None:
-        progress.close()
+    if t.progress is not None:
+        t.progress.close()
     t.checkpointer.close()  # the final checkpoint is committed before train() returns
     _report_checkpoint_errors(t)
     t.hooks.on_phase("done", steps)
     return TrainResult(t.run_dir, steps, t.history, t.engine.params())
+
+
+def _next_batch(t: Trainer, step: int) -> np.ndarray:
+    """This process's rows of the next batch that is not in a skipped window; remembers where it came from."""
+    while any(a <= t.data.batch_index <= b for a, b in t.skips):
+        t.data.skip(1)
+    index = t.data.batch_index
+    batch = next(t.data)
+    t.trail[step] = (index, t.data.state().to_dict())
+    return t.hooks.on_batch(step, index, batch)
 
 
 def _checkpoint_due(cfg: Config, step: int) -> bool:
@@ -185,7 +219,8 @@ def _checkpoint_due(cfg: Config, step: int) -> bool:
 
 def _save(t: Trainer, step: int) -> None:
     t.hooks.on_phase("checkpointing", step)
-    meta = {"data": t.data.state().to_dict(), "engine": t.engine.state_meta()}
+    meta = {"data": t.data.state().to_dict(), "engine": t.engine.state_meta(), "data_skips": t.skips,
+            "tee": t.monitor.state_dict()}
     # Engines with immutable state let the checkpoint hold it and copy it in the background (no stall).
     release = threading.Event()
     keep_until = getattr(t.engine, "keep_until", None)
@@ -197,59 +232,108 @@ def _save(t: Trainer, step: int) -> None:
             "held": hold}
     t.carry["ckpt/stall_s"] = info["stall_s"]
     t.carry["ckpt/step"] = step
+    t.trail = {}
+    t.monitor.checkpoint_saved()
     t.hooks.on_checkpoint(step, info)
     t.hooks.on_phase("training", step)
+
+
+def _act(t: Trainer, bad_step: int, verdict: Verdict) -> int:
+    """Carry out a verdict about `bad_step`; returns the step the loop continues after."""
+    if verdict.action in (Action.RESTART, Action.EXCLUDE):
+        code = EXIT_RESTART if verdict.action == Action.RESTART else EXIT_EXCLUDE
+        raise RestartRequested(f"step {bad_step}: {verdict.action.value} requested: {verdict.reason}. Under "
+                               "`angel-jax launch` the watchdog restarts from the last checkpoint; otherwise run "
+                               "the same command again to resume", code)
+    return _rollback(t, bad_step, verdict)
+
+
+def _rollback(t: Trainer, bad_step: int, verdict: Verdict) -> int:
+    """Back to the newest valid checkpoint (or the initial state), with the data moved past the bad window."""
+    t.hooks.on_phase("restoring", bad_step)
+    t.checkpointer.wait()  # a save still being committed is the newest good state
+    restored = t.checkpointer.restore_latest()
+    if restored is not None:
+        to_step, arrays, meta, tier = restored
+        t.engine.load_state(arrays, meta.get("engine", {}))
+    else:  # no checkpoint yet: the deterministic initial state
+        to_step, tier = 0, "initial state"
+        t.engine.close()
+        t.engine = build_engine(t.cfg, t.mesh)
+    first = min((i for s, (i, _) in t.trail.items() if s > to_step), default=t.trail[bad_step][0])
+    window = [first, t.trail[bad_step][0]]
+    t.data.restore(data_lib.IteratorState.from_dict(t.trail[bad_step][1]))
+    t.skips.append(window)
+    t.trail = {}
+    t.monitor.rolled_back(bad_step, to_step)
+    log.warning("step %d: %s -> rolled back to step %d (%s), skipping global batches %d..%d",
+                bad_step, verdict.reason, to_step, tier, *window)
+    if t.is_primary:
+        t.events.write("rollback", step=bad_step, to_step=to_step, tier=tier, skipped_batches=window,
+                       reason=verdict.reason)
+        for sink in t.sinks:
+            if isinstance(sink, metrics_lib.JsonlSink):
+                sink.truncate_after(to_step)
+    t.history = [r for r in t.history if r["step"] <= to_step]
+    if t.progress is not None:
+        t.progress.n = to_step
+        t.progress.refresh()
+    t.hooks.on_phase("training", to_step)
+    return to_step
 
 
 def _report_checkpoint_errors(t: Trainer) -> None:
     """Background save failures (a full disk, ...) do not stop training; say so loudly, once each."""
     for error in t.checkpointer.poll_errors():
         log.warning("checkpoint save failed, training goes on (earlier checkpoints are intact): %s", error)
+        if t.is_primary:
+            t.events.write("checkpoint_failed", step=error.step, stage=error.stage, message=str(error))
 
 
-def _check_finite(step: int, values: dict[str, float]) -> None:
-    bad = [k for k in ("loss", "grad_norm") if not math.isfinite(values[k])]
-    if bad:
-        raise TrainingDiverged(f"step {step}: {' and '.join(bad)} is {values[bad[0]]} (NaN/Inf); "
-                               "stopping without saving this state")
-
-
-def _finish(t: Trainer, pending: tuple[int, dict], last_done: float, tokens_per_step: int, progress: Any) -> float:
-    """Wait for a dispatched step, check it, log it. Returns the time it completed."""
+def _finish(t: Trainer, pending: tuple[int, dict], last_done: float) -> tuple[float, Verdict]:
+    """Wait for a dispatched step, judge it, log it. Returns the time it completed and the monitor's verdict."""
     step, device_metrics = pending
     values = {k: float(v) for k, v in jax.device_get(device_metrics).items()}
     done = time.perf_counter()
-    _check_finite(step, values)
     step_time = done - last_done
     if step == t.start_step + 1:
         values["perf/first_step_time"] = step_time  # includes compilation
         t.hooks.on_phase("training", step)
+        phase = "compile"
     else:
-        values.update(metrics_lib.throughput(step_time, tokens_per_step, t.flops_per_token, t.peak,
-                                             jax.device_count()))
+        tokens = t.cfg.train.batch_size * t.cfg.model.seq_len
+        values.update(metrics_lib.throughput(step_time, tokens, t.flops_per_token, t.peak, jax.device_count()))
         values["perf/mfu_is_estimate"] = float(t.peak.is_estimate)
+        phase = "train"
+    verdict = t.monitor.observe(step, values, phase=phase)
+    values.update(verdict.metrics)
+    for event in verdict.events:
+        t.hooks.on_anomaly(event)
     _report_checkpoint_errors(t)
+    if verdict.action is not None:  # this step's state is abandoned: not logged as a training step
+        return done, verdict
     t.hooks.on_step(step, values)
     cfg = t.cfg
-    if t.is_primary and (step % cfg.train.log_every == 0 or step == t.start_step + 1 or step == cfg.train.steps):
+    if t.is_primary and (step % cfg.train.log_every == 0 or step == t.start_step + 1 or step == cfg.train.steps
+                         or verdict.events):
         values.update(t.carry)
         t.carry.clear()
         record = {k: round(v, 6) if isinstance(v, float) else v for k, v in values.items()}
         t.history.append({"step": step, **record})
         for sink in t.sinks:
             sink.write(step, record)
-    if progress is not None:
+    if t.progress is not None:
         postfix = {"loss": f"{values['loss']:.3f}"}
         if "perf/tokens_per_s" in values:
             postfix["tok/s"] = f"{values['perf/tokens_per_s']:.0f}"
             postfix["mfu"] = f"{values['perf/mfu']:.1%}" + ("~" if t.peak.is_estimate else "")
-        progress.set_postfix(postfix, refresh=False)
-        progress.update(1)
-    return done
+        t.progress.set_postfix(postfix, refresh=False)
+        t.progress.update(1)
+    return done, verdict
 
 
 def _close(t: Trainer) -> None:
-    for closer in (t.checkpointer.close, *(s.close for s in t.sinks), t.engine.close):
+    for closer in (t.checkpointer.close, *(s.close for s in t.sinks), t.engine.close, t.events.close):
         try:
             closer()
         except Exception as e:  # noqa: BLE001 - closing must not mask the error that got us here

@@ -103,6 +103,12 @@ class JsonlSink:
             self._truncate_after(resume_step)
         self._file = open(path, "a", buffering=1)
 
+    def truncate_after(self, step: int) -> None:
+        """Drop the records of steps after `step` (they are recomputed after a rollback)."""
+        self._file.close()
+        self._truncate_after(step)
+        self._file = open(self.path, "a", buffering=1)
+
     def _truncate_after(self, step: int) -> None:
         # Steps after the checkpoint we resume from are recomputed; keep the file one line per step.
         kept = []
