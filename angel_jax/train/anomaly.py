@@ -176,12 +176,16 @@ class AnomalyMonitor:
     # --------------------------------------------------------------------------------------------- state
 
     def state_dict(self) -> dict[str, Any]:
-        return {"suite": self.suite.to_dict(), "consecutive_skips": self.consecutive_skips}
+        return {"suite": self.suite.to_dict()}
 
     def load_state_dict(self, raw: dict[str, Any]) -> None:
+        """The detectors' state saved with a checkpoint (the escalation counters are not part of it)."""
         self.suite.load_dict(raw["suite"])
-        self.suite.reset()  # memory detectors start over in a new process
-        self.consecutive_skips = int(raw.get("consecutive_skips", 0))
+        self.suite.reset()  # memory detectors start over: a restore changes what the process holds
+
+    def reset(self) -> None:
+        """Every detector from scratch (the run went back to its initial state)."""
+        self.suite.state = self.suite.init()
 
 
 def _device_bytes() -> float | None:

@@ -253,13 +253,19 @@ def _rollback(t: Trainer, bad_step: int, verdict: Verdict) -> int:
     t.hooks.on_phase("restoring", bad_step)
     t.checkpointer.wait()  # a save still being committed is the newest good state
     restored = t.checkpointer.restore_latest()
+    # The detectors go back with the model: their baselines describe the restored state's figures.
     if restored is not None:
         to_step, arrays, meta, tier = restored
         t.engine.load_state(arrays, meta.get("engine", {}))
+        if "tee" in meta:
+            t.monitor.load_state_dict(meta["tee"])
+        else:
+            t.monitor.reset()
     else:  # no checkpoint yet: the deterministic initial state
         to_step, tier = 0, "initial state"
         t.engine.close()
         t.engine = build_engine(t.cfg, t.mesh)
+        t.monitor.reset()
     first = min((i for s, (i, _) in t.trail.items() if s > to_step), default=t.trail[bad_step][0])
     window = [first, t.trail[bad_step][0]]
     t.data.restore(data_lib.IteratorState.from_dict(t.trail[bad_step][1]))
