@@ -57,3 +57,31 @@ def test_verify_names_a_damaged_copy_and_fails(run_dir, capsys, tmp_path):
 def test_missing_run_directory_is_a_clean_error(tmp_path, capsys):
     assert cli.main(["ckpt", "ls", str(tmp_path / "nope")]) == 1
     assert "does not exist" in capsys.readouterr().err
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # orbax: see test_checkpoint_crash
+def test_a_full_persistent_disk_warns_and_training_finishes(tmp_path, write_tiny_config, caplog):
+    """A real full file system under <run_dir>/checkpoints (a 400 KiB tmpfs; needs root, skipped otherwise): the
+    orbax writes fail, the run trains to the end anyway, says so, and the memory tier still holds the snapshots."""
+    import logging
+    import subprocess
+
+    from angel_jax.resilience.events import read_events
+
+    cfg_path = write_tiny_config(tmp_path, "full", train={"steps": 12}, checkpoint={"every": 4, "keep": 2})
+    mount = tmp_path / "full" / "checkpoints"
+    mount.mkdir(parents=True)
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=400k", "tmpfs", str(mount)],
+                      capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    caplog.set_level(logging.WARNING)
+    try:
+        result = train(load_config(cfg_path))
+        assert result.final_step == 12
+        failures = [e for e in read_events(tmp_path / "full" / "events.jsonl") if e["kind"] == "checkpoint_failed"]
+        assert failures and all("No space left" in e["message"] for e in failures)
+        assert "checkpoint save failed, training goes on" in caplog.text
+        assert cli.main(["ckpt", "ls", str(tmp_path / "full")]) == 0
+        assert cli.main(["ckpt", "verify", str(tmp_path / "full"), "12"]) == 0  # the memory tier's copy
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
