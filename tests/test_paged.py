@@ -1,9 +1,11 @@
-"""The paged engine against the reference trainer: same losses, budgets that hold, placement that does not change
-the arithmetic."""
+"""The paged engine against the reference trainer: same losses with a device budget of one eighth of the model
+state, budgets that hold for what jax really has alive, placements that do not change the arithmetic."""
 
 from __future__ import annotations
 
+import functools
 import gc
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -11,129 +13,162 @@ import numpy as np
 import pytest
 
 from angel_jax.config import Config, MemoryConfig, ModelConfig, OptimizerConfig, TrainConfig
-from angel_jax.memory import PageLayout
 from angel_jax.optim import make_optimizer
 from angel_jax.schedule.engine import build_paged_engine
-from angel_jax.schedule.plan import PlanError
 from angel_jax.train.step import init_state, make_train_step
 from models import gpt
 
-MODEL = ModelConfig(d_model=32, n_layers=3, n_heads=2, seq_len=32, compute_dtype="float32")
+# Deep and narrow, with short sequences: model state large next to activations, so that one eighth of the state
+# holds the step's activations, working set and a streaming window (as for a large model on a GPU).
+MODEL = ModelConfig(d_model=64, n_layers=24, n_heads=2, seq_len=16, compute_dtype="float32")
+BATCH = 2
+PAGE = 49 * 4096  # one page per block (a block's parameters are 199,936 B): few pages, little padding
 STEPS = 20
+# Learning rates that train without loss spikes: in a spike (adamw at 3e-3 here) float rounding differences between
+# the whole-model program and the per-stage programs (XLA fuses them differently) are amplified to ~4e-5 in 20 steps.
+LR = {"adamw": 1e-3, "lion": 3e-4, "sgd": 0.1}
+STATE_COPIES = {"adamw": 3, "lion": 2, "sgd": 2}  # fp32 params + optimizer buffers per parameter
 
 
-LR = {"adamw": 3e-3, "sgd": 0.05}
-
-
-def _cfg(optimizer: str = "adamw", **memory) -> Config:
+def _cfg(optimizer: str = "adamw", steps: int = STEPS, **memory) -> Config:
     return Config(model=MODEL, optimizer=OptimizerConfig(name=optimizer, lr=LR[optimizer], warmup_steps=2),
-                  train=TrainConfig(steps=STEPS, batch_size=4),
-                  memory=MemoryConfig(mode="paged", page_size=16384, **memory))
+                  train=TrainConfig(steps=steps, batch_size=BATCH),
+                  memory=MemoryConfig(mode="paged", page_size=PAGE, **memory))
 
 
-def _batches(n: int = STEPS) -> list[jax.Array]:
+def state_bytes(cfg: Config) -> int:
+    """fp32 parameters + optimizer state, the quantity the device budget is a fraction of."""
+    return STATE_COPIES[cfg.optimizer.name] * 4 * gpt.param_count(cfg.model)["total"]
+
+
+@functools.lru_cache(maxsize=1)
+def _data() -> tuple[jax.Array, ...]:
+    return tuple(batches())
+
+
+@functools.lru_cache(maxsize=4)
+def reference_run(optimizer: str) -> tuple[list[float], dict]:
+    """The reference run of `_cfg(optimizer)` on `_data()`, shared by the tests that compare with it."""
+    return reference(_cfg(optimizer), list(_data()))
+
+
+def batches(n: int = STEPS, model: ModelConfig = MODEL, batch: int = BATCH) -> list[jax.Array]:
     rng = np.random.default_rng(0)
     # A learnable stream (repeated phrases) so the losses move and errors would compound.
     text = np.frombuffer(b"def f(x):\n    return x + 1\n" * 200, dtype=np.uint8).astype(np.int32)
-    starts = rng.integers(0, len(text) - 34, (n, 4))
-    return [jnp.asarray(np.stack([text[s:s + 33] for s in row])) for row in starts]
+    starts = rng.integers(0, len(text) - model.seq_len - 2, (n, batch))
+    return [jnp.asarray(np.stack([text[s:s + model.seq_len + 1] for s in row])) for row in starts]
 
 
-def _reference(cfg: Config, batches: list[jax.Array]) -> tuple[list[float], dict]:
+def reference(cfg: Config, data: list[jax.Array]) -> tuple[list[float], dict]:
+    """The reference trainer's losses and final parameters."""
     graphdef, params = gpt.init(cfg.model, 0)
     tx, schedule = make_optimizer(cfg.optimizer, cfg.train.steps)
     step = jax.jit(make_train_step(graphdef, tx, schedule))
     state = init_state(params, tx)
     losses = []
-    for b in batches:
+    for b in data:
         state, m = step(state, b)
         losses.append(float(m["loss"]))
-    return losses, state.params
+    return losses, jax.tree.map(np.asarray, state.params)
 
 
-def _paged(cfg: Config, batches: list[jax.Array], on_access=None) -> tuple[list[float], dict, object]:
-    _, params = gpt.init(cfg.model, 0)
-    engine = build_paged_engine(cfg, params, batches[0])
+def paged(cfg: Config, data: list[jax.Array], on_access=None) -> tuple[list[float], dict, object]:
+    # The initial model on the host, as the engine's (np.array: np.asarray of a CPU array would alias its buffer).
+    params = jax.tree.map(np.array, gpt.init(cfg.model, 0)[1])
+    gc.collect()  # Flax's module graph has cycles: its device arrays would stay alive until a collection
+    engine = build_paged_engine(cfg, params, data[0])
     engine.executor.on_access = on_access
-    losses = [float(engine.executor.step(b)["loss"]) for b in batches]
-    out = engine.executor.params()
-    disk = engine.store.tiers.get("disk")
-    engine.disk_files_before_close = sorted(p for p in __import__("pathlib").Path(disk.root).rglob("c*")) if disk else []
-    engine.close()
+    try:
+        metrics = [engine.executor.step(b) for b in data]
+        losses = [float(m["loss"]) for m in metrics]
+        out = engine.executor.params()
+        disk = engine.store.tiers.get("disk")
+        engine.disk_files = sorted(Path(disk.root).rglob("c.*")) if disk else []
+        engine.update_norms = [float(m["update_norm"]) for m in metrics]
+    finally:
+        engine.close()
     return losses, out, engine
 
 
-def _state_bytes(cfg: Config) -> int:
-    return 3 * 4 * gpt.param_count(cfg.model)["total"]  # fp32 params, Adam m and v
+def eighth(cfg: Config) -> Config:
+    budget = state_bytes(cfg) // 8
+    return Config(**{**cfg.__dict__, "memory": MemoryConfig(**{**cfg.memory.__dict__, "device_budget": budget})})
 
 
-def _minimal_budget(cfg: Config, batch: jax.Array) -> int:
-    """The device budget that streams every stage: the fixed part plus a one-stage-ahead window."""
-    _, params = gpt.init(cfg.model, 0)
-    with pytest.raises(PlanError) as e:
-        build_paged_engine(Config(**{**cfg.__dict__, "memory": MemoryConfig(mode="paged", page_size=16384,
-                                                                               device_budget=1)}), params, batch)
-    return int(str(e.value).split("minimum ")[1].split(" B")[0].replace(",", ""))
+def assert_mostly_streamed(engine, cfg: Config) -> None:
+    assert cfg.memory.device_budget <= state_bytes(cfg) / 8
+    n = len(engine.plan.home)
+    assert len(engine.plan.streamed) >= 0.75 * n, f"only {len(engine.plan.streamed)} of {n} stages stream"
 
 
-@pytest.mark.parametrize("optimizer", ["adamw", "sgd"])
-def test_streamed_training_matches_the_reference(optimizer):
-    batches = _batches()
-    base = _cfg(optimizer)
-    budget = _minimal_budget(base, batches[0])
-    # What must stay on the device beyond the fixed part is a small fraction of the model state: most streams.
-    cfg = _cfg(optimizer, device_budget=budget)
-    ref_losses, ref_params = _reference(cfg, batches)
-    losses, params, engine = _paged(cfg, batches)
-    assert engine.plan.streamed, "the budget should force streaming"
+@pytest.mark.parametrize("optimizer", ["adamw", "lion"])
+def test_training_with_an_eighth_of_the_state_on_the_device_matches_the_reference(optimizer):
+    data = list(_data())
+    cfg = eighth(_cfg(optimizer))
+    ref_losses, ref_params = reference_run(optimizer)
+    losses, params, engine = paged(cfg, data)
+    assert_mostly_streamed(engine, cfg)
     assert ref_losses[-1] < ref_losses[0] - 0.3, "the toy stream must be learnable"
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    # Parameters agree except where a gradient is within rounding of zero, where an update normalised per element
+    # (Adam's first steps, Lion's sign) turns rounding noise into a whole step: a handful of Adam's 1.3M elements;
+    # for Lion every key bias (its gradient is zero in exact arithmetic: softmax ignores a shift of the keys)
+    # walks by +-lr per step on the sign of noise, so Lion's parameters are held to 2 * lr * steps.
     for a, b in zip(jax.tree.leaves(ref_params), jax.tree.leaves(params)):
-        np.testing.assert_allclose(np.asarray(a), b, rtol=1e-3, atol=1e-4)
+        if optimizer == "lion":
+            np.testing.assert_allclose(a, b, rtol=0, atol=2 * LR["lion"] * STEPS)
+        else:
+            assert np.mean(~np.isclose(a, b, rtol=1e-3, atol=2e-5)) < 1e-4
 
 
 def test_streamed_and_resident_placements_are_bitwise_identical():
-    batches = _batches(8)
-    streamed_cfg = _cfg(device_budget=_minimal_budget(_cfg(), batches[0]))
-    resident_cfg = _cfg()  # all free memory: everything resident
-    l1, p1, e1 = _paged(streamed_cfg, batches)
-    l2, p2, e2 = _paged(resident_cfg, batches)
-    assert len(e1.plan.streamed) == 5 and not e2.plan.streamed
+    data = batches(6)
+    l1, p1, e1 = paged(eighth(_cfg("sgd")), data)
+    l2, p2, e2 = paged(_cfg("sgd"), data)  # all free memory: everything resident
+    assert len(e1.plan.resident) <= 2 and not e2.plan.streamed
     assert l1 == l2
+    assert e1.update_norms == e2.update_norms
     for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p2)):
         np.testing.assert_array_equal(a, b)
 
 
-def test_optimizer_state_on_disk_matches(tmp_path):
-    batches = _batches(6)
-    budget = _minimal_budget(_cfg(), batches[0])
-    # Host budget: parameters and gradients of the streamed stages, no room for optimizer state -> disk.
-    _, params = gpt.init(MODEL, 0)
-    staged = gpt.staged(MODEL)
-    layout = PageLayout.build(zip([s.name for s in staged.stages], staged.split(params)), 16384)
-    biggest_opt = 2 * max(stage.nbytes for stage in layout.stages)  # Adam: m and v
-    host = 2 * layout.total_bytes + 2 * biggest_opt + 16384  # + staging of two stages read from disk
-    (tmp_path / "pages").mkdir()
-    cfg = _cfg(device_budget=budget, host_budget=host, disk_dir=str(tmp_path / "pages"))
-    ref_losses, _ = _reference(cfg, batches)
-    losses, _, engine = _paged(cfg, batches)
-    assert "disk" in engine.plan.opt_home
-    assert engine.disk_files_before_close, "the disk tier wrote nothing"
+def test_optimizer_state_on_disk_matches_the_reference(tmp_path):
+    data = list(_data())[:6]
+    base = eighth(_cfg())
+    # Host budget: parameters and gradients of every stage, and optimizer state for a third of the stages.
+    params_bytes = 4 * gpt.param_count(MODEL)["total"]
+    host = int(2.7 * params_bytes)
+    cfg = Config(**{**base.__dict__, "memory": MemoryConfig(**{**base.memory.__dict__, "host_budget": host,
+                                                               "disk_dir": str(tmp_path)})})
+    ref_losses = reference_run("adamw")[0][:len(data)]
+    losses, _, engine = paged(cfg, data)
+    on_disk = sum(h == "disk" for h in engine.plan.opt_home)
+    assert on_disk >= len(engine.plan.home) // 3, engine.plan.opt_home
+    assert len(engine.disk_files) >= on_disk, "the disk tier should hold a chunk file per optimizer page"
+    assert_mostly_streamed(engine, cfg)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
 
 
+def _device_bytes() -> int:
+    return sum(a.nbytes for a in jax.live_arrays() if a.sharding.memory_kind == "device" and not a.is_deleted())
+
+
 def test_device_budget_holds_for_live_arrays():
-    batches = _batches(3)
-    cfg = _cfg(device_budget=_minimal_budget(_cfg(), batches[0]))
+    data = batches(4)
+    cfg = eighth(_cfg())
     peak = [0]
 
     def sample(op, stage):
         jax.effects_barrier()
-        live = sum(a.nbytes for a in jax.live_arrays() if a.sharding.memory_kind == "device")
-        peak[0] = max(peak[0], live)
+        peak[0] = max(peak[0], _device_bytes())
 
     gc.collect()
-    baseline = sum(a.nbytes for a in jax.live_arrays() if a.sharding.memory_kind == "device")
-    _, _, engine = _paged(cfg, batches, on_access=sample)
+    baseline = _device_bytes()
+    _, _, engine = paged(cfg, data, on_access=sample)
+    assert_mostly_streamed(engine, cfg)
     used = peak[0] - baseline
-    assert 0 < used <= cfg.memory.device_budget, (used, cfg.memory.device_budget)
+    # What is live on the device at the sample points fits the budget; and the samples do see streamed pages in
+    # flight (more than two stages' worth), or this test would not be measuring anything.
+    assert 2 * max(c.param_bytes for c in engine.costs) < used <= cfg.memory.device_budget, \
+        (used, cfg.memory.device_budget)

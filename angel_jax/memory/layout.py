@@ -22,6 +22,7 @@ This module knows nothing about tiers or models.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Iterable, Sequence
 
@@ -143,9 +144,13 @@ class StageLayout:
                 leaves.append(xp.zeros(slot.shape, slot.dtype))
                 continue
             length = self.pages[slot.page - first_id].length
-            parts = [_as_bits(xp, pages[pid - first_id][a:b]) for pid, a, b in slot.spans(length)]
-            flat = xp.concatenate(parts)  # a fresh buffer: leaves never alias the pages
-            leaves.append(xp.reshape(_from_bits(xp, flat, slot.dtype), slot.shape))
+            spans = tuple((pid - first_id, a, b) for pid, a, b in slot.spans(length))
+            if xp is np or not jnp.issubdtype(slot.dtype, jnp.floating):
+                parts = [_as_bits(xp, pages[k][a:b]) for k, a, b in spans]
+                flat = xp.concatenate(parts)  # a fresh buffer: leaves never alias the pages
+                leaves.append(xp.reshape(_from_bits(xp, flat, slot.dtype), slot.shape))
+            else:
+                leaves.append(_extract(tuple(pages), spans, slot.shape))
         return jax.tree_util.tree_unflatten(self.treedef, leaves)
 
     def _groups(self) -> list[list[PageSpec]]:
@@ -172,6 +177,21 @@ class StageLayout:
                                  f"got {dtype}{list(shape)}")
             leaves.append(leaf)
         return leaves
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
+def _extract(pages: tuple, spans: tuple, shape: tuple) -> Any:
+    """A float leaf out of its pages, moved as integer bits (bit exact, see `_as_bits`). Bitcasts have no
+    derivative, so the derivative is given here: that of the same slices and reshape on floats. Without it, a
+    gradient with respect to pages taken through `unpack` is silently zero."""
+    flat = jnp.concatenate([_as_bits(jnp, pages[k][a:b]) for k, a, b in spans])
+    return jnp.reshape(_from_bits(jnp, flat, pages[spans[0][0]].dtype), shape)
+
+
+@_extract.defjvp
+def _extract_jvp(spans: tuple, shape: tuple, primals: tuple, tangents: tuple) -> tuple:
+    (pages,), (dpages,) = primals, tangents
+    return _extract(pages, spans, shape), jnp.reshape(jnp.concatenate([dpages[k][a:b] for k, a, b in spans]), shape)
 
 
 def _as_bits(xp: Any, x: Any) -> Any:

@@ -1,5 +1,5 @@
-"""Optimizers: optax transformations built from `OptimizerConfig`, applied whole (reference trainer) or per stage
-on pages (paged engine)."""
+"""Optimizers: optax transformations built from `OptimizerConfig` (factory.py), applied whole (reference trainer)
+or per stage on pages (paged.py: the pure stage update; updater.py: where and when it runs, exact or lock-free)."""
 
 from angel_jax.optim.factory import clip_with_norm, make_optimizer, make_schedule
 

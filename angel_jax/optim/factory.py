@@ -30,7 +30,7 @@ def make_optimizer(cfg: OptimizerConfig, total_steps: int, *,
     """(transformation, schedule). Clipping by global norm comes first, as in every large-model recipe.
 
     clip=False leaves clipping out: the paged engine applies the transformation per stage and clips with the
-    norm over all stages itself (`clip_scale`)."""
+    norm over all stages itself (`clip_with_norm`)."""
     lr = make_schedule(cfg, total_steps)
     if cfg.name == "adamw":
         core = optax.adamw(lr, b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay)

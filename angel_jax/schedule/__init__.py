@@ -1,0 +1,15 @@
+"""The scheduling pass (Angel-PTM): train a model larger than device memory by paging its state.
+
+    trace.py         the stage accesses of one training step
+    costs.py         stage compute and copy times, profiled on the real functions
+    simulate.py      the predicted timeline of a placement (the executor's rules on the costs)
+    plan.py          what stays on the device, what streams from host or disk, how far ahead to prefetch
+    stagefns.py      jitted forward / backward per stage kind over pages (and the pure stage update)
+    execute.py       PagedExecutor: one step at a time, transfers overlapping compute; updates by optim/updater.py
+    timeline.py      predicted and measured timelines (JSON, Gantt PNG)
+    engine.py        build_paged_engine: config -> layouts -> profile -> plan -> page store -> executor
+    paged_engine.py  PagedTrainEngine: the TrainEngine protocol the training loop drives
+    plan_cli.py      `angel-jax plan`
+
+It sees stages (angel_jax/stages.py) and pages (angel_jax/memory), not Flax modules.
+"""

@@ -1,31 +1,37 @@
-"""Cost model inputs: per-stage compute times, profiled on the real functions and shapes.
+"""Cost model inputs, profiled on the real functions, shapes and memories of this process.
 
 Each stage kind (embed, block, head) is timed once: forward, backward (recompute + vjp, or the head's loss and
-gradients), and its optimizer update on the device and on the host. Blocks share one measurement, so profiling
-costs a handful of calls whatever the depth. Transfer bandwidths come from `angel-jax bench io`
-(`plan.Bandwidths.load`).
+gradients), and its optimizer update where device-resident and where host-resident stages update. Blocks share
+one measurement, so profiling costs a handful of calls whatever the depth, and the functions it compiles are the
+ones training then runs. The host <-> device copy bandwidths are measured the same way, by moving a block's
+pages between the two tiers; disk bandwidths come from `angel-jax bench io`'s calibration (`load_bandwidths`),
+since measuring a disk honestly needs more data than profiling should write.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
-from typing import Callable
+from dataclasses import replace
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 
 from angel_jax.memory.layout import PageLayout
-from angel_jax.schedule.plan import StageCost
+from angel_jax.optim.updater import Placement, StageUpdates
+from angel_jax.schedule.simulate import Bandwidths, StageCost
 from angel_jax.schedule.stagefns import StageFunctions
 
 
-def _time(fn: Callable[[], object], repeats: int = 3) -> float:
-    jax.block_until_ready(fn())  # compile + warm up
+def _time(fn: Callable[[], Any], setup: Callable[[], Any] = lambda: None, repeats: int = 3) -> float:
+    """Median seconds of fn(setup()) over `repeats` runs, after one warm-up (compilation); setup is not timed."""
+    jax.block_until_ready(fn(jax.block_until_ready(setup())))
     times = []
     for _ in range(repeats):
+        args = jax.block_until_ready(setup())
         t0 = time.perf_counter()
-        jax.block_until_ready(fn())
+        jax.block_until_ready(fn(args))
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 
@@ -34,43 +40,59 @@ def _zeros(layout: PageLayout, name: str, sharding: jax.sharding.Sharding) -> tu
     return tuple(jax.device_put(jnp.zeros((p.length,), p.dtype), sharding) for p in layout.stage(name).pages)
 
 
-def profile_costs(fns: StageFunctions, params_layout: PageLayout, opt_layout: PageLayout, opt_small: dict,
-                  tokens: jax.Array, device_sharding: jax.sharding.Sharding) -> list[StageCost]:
-    """Time every stage kind on `tokens`-shaped inputs; returns one StageCost per stage."""
+def profile_costs(fns: StageFunctions, updates: StageUpdates, params_layout: PageLayout, opt_layout: PageLayout,
+                  opt_small: dict[str, list], tokens: jax.Array, placements: dict[str, Placement]) -> list[StageCost]:
+    """Time every stage kind on `tokens`-shaped inputs (int32[B, T+1] on the device); one StageCost per stage."""
     staged = fns.staged
+    device = placements["device"].tier
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     per_kind: dict[str, tuple[float, float, float, float]] = {}
     x = inputs
     norm = jnp.ones((), jnp.float32)
+    last = len(staged.stages) - 1
     for idx, stage in enumerate(staged.stages):
         kind = stage.kind
-        pages = _zeros(params_layout, stage.name, device_sharding)
+        pages = _zeros(params_layout, stage.name, device)
         if kind not in per_kind:
-            last = idx == len(staged.stages) - 1
-            fwd_s = 0.0 if last else _time(lambda: fns.forward[kind](pages, x))
-            if last:
-                bwd_s = _time(lambda: fns.backward[kind](pages, x, targets))
+            if idx == last:
+                fwd_s, bwd_s = 0.0, _time(lambda _: fns.backward[kind](pages, x, targets))
             else:
-                y = fns.forward[kind](pages, x)
-                bwd_s = _time(lambda: fns.backward[kind](pages, x, jnp.zeros_like(y)))
+                fwd_s = _time(lambda _: fns.forward[kind](pages, x))
+                dy = jnp.zeros_like(fns.forward[kind](pages, x))
+                bwd_s = _time(lambda _: fns.backward[kind](pages, x, dy))
             update_s = {}
-            for where, sharding in (("device", device_sharding), ("host", fns.update_device)):
-                def update(sharding=sharding) -> object:
-                    p = _zeros(params_layout, stage.name, sharding)
-                    g = _zeros(params_layout, stage.name, sharding)
-                    o = _zeros(opt_layout, stage.name, sharding)
-                    small = jax.device_put(opt_small[stage.name], sharding)
-                    return fns.update[kind](p, g, o, small, jax.device_put(norm, sharding))
+            for where, place in placements.items():
+                if where == "device" and place.compute.device_set == placements["host"].compute.device_set:
+                    continue  # one device for both (the CPU backend): the same cores, the same time
+                fn = updates.get(kind, place.compute, donate_params=True)
 
-                # The update donates its inputs; page allocation is inside the timed call, a small overestimate.
-                update_s[where] = _time(update)
-            per_kind[kind] = (fwd_s, bwd_s, update_s["device"], update_s["host"])
-        if idx < len(staged.stages) - 1:
-            x = jax.eval_shape(fns.forward[kind], pages, x)
-            x = jnp.zeros(x.shape, x.dtype)
+                def setup(name=stage.name, place=place) -> tuple:
+                    return (_zeros(params_layout, name, place.compute), _zeros(params_layout, name, place.compute),
+                            _zeros(opt_layout, name, place.compute), jax.device_put(opt_small[name], place.compute),
+                            jax.device_put((norm, jnp.bool_(True), jnp.float32(1.0)), place.compute))
+
+                update_s[where] = _time(lambda args, fn=fn: fn(*args[:4], *args[4]), setup)
+            per_kind[kind] = (fwd_s, bwd_s, update_s.get("device", update_s["host"]), update_s["host"])
+        if idx < last:
+            x = fns.forward[kind](pages, x)
     costs = []
     for stage in staged.stages:
         fwd_s, bwd_s, upd_dev, upd_host = per_kind[stage.kind]
         costs.append(StageCost(stage.name, params_layout.stage(stage.name).nbytes, opt_layout.stage(stage.name).nbytes,
                                fwd_s, bwd_s, upd_dev, upd_host))
     return costs
+
+
+def profile_transfers(params_layout: PageLayout, device: jax.sharding.Sharding, host: jax.sharding.Sharding,
+                      base: Bandwidths) -> Bandwidths:
+    """`base` with h2d and d2h replaced by copies of the largest stage's pages between host and device tiers."""
+    stage = max(params_layout.stages, key=lambda s: s.nbytes)
+    if not stage.pages:
+        return base
+    nbytes = stage.nbytes
+    on_host = _zeros(params_layout, stage.name, host)
+    on_device = _zeros(params_layout, stage.name, device)
+    h2d = _time(lambda _: [jax.device_put(p, device) for p in on_host])
+    d2h = _time(lambda _: [jax.device_put(p, host) for p in on_device])
+    return replace(base, h2d=nbytes / max(h2d, 1e-9), d2h=nbytes / max(d2h, 1e-9),
+                   source=f"h2d/d2h profiled; disk from {base.source}")

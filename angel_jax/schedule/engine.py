@@ -1,16 +1,22 @@
 """Build the paged engine from a config: layouts -> stage functions -> profiled costs -> plan -> page store.
 
-    engine = build_paged_engine(cfg, params, tokens_example)
-    metrics = engine.executor.step(batch)
+    built = build_paged_engine(cfg, params, example_batch)      # params: numpy, in the model's structure
+    metrics = built.executor.step(batch)
 
-`memory.mode: auto` uses the paged engine only when the in-memory state does not fit the device budget.
+`blueprint(cfg)` makes the page layouts and compiled stage functions from shapes alone (cached per configuration
+in the process); `plan_for` profiles them and plans under the config's budgets; `build_paged_engine` then puts
+every page in its planned home and wires the executor to the updater. `angel_jax/schedule/paged_engine.py` wraps
+the result in the `TrainEngine` protocol the training loop drives; `angel-jax plan` (plan_cli.py) stops after
+`plan_for`, without allocating the model.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import logging
+import threading
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import jax
@@ -20,33 +26,59 @@ import psutil
 
 from angel_jax.config import Config
 from angel_jax.memory import DeviceTier, DiskTier, HostTier, PageLayout, PageStore
+from angel_jax.memory.bench_io import default_calibration_path
 from angel_jax.optim import make_optimizer
-from angel_jax.schedule.costs import profile_costs
+from angel_jax.optim.paged import OptLayout, abstract_opt_state, split_opt_state
+from angel_jax.optim.updater import PageUpdater, Placement, StageSlot, StageUpdates
+from angel_jax.schedule.costs import profile_costs, profile_transfers
 from angel_jax.schedule.execute import PagedExecutor, PagedModel
-from angel_jax.schedule.plan import Bandwidths, Budgets, Plan, StageCost, make_plan
-from angel_jax.schedule.stagefns import StageFunctions, split_opt_state
+from angel_jax.schedule.plan import Bandwidths, Budgets, Plan, StageCost, load_bandwidths, make_plan
+from angel_jax.schedule.stagefns import StageFunctions
+from angel_jax.stages import StagedModel
 from models import gpt
 
 log = logging.getLogger(__name__)
 
-CALIBRATION = Path.home() / ".cache" / "angel_jax" / "io_calibration.json"
-
 
 @dataclass
 class PagedEngine:
+    """Everything the paged engine is made of (what `build_paged_engine` returns)."""
+
     executor: PagedExecutor
     plan: Plan
     costs: list[StageCost]
+    bandwidths: Bandwidths
     budgets: Budgets
-    layout: PageLayout
+    model: PagedModel
     store: PageStore
+    updater: PageUpdater
+
+    @property
+    def layout(self) -> PageLayout:
+        return self.model.params_layout
 
     def close(self) -> None:
+        self.updater.close()
         self.store.close()
 
 
+@dataclass
+class Blueprint:
+    """The model's page layouts and compiled stage functions, before any page exists."""
+
+    staged: StagedModel
+    params_layout: PageLayout
+    opt_layout: PageLayout
+    opt_structure: dict[str, OptLayout]
+    opt_small: dict[str, list]
+    """Per stage, zeros shaped like the optimizer's small leaves (step counts): profiling inputs."""
+    fns: StageFunctions
+    updates: StageUpdates
+    schedule: Any
+
+
 def device_budget(cfg: Config, device: jax.Device) -> int:
-    """memory.device_budget, or what the device has free (host RAM available for the CPU backend)."""
+    """memory.device_budget, or what the device has free (80% of available host RAM for the CPU backend)."""
     if cfg.memory.device_budget:
         return cfg.memory.device_budget
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
@@ -69,52 +101,110 @@ def fixed_device_bytes(cfg: Config, local_batch: int) -> int:
     return saved + max(head, block) + tokens * 8
 
 
-def build_paged_engine(cfg: Config, params: Any, example_batch: jax.Array, *,
-                       record_timeline: bool = False) -> PagedEngine:
-    device = jax.local_devices()[0]
-    staged = gpt.staged(cfg.model)
-    tx, schedule = make_optimizer(cfg.optimizer, cfg.train.steps, clip=False)
-    host_params = [jax.tree.map(np.asarray, p) for p in staged.split(params)]
-    names = [s.name for s in staged.stages]
-    params_layout = PageLayout.build(zip(names, host_params), cfg.memory.page_size)
+def placements(device: jax.Device, host_sharding: jax.sharding.Sharding) -> dict[str, Placement]:
+    """Where updates run: resident stages on the device; streamed ones on the host. The CPU backend computes on
+    its host-memory pages in place; an accelerator's pinned host pages go to the XLA CPU backend and back."""
+    on_device = jax.sharding.SingleDeviceSharding(device)
+    if device.platform == "cpu":
+        return {"device": Placement(on_device, on_device), "host": Placement(host_sharding, host_sharding)}
+    cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+    return {"device": Placement(on_device, on_device), "host": Placement(cpu, host_sharding)}
 
-    opt_big, opt_small, structure = [], [], {}
-    for name, p in zip(names, host_params):
-        big, small, struct = split_opt_state(tx.init(p))
-        opt_big.append([np.asarray(b) for b in big])
-        opt_small.append(small)
+
+def blueprint(cfg: Config) -> Blueprint:
+    """Layouts and compiled stage functions for the config's model, optimizer and page size, from shapes alone.
+    Cached per process: engines of the same configuration (a benchmark's repeats, a restart in the same
+    process) share the compiled functions instead of compiling them again."""
+    key = json.dumps([dataclasses.asdict(cfg.model), dataclasses.asdict(cfg.optimizer), cfg.train.steps,
+                      cfg.memory.page_size], sort_keys=True)
+    with _BLUEPRINTS_LOCK:
+        bp = _BLUEPRINTS.pop(key, None) or _blueprint(cfg)
+        _BLUEPRINTS[key] = bp  # most recently used last
+        while len(_BLUEPRINTS) > _BLUEPRINTS_KEEP:
+            _BLUEPRINTS.pop(next(iter(_BLUEPRINTS)))
+        return bp
+
+
+_BLUEPRINTS: dict[str, Blueprint] = {}
+_BLUEPRINTS_KEEP = 4
+_BLUEPRINTS_LOCK = threading.Lock()
+
+
+def _blueprint(cfg: Config) -> Blueprint:
+    staged = gpt.staged(cfg.model)
+    _, abstract = gpt.abstract_params(cfg.model)
+    stage_params = jax.eval_shape(staged.split, abstract)
+    tx, schedule = make_optimizer(cfg.optimizer, cfg.train.steps, clip=False)
+    names = [s.name for s in staged.stages]
+    params_layout = PageLayout.build(zip(names, stage_params), cfg.memory.page_size)
+    opt_big, opt_small, structure = [], {}, {}
+    for name, p in zip(names, stage_params):
+        big, small, struct = abstract_opt_state(tx, p)
+        opt_big.append(big)
+        opt_small[name] = [np.zeros(s.shape, s.dtype) for s in small]
         structure[name] = struct
     opt_layout = PageLayout.build(zip(names, opt_big), cfg.memory.page_size)
     fns = StageFunctions(staged, params_layout, opt_layout, structure, tx, cfg.optimizer.grad_clip)
+    return Blueprint(staged, params_layout, opt_layout, structure, opt_small, fns,
+                     StageUpdates(fns.update, fns.update_norm), schedule)
 
-    store = PageStore(DeviceTier(device, budget=None), HostTier(device, budget=cfg.memory.host_budget or None),
-                      DiskTier(cfg.memory.disk_dir, budget=cfg.memory.disk_budget or None)
-                      if cfg.memory.disk_dir else None)
+
+def make_store(cfg: Config, device: jax.Device) -> PageStore:
+    return PageStore(DeviceTier(device, budget=None), HostTier(device, budget=cfg.memory.host_budget or None),
+                     DiskTier(cfg.memory.disk_dir, budget=cfg.memory.disk_budget or None)
+                     if cfg.memory.disk_dir else None)
+
+
+def plan_for(cfg: Config, bp: Blueprint, store: PageStore, example_batch: jax.Array,
+             device: jax.Device) -> tuple[Plan, list[StageCost], Bandwidths, Budgets]:
+    """Profile the stage functions and transfers, then plan under the config's budgets."""
     device_sharding = store.tiers["device"].sharding
     host_sharding = store.tiers["host"].sharding
-    costs = profile_costs(fns, params_layout, opt_layout, dict(zip(names, opt_small)),
-                          jax.device_put(example_batch, device_sharding), device_sharding)
-    fixed = fixed_device_bytes(cfg, example_batch.shape[0])
-    if device.platform == "cpu":
-        # The CPU backend is both the device and the host-update engine: a host update's inputs and outputs
-        # (parameters, gradients, optimizer state of one stage, twice) are device memory there.
-        fixed += 2 * max(2 * c.param_bytes + c.opt_bytes for c in costs)
+    costs = profile_costs(bp.fns, bp.updates, bp.params_layout, bp.opt_layout, bp.opt_small,
+                          jax.device_put(example_batch, device_sharding), placements(device, host_sharding))
+    bw = profile_transfers(bp.params_layout, device_sharding, host_sharding,
+                           load_bandwidths(default_calibration_path()))
     budgets = Budgets(device=device_budget(cfg, device), host=cfg.memory.host_budget or None,
-                      disk=(cfg.memory.disk_budget or None) if cfg.memory.disk_dir else 0, fixed_device=fixed)
-    plan = make_plan(costs, Bandwidths.load(CALIBRATION), budgets)
-    store.tiers["device"].budget = budgets.device
+                      disk=(cfg.memory.disk_budget or None) if cfg.memory.disk_dir else 0,
+                      fixed_device=fixed_device_bytes(cfg, example_batch.shape[0]))
+    plan = make_plan(costs, bw, budgets, staleness=cfg.optimizer.staleness, shared_cpu=device.platform == "cpu")
+    return plan, costs, bw, budgets
 
-    model = PagedModel(staged, params_layout, opt_layout, opt_offset=params_layout.num_pages)
-    for i, name in enumerate(names):
+
+def build_paged_engine(cfg: Config, params: Any, example_batch: jax.Array, *,
+                       device: jax.Device | None = None) -> PagedEngine:
+    """The paged engine for `params` (the whole model's, in its structure), planned for `example_batch`'s shape."""
+    device = device or jax.local_devices()[0]
+    bp = blueprint(cfg)
+    staged = bp.staged
+    host_params = [jax.tree.map(np.asarray, p) for p in staged.split(params)]
+    store = make_store(cfg, device)
+    try:
+        plan, costs, bw, budgets = plan_for(cfg, bp, store, example_batch, device)
+    except BaseException:
+        store.close()
+        raise
+    # Pages are what the tier holds; the fixed part (activations, working set) is outside it.
+    store.tiers["device"].budget = budgets.device - budgets.fixed_device
+    model = PagedModel(staged, bp.params_layout, bp.opt_layout, opt_offset=bp.params_layout.num_pages)
+    tx, _ = make_optimizer(cfg.optimizer, cfg.train.steps, clip=False)
+    where = placements(device, store.tiers["host"].sharding)
+    slots, small = [], []
+    cpu = jax.devices("cpu")[0]
+    for i, stage in enumerate(staged.stages):
         home = plan.home[i]
-        for pid, page in zip(model.param_ids(i), params_layout.stage(name).pack(host_params[i])):
+        for pid, page in zip(model.param_ids(i), bp.params_layout.stage(stage.name).pack(host_params[i])):
             store.add(pid, page, home=home)
-        for oid, page in zip(model.opt_ids(i), opt_layout.stage(name).pack(opt_big[i])):
+        with jax.default_device(cpu):  # optimizer state starts on the host, whatever its home
+            big, small_leaves, _ = split_opt_state(tx.init(host_params[i]))
+        big = [np.asarray(b) for b in big]
+        for oid, page in zip(model.opt_ids(i), bp.opt_layout.stage(stage.name).pack(big)):
             store.add(oid, page, home=plan.opt_home[i])
-    store.wait_all()
-    small_placed = [jax.device_put(s, host_sharding if plan.home[i] == "host" else device_sharding)
-                    for i, s in enumerate(opt_small)]
-    executor = PagedExecutor(model, fns, plan, store, small_placed, schedule, record=record_timeline)
+        small.append([jax.device_put(np.asarray(s), where[home].compute) for s in small_leaves])
+        slots.append(StageSlot(stage.name, stage.kind, model.param_ids(i), model.opt_ids(i), home, plan.opt_home[i]))
+        store.wait_all()  # one stage at a time: host memory holds at most one stage's staging copies
+    updater = PageUpdater(store, slots, bp.updates, small, where, bp.schedule, staleness=cfg.optimizer.staleness)
+    executor = PagedExecutor(model, bp.fns, plan, store, updater)
     log.info("paged engine: %d stages, %d resident, prefetch %d, predicted step %.3f s",
-             len(names), len(plan.resident), plan.prefetch, plan.predicted.step_time)
-    return PagedEngine(executor, plan, costs, budgets, params_layout, store)
+             len(staged.stages), len(plan.resident), plan.prefetch, plan.predicted.step_time)
+    return PagedEngine(executor, plan, costs, bw, budgets, model, store, updater)

@@ -1,18 +1,21 @@
 """Execute: run a plan, one training step at a time, with transfers overlapping computation.
 
-The executor holds the model as pages in a `PageStore`: resident stages live on the device (parameters and
-optimizer state), streamed stages keep their parameters in pinned host memory and their optimizer state on the
-host or on disk. One step follows the trace:
+The executor holds the model as pages in a `PageStore`: resident stages live on the device (parameters, gradients
+and optimizer state), streamed stages keep their parameters and gradients in pinned host memory and their
+optimizer state on the host or on disk. One step follows the trace (trace.py):
 
     forward  stage 0..N-2   stage inputs saved on the device
     head     loss and gradients
     backward stage N-2..0   recompute from the saved input, vjp; gradients of streamed stages go to the host
-    update   stage 0..N-1   on the device for resident stages, on the host for streamed ones, after the global norm
+    update   by the PageUpdater (angel_jax/optim/updater.py) on its own thread, after the global norm: on the
+             device for resident stages, on the host for streamed ones
 
 A streamed stage's pages are prefetched `plan.prefetch` accesses ahead (`jax.device_put` is asynchronous and runs
 on the copy streams, so the fetch overlaps the computation dispatched before it) and evicted once no access in the
-window needs them. Everything is dispatched asynchronously; the host waits only where a value must exist (a page
-landing from disk, the metrics at the end of the step).
+window needs them. Everything is dispatched asynchronously: the training thread waits only where the updater says a
+stage's parameters are not recent enough yet (`PageUpdater.acquire`: exact mode waits for the previous step's
+update to be dispatched, lock-free mode only when a stage would fall two updates behind). `step` returns before its
+updates ran; the next step's first stages start while later stages are still being updated.
 
 With `staleness: 0` the arithmetic is the reference trainer's: the same stage functions, the same optax update,
 clipping by the same global norm; only where the bytes sit differs. So streamed and resident placements give
@@ -21,26 +24,23 @@ bitwise-identical results, and both match the whole-model trainer to float round
 
 from __future__ import annotations
 
-import threading
-import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
 
 from angel_jax.memory import PageStore
 from angel_jax.memory.layout import PageLayout
+from angel_jax.optim.paged import global_norm, join_opt_state
+from angel_jax.optim.updater import Guard, PageUpdater
 from angel_jax.schedule.plan import Plan
-from angel_jax.schedule.stagefns import StageFunctions, join_opt_state
-from angel_jax.schedule.timeline import Timeline
+from angel_jax.schedule.stagefns import StageFunctions
+from angel_jax.schedule.timeline import Recorder, Timeline
+from angel_jax.schedule.trace import compute_sequence
 from angel_jax.stages import StagedModel
-
-
-OPT_STAGING = 2
-"""Stages of disk-resident optimizer state read into host memory ahead of their update (see plan.py)."""
+from angel_jax.train.step import StepControls
 
 
 @dataclass(frozen=True)
@@ -60,91 +60,73 @@ class PagedModel:
         return tuple(p + self.opt_offset for p in self.opt_layout.stage(self.staged.stages[stage].name).page_ids)
 
 
-class _Recorder:
-    """Measured timeline: an event ends when its outputs are ready, observed by one waiter thread per stream
-    (in dispatch order), and starts at the later of its dispatch and the previous event's end on the stream."""
-
-    def __init__(self) -> None:
-        self.timeline = Timeline()
-        self._last_end: dict[str, float] = {}
-        self._threads: list[threading.Thread] = []
-        self._queues: dict[str, list] = {}
-        self._lock = threading.Lock()
-        self.t0 = time.perf_counter()
-
-    def record(self, stream: str, label: str, outputs: Any) -> None:
-        dispatched = time.perf_counter() - self.t0
-
-        def wait() -> None:
-            jax.block_until_ready(outputs)
-            end = time.perf_counter() - self.t0
-            with self._lock:
-                start = max(dispatched, self._last_end.get(stream, 0.0))
-                self._last_end[stream] = end
-                self.timeline.add(stream, label, start, end)
-
-        # Waiting in the caller's order per stream keeps starts and ends monotone without a thread per event.
-        thread = threading.Thread(target=wait, daemon=True)
-        thread.start()
-        self._threads.append(thread)
-
-    def finish(self) -> Timeline:
-        for thread in self._threads:
-            thread.join()
-        self._threads.clear()
-        return self.timeline
-
-
 class PagedExecutor:
-    def __init__(self, model: PagedModel, fns: StageFunctions, plan: Plan, store: PageStore,
-                 opt_small: list[Any], schedule: optax.Schedule, *, record: bool = False):
-        self.model, self.fns, self.plan, self.store = model, fns, plan, store
-        self.opt_small = opt_small
-        """Per stage: the optimizer-state leaves too small for pages (step counts), kept where the update runs."""
-        self.schedule = schedule
+    def __init__(self, model: PagedModel, fns: StageFunctions, plan: Plan, store: PageStore, updater: PageUpdater):
+        self.model, self.fns, self.plan, self.store, self.updater = model, fns, plan, store, updater
         self.step_count = 0
-        self.record = record
-        self.last_timeline: Timeline | None = None
+        """Optimizer steps taken (dispatched)."""
         self.on_access: Callable[[str, int], None] | None = None
         """Test hook, called after each access is dispatched (e.g. to sample live device memory)."""
-        staged = model.staged
-        self._n = len(staged.stages)
-        self._seq = [("forward", i) for i in range(self._n - 1)] + [("head", self._n - 1)] + \
-                    [("backward", i) for i in range(self._n - 2, -1, -1)]
+        self.last_timeline: Timeline | None = None
+        """The measured timeline of the last recording (`record_steps`), once complete."""
+        self._n = len(model.staged.stages)
+        self._seq = compute_sequence(self._n)
+        self._last_use = {i: max(k for k, (_, j) in enumerate(self._seq) if j == i) for i in range(self._n)}
+        self._recording: tuple[Recorder, int, Any] | None = None  # (recorder, steps left, last update norm)
+        self._last_mark: Any = None  # the previous step's last computation (see `issue`)
 
     # ------------------------------------------------------------------------------------------------ one step
-    def step(self, batch: jax.Array) -> dict[str, jax.Array]:
-        plan, store, fns, staged = self.plan, self.store, self.fns, self.model.staged
-        rec = _Recorder() if self.record else None
+    def step(self, batch: jax.Array, controls: StepControls | None = None) -> dict[str, Any]:
+        """One training step; returns loss, grad_norm, update_norm, lr and skipped (the last three deferred:
+        they exist once the updater has dispatched the step's updates). `controls`: the anomaly guard's bounds
+        and learning-rate multiplier (train/step.py), None = only finiteness is checked."""
+        plan, store, fns, staged, updater = self.plan, self.store, self.fns, self.model.staged, self.updater
+        self._poll_recording()
+        rec = self._recording[0] if self._recording and self._recording[1] > 0 else None
+        step = self.step_count
         tokens, targets = batch[:, :-1], batch[:, 1:]
         streamed = set(plan.streamed)
         refs: dict[int, int] = {}
+        acquired: set[int] = set()
 
         def issue(k: int) -> None:
+            """Make access k's parameters current and (streamed stages) start fetching them."""
             if k >= len(self._seq):
                 return
             i = self._seq[k][1]
+            if i not in acquired:
+                if updater.staleness and i in streamed:
+                    # Lock-free: whether a stage's update is written is decided when its window slot frees on
+                    # the device (the compute `prefetch` accesses back is done), not when the training thread,
+                    # running ahead of the device, gets there: that is when the fetch would start on the copy
+                    # stream, and it keeps stale uses to the updates that are really late.
+                    jax.block_until_ready(marks[k - plan.prefetch - 1] if k > plan.prefetch else self._last_mark)
+                updater.acquire(i, step)
+                acquired.add(i)
             if i not in streamed:
                 return
             refs[i] = refs.get(i, 0) + 1
             if refs[i] == 1:
                 for pid in self.model.param_ids(i):
                     store.prefetch(pid, "device")
-                if rec:
+                if rec:  # (a fetch starts once its source, the last update's pages, is written)
                     rec.record("h2d", f"fetch {staged.stages[i].name}",
-                               [store.get(p, "device") for p in self.model.param_ids(i)])
+                               [store.get(p, "device") for p in self.model.param_ids(i)],
+                               after=[store.get(p, "host") for p in self.model.param_ids(i)])
 
-        def release(i: int) -> None:
+        def release(k: int, i: int) -> None:
             if i in streamed:
                 refs[i] -= 1
                 if refs[i] == 0:
                     for pid in self.model.param_ids(i):
                         store.evict(pid, "device")
+            if k == self._last_use[i]:
+                updater.release(i)
 
+        marks: list[Any] = []  # per access, a small output that is ready when the access's computation is done
         for k in range(plan.prefetch + 1):
             issue(k)
         saved: list[jax.Array | None] = [None] * self._n
-        grads: list[tuple | None] = [None] * self._n
         sqsums: list[jax.Array | None] = [None] * self._n
         x: jax.Array = tokens
         loss = None
@@ -153,90 +135,79 @@ class PagedExecutor:
             pages = tuple(store.get(p, "device") for p in self.model.param_ids(i))
             if op == "forward":
                 saved[i] = x
-                x = fns.forward[kind](pages, x)
-                out = x
+                x = out = fns.forward[kind](pages, x)
             elif op == "head":
                 dpages, x, sqsums[i], loss = fns.backward[kind](pages, x, targets)
                 out = dpages
             else:
                 dpages, x, sqsums[i] = fns.backward[kind](pages, saved[i], x)
-                saved[i] = None
-                out = dpages
+                saved[i], out = None, dpages
+            marks.append(x if op != "backward" else sqsums[i])
             if rec:
                 rec.record("compute", f"{op} {staged.stages[i].name}", out)
+            del pages, out
             if op != "forward":
-                grads[i] = self._grads_home(i, dpages, streamed, rec)
-            del pages
-            release(i)
+                updater.submit(step, i, self._grads_home(i, dpages, streamed, rec))
+                del dpages
+            release(k, i)
             issue(k + plan.prefetch + 1)
             if self.on_access is not None:
                 self.on_access(op, i)
 
-        total_sq = sqsums[0]
-        for s in sqsums[1:]:
-            total_sq = total_sq + s
-        norm = jnp.sqrt(total_sq)
-        # Optimizer state on disk is staged through host memory OPT_STAGING stages ahead of its update.
-        on_disk = [i for i in range(self._n) if self.plan.opt_home[i] == "disk"]
-        for i in on_disk[:OPT_STAGING]:
-            self._stage_opt(i)
-        update_sq = []
-        for i in range(self._n):
-            update_sq.append(self._update(i, grads[i], norm, streamed, rec))
-            grads[i] = None
-            if i in on_disk and on_disk.index(i) + OPT_STAGING < len(on_disk):
-                self._stage_opt(on_disk[on_disk.index(i) + OPT_STAGING])
-        update_norm = jnp.sqrt(sum(jax.device_get(u) for u in update_sq))
-        lr = self.schedule(self.step_count)
+        self._last_mark = marks[-1]
+        norm = global_norm(sqsums)
+        c = controls or StepControls()
+        # The guard's verdict on what is known now (the update norm's comes in the updater), on the device.
+        ok = jnp.isfinite(loss) & jnp.isfinite(norm) & (loss <= np.float32(c.max_loss)) \
+            & (norm <= np.float32(c.max_grad_norm))
+        deferred = updater.finish(step, norm, Guard(ok, float(c.max_update_norm), float(c.lr_scale)))
         self.step_count += 1
         if rec:
-            self.last_timeline = rec.finish()
-            self.last_timeline.step_time = max((e.end for e in self.last_timeline.events), default=0.0)
-        return {"loss": loss, "grad_norm": norm, "update_norm": update_norm, "lr": lr}
+            recorder, left, _ = self._recording
+            self._recording = (recorder, left - 1, deferred["update_norm"])
+        return {"loss": loss, "grad_norm": norm, **deferred}
 
-    def _stage_opt(self, i: int) -> None:
-        for oid in self.model.opt_ids(i):
-            self.store.prefetch(oid, "host")
-
-    def _grads_home(self, i: int, dpages: tuple, streamed: set[int], rec: _Recorder | None) -> tuple:
+    def _grads_home(self, i: int, dpages: tuple, streamed: set[int], rec: Recorder | None) -> tuple:
+        """Gradients go where the stage's update runs: the host tier for streamed stages (D2H, asynchronous)."""
         if i not in streamed:
             return dpages
         host = self.store.tiers["host"].sharding
         moved = tuple(jax.device_put(g, host) for g in dpages)
         if rec:
-            rec.record("d2h", f"grad {self.model.staged.stages[i].name}", moved)
+            rec.record("d2h", f"grad {self.model.staged.stages[i].name}", moved, after=dpages)
         return moved
 
-    def _update(self, i: int, grads: tuple, norm: jax.Array, streamed: set[int], rec: _Recorder | None) -> jax.Array:
-        """Stage i's optimizer update where its pages live. Host pages are updated by the XLA CPU backend: XLA
-        cannot compute on `pinned_host` buffers of an accelerator, so they are handed to the CPU device (a host
-        memcpy) and the results put back into the host tier."""
-        store, model = self.store, self.model
-        kind = model.staged.stages[i].kind
-        opt_ids = model.opt_ids(i)
-        if i in streamed:
-            where, run_on = "host", self.fns.update_device
-            home = store.tiers["host"].sharding
-        else:
-            where, run_on = "device", store.tiers["device"].sharding
-            home = run_on
-        params = tuple(jax.device_put(store.get(p, where), run_on) for p in model.param_ids(i))
-        opt = tuple(jax.device_put(store.get(o, where), run_on) for o in opt_ids)
-        grads = tuple(jax.device_put(g, run_on) for g in grads)
-        new_params, new_opt, small, update_sq = self.fns.update[kind](
-            params, grads, opt, jax.device_put(self.opt_small[i], run_on), jax.device_put(norm, run_on))
-        del params, opt, grads
-        self.opt_small[i] = small
-        for pid, arr in zip(model.param_ids(i), new_params):
-            store.update(pid, jax.device_put(arr, home), where)
-        for oid, arr in zip(opt_ids, new_opt):
-            store.update(oid, jax.device_put(arr, home), where)
-            if self.plan.opt_home[i] == "disk":
-                store.evict(oid, "host")  # written back to its disk home, host copy freed once it lands
-        if rec:
-            rec.record("host" if where == "host" else "compute", f"update {model.staged.stages[i].name}",
-                       (new_params, new_opt))
-        return update_sq
+    # ------------------------------------------------------------------------------------------------ timelines
+    def record_steps(self, steps: int = 2) -> None:
+        """Record the measured timeline of the next `steps` steps, their updates included; `last_timeline` holds
+        it once complete (checked at each step, or by `finish_recording`)."""
+        recorder = Recorder()
+        self._recording = (recorder, steps, None)
+        self.updater.record = recorder.record
+
+    def _poll_recording(self, wait: bool = False) -> None:
+        if self._recording is None:
+            return
+        recorder, left, last_norm = self._recording
+        if last_norm is None or (left > 0 and not wait):  # on `wait`, fewer steps than asked for will do
+            return
+        if not wait and not last_norm.done():  # the last recorded step's updates are still dispatching
+            return
+        last_norm.result()
+        self.updater.record = None
+        self._recording = None
+        timeline = recorder.finish()
+        # The steady-state step, as the planner predicts it: between the starts of consecutive first forwards.
+        first = f"forward {self.model.staged.stages[0].name}"
+        starts = sorted(e.start for e in timeline.events if e.label == first)
+        timeline.step_time = starts[-1] - starts[-2] if len(starts) > 1 else timeline.span
+        self.last_timeline = timeline
+
+    def finish_recording(self) -> Timeline | None:
+        """Wait for a recording's steps to complete (ending it early if it ran fewer steps than asked for);
+        returns the measured timeline (None if no step was recorded)."""
+        self._poll_recording(wait=True)
+        return self.last_timeline
 
     # ------------------------------------------------------------------------------------------------ state access
     def stage_params(self, i: int) -> Any:
@@ -246,12 +217,15 @@ class PagedExecutor:
         return self.model.params_layout.stage(name).unpack(pages)
 
     def params(self) -> Any:
-        """The whole model's parameters (numpy), in the reference trainer's structure."""
+        """The whole model's parameters (numpy), in the reference trainer's structure, after every update."""
+        self.updater.drain()
         self.store.wait_all()
         return self.model.staged.merge([self.stage_params(i) for i in range(self._n)])
 
     def opt_state(self, i: int) -> Any:
+        """Stage i's optax state (numpy), after every update."""
+        self.updater.drain()
         name = self.model.staged.stages[i].name
         big = list(self.model.opt_layout.stage(name).unpack(tuple(self.store.read(o) for o in self.model.opt_ids(i))))
-        small = [np.asarray(s) for s in self.opt_small[i]]
-        return join_opt_state(big, small, self.fns._opt_structure[self.model.staged.stages[i].kind])
+        small = [np.asarray(s) for s in self.updater.opt_small[i]]
+        return join_opt_state(big, small, self.fns.opt_structure[self.model.staged.stages[i].kind])

@@ -1,0 +1,398 @@
+"""PageUpdater: runs every stage's optimizer update where its pages live, exactly or lock-free.
+
+The executor hands over each stage's gradient pages as its backward finishes (`submit`), and, once the backward
+pass is over, the global gradient norm and the anomaly guard's verdict on the loss and gradient norm (`finish`).
+A worker thread then updates the stages one at a time, in forward order (the next step needs stage 0 first): it
+takes the stage's parameter and optimizer pages from the page store, runs the stage update (one jit: unpack ->
+optax -> pack, `angel_jax.optim.paged`) on the device for resident stages or on the host (the XLA CPU backend)
+for streamed ones, and puts the new pages back. Optimizer state whose home is the disk is read into host memory
+`OPT_STAGING` stages ahead of its update and written back after it, so the disk works while other stages update.
+
+The guard (train/step.py `StepControls`) is the reference trainer's: an update whose loss, gradient norm or update
+norm is not finite or above its bound is dropped, by every stage (each jit selects the old pages). The update norm
+is global, known only once every stage's update is; when it has a bound, a first pass computes it (stage update
+without writing anything) before the pass that applies. Without one, a stage whose own update is not finite keeps
+its old pages (with finite gradients, as the loss and gradient-norm checks ensure, that does not happen for the
+optax optimizers here).
+
+The worker, not the training thread, waits for the disk, so the training thread can start the next step while
+updates are still running; what it may use is decided per stage by `acquire`, called before a stage's first
+access in a step:
+
+- `staleness: 0` (exact): step t+1 uses a stage only after the stage's step-t update is in place. Its arrays may
+  still be computing (XLA orders the computations); the training thread only waits for the update's dispatch.
+- `staleness: 1` (lock-free, Angel-PTM's mechanism for hiding SSD and host-update time): a streamed stage whose
+  step-t update is not yet written is used with its previous parameters, the ones step t used. The bound is one
+  step: if the step t-1 update is not in place either, `acquire` waits for it. Every such use is counted in
+  `stale_uses`. Stages updated on the device are always exact: the device runs one computation at a time, so
+  there is nothing to hide there.
+
+A stage in use (between `acquire` and `release`) never has its parameters replaced under it: an update that
+completes meanwhile is kept pending and installed at `release`.
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+import threading
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from angel_jax.memory import PageStore
+from angel_jax.memory.tiers import HOST_MEMORY_KINDS
+
+OPT_STAGING = 2
+"""Stages of disk-resident optimizer state held in host memory around their update (read ahead, written after)."""
+
+
+@dataclass(frozen=True)
+class StageSlot:
+    """What the updater needs to know about one stage."""
+
+    name: str
+    kind: str
+    param_ids: tuple[int, ...]
+    opt_ids: tuple[int, ...]
+    where: str
+    """'device' or 'host': the tier of the stage's parameter pages; its update runs there."""
+    opt_home: str
+    """'device', 'host' or 'disk': the home of its optimizer-state pages."""
+
+    @property
+    def opt_where(self) -> str:
+        """The tier the optimizer pages are read from and written to by the update (disk pages pass the host)."""
+        return "host" if self.opt_home == "disk" else self.opt_home
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where the updates of one tier run: `compute` is the sharding the update's inputs and outputs live in while
+    it runs, `tier` the sharding of the tier's pages. They are equal when the device that holds the pages can
+    compute on them in place (the device tier; the host tier on the CPU backend); on an accelerator the host tier
+    is pinned memory that XLA does not compute on, so host updates run on the CPU backend and pages cross over."""
+
+    compute: jax.sharding.Sharding
+    tier: jax.sharding.Sharding
+
+
+@dataclass(frozen=True)
+class Guard:
+    """One step's guard, from the executor: `ok` (device bool) covers the loss and the gradient norm."""
+
+    ok: jax.Array
+    max_update_norm: float
+    lr_scale: float
+
+
+class StageUpdates:
+    """Jitted stage updates, one per (stage kind, placement, whether parameters are donated), and first passes."""
+
+    def __init__(self, pure: dict[str, Callable], pure_norm: dict[str, Callable]):
+        self._pure, self._pure_norm = pure, pure_norm
+        self._jitted: dict[tuple, Callable] = {}
+        self._lock = threading.Lock()
+
+    def get(self, kind: str, compute: jax.sharding.Sharding, donate_params: bool) -> Callable:
+        # The outputs (new parameter and optimizer pages) reuse donated input buffers: the old parameters and
+        # optimizer pages, or, in lock-free mode, where the training thread may still be reading the old
+        # parameters, the gradients in their place.
+        return self._jit(("update", kind, compute, donate_params), self._pure[kind],
+                         (0, 2) if donate_params else (1, 2), compute)
+
+    def norm_pass(self, kind: str, compute: jax.sharding.Sharding) -> Callable:
+        return self._jit(("norm", kind, compute), self._pure_norm[kind], (), compute)
+
+    def _jit(self, key: tuple, pure: Callable, donate: tuple, compute: jax.sharding.Sharding) -> Callable:
+        with self._lock:
+            fn = self._jitted.get(key)
+            if fn is None:
+                if compute.memory_kind in HOST_MEMORY_KINDS:
+                    pure = _in_host_memory(pure)
+                fn = self._jitted[key] = jax.jit(pure, donate_argnums=donate, out_shardings=compute)
+            return fn
+
+
+def _in_host_memory(fn: Callable) -> Callable:
+    """`fn` over operands that live in host memory of a device that computes there (the CPU backend): XLA types
+    them as host-space values, which do not mix with values it creates (padding, constants), so they are moved to
+    the device space on entry and back on exit; on the CPU both are the same RAM and the moves compile to nothing
+    (measured: the same time as computing in device memory)."""
+
+    def wrapped(*args: Any) -> Any:
+        args = jax.tree.map(lambda a: jax.device_put(a, jax.memory.Space.Device), args)
+        return jax.tree.map(lambda a: jax.device_put(a, jax.memory.Space.Host), fn(*args))
+
+    return wrapped
+
+
+class Deferred:
+    """A scalar that exists once the updater has dispatched a step's updates (update norm, skipped, lr):
+    `float()`, `np.asarray()`, `jax.device_get()` and `jax.block_until_ready()` wait for it."""
+
+    def __init__(self) -> None:
+        self._event = threading.Event()
+        self._value: Any = None
+        self._error: BaseException | None = None
+
+    def set(self, value: Any = None, error: BaseException | None = None) -> None:
+        self._value, self._error = value, error
+        self._event.set()
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def result(self) -> Any:
+        self._event.wait()
+        if self._error is not None:
+            raise self._error
+        return self._value
+
+    def block_until_ready(self) -> "Deferred":
+        jax.block_until_ready(self.result())
+        return self
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        return np.asarray(self.result(), dtype=dtype)
+
+    def __float__(self) -> float:
+        return float(self.result())
+
+
+class UpdaterError(RuntimeError):
+    """A stage update failed in the worker; raised on the training thread at its next call."""
+
+
+class PageUpdater:
+    def __init__(self, store: PageStore, slots: list[StageSlot], updates: StageUpdates, opt_small: list[list],
+                 placements: dict[str, Placement], schedule: optax.Schedule, *, staleness: int):
+        if staleness not in (0, 1):
+            raise ValueError(f"staleness must be 0 or 1, got {staleness}")
+        self.store, self.slots, self.updates, self.placements = store, slots, updates, placements
+        self.schedule = schedule
+        self.opt_small = opt_small
+        """Per stage: the optimizer-state leaves too small for pages (step counts), kept where the update runs."""
+        self.applied = jnp.zeros((), jnp.int32)
+        """Updates applied (a dropped one does not count): the reference trainer's `TrainState.step`."""
+        self.staleness = staleness
+        self.stale_uses = 0
+        """Stage uses that ran with parameters one update behind (lock-free mode only)."""
+        self.max_lag = 0
+        """The most updates a stage use was ever behind (the staleness bound: never above `staleness`)."""
+        self.record: Callable[..., None] | None = None
+        """Timeline hook: record(stream, label, outputs, after=inputs), set by the executor while it records."""
+        n = len(slots)
+        self._cond = threading.Condition()
+        self._done = [0] * n
+        """Per stage: updates whose results exist (installed in the store, or pending while the stage is in use)."""
+        self._held = [False] * n
+        self._pending: list[tuple | None] = [None] * n
+        self._inbox: queue.Queue = queue.Queue()
+        self._busy = 0
+        """Steps finished by the executor and not yet fully updated."""
+        self._error: BaseException | None = None
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------------------------------ training thread
+    def acquire(self, i: int, step: int) -> bool:
+        """Before stage i's first access in `step` (0-based): wait until its parameters are recent enough, mark it
+        in use; returns True when it runs one update behind."""
+        slot = self.slots[i]
+        need = step - (self.staleness if slot.where == "host" else 0)
+        with self._cond:
+            while self._done[i] < need:
+                self._check()
+                if not self._busy:
+                    raise UpdaterError(f"stage {slot.name!r}: step {step} needs update {need} of it, and no update "
+                                       f"is in flight ({self._done[i]} done): the step count and the updater disagree")
+                self._cond.wait(0.5)
+            self._check()
+            stale = self._done[i] < step
+            self.stale_uses += stale
+            self.max_lag = max(self.max_lag, step - self._done[i])
+            self._held[i] = True
+            return stale
+
+    def release(self, i: int) -> None:
+        """After stage i's last access in a step: an update that completed meanwhile is installed now."""
+        with self._cond:
+            self._held[i] = False
+            if self._pending[i] is not None:
+                self._install(i, self._pending[i])
+                self._pending[i] = None
+
+    def submit(self, step: int, i: int, grads: tuple) -> None:
+        """Stage i's gradient pages of `step` (on the tier its update reads them from)."""
+        self._inbox.put(("grads", step, i, grads))
+
+    def finish(self, step: int, norm: jax.Array, guard: Guard) -> dict[str, Deferred]:
+        """All of `step`'s gradients are submitted; `norm` is their global norm. Returns the step's update norm,
+        skipped flag (1.0 when the update was dropped) and learning rate, deferred."""
+        out = {"update_norm": Deferred(), "skipped": Deferred(), "lr": Deferred()}
+        with self._cond:
+            self._busy += 1
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="angel_jax-updater", daemon=True)
+            self._thread.start()
+        self._inbox.put(("finish", step, norm, guard, out))
+        return out
+
+    def drain(self) -> None:
+        """Wait until every submitted update is in the store (for reading or replacing the state)."""
+        with self._cond:
+            while self._busy:
+                self._check()
+                self._cond.wait(0.5)
+            self._check()
+            assert not any(self._held) and not any(p is not None for p in self._pending)
+
+    def reset(self, step: int, applied: int) -> None:
+        """After the state was replaced (a checkpoint loaded): every stage is up to date at `step`."""
+        self.drain()
+        with self._cond:
+            self._done = [step] * len(self.slots)
+            self.applied = jnp.asarray(applied, jnp.int32)
+
+    def close(self) -> None:
+        if self._thread is not None:
+            self._inbox.put(None)
+            self._thread.join()
+            self._thread = None
+
+    # ------------------------------------------------------------------------------------------ worker
+    def _check(self) -> None:
+        if self._error is not None:
+            raise UpdaterError(f"a stage update failed: {self._error}") from self._error
+
+    def _run(self) -> None:
+        grads: dict[int, tuple] = {}
+        staged = False  # the first stages' disk reads of the coming step are issued
+        while (msg := self._inbox.get()) is not None:
+            if msg[0] == "grads":
+                grads[msg[2]] = msg[3]
+                continue
+            _, step, norm, guard, out = msg
+            try:
+                if self._error is not None:
+                    raise UpdaterError(f"an earlier stage update failed: {self._error}")
+                if not staged:
+                    self._stage_first()
+                ok = guard.ok
+                if math.isfinite(guard.max_update_norm):
+                    total = self._norm_pass(grads, norm, guard.lr_scale)
+                    ok = ok & jnp.isfinite(total) & (jnp.sqrt(total) <= guard.max_update_norm)
+                sq, applied = [], []
+                for i in range(len(self.slots)):
+                    self._stage_disk(i + OPT_STAGING)
+                    s, a = self._update(i, grads.pop(i), norm, ok, guard.lr_scale)
+                    sq.append(s)
+                    applied.append(a)
+                self._stage_first()  # the next step's first disk reads start now, under its forward pass
+                staged = True
+                all_applied = self._on_device(applied, jnp.logical_and)
+                out["update_norm"].set(jnp.sqrt(self._on_device(sq, jnp.add)))
+                out["skipped"].set(1.0 - all_applied.astype(jnp.float32))
+                out["lr"].set(self.schedule(self.applied) * guard.lr_scale)
+                self.applied = self.applied + all_applied.astype(jnp.int32)
+            except BaseException as e:  # noqa: BLE001 - surfaced on the training thread
+                with self._cond:
+                    self._error = self._error or e
+                for d in out.values():
+                    d.set(error=UpdaterError(f"a stage update failed: {e}"))
+            finally:
+                grads.clear()
+                with self._cond:
+                    self._busy -= 1
+                    self._cond.notify_all()
+
+    def _on_device(self, values: list[jax.Array], op: Callable) -> jax.Array:
+        """Fold per-stage scalars (on the device or the host) in stage order, on the device."""
+        to = self.placements["device"].tier
+        total = jax.device_put(values[0], to)
+        for v in values[1:]:
+            total = op(total, jax.device_put(v, to))
+        return total
+
+    def _stage_first(self) -> None:
+        for i in range(OPT_STAGING):
+            self._stage_disk(i)
+
+    def _stage_disk(self, i: int) -> None:
+        """Start reading stage i's optimizer pages from disk into host memory (if that is their home)."""
+        if i >= len(self.slots) or self.slots[i].opt_home != "disk":
+            return
+        slot = self.slots[i]
+        for oid in slot.opt_ids:
+            handle = self.store.prefetch(oid, "host")
+            if self.record:
+                self.record("disk", f"read {slot.name}", handle)
+
+    def _inputs(self, slot: StageSlot, place: Placement, grads: tuple, i: int) -> tuple:
+        def to_compute(arrays: Any) -> Any:
+            return jax.device_put(arrays, place.compute)
+
+        params = to_compute(tuple(self.store.get(p, slot.where) for p in slot.param_ids))
+        opt = to_compute(tuple(self.store.get(o, slot.opt_where) for o in slot.opt_ids))
+        return params, to_compute(grads), opt, to_compute(self.opt_small[i])
+
+    def _norm_pass(self, grads: dict[int, tuple], norm: jax.Array, lr_scale: float) -> jax.Array:
+        """The update's global sum of squares, nothing written (disk pages are read, then dropped again)."""
+        sq = []
+        for i, slot in enumerate(self.slots):
+            self._stage_disk(i + OPT_STAGING)
+            place = self.placements[slot.where]
+            params, g, opt, small = self._inputs(slot, place, grads[i], i)
+            fn = self.updates.norm_pass(slot.kind, place.compute)
+            sq.append(fn(params, g, opt, small, jax.device_put(norm, place.compute),
+                         jax.device_put(np.float32(lr_scale), place.compute)))
+            if self.record:
+                self.record("host" if slot.where == "host" else "compute", f"norm {slot.name}", sq[-1])
+            if slot.opt_home == "disk":
+                jax.block_until_ready(sq[-1])  # done reading the staged copy: free it (the disk copy is current)
+                for oid in slot.opt_ids:
+                    self.store.evict(oid, "host")
+        self._stage_first()
+        return self._on_device(sq, jnp.add)
+
+    def _update(self, i: int, grads: tuple, norm: jax.Array, ok: jax.Array, lr_scale: float) -> tuple:
+        slot, store = self.slots[i], self.store
+        place = self.placements[slot.where]
+        lock_free = self.staleness > 0 and slot.where == "host"
+        fn = self.updates.get(slot.kind, place.compute, donate_params=not lock_free)
+        params, grads, opt, small = self._inputs(slot, place, grads, i)
+        ready_when = grads if self.record else None  # the update starts once its gradients are home
+        new_params, new_opt, small, update_sq, applied = fn(
+            params, grads, opt, small, jax.device_put(norm, place.compute), jax.device_put(ok, place.compute),
+            jax.device_put(np.float32(lr_scale), place.compute))
+        del params, opt, grads
+        self.opt_small[i] = small
+        new_params = jax.device_put(new_params, place.tier)
+        for oid, arr in zip(slot.opt_ids, jax.device_put(new_opt, place.tier)):
+            store.update(oid, arr, slot.opt_where)
+            if slot.opt_home == "disk":
+                handle = store.evict(oid, "host")  # written back home; the host copy is freed once it lands
+                if self.record:
+                    self.record("disk", f"write {slot.name}", handle)
+        if self.record:
+            self.record("host" if slot.where == "host" else "compute", f"update {slot.name}", new_params,
+                        after=ready_when)
+        if lock_free:
+            jax.block_until_ready(new_params)  # "written": only then may the training thread pick it up
+        with self._cond:
+            if self._held[i]:
+                self._pending[i] = new_params
+            else:
+                self._install(i, new_params)
+            self._done[i] += 1
+            self._cond.notify_all()
+        return update_sq, applied
+
+    def _install(self, i: int, new_params: tuple) -> None:
+        slot = self.slots[i]
+        for pid, arr in zip(slot.param_ids, new_params):
+            self.store.update(pid, arr, slot.where)

@@ -1,0 +1,212 @@
+"""PagedTrainEngine: the paged engine behind the `TrainEngine` protocol (angel_jax/train/engines.py).
+
+    engine = PagedTrainEngine(cfg, mesh)          # one device, one process
+    metrics = engine.step(batch, controls)        # loss, grad_norm, update_norm, lr, skipped (may be computing)
+    arrays, meta = engine.state_arrays(), engine.state_meta()
+    engine.load_state(arrays, meta)               # back to that step, bit for bit
+
+The training state is every page family under stable names, read from wherever the current version lives
+(device, host or disk), after every update in flight has landed:
+
+    params/<stage>/<k>       parameter pages (k-th page of the stage)
+    opt/<stage>/<k>          optimizer-state pages
+    opt_small/<stage>/<j>    the optimizer's small leaves (step counts)
+    step                     training steps taken (int32)
+    applied                  updates applied, those the anomaly guard dropped not counted (int32)
+
+`state_meta` carries the engine name, the page size and a layout fingerprint (per stage: dtype and length of
+every page, dtype and shape of every small leaf); `load_state` refuses a checkpoint whose fingerprint differs,
+naming the first difference, and puts every page back in the home this run's plan gives it.
+
+Timelines: the predicted timeline is written to the run directory at the first step, the measured one once,
+after `WARMUP_STEPS` steps of this engine (recording `RECORDED_STEPS` steps; written when they are complete, at
+the latest by `close`), as `timeline_{predicted,measured}.{json,png}`.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any, Mapping
+
+import jax
+import numpy as np
+
+from angel_jax.config import Config
+from angel_jax.schedule.engine import PagedEngine, build_paged_engine
+from angel_jax.schedule.timeline import Timeline
+from angel_jax.train.engines import StateMismatch, check_arrays
+from angel_jax.train.report import human_bytes
+from angel_jax.train.step import StepControls
+from models import gpt
+
+log = logging.getLogger(__name__)
+
+WARMUP_STEPS = 3
+RECORDED_STEPS = 2
+
+
+def layout_fingerprint(built: PagedEngine) -> dict[str, Any]:
+    """Per stage: [dtype, length] of each parameter and optimizer page, [dtype, shape] of each small leaf."""
+    model, small = built.model, built.updater.opt_small
+    out = {}
+    for i, stage in enumerate(model.staged.stages):
+        out[stage.name] = {
+            "params": [[p.dtype.name, p.length] for p in model.params_layout.stage(stage.name).pages],
+            "opt": [[p.dtype.name, p.length] for p in model.opt_layout.stage(stage.name).pages],
+            "opt_small": [[np.dtype(s.dtype).name, list(s.shape)] for s in small[i]],
+        }
+    return out
+
+
+def _first_difference(mine: dict, theirs: Any) -> str | None:
+    if not isinstance(theirs, dict):
+        return "the checkpoint has no page layout"
+    for name in mine:
+        if name not in theirs:
+            return f"stage {name!r} is missing from the checkpoint (its stages: {', '.join(theirs)})"
+        for family in ("params", "opt", "opt_small"):
+            a, b = mine[name][family], theirs[name].get(family)
+            if a != b:
+                return (f"stage {name!r}, {family} pages: this run has {len(a)} x {a[:2]}..., the checkpoint "
+                        f"{len(b or [])} x {(b or [])[:2]}...")
+    extra = [n for n in theirs if n not in mine]
+    return f"the checkpoint has stages this run lacks: {extra}" if extra else None
+
+
+class PagedTrainEngine:
+    name = "paged"
+
+    def __init__(self, cfg: Config, mesh: jax.sharding.Mesh):
+        self.cfg = cfg
+        self.device = mesh.devices.flat[0]
+        self.batch_sharding = jax.sharding.SingleDeviceSharding(self.device)
+        with jax.default_device(jax.devices("cpu")[0]):  # the initial model is built on the host
+            _, params = gpt.init(cfg.model, cfg.train.seed)
+        params = jax.tree.map(np.asarray, params)
+        example = jax.device_put(np.zeros((cfg.train.batch_size, cfg.model.seq_len + 1), np.int32),
+                                 self.batch_sharding)
+        self.built: PagedEngine = build_paged_engine(cfg, params, example, device=self.device)
+        self.executor = self.built.executor
+        self._timelines_due = {"predicted": True, "measured": True}
+        self._steps_here = 0  # steps run by this engine (a resumed run warms up again before recording)
+
+    # ------------------------------------------------------------------------------------------------ training
+    def step(self, batch: jax.Array, controls: StepControls | None = None) -> dict[str, Any]:
+        ex = self.executor
+        if self._timelines_due["predicted"]:
+            self._write_timeline("predicted", self.built.plan.predicted)
+        if self._steps_here == WARMUP_STEPS and self._timelines_due["measured"]:
+            ex.record_steps(RECORDED_STEPS)
+        metrics = ex.step(batch, controls)
+        self._steps_here += 1
+        if ex.last_timeline is not None and self._timelines_due["measured"]:
+            self._write_timeline("measured", ex.last_timeline)
+        return metrics
+
+    @property
+    def stale_uses(self) -> int:
+        """Stage uses that ran one update behind (lock-free mode; always 0 with staleness 0)."""
+        return self.built.updater.stale_uses
+
+    def _write_timeline(self, kind: str, timeline: Timeline) -> None:
+        self._timelines_due[kind] = False
+        if jax.process_index() != 0:
+            return
+        run_dir = Path(self.cfg.run_dir)
+        try:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            timeline.save_json(run_dir / f"timeline_{kind}.json")
+            timeline.save_png(run_dir / f"timeline_{kind}.png", f"{self.cfg.name}: {kind} timeline")
+        except OSError as e:  # a picture is not worth stopping training for
+            log.warning("could not write the %s timeline to %s: %s", kind, run_dir, e)
+
+    # ------------------------------------------------------------------------------------------------ state
+    def _names(self) -> tuple[list, list, list]:
+        model = self.built.model
+        params, opt, small = [], [], []
+        for i, stage in enumerate(model.staged.stages):
+            params += [(f"params/{stage.name}/{k}", pid) for k, pid in enumerate(model.param_ids(i))]
+            opt += [(f"opt/{stage.name}/{k}", oid) for k, oid in enumerate(model.opt_ids(i))]
+            small += [(f"opt_small/{stage.name}/{j}", i, j) for j in range(len(self.built.updater.opt_small[i]))]
+        return params, opt, small
+
+    def state_arrays(self) -> dict[str, Any]:
+        self.built.updater.drain()  # lock-free mode: the last step's updates land first
+        self.built.store.wait_all()
+        store, small = self.built.store, self.built.updater.opt_small
+        params, opt, small_names = self._names()
+        out: dict[str, Any] = {name: store.read(pid) for name, pid in params + opt}
+        out.update({name: np.asarray(small[i][j]) for name, i, j in small_names})
+        out["step"] = np.asarray(self.executor.step_count, np.int32)
+        out["applied"] = np.asarray(self.built.updater.applied, np.int32)
+        return out
+
+    def state_meta(self) -> dict[str, Any]:
+        return {"engine": self.name, "page_size": self.cfg.memory.page_size,
+                "layout": layout_fingerprint(self.built)}
+
+    def load_state(self, arrays: Mapping[str, np.ndarray], meta: Mapping[str, Any]) -> None:
+        if meta.get("engine") != self.name:
+            raise StateMismatch(f"the checkpoint was written by the {meta.get('engine')!r} engine, this run uses "
+                                f"{self.name!r} (memory.mode); resume with the same memory.mode")
+        if meta.get("page_size") != self.cfg.memory.page_size:
+            raise StateMismatch(f"the checkpoint's pages are {meta.get('page_size')} B, this run's "
+                                f"memory.page_size is {self.cfg.memory.page_size} B; resume with the same page size")
+        problem = _first_difference(layout_fingerprint(self.built), meta.get("layout"))
+        if problem:
+            raise StateMismatch(f"paged engine: the checkpoint's page layout differs from this run's: {problem} "
+                                "(another model or optimizer config?)")
+        params, opt, small_names = self._names()
+        layout = {**{n: p for n, p in params}, **{n: o for n, o in opt}}
+        store, updater, plan = self.built.store, self.built.updater, self.built.plan
+        expected = {name: self._page_spec(pid) for name, pid in layout.items()}
+        expected.update({name: (tuple(updater.opt_small[i][j].shape), updater.opt_small[i][j].dtype)
+                         for name, i, j in small_names})
+        expected["step"] = expected["applied"] = ((), np.dtype(np.int32))
+        check_arrays(expected, arrays, "paged engine")
+        updater.drain()
+        store.wait_all()
+        homes = {}
+        for i in range(len(plan.home)):
+            homes.update({pid: plan.home[i] for pid in self.built.model.param_ids(i)})
+            homes.update({oid: plan.opt_home[i] for oid in self.built.model.opt_ids(i)})
+        for name, pid in layout.items():  # one page at a time: never two copies of the model in flight
+            store.remove(pid)
+            store.add(pid, np.asarray(arrays[name]), home=homes[pid]).wait()
+        for name, i, j in small_names:
+            updater.opt_small[i][j] = jax.device_put(np.asarray(arrays[name]), updater.opt_small[i][j].sharding)
+        self.executor.step_count = int(arrays["step"])
+        updater.reset(self.executor.step_count, int(arrays["applied"]))
+
+    def _page_spec(self, page_id: int) -> tuple[tuple[int], np.dtype]:
+        model = self.built.model
+        layout, pid = (model.opt_layout, page_id - model.opt_offset) if page_id >= model.opt_offset else \
+            (model.params_layout, page_id)
+        spec = layout.page(pid)
+        return (spec.length,), spec.dtype
+
+    def params(self) -> Any:
+        return self.executor.params()
+
+    # ------------------------------------------------------------------------------------------------ reports
+    def memory_report(self) -> list[str]:
+        built, plan = self.built, self.built.plan
+        lines = [f"  placement          paged: {len(plan.resident)} of {len(plan.home)} stages resident on "
+                 f"{self.device}, {len(plan.streamed)} streamed (prefetch {plan.prefetch}), "
+                 f"page size {human_bytes(self.cfg.memory.page_size)}, staleness {plan.staleness}"]
+        for row in plan.table(built.costs):
+            lines.append(f"  {row['tier']:<7} pages    params {human_bytes(row['params'])}, gradients "
+                         f"{human_bytes(row['gradients'])}, optimizer {human_bytes(row['optimizer'])}")
+        peak = plan.peak_bytes
+        lines.append(f"  predicted peak     device {human_bytes(peak['device'])} of "
+                     f"{human_bytes(built.budgets.device)} budget (activations and working set "
+                     f"{human_bytes(built.budgets.fixed_device)}), host {human_bytes(peak['host'])}, "
+                     f"disk {human_bytes(peak['disk'])}")
+        lines.append(f"  predicted step     {plan.predicted.step_time:.3f} s (bandwidths: {built.bandwidths.source})")
+        return lines
+
+    def close(self) -> None:
+        if self._timelines_due["measured"] and self.executor.finish_recording() is not None:
+            self._write_timeline("measured", self.executor.last_timeline)
+        self.built.close()

@@ -1,0 +1,133 @@
+"""`angel-jax plan CONFIG [key=value ...] [--out DIR] [--estimate]`: the scheduling pass without training.
+
+Prints the page table (bytes of each page family on each tier), the predicted step time and the predicted peak
+bytes per tier, and writes the predicted timeline (a Gantt chart per stream) as `timeline_predicted.png` and
+`.json`, plus `plan.json`, to `--out` (default: the config's run directory). Nothing of the model is allocated:
+layouts come from abstract shapes. Stage times are profiled on this machine's first device with zero-filled pages
+(the functions training would run), or, with `--estimate`, derived from FLOPs and the device's peak (to plan a GPU
+run on a machine without that GPU: pass the budgets the GPU machine will have, e.g. memory.device_budget=80e9).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict
+from pathlib import Path
+
+import jax
+import numpy as np
+
+from angel_jax.config import Config, load_config
+from angel_jax.memory.bench_io import default_calibration_path
+from angel_jax.schedule.engine import Blueprint, blueprint, device_budget, fixed_device_bytes, make_store, plan_for
+from angel_jax.schedule.plan import Budgets, Plan, StageCost, load_bandwidths, make_plan
+from angel_jax.train.report import human_bytes
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="angel-jax plan", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("config", type=Path, help="YAML config file")
+    p.add_argument("overrides", nargs="*", help="dotted key=value overrides")
+    p.add_argument("--out", type=Path, default=None, help="where to write the timeline (default: the run directory)")
+    p.add_argument("--estimate", action="store_true",
+                   help="estimate stage times from FLOPs and the device's peak instead of profiling them")
+    p.add_argument("--peak-tflops", type=float, default=None,
+                   help="with --estimate: the target device's peak (default: this device's, from the device table "
+                        "or a measured matmul)")
+    return p
+
+
+def estimate_costs(cfg: Config, bp: Blueprint, peak_flops: float, device_bw: float, host_bw: float) -> list[StageCost]:
+    """Stage times from model FLOPs at the device's peak (forward: 2 FLOPs per weight per token plus attention;
+    backward: recompute + 2x forward) and optimizer updates from the bytes they touch (parameters and gradients
+    read, optimizer state read and written, parameters written) at memory bandwidth."""
+    m = cfg.model
+    tokens = cfg.train.batch_size * m.seq_len
+    costs = []
+    for stage in bp.staged.stages:
+        if stage.kind == "block":
+            fwd = 2 * tokens * 12 * m.d_model ** 2 + 4 * tokens * m.seq_len * m.d_model
+        elif stage.kind == "head":
+            fwd = 2 * tokens * m.d_model * m.vocab_size
+        else:
+            fwd = tokens * m.d_model  # an embedding lookup
+        p_bytes = bp.params_layout.stage(stage.name).nbytes
+        o_bytes = bp.opt_layout.stage(stage.name).nbytes
+        touched = 3 * p_bytes + 2 * o_bytes
+        fwd_s = fwd / peak_flops
+        costs.append(StageCost(stage.name, p_bytes, o_bytes, 0.0 if stage.kind == "head" else fwd_s, 3 * fwd_s,
+                               touched / device_bw, touched / host_bw))
+    return costs
+
+
+def _estimated_plan(cfg: Config, bp: Blueprint, peak_tflops: float | None) -> tuple[Plan, list[StageCost], Budgets,
+                                                                                  str]:
+    from angel_jax.train.metrics import Peak, device_peak
+
+    device = jax.devices()[0]
+    peak = Peak(peak_tflops * 1e12, "--peak-tflops") if peak_tflops else device_peak(device)
+    bw = load_bandwidths(default_calibration_path())
+    figures = json.loads(Path(default_calibration_path()).read_text()).get("bandwidth_Bps", {}) \
+        if Path(default_calibration_path()).is_file() else {}
+    costs = estimate_costs(cfg, bp, peak.flops_per_device, figures.get("device_copy", 1e12),
+                           figures.get("host_memcpy", 10e9))
+    budgets = Budgets(device=device_budget(cfg, device), host=cfg.memory.host_budget or None,
+                      disk=(cfg.memory.disk_budget or None) if cfg.memory.disk_dir else 0,
+                      fixed_device=fixed_device_bytes(cfg, cfg.train.batch_size))
+    plan = make_plan(costs, bw, budgets, staleness=cfg.optimizer.staleness, shared_cpu=device.platform == "cpu")
+    return plan, costs, budgets, f"estimated from FLOPs at {peak.flops_per_device / 1e12:.1f} TFLOP/s " \
+                                 f"({peak.source}); bandwidths: {bw.source}"
+
+
+def _profiled_plan(cfg: Config, bp: Blueprint, _: float | None) -> tuple[Plan, list[StageCost], Budgets, str]:
+    device = jax.devices()[0]
+    store = make_store(cfg, device)
+    try:
+        example = np.zeros((cfg.train.batch_size, cfg.model.seq_len + 1), np.int32)
+        plan, costs, bw, budgets = plan_for(cfg, bp, store, example, device)
+    finally:
+        store.close()
+    return plan, costs, budgets, f"profiled on {device.device_kind}; bandwidths: {bw.source}"
+
+
+def report(cfg: Config, plan: Plan, costs: list[StageCost], budgets: Budgets, source: str) -> list[str]:
+    """The lines `angel-jax plan` prints."""
+    lines = [f"plan for {cfg.name}: {len(costs)} stages, page size {human_bytes(cfg.memory.page_size)}, "
+             f"staleness {plan.staleness}",
+             f"  {len(plan.resident)} resident, {len(plan.streamed)} streamed (prefetch {plan.prefetch}), "
+             f"optimizer state of {sum(h == 'disk' for h in plan.opt_home)} stages on disk",
+             "", f"  {'tier':<8}{'params':>14}{'gradients':>14}{'optimizer':>14}{'budget':>14}"]
+    budget = {"device": budgets.device, "host": budgets.host, "disk": budgets.disk}
+    for row in plan.table(costs):
+        b = budget[row["tier"]]
+        b_text = "none" if b == 0 and row["tier"] == "disk" else ("unlimited" if b is None else human_bytes(b))
+        lines.append(f"  {row['tier']:<8}{human_bytes(row['params']):>14}{human_bytes(row['gradients']):>14}"
+                     f"{human_bytes(row['optimizer']):>14}{b_text:>14}")
+    peak = plan.peak_bytes
+    lines += ["", f"  predicted step time   {plan.predicted.step_time:.4f} s ({source})",
+              f"  predicted peak bytes  device {human_bytes(peak['device'])} (of which activations and working set "
+              f"{human_bytes(budgets.fixed_device)}, streaming window {human_bytes(plan.window_bytes)}), "
+              f"host {human_bytes(peak['host'])}, disk {human_bytes(peak['disk'])}"]
+    return lines
+
+
+def main(args: list[str] | argparse.Namespace | None = None) -> int:
+    if not isinstance(args, argparse.Namespace):
+        args = _parser().parse_args(args)
+    cfg = load_config(args.config, list(args.overrides))
+    bp = blueprint(cfg)
+    plan, costs, budgets, source = (_estimated_plan if args.estimate else _profiled_plan)(cfg, bp,
+                                                                                        args.peak_tflops)
+    print("\n".join(report(cfg, plan, costs, budgets, source)))
+    out = Path(args.out) if args.out else cfg.run_dir
+    out.mkdir(parents=True, exist_ok=True)
+    plan.predicted.save_json(out / "timeline_predicted.json")
+    plan.predicted.save_png(out / "timeline_predicted.png", f"{cfg.name}: predicted timeline")
+    summary = {**plan.summary(), "source": source, "table": plan.table(costs),
+               "budgets": {"device": budgets.device, "host": budgets.host, "disk": budgets.disk,
+                           "fixed_device": budgets.fixed_device},
+               "stages": [asdict(c) for c in costs]}
+    (out / "plan.json").write_text(json.dumps(summary, indent=1))
+    print(f"  wrote {out / 'timeline_predicted.png'}, timeline_predicted.json and plan.json")
+    return 0

@@ -1,0 +1,141 @@
+"""The predicted timeline: the executor's rules replayed on the cost model, stream by stream.
+
+    timeline = simulate(costs, bandwidths, home, opt_home, prefetch, staleness=0, shared_cpu=False)
+    timeline.step_time   # steady-state seconds per step
+
+Rules (those of execute.py and optim/updater.py):
+- One compute stream, one h2d and one d2h copy stream, one host stream (optimizer updates on the CPU) and one disk
+  stream; work within a stream is serial, in the executor's order.
+- A streamed stage's fetch for access k may start once access k - prefetch has started computing (the window frees
+  its slot) and, for the stage's first access in a step, once its home copy holds the previous update (exact mode;
+  lock-free mode skips that wait when the update is not finished: the stage runs one update behind).
+- A resident stage's compute waits for its previous update on the device.
+- Gradients of streamed stages go to the host after their backward (d2h).
+- Updates start once the last backward is done (the global norm is needed for clipping, and the guard's verdict on
+  the loss and gradient norm before any update), in forward order: resident stages on the compute stream,
+  streamed ones on the host stream after their gradients arrived.
+- Optimizer state on disk is read `OPT_STAGING` stages ahead of its update (the first ones under the previous
+  step's forward pass) and written back after it.
+- `shared_cpu`: on the CPU backend the "device" is the CPU itself, and copies between memory kinds and host
+  updates are work for the same cores as compute: their streams share the compute stream's clock (they appear on
+  their own rows in the picture, but never overlap compute). On the 2-core VM this lands within ~10% of measured
+  steps either side (XLA's kernels leave part of the second core to the copies and updates at times); treating
+  the streams as independent there predicted 15-25% too fast.
+
+The step time is the distance between the starts of the first forward of the last two simulated steps.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from angel_jax.optim.updater import OPT_STAGING
+from angel_jax.schedule.timeline import Timeline
+from angel_jax.schedule.trace import compute_sequence
+
+
+@dataclass(frozen=True)
+class StageCost:
+    name: str
+    param_bytes: int
+    """Bytes of the stage's parameter pages (what streams to the device; its gradients are the same size)."""
+    opt_bytes: int
+    """Bytes of the stage's optimizer-state pages."""
+    forward_s: float
+    backward_s: float
+    """Recompute + vjp (for the head: loss and gradients)."""
+    update_device_s: float
+    update_host_s: float
+
+
+@dataclass(frozen=True)
+class Bandwidths:
+    """Bytes per second of each path."""
+
+    h2d: float = 10e9
+    d2h: float = 10e9
+    disk_read: float = 1e9
+    disk_write: float = 1e9
+    source: str = "defaults"
+    """Where the figures come from: 'defaults', a calibration file (`angel-jax bench io`), 'profiled'."""
+
+
+class _Clock:
+    """Per-stream free times; with `shared`, every stream but the disk runs on the compute stream's clock."""
+
+    def __init__(self, shared: bool, timeline: Timeline):
+        self.shared, self.timeline = shared, timeline
+        self.free = {"compute": 0.0, "h2d": 0.0, "d2h": 0.0, "host": 0.0, "disk": 0.0}
+
+    def run(self, stream: str, label: str, earliest: float, duration: float) -> tuple[float, float]:
+        key = "compute" if self.shared and stream != "disk" else stream
+        start = max(earliest, self.free[key])
+        self.free[key] = start + duration
+        self.timeline.add(stream, label, start, start + duration)
+        return start, start + duration
+
+
+def simulate(costs: list[StageCost], bw: Bandwidths, home: tuple[str, ...], opt_home: tuple[str, ...],
+             prefetch: int, *, staleness: int = 0, shared_cpu: bool = False, steps: int = 3) -> Timeline:
+    n = len(costs)
+    tl = Timeline()
+    clock = _Clock(shared_cpu, tl)
+    seq = compute_sequence(n)
+    order = list(range(n))
+    on_disk = [i for i in order if opt_home[i] == "disk"]
+    updated = [0.0] * n  # when each stage's latest update is complete
+    updated_before = [0.0] * n  # ... and the one before it (lock-free bound)
+    read_done: dict[int, float] = {}
+    first_forward = []
+    reads_from = 0.0  # when the first disk reads of the coming step may start
+
+    def read(i: int, at: float) -> None:
+        read_done[i] = clock.run("disk", f"read {costs[i].name}", at, costs[i].opt_bytes / bw.disk_read)[1]
+
+    for _ in range(steps):
+        starts: list[float] = []
+        fetched: dict[int, float] = {}
+        grads_home = [0.0] * n
+        for j in on_disk[:OPT_STAGING]:
+            if j not in read_done:
+                read(j, reads_from)
+        for k, (op, i) in enumerate(seq):
+            dur = costs[i].forward_s if op == "forward" else costs[i].backward_s
+            ready = updated[i]
+            if home[i] != "device":
+                gate = starts[k - prefetch] if k >= prefetch else (starts[0] if starts else clock.free["compute"])
+                first = i not in fetched
+                if first and staleness and updated[i] > gate:
+                    ready = updated_before[i]  # runs one update behind rather than wait
+                _, ready = clock.run("h2d", f"fetch {costs[i].name}", max(gate, ready if first else 0.0),
+                                     costs[i].param_bytes / bw.h2d)
+                fetched[i] = ready
+            start, end = clock.run("compute", f"{op} {costs[i].name}", ready, dur)
+            starts.append(start)
+            if op == "forward" and i == 0:
+                first_forward.append(start)
+            if op != "forward":
+                grads_home[i] = end if home[i] == "device" else \
+                    clock.run("d2h", f"grad {costs[i].name}", end, costs[i].param_bytes / bw.d2h)[1]
+        norm_at = max(grads_home)
+        for pos, i in enumerate(order):
+            if pos + OPT_STAGING < len(order) and opt_home[order[pos + OPT_STAGING]] == "disk":
+                j = order[pos + OPT_STAGING]
+                read(j, max(norm_at, grads_home[i]))
+            earliest = max(norm_at, grads_home[i], read_done.pop(i, 0.0))
+            updated_before[i] = updated[i]
+            if home[i] == "device":
+                updated[i] = clock.run("compute", f"update {costs[i].name}", earliest, costs[i].update_device_s)[1]
+            else:
+                updated[i] = clock.run("host", f"update {costs[i].name}", earliest, costs[i].update_host_s)[1]
+            if opt_home[i] == "disk":
+                clock.run("disk", f"write {costs[i].name}", updated[i], costs[i].opt_bytes / bw.disk_write)
+        reads_from = max(updated[i] for i in range(n))
+    if steps > 1:
+        tl.step_time = first_forward[-1] - first_forward[-2]
+    else:
+        tl.step_time = max(e.end for e in tl.events) - min(e.start for e in tl.events)
+    if not math.isfinite(tl.step_time):
+        tl.step_time = float("inf")
+    return tl

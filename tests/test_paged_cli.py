@@ -1,0 +1,70 @@
+"""`angel-jax plan` and the GPU benchmark's CPU smoke run: real commands, real files."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+from angel_jax import cli
+from angel_jax.schedule.timeline import Timeline
+from conftest import REPO_ROOT
+
+
+def test_plan_prints_the_page_table_and_writes_the_predicted_timeline(tmp_path, capsys):
+    config = REPO_ROOT / "experiments" / "gpt_tiny.yaml"
+    overrides = ["memory.page_size=262144", "memory.device_budget=24000000", "train.batch_size=8"]
+    assert cli.main(["plan", str(config), *overrides, "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "predicted step time" in out and "predicted peak bytes" in out
+    rows = {line.split()[0]: line for line in out.splitlines()
+            if line.strip().startswith(("device ", "host ", "disk "))}
+    assert set(rows) == {"device", "host", "disk"}, out
+    summary = json.loads((tmp_path / "plan.json").read_text())
+    assert summary["streamed"] > 0 and summary["resident"] > 0, summary  # the budget splits the model
+    assert summary["peak_bytes"]["device"] <= 24_000_000
+    assert sum(r["params"] for r in summary["table"]) >= 4 * 128 * 128 * 12 * 4  # every block's parameters
+    timeline = Timeline.from_json(json.loads((tmp_path / "timeline_predicted.json").read_text()))
+    assert timeline.step_time == summary["predicted_step_s"] > 0
+    assert {"compute", "h2d", "d2h", "host"} <= {e.stream for e in timeline.events}
+    assert (tmp_path / "timeline_predicted.png").stat().st_size > 1000
+
+
+def test_plan_names_the_key_to_raise_when_memory_is_missing(tmp_path, capsys):
+    config = REPO_ROOT / "experiments" / "gpt_tiny.yaml"
+    rc = cli.main(["plan", str(config), "memory.page_size=262144", "memory.device_budget=1000000", "--estimate",
+                   "--out", str(tmp_path)])
+    err = capsys.readouterr().err
+    assert rc == 1
+    assert "B missing" in err and "memory.device_budget" in err, err
+    assert not (tmp_path / "plan.json").exists()
+
+
+def test_plan_estimates_a_model_far_larger_than_this_machine(tmp_path, capsys):
+    config = REPO_ROOT / "experiments" / "gpt_13b.yaml"
+    assert cli.main(["plan", str(config), "memory.device_budget=80000000000", "--estimate", "--peak-tflops", "989",
+                     "--out", str(tmp_path)]) == 0
+    summary = json.loads((tmp_path / "plan.json").read_text())
+    assert summary["streamed"] > 0 and summary["peak_bytes"]["host"] > 80e9, summary
+    assert "--peak-tflops" in summary["source"]
+
+
+def test_gpu_benchmark_smoke_runs_on_the_cpu(tmp_path):
+    script = REPO_ROOT / "experiments" / "bench" / "paged_gpu.py"
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "JAX_PLATFORMS": "cpu"}
+    proc = subprocess.run(["timeout", "-s", "KILL", "300", sys.executable, str(script), "--smoke",
+                           "--disk-dir", str(tmp_path)], capture_output=True, text=True, env=env, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = [line for line in proc.stdout.splitlines() if line.startswith('{"bench')]
+    figures = {d["figure"]: d for d in map(json.loads, lines)}
+    assert set(figures) == {"fits_auto", "ladder", "beyond_hbm"}, proc.stdout[-2000:]
+    assert figures["fits_auto"]["auto_picked"] == "in_memory"
+    assert figures["fits_auto"]["paged_resident_stages"] == "4/4"
+    largest = figures["ladder"]["largest"]
+    assert set(largest) == {"reference", "paged_host", "paged_disk"}, figures["ladder"]["rungs"]
+    disk_rung = [r for r in figures["ladder"]["rungs"] if r["mode"] == "paged_disk"][0]
+    assert disk_rung["opt_on_disk"] > 0 and disk_rung["streamed"] == disk_rung["stages"]
+    beyond = figures["beyond_hbm"]
+    assert beyond["ok"] and beyond["layers"] == 2 * largest["reference"]["layers"] and beyond["tokens_per_s"] > 0
+    assert not (REPO_ROOT / "experiments" / "results" / "paged_gpu_cpu.jsonl").exists(), "a smoke run saves nothing"

@@ -1,0 +1,122 @@
+"""Pure parts of the scheduling pass: the plan's policy and its refusals, the simulated timeline, the calibration
+file, and the derivative of page unpacking that every stage backward relies on."""
+
+from __future__ import annotations
+
+import json
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from angel_jax.memory import PageLayout
+from angel_jax.schedule.plan import Budgets, PlanError, load_bandwidths, make_plan, minimum_device_bytes
+from angel_jax.schedule.simulate import Bandwidths, StageCost, simulate
+
+MB = 2**20
+
+
+def _costs(n: int = 8, update_host_s: float = 0.004) -> list[StageCost]:
+    """n stages of 4 MiB of parameters (8 MiB of Adam state), 10 ms forward, 25 ms backward."""
+    return [StageCost(f"s{i}", 4 * MB, 8 * MB, 0.010, 0.025, 0.001, update_host_s) for i in range(n)]
+
+
+BW = Bandwidths(h2d=4e9, d2h=4e9, disk_read=1e9, disk_write=1e9)
+
+
+def test_unpack_is_differentiable_like_plain_slicing():
+    """Pages move as integer bits (bit exact through XLA), so the derivative is defined explicitly: it must be
+    that of the same slices on floats, or every stage backward silently gets zero gradients."""
+    tree = {"w": np.arange(12, dtype=np.float32).reshape(3, 4) / 7, "b": np.ones(5, np.float32)}
+    stage = PageLayout.build([("s", tree)], page_size_bytes=4096 * 4).stage("s")
+    pages = tuple(jnp.asarray(p) for p in stage.pack(tree))
+
+    def via_layout(p):
+        t = stage.unpack(p)
+        return jnp.sum(jnp.sin(t["w"]) * 3) + jnp.sum(t["b"] ** 2)
+
+    def plain(p):
+        flat = p[0]
+        slot_w = [s for s in stage.slots if s.path.endswith("['w']")][0]
+        slot_b = [s for s in stage.slots if s.path.endswith("['b']")][0]
+        w = flat[slot_w.offset:slot_w.offset + 12].reshape(3, 4)
+        b = flat[slot_b.offset:slot_b.offset + 5]
+        return jnp.sum(jnp.sin(w) * 3) + jnp.sum(b ** 2)
+
+    got, want = jax.jit(jax.grad(via_layout))(pages), jax.grad(plain)(pages)
+    assert float(jnp.abs(got[0]).sum()) > 1
+    np.testing.assert_array_equal(got[0], want[0])
+
+
+def test_the_plan_keeps_what_fits_and_streams_the_rest():
+    costs = _costs()
+    fixed = 10 * MB
+    minimum = minimum_device_bytes(costs, Budgets(0, None, 0, fixed))
+    assert minimum == fixed + 3 * 4 * MB  # prefetch 1: two stages of parameters and one of gradients in flight
+    everything = make_plan(costs, BW, Budgets(10**12, None, 0, fixed))
+    assert not everything.streamed and everything.peak_bytes["host"] == 0
+    three = make_plan(costs, BW, Budgets(minimum + 3 * 16 * MB, None, 0, fixed))
+    assert len(three.resident) == 3 and three.peak_bytes["device"] <= minimum + 3 * 16 * MB
+    streamed = make_plan(costs, BW, Budgets(minimum, None, 0, fixed))
+    assert len(streamed.streamed) == 8 and streamed.peak_bytes["host"] == 8 * (2 * 4 + 8) * MB
+    # Host updates run beside the compute, so streaming is free while the copies hide behind it ...
+    compute = sum(c.backward_s for c in costs) + sum(c.forward_s for c in costs[:-1])  # the head's is fused
+    assert compute <= streamed.predicted.step_time < 1.05 * everything.predicted.step_time
+    # ... and costs what the copies cost when they cannot (a 100 MB/s link: 40 ms per stage and direction).
+    slow = Bandwidths(h2d=1e8, d2h=1e8)
+    assert make_plan(costs, slow, Budgets(minimum, None, 0, fixed)).predicted.step_time > 2 * compute
+    assert make_plan(costs, slow, Budgets(10**12, None, 0, fixed)).predicted.step_time < 1.2 * compute
+
+
+def test_refusals_say_how_much_is_missing_and_which_key_to_raise():
+    costs, fixed = _costs(), 10 * MB
+    minimum = minimum_device_bytes(costs, Budgets(0, None, 0, fixed))
+    with pytest.raises(PlanError, match=f"{MB:,} B missing; raise memory.device_budget"):
+        make_plan(costs, BW, Budgets(minimum - MB, None, 0, fixed))
+    with pytest.raises(PlanError, match="raise memory.host_budget or memory.device_budget"):
+        make_plan(costs, BW, Budgets(minimum, 32 * MB, 0, fixed))  # 64 MiB of parameters and gradients
+    # Host room for parameters, gradients and staging but not all optimizer state, and no disk tier.
+    with pytest.raises(PlanError, match="set memory.disk_dir"):
+        make_plan(costs, BW, Budgets(minimum, 100 * MB, 0, fixed))
+    with pytest.raises(PlanError, match="raise memory.disk_budget"):
+        make_plan(costs, BW, Budgets(minimum, 100 * MB, 8 * MB, fixed))
+    on_disk = make_plan(costs, BW, Budgets(minimum, 100 * MB, None, fixed))
+    host_opt = sum(h == "host" for h in on_disk.opt_home)
+    assert on_disk.opt_home.count("disk") == 8 - host_opt and host_opt == 2  # 64 + 16 staging + 2 x 8 <= 100 MiB
+    assert on_disk.peak_bytes["host"] <= 100 * MB and on_disk.peak_bytes["disk"] == (8 - host_opt) * 8 * MB
+
+
+def test_lock_free_hides_slow_host_updates():
+    """With host updates slower than the compute they could hide behind, exact mode waits for them at the next
+    step's first stages; lock-free mode runs those stages a step behind instead."""
+    costs = _costs(update_host_s=0.03)
+    home, opt_home = ("host",) * 8, ("host",) * 8
+    exact = simulate(costs, BW, home, opt_home, 1, staleness=0)
+    lock_free = simulate(costs, BW, home, opt_home, 1, staleness=1)
+    assert lock_free.step_time < 0.8 * exact.step_time
+    compute_only = sum(c.backward_s for c in costs) + sum(c.forward_s for c in costs[:-1])
+    assert lock_free.step_time >= compute_only * 0.99
+    shared = simulate(costs, BW, home, opt_home, 1, shared_cpu=True)  # the CPU backend: no overlap with compute
+    assert shared.step_time >= compute_only + sum(c.update_host_s for c in costs) * 0.99
+
+
+def test_disk_reads_and_writes_appear_in_the_timeline():
+    costs = _costs(4)
+    tl = simulate(costs, BW, ("host",) * 4, ("disk",) * 4, 1)
+    reads = [e for e in tl.events if e.stream == "disk" and e.label.startswith("read")]
+    writes = [e for e in tl.events if e.stream == "disk" and e.label.startswith("write")]
+    assert len(reads) == len(writes) == 3 * 4  # every stage, every simulated step
+    updates = {e.label.split()[1]: e for e in tl.events if e.label.startswith("update")}
+    for w in writes[-4:]:
+        assert w.start >= updates[w.label.split()[1]].end - 1e-12  # written after its update
+
+
+def test_bandwidths_come_from_the_bench_io_calibration(tmp_path):
+    path = tmp_path / "io_calibration.json"
+    path.write_text(json.dumps({"format": "angel_jax.io_calibration/1",
+                                "bandwidth_Bps": {"h2d_pinned": 2e10, "d2h_pinned": 1.5e10, "disk_read": 3e9,
+                                                  "disk_write": 2e9}}))
+    bw = load_bandwidths(path)
+    assert (bw.h2d, bw.d2h, bw.disk_read, bw.disk_write) == (2e10, 1.5e10, 3e9, 2e9) and bw.source == str(path)
+    assert load_bandwidths(tmp_path / "missing.json") == Bandwidths()
