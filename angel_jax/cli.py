@@ -1,7 +1,10 @@
 """`angel-jax`: the command line.
 
     angel-jax train CONFIG [key=value ...]     train (resumes from the run directory's newest checkpoint)
+    angel-jax launch -n N CONFIG [key=value]   N workers under the watchdog (restarts on crash / hang)
+    angel-jax worker CONFIG [key=value ...]    one worker of a multi-process job (launch, Slurm, Kubernetes)
     angel-jax data prepare [--source S] ...    turn text files into token shards
+    angel-jax plan CONFIG [key=value ...]      the paged engine's plan: page table, predicted step time and timeline
     angel-jax bench io                         measure H2D/D2H/disk/memcpy bandwidths (cost-model calibration)
     angel-jax ckpt ls|verify RUN_DIR [STEP]    list a run's checkpoints per tier / check their checksums
     angel-jax config [CONFIG]                  list every config key with its type, default and meaning
@@ -30,6 +33,17 @@ another host, checkpoint.peer_dir) and persistent (<run_dir>/checkpoints, ordina
 each step's state per tier (snapshotted, backed_up, persisted, partial) without reading data; `verify` reads every
 committed copy and checks every array's CRC-32 (exit status 1 if any copy is damaged)."""
 
+_LAUNCH_HELP = """\
+Train CONFIG with N worker processes that form one data-parallel job (jax.distributed; gloo collectives on the
+CPU), watched by a coordinator: heartbeats (step, loss, phase) over loopback, authenticated with a per-job token.
+A worker that exits non-zero or dies, a hang (no step progress within resilience.hang_timeout_min or
+resilience.hang_factor x the p95 step time; resilience.slow_phase_timeout while compiling, restoring or
+checkpointing), or an anomaly asking for a restart stops the whole group (SIGTERM, resilience.stop_grace, SIGKILL)
+and restarts it from the newest valid checkpoint, up to resilience.max_restarts times and
+resilience.no_progress_limit restarts without progress. The run directory receives events.jsonl (every decision),
+watchdog.json (state, worker pids), logs/attempt<A>-rank<R>.log and goodput.json. Exit status 0 when the job
+finished, 1 when it failed."""
+
 _DATA_HELP = """\
 Tokenize text files into memory-mapped token shards (uint16 .bin files) plus meta.json. `--source stdlib` (the
 default) uses this Python's standard-library sources, a corpus every machine has. Training prepares its data
@@ -45,6 +59,23 @@ def _parser() -> argparse.ArgumentParser:
     train.add_argument("overrides", nargs="*", help="dotted key=value overrides")
     train.add_argument("--print-config", action="store_true", help="print the resolved config and exit")
 
+    launch = sub.add_parser("launch", help="train with N worker processes under the watchdog",
+                            description=_LAUNCH_HELP)
+    launch.add_argument("-n", "--workers", type=int, required=True, help="number of worker processes")
+    launch.add_argument("config", type=Path, help="YAML config file")
+    launch.add_argument("overrides", nargs="*", help="dotted key=value overrides")
+    launch.add_argument("--spares", type=int, default=0,
+                        help="spare worker slots that replace a slot excluded after repeated failures")
+    launch.add_argument("--cpu-devices", type=int, default=None,
+                        help="CPU devices per worker (CPU backend; default: JAX's, 1)")
+
+    worker = sub.add_parser("worker", help="one worker of a multi-process job (what launch starts; or srun)",
+                            description="Run one training process of a multi-process job. Under `angel-jax "
+                            "launch` the ANGEL_JAX_* environment says where it belongs; without it, under Slurm "
+                            "or Kubernetes, jax.distributed.initialize() reads the scheduler's environment.")
+    worker.add_argument("config", type=Path, help="YAML config file")
+    worker.add_argument("overrides", nargs="*", help="dotted key=value overrides")
+
     data = sub.add_parser("data", help="prepare training data", description=_DATA_HELP)
     data_sub = data.add_subparsers(dest="data_command", required=True)
     prep = data_sub.add_parser("prepare", help="tokenize text into shards", description=_DATA_HELP)
@@ -53,6 +84,17 @@ def _parser() -> argparse.ArgumentParser:
     prep.add_argument("--tokenizer", choices=["byte", "bpe"], default="byte")
     prep.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary size")
     prep.add_argument("--max-bytes", type=int, default=0, help="read at most this much source text (0 = all)")
+
+    plan = sub.add_parser("plan", help="plan paged training without training (page table, predicted timeline)",
+                          description="Print the paged engine's page table (bytes per family per tier), the "
+                          "predicted step time and peak bytes per tier, and write the predicted timeline (PNG and "
+                          "JSON) to the run directory or --out.")
+    plan.add_argument("config", type=Path, help="YAML config file")
+    plan.add_argument("overrides", nargs="*", help="dotted key=value overrides")
+    plan.add_argument("--out", type=Path, default=None, help="output directory (default: the run directory)")
+    plan.add_argument("--estimate", action="store_true",
+                      help="estimate stage times from FLOPs and the device peak instead of profiling them")
+    plan.add_argument("--peak-tflops", type=float, default=None, help="with --estimate: the target device's peak")
 
     bench = sub.add_parser("bench", help="measure this machine (bench io: bandwidths for the cost model)")
     bench.add_argument("what", choices=["io"], help="io: H2D/D2H, device copy, disk tier, memcpy")
@@ -77,14 +119,32 @@ def _train(args: argparse.Namespace) -> int:
     if args.print_config:
         print(dump_yaml(cfg), end="")
         return 0
+    from angel_jax.resilience.faults import FaultHooks
     from angel_jax.train.loop import train  # jax is imported only when needed: `--help` stays instant
 
-    result = train(cfg)
+    faults = FaultHooks.from_env(rank=0, vocab_size=cfg.model.vocab_size)  # ANGEL_JAX_FAULTS: tests only
+    result = train(cfg, hooks=[faults] if faults else [])
     if result.history:
         first, last = result.history[0], result.history[-1]
         print(f"done: step {result.final_step}, loss {first['loss']:.4f} (step {first['step']}) -> "
               f"{last['loss']:.4f} (step {last['step']}); run directory {result.run_dir}")
     return 0
+
+
+def _launch(args: argparse.Namespace) -> int:
+    from angel_jax.resilience.launch import launch
+
+    if args.workers < 1 or args.spares < 0:
+        print("error: -n must be >= 1 and --spares >= 0", file=sys.stderr)
+        return 2
+    return launch(args.config, args.overrides, workers=args.workers, spares=args.spares,
+                  cpu_devices=args.cpu_devices)
+
+
+def _worker(args: argparse.Namespace) -> int:
+    from angel_jax.resilience.worker import run
+
+    return run(str(args.config), args.overrides)
 
 
 def _data(args: argparse.Namespace) -> int:
@@ -100,6 +160,12 @@ def _data(args: argparse.Namespace) -> int:
                             max_bytes=args.max_bytes or None)
     print(f"{out}: {meta['total_tokens']:,} tokens in {len(meta['shards'])} shard(s), vocabulary {meta['vocab_size']}")
     return 0
+
+
+def _plan(args: argparse.Namespace) -> int:
+    from angel_jax.schedule import plan_cli
+
+    return plan_cli.main(args)
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -140,7 +206,8 @@ def main(argv: list[str] | None = None) -> int:
                         datefmt="%H:%M:%S")
     for noisy in ("absl", "jax._src", "orbax"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
-    handlers = {"train": _train, "data": _data, "bench": _bench, "ckpt": _ckpt, "config": _config}
+    handlers = {"train": _train, "launch": _launch, "worker": _worker, "data": _data, "plan": _plan,
+                "bench": _bench, "ckpt": _ckpt, "config": _config}
     try:
         return handlers[args.command](args)
     except ConfigError as e:
@@ -150,8 +217,9 @@ def main(argv: list[str] | None = None) -> int:
         print("interrupted", file=sys.stderr)
         return 130
     except AngelError as e:  # user-facing errors get one clean line; anything else keeps its traceback
+        code = getattr(e, "exit_code", 1)  # a restart request carries the status the watchdog reads
         print(f"error: {e}", file=sys.stderr)
-        return 1
+        return code
 
 
 if __name__ == "__main__":

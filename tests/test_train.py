@@ -396,9 +396,9 @@ def diverged(tmp_path_factory, write_tiny_config) -> Diverged:
                                  checkpoint={"every": 1, "keep": 5})
     real_train, caught, seen = loop.train, {}, []
 
-    def spy(cfg, *, on_step=None):
+    def spy(cfg, *, hooks=(), on_step=None):
         try:
-            return real_train(cfg, on_step=lambda step, values: seen.append(step))
+            return real_train(cfg, hooks=hooks, on_step=lambda step, values: seen.append(step))
         except BaseException as e:
             caught["committed"] = _committed_steps(cfg.run_dir)
             caught["error"] = e

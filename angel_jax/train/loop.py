@@ -299,6 +299,7 @@ def _report_checkpoint_errors(t: Trainer) -> None:
 def _finish(t: Trainer, pending: tuple[int, dict], last_done: float) -> tuple[float, Verdict]:
     """Wait for a dispatched step, judge it, log it. Returns the time it completed and the monitor's verdict."""
     step, device_metrics = pending
+    waiting = time.perf_counter()
     values = {k: float(v) for k, v in jax.device_get(device_metrics).items()}
     done = time.perf_counter()
     step_time = done - last_done
@@ -310,6 +311,9 @@ def _finish(t: Trainer, pending: tuple[int, dict], last_done: float) -> tuple[fl
         tokens = t.cfg.train.batch_size * t.cfg.model.seq_len
         values.update(metrics_lib.throughput(step_time, tokens, t.flops_per_token, t.peak, jax.device_count()))
         values["perf/mfu_is_estimate"] = float(t.peak.is_estimate)
+        # This process's time outside waiting for the device: in a synchronous data-parallel step every rank's
+        # step time is the same, but a rank slowed on its host (data, hooks, a busy CPU) shows here.
+        values["perf/busy_time"] = max(0.0, step_time - (done - waiting))
         phase = "train"
     verdict = t.monitor.observe(step, values, phase=phase)
     values.update(verdict.metrics)
