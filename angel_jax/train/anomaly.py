@@ -94,12 +94,16 @@ class AnomalyMonitor:
 
     # --------------------------------------------------------------------------------------------- the guard
 
-    def controls(self) -> StepControls:
-        """Bounds for the next step from the spike detectors whose action is skip or stronger."""
+    def controls(self, *, update_norm: bool = True) -> StepControls:
+        """Bounds for the next step from the spike detectors whose action is skip or stronger. `update_norm`:
+        whether the engine guards the update norm (the paged engine would need a second pass over every stage
+        for it, so it does not; an update-norm spike is then logged, and its loss spike rolled back)."""
         if not self.enabled:
             return StepControls()
         bounds: dict[str, float] = {}
         for key, arg in _GUARDS.items():
+            if arg == "max_update_norm" and not update_norm:
+                continue
             det = self.suite.detectors.get(key)
             if det is not None and self.policy.action_for(key).strength >= Action.SKIP.strength:
                 bounds[arg] = det.bound(self.suite.state[key])
@@ -143,7 +147,7 @@ class AnomalyMonitor:
     def _record(self, anomaly: Anomaly, skipped: bool) -> dict[str, Any]:
         requested = Action(anomaly.action)
         if requested == Action.SKIP:
-            taken = "skipped" if skipped else "logged: the update was applied (the guard's bound lagged a step)"
+            taken = "skipped" if skipped else "logged: the update was applied (the guard did not drop it)"
         elif requested == Action.LOG:
             taken = "logged" + ("; the guard dropped the update" if skipped else "")
         else:

@@ -178,7 +178,8 @@ def _run(t: Trainer) -> TrainResult:
         if step < steps:
             step += 1
             batch = jax.make_array_from_process_local_data(t.engine.batch_sharding, _next_batch(t, step))
-            dispatched = (step, t.engine.step(batch, t.hooks.on_controls(step, t.monitor.controls())))
+            controls = t.monitor.controls(update_norm=getattr(t.engine, "guards_update_norm", True))
+            dispatched = (step, t.engine.step(batch, t.hooks.on_controls(step, controls)))
         if pending is not None:
             last_done, verdict = _finish(t, pending, last_done)
             if verdict.action is not None:
