@@ -11,7 +11,8 @@ How each action happens:
             is skip or stronger into a bound (`SpikeDetector.bound`), and the step drops an update whose loss,
             gradient norm or update norm is above its bound or non-finite. The host reads figures a step late, so
             a skip decided on the host would come after the update; the bound comes from the detector state one
-            step earlier, so it can lag by a step (the event then says the update was applied).
+            step earlier, so it can lag by a step; and the paged engine does not bound the update norm (a second
+            pass over every stage). The event then says the update was applied.
 - rollback  the loop restores the newest valid checkpoint and moves the data past the offending window
             (every batch since the checkpoint, up to and including the bad one), recording the window.
 - restart,  the loop stops the process with RestartRequested (exit status 75, 76 for exclude) after the event
