@@ -6,7 +6,9 @@ A worker thread then updates the stages one at a time, in forward order (the nex
 takes the stage's parameter and optimizer pages from the page store, runs the stage update (one jit: unpack ->
 optax -> pack, `angel_jax.optim.paged`) on the device for resident stages or on the host (the XLA CPU backend)
 for streamed ones, and puts the new pages back. Optimizer state whose home is the disk is read into host memory
-`OPT_STAGING` stages ahead of its update and written back after it, so the disk works while other stages update.
+ahead of its update and written back after it, so the disk works while other stages update; at most `OPT_STAGING`
+stages' optimizer pages are on the host for this at any time, read-ahead and write-backs still in flight counted
+together (the plan reserves exactly that much host memory).
 
 The guard (train/step.py `StepControls`) is the reference trainer's: an update whose loss, gradient norm or update
 norm is not finite or above its bound is dropped, by every stage (each jit selects the old pages). The update norm
@@ -48,7 +50,8 @@ from angel_jax.memory import PageStore
 from angel_jax.memory.tiers import HOST_MEMORY_KINDS
 
 OPT_STAGING = 2
-"""Stages of disk-resident optimizer state held in host memory around their update (read ahead, written after)."""
+"""Stages of disk-resident optimizer state held in host memory around their update (read ahead, or being written
+back): the bound `_stage_disk` keeps and the host memory the plan reserves for it."""
 
 
 @dataclass(frozen=True)
@@ -197,6 +200,10 @@ class PageUpdater:
         """Steps finished by the executor and not yet fully updated."""
         self._error: BaseException | None = None
         self._thread: threading.Thread | None = None
+        self._ahead: set[int] = set()
+        """Stages whose disk-homed optimizer pages were read into host memory for their coming update."""
+        self._writing: list[tuple[int, list]] = []
+        """(stage, write-back handles) of disk-homed optimizer pages still on their way home, oldest first."""
 
     # ------------------------------------------------------------------------------------------ training thread
     def acquire(self, i: int, step: int) -> bool:
@@ -255,6 +262,8 @@ class PageUpdater:
         """After the state was replaced (a checkpoint loaded): every stage is up to date at `step`."""
         self.drain()
         with self._cond:
+            self._ahead.clear()  # the store was refilled: nothing is staged any more
+            self._writing.clear()
             self._done = [step] * len(self.slots)
             self.applied = jnp.asarray(applied, jnp.int32)
 
@@ -288,7 +297,9 @@ class PageUpdater:
                     ok = ok & jnp.isfinite(total) & (jnp.sqrt(total) <= guard.max_update_norm)
                 sq, applied = [], []
                 for i in range(len(self.slots)):
-                    self._stage_disk(i + OPT_STAGING)
+                    self._stage_disk(i, wait=True)
+                    for ahead in range(i + 1, i + OPT_STAGING):
+                        self._stage_disk(ahead)
                     s, a = self._update(i, grads.pop(i), norm, ok, guard.lr_scale)
                     sq.append(s)
                     applied.append(a)
@@ -322,15 +333,34 @@ class PageUpdater:
         for i in range(OPT_STAGING):
             self._stage_disk(i)
 
-    def _stage_disk(self, i: int) -> None:
-        """Start reading stage i's optimizer pages from disk into host memory (if that is their home)."""
+    def _stage_disk(self, i: int, wait: bool = False) -> None:
+        """Start reading stage i's optimizer pages from disk into host memory (if that is their home and they are
+        not there yet), keeping at most OPT_STAGING stages staged. A read-ahead that does not fit is left for
+        later; with `wait` (the stage is next) the oldest write-backs are waited for until it fits."""
         if i >= len(self.slots) or self.slots[i].opt_home != "disk":
             return
+        if i in self._ahead:
+            if wait:  # idempotent; reads the pages again if their host copy went away meanwhile
+                for oid in self.slots[i].opt_ids:
+                    self.store.prefetch(oid, "host")
+            return
+        self._writing = [(j, hs) for j, hs in self._writing if not all(h.done() for h in hs)]
+        while len(self._ahead) + len(self._writing) >= OPT_STAGING:
+            if not wait or not self._writing:
+                return
+            for h in self._writing.pop(0)[1]:
+                h.wait()
         slot = self.slots[i]
+        self._ahead.add(i)
         for oid in slot.opt_ids:
             handle = self.store.prefetch(oid, "host")
             if self.record:
                 self.record("disk", f"read {slot.name}", handle)
+
+    def _written_back(self, i: int, handles: list) -> None:
+        """Stage i's staged optimizer pages are on their way home (or dropped: the disk copy is current)."""
+        self._ahead.discard(i)
+        self._writing.append((i, handles))
 
     def _inputs(self, slot: StageSlot, place: Placement, grads: tuple, i: int) -> tuple:
         def to_compute(arrays: Any) -> Any:
@@ -344,7 +374,9 @@ class PageUpdater:
         """The update's global sum of squares, nothing written (disk pages are read, then dropped again)."""
         sq = []
         for i, slot in enumerate(self.slots):
-            self._stage_disk(i + OPT_STAGING)
+            self._stage_disk(i, wait=True)
+            for ahead in range(i + 1, i + OPT_STAGING):
+                self._stage_disk(ahead)
             place = self.placements[slot.where]
             params, g, opt, small = self._inputs(slot, place, grads[i], i)
             fn = self.updates.norm_pass(slot.kind, place.compute)
@@ -354,8 +386,7 @@ class PageUpdater:
                 self.record("host" if slot.where == "host" else "compute", f"norm {slot.name}", sq[-1])
             if slot.opt_home == "disk":
                 jax.block_until_ready(sq[-1])  # done reading the staged copy: free it (the disk copy is current)
-                for oid in slot.opt_ids:
-                    self.store.evict(oid, "host")
+                self._written_back(i, [self.store.evict(oid, "host") for oid in slot.opt_ids])
         self._stage_first()
         return self._on_device(sq, jnp.add)
 
@@ -372,12 +403,16 @@ class PageUpdater:
         del params, opt, grads
         self.opt_small[i] = small
         new_params = jax.device_put(new_params, place.tier)
+        writes = []
         for oid, arr in zip(slot.opt_ids, jax.device_put(new_opt, place.tier)):
             store.update(oid, arr, slot.opt_where)
             if slot.opt_home == "disk":
                 handle = store.evict(oid, "host")  # written back home; the host copy is freed once it lands
+                writes.append(handle)
                 if self.record:
                     self.record("disk", f"write {slot.name}", handle)
+        if slot.opt_home == "disk":
+            self._written_back(i, writes)
         if self.record:
             self.record("host" if slot.where == "host" else "compute", f"update {slot.name}", new_params,
                         after=ready_when)
