@@ -199,13 +199,33 @@ class ResilienceConfig:
     heartbeat_interval: float = doc(1.0, "Seconds between heartbeats a worker sends to the coordinator.")
     hang_timeout_min: float = doc(60.0, "Never declare a hang before this many seconds without progress.")
     max_restarts: int = doc(5, "Restarts allowed before the job ends in 'failed'.")
+    hang_factor: float = doc(10.0, "While training, a hang is max(hang_timeout_min, this x the p95 observed step time) "
+                                   "without step progress.")
+    slow_phase_timeout: float = doc(1800.0, "Hang timeout (s) while starting, compiling, restoring, checkpointing or "
+                                            "finishing: phases with no step progress by nature.")
+    heartbeat_lost_after: float = doc(10.0, "Seconds without any message from a worker before a heartbeat_lost "
+                                            "event (a warning: hangs are judged by step progress).")
+    stop_grace: float = doc(10.0, "Seconds between SIGTERM and SIGKILL when the group is stopped.")
+    no_progress_limit: int = doc(2, "Restarts in a row that get no step past the best reached so far before the "
+                                    "job ends in 'failed' (0 = no limit).")
+    exclude_after: int = doc(2, "Failures blamed on the same node before it is replaced by a spare (0 = never).")
+    compile_cache: bool = doc(True, "Use JAX's persistent compilation cache, so restarts skip recompilation.")
+    compile_cache_dir: str = doc("", "Where the compilation cache lives; empty = <run_dir>/compile_cache.")
 
     def validate(self) -> list[tuple[str, str]]:
         errs = []
-        if self.heartbeat_interval <= 0 or self.hang_timeout_min <= 0:
-            errs.append(("heartbeat_interval" if self.heartbeat_interval <= 0 else "hang_timeout_min", "must be > 0"))
-        if self.max_restarts < 0:
-            errs.append(("max_restarts", "must be >= 0"))
+        for key in ("heartbeat_interval", "hang_timeout_min", "slow_phase_timeout", "heartbeat_lost_after"):
+            if not math.isfinite(getattr(self, key)) or getattr(self, key) <= 0:
+                errs.append((key, "must be a finite number > 0"))
+        if not math.isfinite(self.hang_factor) or self.hang_factor < 1:
+            errs.append(("hang_factor", "must be >= 1 (a hang is longer than a step)"))
+        if not math.isfinite(self.stop_grace) or self.stop_grace < 0:
+            errs.append(("stop_grace", "must be >= 0"))
+        if self.heartbeat_lost_after <= self.heartbeat_interval:
+            errs.append(("heartbeat_lost_after", f"must be longer than heartbeat_interval={self.heartbeat_interval}"))
+        for key in ("max_restarts", "no_progress_limit", "exclude_after"):
+            if getattr(self, key) < 0:
+                errs.append((key, "must be >= 0"))
         return errs
 
 

@@ -603,7 +603,8 @@ class AnomalyConfig:
     update_spike: GradSpikeConfig = _sub(GradSpikeConfig, "Update-norm spikes (robust z-score).")
     step_time: StepTimeConfig = _sub(StepTimeConfig, "Job-wide step-time regression.")
     straggler: StragglerConfig = _sub(StragglerConfig, "Straggler ranks (coordinator).")
-    hang: HangConfig = _sub(HangConfig, "Hangs: no progress within a timeout (coordinator).")
+    hang: HangConfig = _sub(HangConfig, "Hangs, for coordinators built on CrossRankSuite; `angel-jax launch` judges "
+                                        "hangs by resilience.hang_* instead.")
     memory_growth: MemoryGrowthConfig = _sub(MemoryGrowthConfig, "Host/device memory leak trends.")
 
     def validate(self) -> list[tuple[str, str]]:

@@ -1,0 +1,360 @@
+"""Fault injection with real processes: `angel-jax launch -n 2` of the tiny GPT (gloo collectives between two
+CPU processes), with a worker SIGKILLed, SIGSTOPped, raising, killed while writing a checkpoint, or crashing at
+the same step every time.
+
+Each recovered job must finish every step with the same per-step numbers (metrics.jsonl) and the same final
+parameters (the final checkpoint, bit for bit) as ONE uninterrupted 2-worker launch of the same config
+(`reference`), and recompute at most one checkpoint interval. Every launcher runs under `timeout -s KILL` in its
+own session; its workers die with it (PR_SET_PDEATHSIG), and any left at teardown are killed by pid.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from angel_jax.checkpoint import CheckpointEngine, CheckpointOptions
+from angel_jax.resilience.events import read_events
+from angel_jax.resilience.heartbeat import encode
+from angel_jax.train import metrics as M
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parent.parent
+STEPS, EVERY = 16, 4
+LIMIT = 240  # seconds: the `timeout -s KILL` guard of every launcher
+EXACT_KEYS = ("loss", "grad_norm", "update_norm", "lr")
+HANG_TIMEOUT = 6.0
+RESILIENCE = {"hang_timeout_min": HANG_TIMEOUT, "slow_phase_timeout": 120.0, "stop_grace": 3.0,
+              "heartbeat_interval": 0.5, "heartbeat_lost_after": 2.0, "max_restarts": 3}
+
+
+@dataclass
+class Job:
+    name: str
+    run_dir: Path
+    memory_dir: Path
+    proc: subprocess.Popen
+    out_path: Path
+    started: float
+
+    @property
+    def out(self) -> str:
+        return self.out_path.read_text()
+
+    def events(self, kind: str | None = None, source: str | None = "watchdog") -> list[dict]:
+        return [e for e in read_events(self.run_dir / "events.jsonl", kind) if source is None or e["source"] == source]
+
+    def status(self) -> dict:
+        try:
+            return json.loads((self.run_dir / "watchdog.json").read_text())
+        except (OSError, json.JSONDecodeError):
+            return {}
+
+    def step(self) -> int:
+        """The newest step in metrics.jsonl (process 0 writes one line per step)."""
+        try:
+            lines = (self.run_dir / "metrics.jsonl").read_text().splitlines()
+        except OSError:
+            return 0
+        steps = [json.loads(line)["step"] for line in lines if line.endswith("}")]
+        return max(steps, default=0)
+
+    def wait(self, timeout: float = LIMIT) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"{self.name}: the launcher did not finish in {timeout} s:\n{self.out[-4000:]}")
+
+    def wait_for(self, predicate, what: str, timeout: float = 120.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            assert self.proc.poll() is None, f"{self.name} ended before {what}:\n{self.out[-4000:]}"
+            assert time.monotonic() < deadline, f"{self.name}: no {what} within {timeout} s:\n{self.out[-4000:]}"
+            time.sleep(0.005)
+
+    def worker_pid(self, rank: int) -> int:
+        return self.status()["workers"][rank]["pid"]
+
+
+class Launches:
+    """Starts launchers; at teardown kills what is left (launcher groups, then workers named in watchdog.json)."""
+
+    def __init__(self, directory: Path, write_config, cache: Path):
+        self.directory, self.write_config, self.cache = directory, write_config, cache
+        self.jobs: list[Job] = []
+
+    def start(self, name: str, *, env: dict[str, str] | None = None, resilience: dict | None = None,
+              args: tuple[str, ...] = (), shared_cache: bool = True) -> Job:
+        res = {**RESILIENCE, **(resilience or {})}
+        if shared_cache:  # one cold compilation for the whole module; the compile-cache test uses its run dir
+            res["compile_cache_dir"] = str(self.cache)
+        cfg = self.write_config(self.directory, name, train={"steps": STEPS},
+                                checkpoint={"every": EVERY, "keep": 2}, resilience=res)
+        out_path = self.directory / f"{name}.out"
+        cmd = ["timeout", "-s", "KILL", str(LIMIT), sys.executable, "-m", "angel_jax.cli", "launch", "-n", "2",
+               *args, str(cfg)]
+        child_env = dict(os.environ, JAX_PLATFORMS="cpu", **(env or {}))
+        child_env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), child_env.get("PYTHONPATH")) if p)
+        with open(out_path, "w") as out:
+            proc = subprocess.Popen(cmd, cwd=self.directory, env=child_env, stdout=out, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+        job = Job(name, self.directory / name, Path(str(self.directory / name) + ".memtier"), proc, out_path,
+                  time.time())
+        self.jobs.append(job)
+        return job
+
+    def close(self) -> None:
+        for job in self.jobs:
+            if job.proc.poll() is None:
+                os.killpg(job.proc.pid, signal.SIGKILL)
+                job.proc.wait(timeout=30)
+            for w in job.status().get("workers", []):
+                _kill_if_worker(w.get("pid"), job.run_dir)
+
+
+def _kill_if_worker(pid: int | None, run_dir: Path) -> None:
+    """SIGKILL `pid` only if it is still one of this job's workers (its command line names the job's config)."""
+    if not pid:
+        return
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
+    except OSError:
+        return
+    if "angel_jax.resilience.worker" in cmdline and run_dir.name in cmdline:
+        os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture(scope="module")
+def launches(tmp_path_factory, write_tiny_config):
+    root = tmp_path_factory.mktemp("watchdog")
+    ls = Launches(root, write_tiny_config, root / "compile_cache")
+    yield ls
+    ls.close()
+
+
+@dataclass
+class Reference:
+    records: list[dict]
+    arrays: dict[str, np.ndarray]
+
+
+def _final_arrays(job: Job, step: int = STEPS) -> dict[str, np.ndarray]:
+    engine = CheckpointEngine(CheckpointOptions(persistent_dir=job.run_dir / "checkpoints", memory_dir=job.memory_dir))
+    try:
+        return dict(engine.restore(step).arrays)
+    finally:
+        engine.close()
+
+
+@pytest.fixture(scope="module")
+def reference(launches) -> Reference:
+    """One uninterrupted 2-worker launch of the same config."""
+    job = launches.start("reference")
+    assert job.wait() == 0, job.out[-4000:]
+    assert not job.events("restart") and job.events("job_end")[0]["state"] == "succeeded"
+    records = M.read_jsonl(job.run_dir / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    return Reference(records, _final_arrays(job))
+
+
+def assert_same_as_reference(job: Job, ref: Reference) -> dict:
+    """The job finished every step with the reference's numbers and final state; one restart, and at most one
+    checkpoint interval recomputed. Returns the watchdog's 'resumed' event."""
+    rc = job.wait()
+    assert rc == 0, job.out[-5000:]
+    (end,) = job.events("job_end")
+    assert end["state"] == "succeeded" and end["restarts"] == 1, end
+    records = M.read_jsonl(job.run_dir / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1)), "one line per step after the restart"
+    for r, want in zip(records, ref.records):
+        assert [r[k] for k in EXACT_KEYS] == [want[k] for k in EXACT_KEYS], f"step {r['step']}"
+    arrays = _final_arrays(job)
+    assert arrays.keys() == ref.arrays.keys()
+    for key in arrays:
+        assert np.array_equal(arrays[key], ref.arrays[key]), key
+    (resumed,) = job.events("resumed")
+    assert resumed["step"] % EVERY == 0 and 0 <= resumed["lost_steps"] <= EVERY, resumed
+    # the steps after the resumed checkpoint were logged again, by the second attempt
+    (restart,) = job.events("restart")
+    later = [r["step"] for r in records if r["time"] > restart["time"]]
+    assert later == list(range(resumed["step"] + 1, STEPS + 1))
+    (rec,) = job.events("recovered")
+    assert rec["attempt"] == 1 and rec["step"] == resumed["step"] + 1
+    goodput = json.loads((job.run_dir / "goodput.json").read_text())
+    assert goodput["restarts"] == 1 and goodput["lost_steps"] == resumed["lost_steps"]
+    assert goodput["productive_s"] + sum(goodput["badput_s"].values()) == pytest.approx(goodput["wall_s"], abs=0.01)
+    return resumed
+
+
+def _forge(job: Job) -> None:
+    """Heartbeats from someone without the token, and garbage, sent to the running job's watchdog."""
+    import socket
+
+    host, port = job.status()["heartbeat_addr"].rsplit(":", 1)
+    forged = {"v": 1, "kind": "anomaly", "rank": 0, "attempt": 0, "seq": 10**6, "time": 0.0, "pid": 1, "node": "",
+              "step": 1, "phase": "training", "detector": "hang", "action": "restart", "anomaly_step": 1,
+              "anomaly_rank": 0, "message": "forged"}
+    for data in (encode("not-the-token", forged), b"{garbage\n"):
+        with socket.create_connection((host, int(port))) as s:
+            s.sendall(data)
+
+
+# --------------------------------------------------------------------------------------------- the faults
+
+
+def test_sigkill_of_a_worker_mid_run(launches, reference):
+    job = launches.start("sigkill1")
+    job.wait_for(lambda: job.step() >= 5, "step 5")
+    _forge(job)
+    os.kill(job.worker_pid(1), signal.SIGKILL)
+    killed_at = time.time()
+    assert_same_as_reference(job, reference)
+    (crash,) = job.events("crash")
+    assert (crash["rank"], crash["status"], crash["returncode"]) == (1, "was killed by SIGKILL", -9)
+    assert crash["time"] - killed_at <= 2.0, "a crash is noticed within 2 s"
+    rejected = job.events("heartbeat_rejected")
+    assert sorted(e["reason"].split(":")[0] for e in rejected) == ["malformed", "unauthenticated"]
+    assert not job.events("anomaly"), "the forged anomaly changed nothing"
+
+
+def test_sigstop_of_a_worker_is_a_hang(launches, reference):
+    job = launches.start("sigstop")
+    job.wait_for(lambda: job.step() >= 5, "step 5")
+    pid = job.worker_pid(1)
+    os.kill(pid, signal.SIGSTOP)
+    stopped_at = time.time()
+    assert_same_as_reference(job, reference)
+    (hang,) = job.events("hang")
+    assert hang["rank"] == 1 and hang["heartbeat_lost"] is True and f"pid {pid})" in hang["message"]
+    assert hang["timeout_s"] == HANG_TIMEOUT
+    assert hang["time"] - stopped_at <= HANG_TIMEOUT + 2.0, "a hang is noticed within its timeout + 2 s"
+    assert hang["time"] - stopped_at >= HANG_TIMEOUT - 2.0, "not before the timeout (its last step came before)"
+    assert any(e["rank"] == 1 and e["time"] > stopped_at for e in job.events("heartbeat_lost"))
+
+
+def test_exception_in_a_worker_at_a_chosen_step(launches, reference):
+    job = launches.start("raise7", env={"ANGEL_JAX_FAULTS": "raise@7:rank=1:attempt=0"})
+    assert_same_as_reference(job, reference)
+    (crash,) = job.events("crash")
+    assert (crash["rank"], crash["returncode"], crash["step"]) == (1, 1, 7)
+    assert crash["message"].endswith("exited with status 1 at step 7 in phase training: InjectedFault: injected "
+                                     "fault: raise@7")
+
+
+def test_sigkill_of_process_0_and_the_compile_cache(launches, reference):
+    """Process 0 serves JAX's coordination service and writes the checkpoints. This job keeps its compilation
+    cache in its run directory (the default): the restarted process 0 loads its programs from it."""
+    job = launches.start("sigkill0", shared_cache=False)
+    job.wait_for(lambda: job.step() >= 5, "step 5")
+    os.kill(job.worker_pid(0), signal.SIGKILL)
+    assert_same_as_reference(job, reference)
+    (crash,) = job.events("crash")
+    assert (crash["rank"], crash["status"]) == (0, "was killed by SIGKILL")
+    assert any((job.run_dir / "compile_cache").iterdir())
+    first, second = job.events("first_step")
+    cold, warm = first["compile_cache"]["0"], second["compile_cache"]["0"]
+    assert cold["requests"] > 0 and cold["hits"] == 0
+    assert warm["requests"] > 0 and warm["hits"] == warm["requests"], second
+
+
+def test_crash_while_a_checkpoint_is_written(launches, reference):
+    """Process 0 dies by SIGKILL in the middle of copying step 8's snapshot into the memory tier: step 4 is the
+    newest valid checkpoint. (The in-memory engine's saves hold the immutable state and copy it in the background,
+    so the loop has already left the 'checkpointing' phase when the copy dies.)"""
+    job = launches.start("ckptkill", env={"ANGEL_JAX_CKPT_KILL_AT": "snapshot.copy@8:attempt=0"})
+    resumed = assert_same_as_reference(job, reference)
+    (crash,) = job.events("crash")
+    assert (crash["rank"], crash["status"], crash["step"]) == (0, "was killed by SIGKILL", 8)
+    assert (resumed["step"], resumed["lost_steps"]) == (4, 4)
+    assert [e["step"] for e in job.events("resumed", source="rank0")] == [4]  # the loop's own record agrees
+
+
+def test_a_worker_that_crashes_every_time_ends_in_failed(launches):
+    # raise@6, not @7: metrics are read a step late, so step 8 is dispatched (and checkpointed by process 0)
+    # before on_step(7) runs; a fault at 7 would be behind the restored checkpoint of step 8 and never rerun.
+    job = launches.start("always", env={"ANGEL_JAX_FAULTS": "raise@6:rank=1"},
+                         resilience={"max_restarts": 2, "no_progress_limit": 0})
+    assert job.wait() == 1, job.out[-4000:]
+    (end,) = job.events("job_end")
+    assert end["state"] == "failed" and end["restarts"] == 2 and end["attempts"] == 3
+    assert end["summary"].startswith("job failed after 2 restart(s): the restart budget is spent "
+                                     "(resilience.max_restarts=2). Last failure: rank 1 (node local1, pid ")
+    assert "exited with status 1 at step 6 in phase training: InjectedFault: injected fault: raise@6" in end["summary"]
+    assert len(job.events("crash")) == 3 and len(job.events("start")) == 3
+    assert "job failed after 2 restart(s)" in job.out.splitlines()[-1]
+
+
+def test_a_node_that_fails_twice_is_replaced_by_a_spare(launches, reference):
+    job = launches.start("exclude", env={"ANGEL_JAX_FAULTS": "raise@6:rank=1:attempt=0,raise@6:rank=1:attempt=1"},
+                         resilience={"exclude_after": 2}, args=("--spares", "1"))
+    assert job.wait() == 0, job.out[-4000:]
+    (exclusion,) = job.events("exclusion")
+    assert (exclusion["node"], exclusion["replaced_by"], exclusion["failures"]) == ("local1", "local2", 2)
+    last_start = job.events("start")[-1]
+    assert [w["node"] for w in last_start["workers"]] == ["local0", "local2"]
+    records = M.read_jsonl(job.run_dir / "metrics.jsonl")
+    assert [[r[k] for k in EXACT_KEYS] for r in records] == [[r[k] for k in EXACT_KEYS] for r in reference.records]
+
+
+def test_the_worker_under_slurm_without_the_launcher(launches, reference, tmp_path):
+    """`angel-jax worker` as `srun -n 2` would start it: only Slurm's variables (no ANGEL_JAX_COORDINATOR_*), so
+    jax.distributed.initialize() finds the job by itself; heartbeats still go to a server when the address and
+    token are given. Same config, same numbers as the launched reference."""
+    import random
+    import socket
+
+    from angel_jax.resilience.heartbeat import HeartbeatServer
+
+    while True:  # JAX's Slurm support derives the coordinator port from the job id
+        job_id = random.randrange(10**5, 10**6)
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", job_id % 4096 + 61440))
+                break
+            except OSError:
+                continue
+    cfg = launches.write_config(launches.directory, "slurm", train={"steps": STEPS},
+                                checkpoint={"every": EVERY, "keep": 2},
+                                resilience={**RESILIENCE, "compile_cache_dir": str(launches.cache)})
+    server = HeartbeatServer("slurm-token", 2).start()
+    procs = []
+    try:
+        for rank in range(2):
+            env = {k: v for k, v in os.environ.items() if not k.startswith("ANGEL_JAX_")}
+            env.update(JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT), SLURM_JOB_ID=str(job_id),
+                       SLURM_STEP_NODELIST="localhost", SLURM_NTASKS="2", SLURM_PROCID=str(rank),
+                       SLURM_LOCALID=str(rank), ANGEL_JAX_HEARTBEAT_ADDR=server.address,
+                       ANGEL_JAX_JOB_TOKEN="slurm-token")
+            with open(tmp_path / f"rank{rank}.log", "w") as log:
+                procs.append(subprocess.Popen(
+                    ["timeout", "-s", "KILL", str(LIMIT), sys.executable, "-m", "angel_jax.cli", "worker", str(cfg)],
+                    cwd=launches.directory, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+        codes = [p.wait(timeout=LIMIT) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+        server.close()
+    logs = [(tmp_path / f"rank{r}.log").read_text() for r in range(2)]
+    assert codes == [0, 0], logs[0][-3000:] + logs[1][-3000:]
+    assert "worker 1 of 2" in logs[1]
+    records = M.read_jsonl(launches.directory / "slurm" / "metrics.jsonl")
+    assert [[r[k] for k in EXACT_KEYS] for r in records] == [[r[k] for k in EXACT_KEYS] for r in reference.records]
+    bodies = []
+    while not server.inbox.empty():
+        item = server.inbox.get()
+        assert item[0] == "message", item
+        bodies.append(item[2])
+    assert {b["rank"] for b in bodies} == {0, 1}
+    assert [b["code"] for b in bodies if b["kind"] == "exit"] == [0, 0]
+    assert max(b["step"] for b in bodies) == STEPS
