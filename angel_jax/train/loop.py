@@ -197,7 +197,9 @@ def _run(t: Trainer) -> TrainResult:
             last_done = time.perf_counter()  # the save's blocking part is not a training step
     if t.progress is not None:
         t.progress.close()
-    t.checkpointer.close()  # the final checkpoint is committed before train() returns
+    t.hooks.on_phase("checkpointing", steps)  # the final checkpoint is committed before train() returns
+    t.checkpointer.close()
+    t.hooks.on_phase("training", steps)
     _report_checkpoint_errors(t)
     t.hooks.on_phase("done", steps)
     return TrainResult(t.run_dir, steps, t.history, t.engine.params())

@@ -58,7 +58,8 @@ def cases(at: int) -> dict[str, Case]:
         # A leak shows only over a whole window (200 steps after a 100-step warm-up): it starts early.
         Case("leak", "leak@{early}:mib=8:attempt=0", ("memory_growth",)),
         Case("slow", "slow@{at}:factor=3:rank=1", ("straggler",), workers=2),
-        Case("hang", "hang@{at}:rank=1", ("hang",), workers=2,
+        # The hang is cured by the restart (attempt 0 only), as a transient hang would be.
+        Case("hang", "hang@{at}:rank=1:attempt=0", ("hang",), workers=2,
              overrides=("resilience.hang_timeout_min=20",)),
     )}
 
@@ -92,7 +93,11 @@ def evaluate(case: Case, config: str, work: Path, steps: int, at: int, clean: di
         restarts += 1
         rc = run(train_cmd(case, config, run_dir, steps), dict(env, ANGEL_JAX_ATTEMPT="1"), log, limit)
     events = list(read_events(run_dir / "events.jsonl"))
-    found = [e for e in events if e["kind"] == "anomaly" and e.get("detector") in case.detectors]
+    # Detectors report `anomaly` events; the watchdog reports a hang as its own `hang` event.
+    found = [e for e in events if (e["kind"] == "anomaly" and e.get("detector") in case.detectors)
+             or e["kind"] in case.detectors]
+    for e in found:
+        e.setdefault("detector", e["kind"])
     first = min(found, key=lambda e: e["time"]) if found else None
     records = {r["step"]: r["loss"] for r in read_jsonl(run_dir / "metrics.jsonl")} \
         if (run_dir / "metrics.jsonl").exists() else {}
