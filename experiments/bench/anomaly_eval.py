@@ -12,7 +12,9 @@ positives: any anomaly event at all.
 
 Single-process cases:  nan_batch, corrupt_batch, lr_blowup, leak (memory growth -> restart: the harness restarts
                        the run the way the watchdog would, ANGEL_JAX_ATTEMPT=1, and the leak is gone)
-Two-worker cases:      slow (one worker 3x slower: a straggler), hang (one worker stops making progress)
+Two-worker cases:      slow (one worker 3x slower: a straggler, logged by default), slow_exclude (the same with
+                       `anomaly.actions.straggler=exclude` and one spare node: the slow node is replaced),
+                       hang (one worker stops making progress)
 
 Output: one JSON line per case (appended to experiments/results/anomaly_eval_<platform>.jsonl) and a markdown
 table written to experiments/results/anomaly_eval_<platform>.md.
@@ -48,6 +50,8 @@ class Case:
     """Any of these detectors counts as detecting it."""
     workers: int = 1
     overrides: tuple[str, ...] = ()
+    spares: int = 0
+    """Spare nodes given to `angel-jax launch --spares` (two-worker cases)."""
 
 
 def cases(at: int) -> dict[str, Case]:
@@ -58,6 +62,9 @@ def cases(at: int) -> dict[str, Case]:
         # A leak shows only over a whole window (200 steps after a 100-step warm-up): it starts early.
         Case("leak", "leak@{early}:mib=8:attempt=0", ("memory_growth",)),
         Case("slow", "slow@{at}:factor=3:rank=1", ("straggler",), workers=2),
+        # The slowness belongs to the node: the attempt on the spare node (attempt 1) runs at full speed.
+        Case("slow_exclude", "slow@{at}:factor=3:rank=1:attempt=0", ("straggler",), workers=2, spares=1,
+             overrides=("anomaly.actions.straggler=exclude",)),
         # The hang is cured by the restart (attempt 0 only), as a transient hang would be.
         Case("hang", "hang@{at}:rank=1:attempt=0", ("hang",), workers=2,
              overrides=("resilience.hang_timeout_min=20",)),
@@ -76,7 +83,39 @@ def train_cmd(case: Case, config: str, run_dir: Path, steps: int) -> list[str]:
               "train.log_every=1", f"checkpoint.memory_dir={run_dir}.memtier", *case.overrides]
     if case.workers == 1:
         return [sys.executable, "-m", "angel_jax.cli", "train", *common]
-    return [sys.executable, "-m", "angel_jax.cli", "launch", "-n", str(case.workers), *common]
+    return [sys.executable, "-m", "angel_jax.cli", "launch", "-n", str(case.workers), "--spares", str(case.spares),
+            *common]
+
+
+def describe_actions(found: list[dict], events: list[dict], restarted_by_harness: bool = False) -> str | None:
+    """What was done about the fault, in words, each thing once, in the order it happened."""
+    said: list[str] = []
+
+    def say(text: str) -> None:
+        if text not in said:
+            said.append(text)
+
+    skipped = sum(1 for e in found if e.get("taken") == "skipped")
+    for e in sorted(events, key=lambda e: e["time"]):
+        kind = e["kind"]
+        if e in found and e.get("taken") == "skipped":
+            say(f"update dropped on the device ({skipped} step{'s' if skipped > 1 else ''})")
+        elif e in found and str(e.get("taken")).startswith("logged"):
+            say(e["taken"])
+        elif e in found and e.get("taken") in ("restart", "exclude"):
+            say(f"{e['taken']} requested (exit {75 if e['taken'] == 'restart' else 76})")
+            if restarted_by_harness:
+                say("restarted by the harness, as the watchdog would")
+        elif kind == "rollback":
+            first, last = e.get("skipped_batches", [None, None])
+            say(f"rollback to step {e['to_step']} ({e.get('tier')} tier), batches {first}-{last} skipped")
+        elif kind == "exclusion":
+            say(f"node {e['node']} excluded, rank {e['rank']} moved to {e['replaced_by']}")
+        elif kind == "restart":
+            say("restart")
+        elif kind == "resumed":
+            say(f"resumed at step {e['step']}")
+    return "; ".join(said) or None
 
 
 def evaluate(case: Case, config: str, work: Path, steps: int, at: int, clean: dict[int, float],
@@ -104,12 +143,11 @@ def evaluate(case: Case, config: str, work: Path, steps: int, at: int, clean: di
     last = max(records) if records else 0
     final, reference = _tail_mean(records, steps), _tail_mean(clean, steps)
     healthy = rc == 0 and last == steps and math.isfinite(final) and final <= 1.05 * reference
-    actions = [e["kind"] for e in events if e["kind"] in ("rollback", "restart", "resumed")]
-    taken = sorted({e.get("taken") or e.get("action") or "" for e in found} - {""})
     return {"case": case.name, "fault": env["ANGEL_JAX_FAULTS"], "workers": case.workers,
             "detected": first is not None, "detector": first["detector"] if first else None,
             "steps_to_detection": (first["step"] - injected) if first and "step" in first else None,
-            "action": "; ".join(taken + actions[:3]) or None, "restarts_by_harness": restarts,
+            "seconds_without_progress": first.get("silent_s") if first else None,
+            "action": describe_actions(found, events, restarts > 0), "restarts_by_harness": restarts,
             "exit_status": rc, "final_step": last, "final_loss": round(final, 4),
             "clean_loss_at_step": round(reference, 4), "healthy": healthy,
             "other_anomalies": sorted({e.get("detector") for e in events if e["kind"] == "anomaly"}
@@ -142,12 +180,17 @@ def clean_run(config: str, work: Path, steps: int, workers: int, limit: float) -
 def table(rows: list[dict], cleans: list[dict], machine: dict) -> str:
     lines = [f"# Anomaly detection evaluation ({machine['device']}, {machine['cpu_count']} cores, "
              f"jax {machine['versions']['jax']}, {machine['date']})", "",
-             "| fault | workers | detected | by | steps to detection | action taken | finished healthy (loss: mean of the last 20 steps) |",
-             "| --- | --- | --- | --- | --- | --- | --- |"]
+             "| fault | workers | detected | by | steps to detection | action taken | finished healthy (loss: mean "
+             "of the last 20 steps) | other detectors |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for r in rows:
+        delay = r["steps_to_detection"]
+        if r.get("seconds_without_progress") is not None:
+            delay = f"{delay} ({r['seconds_without_progress']} s without progress)"
         lines.append(f"| `{r['fault']}` | {r['workers']} | {'yes' if r['detected'] else 'NO'} | {r['detector']} | "
-                     f"{r['steps_to_detection']} | {r['action']} | "
-                     f"{'yes' if r['healthy'] else 'NO'} (loss {r['final_loss']} vs clean {r['clean_loss_at_step']}) |")
+                     f"{delay} | {r['action']} | "
+                     f"{'yes' if r['healthy'] else 'NO'} (loss {r['final_loss']} vs clean {r['clean_loss_at_step']}) | "
+                     f"{', '.join(r['other_anomalies']) or '-'} |")
     lines += ["", "| clean run | workers | steps | false positives |", "| --- | --- | --- | --- |"]
     for c in cleans:
         lines.append(f"| {c['case']} | {c['workers']} | {c['final_step']} | {c['false_positives']} "
