@@ -18,7 +18,7 @@ from angel_jax.stages import Stage, StagedModel
 _INIT_STD = 0.02
 
 Params = dict
-"""Model parameters as a plain nested dict of arrays (`nnx.State.to_pure_dict()`): what optax, orbax and the page
+"""Model parameters as a plain nested dict of arrays (`nnx.to_pure_dict(state)`): what optax, orbax and the page
 layout see. `nnx.merge(graphdef, params)` turns it back into a module inside jit."""
 
 
@@ -119,13 +119,19 @@ def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
 def init(cfg: ModelConfig, seed: int) -> tuple[nnx.GraphDef, Params]:
     """Build the model and return (graphdef, params). Only nnx.Param state exists in this model."""
     graphdef, state = nnx.split(GPT(cfg, nnx.Rngs(params=seed)))
-    return graphdef, state.to_pure_dict()
+    return graphdef, _pure_dict(state)
 
 
 def abstract_params(cfg: ModelConfig) -> tuple[nnx.GraphDef, Params]:
     """(graphdef, params as jax.ShapeDtypeStruct) without allocating anything."""
     graphdef, state = nnx.split(nnx.eval_shape(lambda: GPT(cfg, nnx.Rngs(params=0))))
-    return graphdef, state.to_pure_dict()
+    return graphdef, _pure_dict(state)
+
+
+def _pure_dict(state: nnx.State) -> Params:
+    # Newer flax deprecates State.to_pure_dict for the module-level nnx.to_pure_dict; older 0.12 releases lack it.
+    to_pure = getattr(nnx, "to_pure_dict", None)
+    return to_pure(state) if to_pure is not None else state.to_pure_dict()
 
 
 def staged(cfg: ModelConfig) -> StagedModel:
