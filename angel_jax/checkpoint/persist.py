@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+import time
 from concurrent.futures import Executor
 from pathlib import Path
 from typing import Mapping
@@ -43,6 +44,8 @@ STATE_ITEM = "state"
 META_ITEM = "meta"
 _STEP_RE = re.compile(r"^(\d+)$")
 _TMP_RE = re.compile(r"^(\d+)\.orbax-checkpoint-tmp.*$")
+_DISCARD_WAIT_S = 10.0
+"""At most this long to clear what a failed save left while its last writes drain."""
 
 
 class OrbaxTier:
@@ -96,6 +99,21 @@ class OrbaxTier:
                 if step is None or s == step:
                     remove_dir(path)
 
+    def _discard_failed(self, step: int, target: Path) -> None:
+        """Removes what a failed save left, until nothing of it comes back.
+
+        When one array's write fails, orbax raises while the writes of other arrays may still be in flight and
+        recreate files after a first removal (seen on a full disk under load). The target did not exist before
+        the save (a re-save writes to a side name), so whatever is there is this save's, possibly already renamed
+        from orbax's tmp name when a late write failed: left behind, it would look committed."""
+        deadline, quiet = time.monotonic() + _DISCARD_WAIT_S, 0
+        while quiet < 3 and time.monotonic() < deadline:
+            self.remove_partial(step)
+            remove_dir(target)
+            time.sleep(0.05)
+            left = target.exists() or step in self.scan()[1]
+            quiet = 0 if left else quiet + 1
+
     def delete(self, step: int) -> None:
         remove_dir(self.root / str(step))
 
@@ -117,13 +135,11 @@ class OrbaxTier:
         target = final if not final.exists() else self.root / f"{step}.orbax-checkpoint-tmp-resave"
         with self._lock:
             self.root.mkdir(parents=True, exist_ok=True)
-            self.remove_partial(step)
+            self.remove_partial()  # one writer: any unfinished save is garbage holding space
             try:
                 self._checkpointer(step).save(target, args=ocp.args.Composite(**items))
             except BaseException:
-                self.remove_partial(step)
-                if target != final:
-                    remove_dir(target)
+                self._discard_failed(step, target)
                 raise
             if target != final:  # swap in the new copy; a crash between the renames leaves the memory tier's copy
                 old = self.root / f"{step}.orbax-checkpoint-tmp-old"
