@@ -233,6 +233,22 @@ def test_resume_in_process_is_exact(straight, tmp_path, write_tiny_config):
     assert data_state == straight_data
 
 
+def test_a_new_run_at_a_deleted_runs_path_does_not_resume_it(tmp_path, write_tiny_config, caplog):
+    """The memory tier outlives its run directory (/dev/shm survives `rm -rf runs/x`): a new run at the path of a
+    deleted one starts at step 1, with the old snapshots removed and a warning, instead of resuming them."""
+    cfg_path = write_tiny_config(tmp_path, "deleted", checkpoint={"every": 3})
+    first, _ = _train(cfg_path, ["train.steps=3"])
+    assert _committed_steps(first.run_dir, "memory") == [3]
+    shutil.rmtree(first.run_dir)
+    with caplog.at_level(logging.WARNING, logger="angel_jax.train.checkpointing"):
+        second, exact = _train(cfg_path, ["train.steps=3"])
+    assert sorted(exact) == [1, 2, 3]
+    assert "holds snapshots of another run" in caplog.text
+    # the new run's own snapshots are its own: extending it resumes them
+    third, exact = _train(cfg_path, ["train.steps=4"])
+    assert sorted(exact) == [4]
+
+
 @pytest.mark.slow
 def test_resume_false_run_owns_its_checkpoints(straight, tmp_path):
     run_dir = tmp_path / "restart"

@@ -22,6 +22,7 @@ import logging
 import shutil
 import threading
 import time
+import uuid
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,36 @@ from angel_jax.checkpoint import CheckpointEngine, CheckpointError, CheckpointOp
 from angel_jax.config import Config, to_dict
 
 log = logging.getLogger(__name__)
+
+RUN_TOKEN_FILE = ".checkpoint_run_token"
+"""In the run directory: a random token naming this run's memory tier (see claim_memory_tier)."""
+OWNER_FILE = "run_token"
+"""In the memory tier's directory: the token of the run whose snapshots it holds."""
+
+
+def claim_memory_tier(run_dir: Path, memory_root: Path) -> bool:
+    """Ties the memory tier to this run directory; True when it removed another run's snapshots.
+
+    The memory tier outlives the run directory (/dev/shm survives `rm -rf runs/x`), and its default name depends
+    only on the run directory's path: a new run at the same path would otherwise resume a deleted run. The run
+    directory holds a random token and the memory tier a copy of it; snapshots under another token, or under
+    none, belong to another run and are removed (the persistent tier, inside the run directory, is untouched)."""
+    token_file = run_dir / RUN_TOKEN_FILE
+    token = token_file.read_text().strip() if token_file.is_file() else None
+    owner_file = memory_root / OWNER_FILE
+    owner = owner_file.read_text().strip() if owner_file.is_file() else None
+    stale = memory_root.is_dir() and owner != token and any(p.name != OWNER_FILE for p in memory_root.iterdir())
+    if stale:
+        log.warning("memory tier %s holds snapshots of another run (not of the run directory %s): removed",
+                    memory_root, run_dir)
+        shutil.rmtree(memory_root)
+    if token is None:
+        token = uuid.uuid4().hex
+        token_file.write_text(token + "\n")
+    if owner != token or stale:
+        memory_root.mkdir(parents=True, exist_ok=True)
+        owner_file.write_text(token + "\n")
+    return stale
 
 
 def checkpoint_options(cfg: Config, run_dir: Path) -> CheckpointOptions:
@@ -50,6 +81,9 @@ class TrainCheckpointer:
         self.cfg = cfg
         self.options = checkpoint_options(cfg, run_dir)
         self.primary = primary
+        self.run_dir = run_dir
+        if primary:  # before any restore: other processes restore the step process 0 chooses
+            claim_memory_tier(run_dir, self.options.resolved_memory_dir())
         self.engine = CheckpointEngine(self.options)
         self.last_handle: SaveHandle | None = None
 
@@ -110,6 +144,7 @@ class TrainCheckpointer:
             if root is not None and root.is_dir():
                 shutil.move(str(root), str(archive / tier))
         log.warning("train.resume=false: the run directory's earlier checkpoints were moved to %s", archive)
+        claim_memory_tier(self.run_dir, self.options.resolved_memory_dir())
         self.engine = CheckpointEngine(self.options)
         return archive
 
