@@ -233,6 +233,21 @@ def test_resume_in_process_is_exact(straight, tmp_path, write_tiny_config):
     assert data_state == straight_data
 
 
+def test_claim_memory_tier_keeps_only_its_runs_snapshots(tmp_path):
+    from angel_jax.train.checkpointing import OWNER_FILE, RUN_TOKEN_FILE, claim_memory_tier
+
+    run, mem = tmp_path / "run", tmp_path / "mem"
+    run.mkdir()
+    (mem / "step_5").mkdir(parents=True)  # no owner, and a run directory without a token: not this run's
+    assert claim_memory_tier(run, mem) is True and not (mem / "step_5").exists()
+    assert (mem / OWNER_FILE).read_text() == (run / RUN_TOKEN_FILE).read_text()
+    (mem / "step_6").mkdir()
+    assert claim_memory_tier(run, mem) is False and (mem / "step_6").exists()  # its own: kept
+    (run / RUN_TOKEN_FILE).unlink()  # the run directory was deleted and made again
+    assert claim_memory_tier(run, mem) is True and not (mem / "step_6").exists()
+    assert claim_memory_tier(run, tmp_path / "none") is False  # no tier yet: nothing to remove
+
+
 def test_a_new_run_at_a_deleted_runs_path_does_not_resume_it(tmp_path, write_tiny_config, caplog):
     """The memory tier outlives its run directory (/dev/shm survives `rm -rf runs/x`): a new run at the path of a
     deleted one starts at step 1, with the old snapshots removed and a warning, instead of resuming them."""

@@ -51,7 +51,9 @@ def claim_memory_tier(run_dir: Path, memory_root: Path) -> bool:
     token = token_file.read_text().strip() if token_file.is_file() else None
     owner_file = memory_root / OWNER_FILE
     owner = owner_file.read_text().strip() if owner_file.is_file() else None
-    stale = memory_root.is_dir() and owner != token and any(p.name != OWNER_FILE for p in memory_root.iterdir())
+    # A run directory without a token owns no snapshot yet: whatever the tier holds then is another run's.
+    stale = (memory_root.is_dir() and (token is None or owner != token)
+             and any(p.name != OWNER_FILE for p in memory_root.iterdir()))
     if stale:
         log.warning("memory tier %s holds snapshots of another run (not of the run directory %s): removed",
                     memory_root, run_dir)
