@@ -61,7 +61,7 @@ def claim_memory_tier(run_dir: Path, memory_root: Path) -> bool:
     if token is None:
         token = uuid.uuid4().hex
         token_file.write_text(token + "\n")
-    if owner != token or stale:
+    if owner != token:  # (after a removal too: the owner file went with it)
         memory_root.mkdir(parents=True, exist_ok=True)
         owner_file.write_text(token + "\n")
     return stale
