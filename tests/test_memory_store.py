@@ -34,19 +34,29 @@ def same_bits(a, b) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
 
 
-def live_by_kind() -> collections.Counter:
+def arrays_alive_before() -> list:
+    """The jax arrays alive now, held so that their ids stay theirs: a test counts the arrays that appeared
+    since, whatever earlier tests left alive (or garbage that is collected meanwhile)."""
+    return jax.live_arrays()
+
+
+def live_by_kind(before: list) -> collections.Counter:
+    """Bytes per memory kind of the live jax arrays that are not in `before`."""
+    old = {id(a) for a in before}
     out: collections.Counter = collections.Counter()
     for a in jax.live_arrays():
-        out[a.sharding.memory_kind] += a.nbytes
+        if id(a) not in old:
+            out[a.sharding.memory_kind] += a.nbytes
     return out
 
 
-def check_accounting(store: PageStore, baseline: collections.Counter) -> None:
-    """Each array tier's bytes equal the live jax bytes it added in its memory kind; the disk's its files."""
-    live = live_by_kind()
+def check_accounting(store: PageStore, before: list) -> None:
+    """Each array tier's bytes equal the bytes of the jax arrays that appeared in its memory kind since `before`
+    (the store is the only thing making arrays meanwhile); the disk's equal its files."""
+    live = live_by_kind(before)
     for role in ("device", "host"):
         tier = store.tiers[role]
-        assert live[tier.memory_kind] - baseline[tier.memory_kind] == tier.bytes_used, role
+        assert live[tier.memory_kind] == tier.bytes_used, role
         assert tier.live_bytes() == tier.bytes_used
     disk = store.tiers.get("disk")
     if disk is not None:
@@ -92,14 +102,14 @@ def test_corrupted_page_is_detected_on_the_way_up_and_nothing_changes(store):
         b = f.read(1)
         f.seek(1234)
         f.write(bytes([b[0] ^ 1]))
-    before_live, before = live_by_kind(), store.bytes_used()
+    before_live, before = arrays_alive_before(), store.bytes_used()
     bad, good = store.prefetch(5, "device"), store.prefetch(6, "device")
     with pytest.raises(PageCorrupted, match=rf"page 5 is corrupted on disk: CRC-32 of {path}"):
         bad.wait()
     good.wait()
     assert store.where(5) == ("disk",) and store.where(6) == ("device", "disk")
     assert store.bytes_used()["device"] == before["device"] + 4096 * 4
-    assert live_by_kind()["device"] - before_live["device"] == 4096 * 4
+    assert live_by_kind(before_live)["device"] == 4096 * 4
     with pytest.raises(PageStoreError, match="page 5 has no current copy on 'device'"):
         store.get(5)
     assert [type(e) for e in store.wait_all()] == [PageCorrupted]
@@ -113,10 +123,10 @@ def test_budget_refused_at_issue_changes_nothing(tmp_path):
         s.add(3, bits(3, 1024), home="host")
     s.prefetch(0).wait()
     s.prefetch(1).wait()
-    live, used = live_by_kind(), s.bytes_used()
+    live, used = arrays_alive_before(), s.bytes_used()
     with pytest.raises(BudgetExceeded, match=r"tier 'device': page 2 \(4096 B\) does not fit: 8192 B used"):
         s.prefetch(2)
-    assert s.where(2) == ("host",) and s.bytes_used() == used and live_by_kind() == live
+    assert s.where(2) == ("host",) and s.bytes_used() == used and live_by_kind(live) == collections.Counter()
     s.evict(2, "host").wait()  # host -> disk (1 page budget)
     with pytest.raises(BudgetExceeded, match="tier 'disk'"):
         s.evict(1, "host")
@@ -169,6 +179,7 @@ def test_never_two_device_copies_and_update_writes_back(store):
 
 
 def test_chained_moves_without_waiting(store):
+    before = arrays_alive_before()
     values = {i: bits(10 + i, 512) for i in range(6)}
     for i, v in values.items():
         store.add(i, v, home="host")
@@ -185,7 +196,7 @@ def test_chained_moves_without_waiting(store):
         assert store.home(i) == "disk" and same_bits(store.read(i), v)
     assert store.where(0) == ("host", "disk") and store.where(1) == ("disk",)
     assert store.where(2) == ("device", "disk")  # the host copy was staging: moving it up freed it
-    check_accounting(store, collections.Counter())
+    check_accounting(store, before)
 
 
 # --- any sequence of moves ------------------------------------------------------------------------------------------
@@ -198,7 +209,7 @@ ops = st.lists(st.tuples(st.sampled_from(["prefetch_device", "prefetch_host", "e
                                                                     HealthCheck.function_scoped_fixture])
 @given(ops, st.sampled_from(["host", "disk", "device"]))
 def test_accounting_and_values_after_any_sequence_of_moves(sequence, home):
-    baseline = live_by_kind()
+    before = arrays_alive_before()
     page_bytes = 1024 * 4
     with tempfile.TemporaryDirectory() as d:
         s = PageStore(DeviceTier(budget=3 * page_bytes), HostTier(budget=6 * page_bytes), DiskTier(d))
@@ -229,7 +240,7 @@ def test_accounting_and_values_after_any_sequence_of_moves(sequence, home):
                     s.unpin(i)
                 else:
                     assert s.wait_all() == []
-                    check_accounting(s, baseline)
+                    check_accounting(s, before)
             except BudgetExceeded:
                 assert s.bytes_used() == used  # refused: nothing changed
             except PageStoreError:
@@ -238,7 +249,7 @@ def test_accounting_and_values_after_any_sequence_of_moves(sequence, home):
                 budget = s.tiers[t].budget
                 assert s.tiers[t].bytes_used <= budget
         assert s.wait_all() == []
-        check_accounting(s, baseline)
+        check_accounting(s, before)
         for i, v in expected.items():
             assert same_bits(s.read(i), v), i
             assert s.home(i) in s.where(i) or s.is_dirty(i)
@@ -250,7 +261,7 @@ def test_accounting_and_values_after_any_sequence_of_moves(sequence, home):
         assert set(s.tiers["host"].page_ids()) == on["host"] | stale_home
         s.close()
         assert s.bytes_used() == {"device": 0, "host": 0, "disk": 0}
-    assert live_by_kind() == baseline
+    assert live_by_kind(before) == collections.Counter()
 
 
 def test_stage_pages_through_the_store_into_a_jitted_stage(store):
