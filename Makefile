@@ -24,8 +24,10 @@ venv: $(STAMP)
 train: $(STAMP)
 	$(VENV)/bin/angel-jax train $(CONFIG) $(ARGS)
 
+# Property tests draw the same examples every run (HYPOTHESIS_PROFILE=explore draws new ones); the 15 slowest
+# tests are listed at the end so that a slow-down shows.
 test: $(STAMP)
-	$(VENV)/bin/python -m pytest -q $(PYTEST_ARGS)
+	HYPOTHESIS_PROFILE=$${HYPOTHESIS_PROFILE:-ci} $(VENV)/bin/python -m pytest -q --durations=15 $(PYTEST_ARGS)
 
 bench: $(STAMP)
 	$(VENV)/bin/python experiments/bench/reference_step.py $(CONFIG) $(ARGS)

@@ -5,15 +5,35 @@ Kept small on purpose: every test file may rely on the CPU pin; the fixtures bel
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 # Tests run on the CPU (DESIGN.md "Conventions"); set before anything imports jax. An explicit JAX_PLATFORMS in the
 # environment still wins, so a GPU run can be asked for on purpose.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
+# One persistent compilation cache for the session, inherited by every process a test starts: the suite compiles
+# the same tiny programs in dozens of tests and subprocesses, and each is compiled once instead (a cache hit
+# loads the very executable the compiler produced, so no result changes). Fresh per session, removed at exit.
+if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+    _cache_dir = tempfile.mkdtemp(prefix="angel-jax-test-xla-cache-")
+    os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache_dir
+    atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
+
 import pytest  # noqa: E402
 import yaml  # noqa: E402
+from hypothesis import settings  # noqa: E402
+
+# Property tests: `make test` and CI draw the same examples every run (a suite that fails by chance is a broken
+# suite; an example hypothesis once found goes in as an explicit @example). Run pytest without `make`, or with
+# HYPOTHESIS_PROFILE=explore, to draw new random examples (and keep failures in the local .hypothesis database).
+settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
+settings.register_profile("explore", print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if os.environ.get("CI") else "explore"))
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
