@@ -6,6 +6,7 @@ import dataclasses
 import json
 import math
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -27,6 +28,7 @@ from angel_jax.resilience.detectors import (
     SpikeState,
     StepTimeDetector,
     StragglerDetector,
+    UpdateSpikeConfig,
     _slope,
 )
 
@@ -113,16 +115,38 @@ def test_lasting_level_shift_is_rebaselined():
 
 def test_grad_spike_is_judged_on_log_scale():
     # log window alternates 0 / log 1.1: median = log sqrt(1.1), so the baseline is sqrt(1.1) = 1.0488; the
-    # z edge is exp(median + 6 * 1.4826 * MAD) = 1.6025, below the 2x gate 2 * 1.0488 = 2.0976, which decides.
+    # z edge is exp(median + 6 * 1.4826 * MAD) = 1.6025, below the 10x gate 10 * 1.0488 = 10.488, which decides.
     det = SpikeDetector("grad_spike", "grad_norm", GradSpikeConfig())
     state, fired = fire_steps(det, alternating(40, 1.0, 1.1))
     assert fired == {}
-    assert det.update(state, 40, 2.09)[1] is None
-    _, anomaly = det.update(state, 40, 2.10)
+    assert det.update(state, 40, 10.48)[1] is None
+    _, anomaly = det.update(state, 40, 10.49)
     assert anomaly.baseline == pytest.approx(math.sqrt(1.1))
-    assert anomaly.threshold == pytest.approx(2 * math.sqrt(1.1))
+    assert anomaly.threshold == pytest.approx(10 * math.sqrt(1.1))
     assert "log z" in anomaly.message
     assert det.update(state, 40, 0.0)[1] is None and det.update(state, 40, 0.0)[0] is state  # not judged
+
+
+def test_update_spike_fires_at_twice_the_median():
+    # The same window as above: update norms are steadier than gradient norms, so the 2x gate decides.
+    det = SpikeDetector("update_spike", "update_norm", UpdateSpikeConfig())
+    state, _ = fire_steps(det, alternating(40, 1.0, 1.1))
+    assert det.update(state, 40, 2.09)[1] is None
+    assert det.update(state, 40, 2.10)[1].threshold == pytest.approx(2 * math.sqrt(1.1))
+
+
+def test_a_clean_run_of_the_main_job_fires_nothing():
+    """Loss, gradient and update norms of every step of a real clean run of the main job (gpt_tiny.yaml, data
+    seed 0, 300 steps): no spike detector fires. Its gradient norm reaches 3.9x the median at step 153, which the
+    former 2x gradient gate took for a spike (and dropped the update)."""
+    run = json.loads((Path(__file__).parent / "fixtures" / "clean_run_gpt_tiny_seed0.json").read_text())
+    for name, metric, cfg in (("loss_spike", "loss", LossSpikeConfig()), ("grad_spike", "grad_norm", GradSpikeConfig()),
+                              ("update_spike", "update_norm", UpdateSpikeConfig())):
+        _, fired = fire_steps(SpikeDetector(name, metric, cfg), list(zip(run["step"], run[metric])))
+        assert fired == {}, (name, sorted(fired))
+    old_gate = dataclasses.replace(GradSpikeConfig(), min_rel_dev=1.0)
+    _, fired = fire_steps(SpikeDetector("grad_spike", "grad_norm", old_gate), list(zip(run["step"], run["grad_norm"])))
+    assert sorted(fired) == [153]  # the run really holds the excursion the former default fired on
 
 
 def test_flat_plateau_with_zero_mad_needs_the_minimum_deviation():

@@ -18,6 +18,7 @@ from angel_jax.resilience.detectors import (
     Anomaly,
     AnomalyConfig,
     GradSpikeConfig,
+    UpdateSpikeConfig,
     HangConfig,
     HangDetector,
     LossSpikeConfig,
@@ -41,5 +42,5 @@ __all__ = [
     "Action", "ActionPolicy", "Anomaly", "AnomalyConfig", "CrossRankSuite", "DetectorSuite", "GradSpikeConfig",
     "HangConfig", "HangDetector", "LossSpikeConfig", "MemoryGrowthConfig", "MemoryGrowthDetector", "NanConfig",
     "NanDetector", "SpikeConfig", "SpikeDetector", "StepTimeConfig", "StepTimeDetector", "StragglerConfig",
-    "StragglerDetector", "strongest",
+    "StragglerDetector", "UpdateSpikeConfig", "strongest",
 ]
