@@ -32,6 +32,7 @@ from angel_jax.train.checkpointing import TrainCheckpointer
 from angel_jax.train.engines import TrainEngine, build_engine
 from angel_jax.train.hooks import HookList, OnStep, TrainHooks
 from angel_jax.train.report import memory_report
+from angel_jax.train.rundir import lock_run_dir
 from models import gpt
 
 log = logging.getLogger("angel_jax.train")
@@ -153,6 +154,8 @@ def train(cfg: Config, *, hooks: Sequence[TrainHooks] = (),
     """Train `cfg` to `cfg.train.steps`, resuming from the run directory's newest valid checkpoint if any."""
     hook_list = HookList([*hooks, *([OnStep(on_step)] if on_step else [])])
     t: Trainer | None = None
+    # One run per run directory (process 0 writes it): a second run is refused before it touches anything.
+    lock = lock_run_dir(cfg.run_dir) if jax.process_index() == 0 else None
     try:
         t = setup(cfg, hook_list)
         return _run(t)
@@ -162,6 +165,8 @@ def train(cfg: Config, *, hooks: Sequence[TrainHooks] = (),
         if t is not None:
             _close(t)
         hook_list.close()
+        if lock is not None:
+            lock.release()
 
 
 def _run(t: Trainer) -> TrainResult:
