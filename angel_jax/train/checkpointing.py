@@ -19,6 +19,7 @@ process reads them, and process 0 decides which step all of them restore.
 from __future__ import annotations
 
 import logging
+import re
 import shutil
 import threading
 import time
@@ -30,6 +31,7 @@ import jax
 import numpy as np
 
 from angel_jax.checkpoint import CheckpointEngine, CheckpointError, CheckpointOptions, SaveHandle
+from angel_jax.checkpoint.snapshot import DATA_FILE, INDEX_FILE
 from angel_jax.config import Config, to_dict
 
 log = logging.getLogger(__name__)
@@ -38,6 +40,17 @@ RUN_TOKEN_FILE = ".checkpoint_run_token"
 """In the run directory: a random token naming this run's memory tier (see claim_memory_tier)."""
 OWNER_FILE = "run_token"
 """In the memory tier's directory: the token of the run whose snapshots it holds."""
+SNAPSHOT_NAME = re.compile(r"^step_\d+(\.tmp)?$")
+SNAPSHOT_FILES = (DATA_FILE, INDEX_FILE)
+
+
+def is_snapshot_entry(entry: Path) -> bool:
+    """Whether `entry` is something the checkpoint engine writes into a memory tier: a snapshot directory
+    (`step_<k>` or `step_<k>.tmp`, not a link) holding nothing but snapshot files. Only such entries are ever
+    deleted from a memory tier."""
+    if entry.is_symlink() or not entry.is_dir() or not SNAPSHOT_NAME.match(entry.name):
+        return False
+    return all(f.name in SNAPSHOT_FILES and f.is_file() and not f.is_symlink() for f in entry.iterdir())
 
 
 def claim_memory_tier(run_dir: Path, memory_root: Path) -> bool:
@@ -46,25 +59,51 @@ def claim_memory_tier(run_dir: Path, memory_root: Path) -> bool:
     The memory tier outlives the run directory (/dev/shm survives `rm -rf runs/x`), and its default name depends
     only on the run directory's path: a new run at the same path would otherwise resume a deleted run. The run
     directory holds a random token and the memory tier a copy of it; snapshots under another token, or under
-    none, belong to another run and are removed (the persistent tier, inside the run directory, is untouched)."""
+    none, belong to another run and are removed (the persistent tier, inside the run directory, is untouched).
+
+    Nothing else is ever deleted: a memory tier holding anything that is not a snapshot (a user's files, a run
+    directory, persistent checkpoints) is refused with CheckpointError before anything is touched. A memory tier
+    that cannot be a directory at all (a file, a path under /proc) is left alone with a warning: the checkpoint
+    engine then persists every checkpoint directly, as it does when the tier is full."""
+    memory_root, run_dir = Path(memory_root), Path(run_dir)
+    if memory_root.exists() and not memory_root.is_dir():
+        log.warning("checkpoint.memory_dir %s is not a directory: no memory tier, checkpoints are persisted "
+                    "directly", memory_root)
+        return False
+    entries = list(memory_root.iterdir()) if memory_root.is_dir() else []
+    owner_file = memory_root / OWNER_FILE
+    foreign = sorted(p.name for p in entries if not (p == owner_file and _plain_file(p)) and not is_snapshot_entry(p))
+    if foreign:
+        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
+        raise CheckpointError(
+            f"checkpoint.memory_dir {memory_root} holds {shown}, which are not checkpoint snapshots; nothing was "
+            "deleted. Point checkpoint.memory_dir at an empty directory of its own (RAM-backed, such as "
+            "/dev/shm/<name>), or leave it empty for /dev/shm/angel_jax/<run id>")
     token_file = run_dir / RUN_TOKEN_FILE
     token = token_file.read_text().strip() if token_file.is_file() else None
-    owner_file = memory_root / OWNER_FILE
-    owner = owner_file.read_text().strip() if owner_file.is_file() else None
+    owner = owner_file.read_text().strip() if _plain_file(owner_file) else None
     # A run directory without a token owns no snapshot yet: whatever the tier holds then is another run's.
-    stale = (memory_root.is_dir() and (token is None or owner != token)
-             and any(p.name != OWNER_FILE for p in memory_root.iterdir()))
+    stale = [p for p in entries if p != owner_file] if token is None or owner != token else []
     if stale:
-        log.warning("memory tier %s holds snapshots of another run (not of the run directory %s): removed",
-                    memory_root, run_dir)
-        shutil.rmtree(memory_root)
+        log.warning("memory tier %s holds snapshots of another run (not of the run directory %s): removed %s",
+                    memory_root, run_dir, ", ".join(sorted(p.name for p in stale)))
+        for p in stale:
+            shutil.rmtree(p)
     if token is None:
         token = uuid.uuid4().hex
         token_file.write_text(token + "\n")
-    if owner != token:  # (after a removal too: the owner file went with it)
-        memory_root.mkdir(parents=True, exist_ok=True)
-        owner_file.write_text(token + "\n")
-    return stale
+    if owner != token:
+        try:
+            memory_root.mkdir(parents=True, exist_ok=True)
+            owner_file.write_text(token + "\n")
+        except OSError as e:
+            log.warning("checkpoint.memory_dir %s cannot be created (%s): no memory tier, checkpoints are "
+                        "persisted directly", memory_root, e.strerror or e)
+    return bool(stale)
+
+
+def _plain_file(path: Path) -> bool:
+    return path.is_file() and not path.is_symlink()
 
 
 def checkpoint_options(cfg: Config, run_dir: Path) -> CheckpointOptions:
