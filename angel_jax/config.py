@@ -63,8 +63,10 @@ class ModelConfig:
                 errs.append((key, "must be > 0"))
         if self.n_heads > 0 and self.d_model % self.n_heads:
             errs.append(("n_heads", f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}"))
-        if self.mlp_ratio <= 0:
-            errs.append(("mlp_ratio", "must be > 0"))
+        hidden = self.mlp_ratio * self.d_model
+        if self.mlp_ratio <= 0 or not 1 <= hidden <= 2**24:
+            errs.append(("mlp_ratio", f"must be > 0 and give an MLP hidden width (mlp_ratio x d_model) between 1 "
+                                      f"and 2**24, got {self.mlp_ratio!r} x {self.d_model} = {hidden:.4g}"))
         if self.name != "gpt":
             errs.append(("name", f"unknown model {self.name!r}; known: gpt"))
         return errs
@@ -315,6 +317,8 @@ def _coerce(value: Any, tp: Any, key: str, origin: str) -> Any:
         return float(value)
     if tp is int and isinstance(value, bool) or not isinstance(value, tp):
         raise ConfigError(f"{where}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
+    if tp is float and not math.isfinite(value):  # no setting means anything with NaN or an infinity
+        raise ConfigError(f"{where}: must be a finite number, got {value!r}")
     return value
 
 
@@ -393,9 +397,11 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
         if not path.is_file():
             raise ConfigError(f"config file {path} does not exist")
         try:
-            raw = yaml.safe_load(path.read_text()) or {}
+            raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
         except yaml.YAMLError as e:
             raise ConfigError(f"{path}: not valid YAML: {e}") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{path}: not a text file (byte {e.start} is not UTF-8): a config is YAML text") from None
         if not isinstance(raw, dict):
             raise ConfigError(f"{path}: expected a mapping at the top level, got {type(raw).__name__}")
         raw.setdefault("name", path.stem)

@@ -192,10 +192,27 @@ def test_config_error_is_a_value_error():
     assert issubclass(ConfigError, ValueError)
 
 
-@pytest.mark.parametrize("override", ["optimizer.lr=.nan", "optimizer.lr=.inf"])
-def test_non_finite_lr_is_rejected(override):
+@pytest.mark.parametrize("override", ["optimizer.lr=.nan", "optimizer.lr=.inf", "optimizer.eps=.nan",
+                                      "optimizer.weight_decay=.nan", "optimizer.grad_clip=.nan",
+                                      "model.mlp_ratio=.nan", "model.mlp_ratio=-.inf",
+                                      "anomaly.thresholds.loss_spike.z_threshold=.nan"])
+def test_non_finite_floats_are_rejected_everywhere(override):
+    key = override.split("=")[0]
     msg = _error(TINY, [override])
-    assert "'optimizer.lr'" in msg
+    assert f"'{key}'" in msg and "must be a finite number" in msg
+
+
+@pytest.mark.parametrize("ratio", ["1e300", "1e-9"])
+def test_absurd_mlp_ratio_is_rejected_naming_the_width(ratio):
+    msg = _error(TINY, [f"model.mlp_ratio={ratio}"])
+    assert "'model.mlp_ratio'" in msg and "MLP hidden width" in msg
+
+
+def test_binary_config_file_is_a_config_error(tmp_path):
+    path = tmp_path / "binary.yaml"
+    path.write_bytes(b"model:\n  d_model: \xff\xfe\x00\x01\n")
+    msg = _error(path)
+    assert str(path) in msg and "not a text file" in msg
 
 
 # ----------------------------------------------------------------------------------------------- describe
