@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from angel_jax import cli
+from angel_jax.checkpoint import CheckpointError
 from angel_jax.config import load_config
 from angel_jax.train.loop import train
 
@@ -52,6 +53,59 @@ def test_verify_names_a_damaged_copy_and_fails(run_dir, capsys, tmp_path):
     out = capsys.readouterr().out
     assert "step 4: DAMAGED" in out and "memory:" in out and "checksum mismatch" in out
     assert cli.main(["ckpt", "verify", str(damaged), "2"]) == 0
+
+
+def test_verify_of_a_step_that_does_not_exist_says_so(run_dir, capsys):
+    assert cli.main(["ckpt", "verify", str(run_dir), "999"]) == 1
+    out = capsys.readouterr().out
+    assert "no committed checkpoint of step 999 (committed steps: 2, 4)" in out and "DAMAGED" not in out
+
+
+def _copy_run(run_dir: Path, into: Path) -> Path:
+    """A copy of the run whose config names the copy and its own copy of the memory tier (the original stays
+    intact)."""
+    import shutil
+
+    copy = into / "run"
+    shutil.copytree(run_dir, copy)
+    cfg = load_config(copy / "config.yaml")
+    shutil.copytree(cfg.checkpoint.memory_dir, into / "mem")
+    (copy / "config.yaml").write_text((copy / "config.yaml").read_text().replace(
+        cfg.checkpoint.memory_dir, str(into / "mem")).replace(str(run_dir), str(copy)))
+    (copy / ".lock").unlink(missing_ok=True)
+    return copy
+
+
+def _largest_file(root: Path) -> Path:
+    return max((p for p in root.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+
+
+def test_a_run_whose_every_checkpoint_is_damaged_is_not_silently_restarted(run_dir, tmp_path):
+    copy = _copy_run(run_dir, tmp_path)
+    for data in [*(tmp_path / "mem").glob("step_*/data.bin"),
+                 *(_largest_file(p) for p in (copy / "checkpoints").iterdir() if p.name.isdigit())]:
+        raw = bytearray(data.read_bytes())
+        for k in range(1, 40):  # bytes all over the file: whatever the encoding, the arrays cannot survive
+            raw[k * len(raw) // 40] ^= 0xFF
+        data.write_bytes(bytes(raw))
+    metrics = (copy / "metrics.jsonl").read_text()
+    cfg = load_config(copy / "config.yaml", ["train.steps=6"])
+    with pytest.raises(CheckpointError, match="every checkpoint of the run in .* is damaged .* train.resume=false"):
+        train(cfg)
+    assert (copy / "metrics.jsonl").read_text() == metrics  # nothing of the run was overwritten
+    result = train(load_config(copy / "config.yaml", ["train.steps=2", "train.resume=false"]))  # asked for: fine
+    assert result.final_step == 2 and any(copy.parent.glob("run/checkpoints.replaced-*"))
+
+
+def test_resuming_into_another_model_is_refused(run_dir, tmp_path):
+    copy = _copy_run(run_dir, tmp_path)
+    # 2 heads -> 1: every parameter keeps its shape, the model computes another function.
+    written = (copy / "config.yaml").read_text()
+    with pytest.raises(CheckpointError, match=r"step 4 holds another model .* model.n_heads=1 \(the checkpoint's: 2\)"):
+        train(load_config(copy / "config.yaml", ["train.steps=6", "model.n_heads=1"]))
+    assert (copy / "config.yaml").read_text() == written  # the refused run left the run's config as it was
+    result = train(load_config(copy / "config.yaml", ["train.steps=5", "model.remat=true"]))  # same function
+    assert result.final_step == 5
 
 
 def test_missing_run_directory_is_a_clean_error(tmp_path, capsys):

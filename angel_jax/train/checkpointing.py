@@ -106,6 +106,28 @@ def _plain_file(path: Path) -> bool:
     return path.is_file() and not path.is_symlink()
 
 
+ALL_DAMAGED = -2
+"""restore_latest's choice when the run has committed checkpoints and none of them verifies."""
+RESUMABLE_MODEL_CHANGES = ("remat",)
+"""Model settings a run may change on resume: they change how the function is computed, not which function."""
+
+
+def check_same_model(saved_config: dict | None, cfg: Config, step: int) -> None:
+    """Refuse to resume a checkpoint into a model that computes another function (e.g. other n_heads: the same
+    parameter shapes, a different model). Checkpoints written before the config was recorded pass."""
+    saved = (saved_config or {}).get("model")
+    if not isinstance(saved, dict):
+        return
+    now = to_dict(cfg)["model"]
+    differ = [k for k in sorted(set(saved) | set(now)) if k not in RESUMABLE_MODEL_CHANGES
+              and saved.get(k) != now.get(k)]
+    if differ:
+        changes = ", ".join(f"model.{k}={now.get(k)!r} (the checkpoint's: {saved.get(k)!r})" for k in differ)
+        raise CheckpointError(f"the checkpoint of step {step} holds another model than the config asks for: "
+                              f"{changes}. Resume with the checkpoint's model settings, or start a new run "
+                              "(another train.run_dir, or train.resume=false)", step=step)
+
+
 def checkpoint_options(cfg: Config, run_dir: Path) -> CheckpointOptions:
     c = cfg.checkpoint
     return CheckpointOptions(persistent_dir=(run_dir / "checkpoints").absolute(),
@@ -160,11 +182,17 @@ class TrainCheckpointer:
         chosen = None
         if self.primary:
             ref = self.engine.latest_valid()
-            chosen = ref.step if ref is not None else -1
+            chosen = ref.step if ref is not None else (ALL_DAMAGED if self.has_any() else -1)
         if jax.process_count() > 1:
             from jax.experimental import multihost_utils
 
             chosen = int(multihost_utils.broadcast_one_to_all(np.int64(-1 if chosen is None else chosen)))
+        if chosen == ALL_DAMAGED:
+            # Starting over would overwrite the run's metrics and, at its first save, its checkpoints.
+            raise CheckpointError(
+                f"every checkpoint of the run in {self.run_dir} is damaged (see the warnings above, or `angel-jax "
+                f"ckpt verify {self.run_dir}`): refusing to start over from step 1 over it. To train afresh anyway, "
+                "set train.resume=false (the damaged checkpoints are moved aside, not deleted)")
         if chosen is None or chosen < 0:
             return None
         restored = self.engine.restore(chosen)
@@ -240,7 +268,11 @@ def verify_report(run_dir: Path, step: int | None = None) -> tuple[bool, list[st
     """`angel-jax ckpt verify`: read every committed copy of `step` (default: every step) and check each array's
     CRC-32. Returns (all good, lines)."""
     with engine_for_run(run_dir) as engine:
-        steps = [step] if step is not None else [i.step for i in engine.list() if i.committed]
+        committed = [i.step for i in engine.list() if i.committed]
+        if step is not None and step not in committed:
+            return False, [f"no committed checkpoint of step {step} (committed steps: "
+                           f"{', '.join(map(str, committed)) or 'none'})"]
+        steps = [step] if step is not None else committed
         if not steps:
             return False, ["no committed checkpoint to verify"]
         ok, lines = True, []

@@ -28,7 +28,7 @@ from angel_jax.resilience.events import EventLog
 from angel_jax.train import metrics as metrics_lib
 from angel_jax.train.anomaly import (EXIT_EXCLUDE, EXIT_RESTART, AnomalyMonitor, RestartRequested,
                                      TrainingDiverged, Verdict)
-from angel_jax.train.checkpointing import TrainCheckpointer
+from angel_jax.train.checkpointing import TrainCheckpointer, check_same_model
 from angel_jax.train.engines import TrainEngine, build_engine
 from angel_jax.train.hooks import HookList, OnStep, TrainHooks
 from angel_jax.train.report import memory_report
@@ -106,8 +106,6 @@ def setup(cfg: Config, hooks: HookList) -> Trainer:
     is_primary = jax.process_index() == 0
     hooks.on_phase("setup", 0)
     run_dir.mkdir(parents=True, exist_ok=True)
-    if is_primary:
-        (run_dir / "config.yaml").write_text(config_lib.dump_yaml(cfg))
     devices = jax.devices()
     if cfg.train.batch_size % len(devices):
         raise config_lib.ConfigError(
@@ -129,6 +127,7 @@ def setup(cfg: Config, hooks: HookList) -> Trainer:
         restored = checkpointer.restore_latest()
         if restored is not None:
             start_step, arrays, meta, tier = restored
+            check_same_model(meta.get("config"), cfg, start_step)
             engine.load_state(arrays, meta.get("engine", {}))
             data.restore(data_lib.IteratorState.from_dict(meta["data"]))
             skips += [r for r in meta.get("data_skips", []) if r not in skips]
@@ -138,6 +137,8 @@ def setup(cfg: Config, hooks: HookList) -> Trainer:
             if is_primary:
                 events.write("resumed", step=start_step, tier=tier)
 
+    if is_primary:  # only now: a run refused above (another model, damaged checkpoints) leaves the old config
+        (run_dir / "config.yaml").write_text(config_lib.dump_yaml(cfg))
     sinks: list[metrics_lib.MetricsSink] = []
     if is_primary:
         sinks.append(metrics_lib.JsonlSink(run_dir / cfg.logging.jsonl, resume_step=start_step))
