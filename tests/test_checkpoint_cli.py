@@ -97,6 +97,25 @@ def test_a_run_whose_every_checkpoint_is_damaged_is_not_silently_restarted(run_d
     assert result.final_step == 2 and any(copy.parent.glob("run/checkpoints.replaced-*"))
 
 
+def test_an_edited_index_is_a_damaged_copy_and_restore_falls_back(run_dir, tmp_path, capsys, caplog):
+    import json
+
+    copy = _copy_run(run_dir, tmp_path)
+    index_file = tmp_path / "mem" / "step_4" / "index.json"
+    index = json.loads(index_file.read_text())
+    key = next(k for k, v in index["meta"]["data"].items() if isinstance(v, int) and not isinstance(v, bool))
+    index["meta"]["data"][key] += 1  # the data position: a plausible value, only the checksum knows
+    index_file.write_text(json.dumps(index))
+    assert cli.main(["ckpt", "verify", str(copy), "4"]) == 1
+    out = capsys.readouterr().out
+    assert "step 4: DAMAGED" in out and "index checksum mismatch" in out and "persistent" not in out
+    result = train(load_config(copy / "config.yaml", ["train.steps=5"]))
+    assert result.final_step == 5
+    assert "memory tier is damaged" in caplog.text  # skipped, and the persistent copy of step 4 restored
+    assert '"tier": "persistent"' in [line for line in (copy / "events.jsonl").read_text().splitlines()
+                                      if '"resumed"' in line][-1]
+
+
 def test_resuming_into_another_model_is_refused(run_dir, tmp_path):
     copy = _copy_run(run_dir, tmp_path)
     # 2 heads -> 1: every parameter keeps its shape, the model computes another function.

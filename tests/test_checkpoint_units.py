@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import os
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -90,6 +92,20 @@ def test_index_rejects_inconsistent_json() -> None:
     bad_size = dict(good, arrays=[dict(good["arrays"][0], nbytes=3)])
     with pytest.raises(ValueError, match="does not match"):
         SnapshotIndex.from_json(bad_size)
+
+
+def test_index_checksum_covers_the_meta() -> None:
+    meta = {"data": {"epoch": 0, "position": 40}, "config": {"model": {"n_heads": 2}}}
+    good = plan_layout(7, {"a": np.zeros(4, np.float32)}, meta).with_checksums([123]).to_json()
+    assert SnapshotIndex.from_json(json.loads(json.dumps(good))).meta == meta  # a JSON round trip keeps it valid
+    for edit in (lambda o: o["meta"]["data"].update(position=41), lambda o: o.update(step=8),
+                 lambda o: o["arrays"][0].update(xxh3_64=124)):
+        edited = json.loads(json.dumps(good))
+        edit(edited)
+        with pytest.raises(ValueError, match="index checksum mismatch"):
+            SnapshotIndex.from_json(edited)
+    legacy = {k: v for k, v in good.items() if k != "index_xxh3_64"} | {"format": "angel_jax.snapshot/2"}
+    assert SnapshotIndex.from_json(legacy).step == 7  # written before indexes had a checksum: still read
 
 
 def test_options_validate_and_coerce(tmp_path: Path) -> None:

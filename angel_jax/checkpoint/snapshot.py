@@ -3,8 +3,13 @@
 A snapshot of step k is a directory `step_<k>/` holding two files:
 
     data.bin     every array's raw bytes (C order, little-endian), each starting at a 4096-byte aligned offset
-    index.json   {"format": "angel_jax.snapshot/2", "step": k, "data_bytes": N, "meta": {...},
-                  "arrays": [{"name", "dtype", "shape", "offset", "nbytes", "xxh3_64"}, ...]}
+    index.json   {"format": "angel_jax.snapshot/3", "step": k, "data_bytes": N, "meta": {...},
+                  "arrays": [{"name", "dtype", "shape", "offset", "nbytes", "xxh3_64"}, ...],
+                  "index_xxh3_64": XXH3-64 of the rest of the index (canonical JSON)}
+
+The index checksum covers the meta (the data iterator's position, the config, the step) as the array checksums
+cover the arrays: an edited or damaged index.json is a damaged checkpoint, and restore falls back to another copy.
+Indexes of format /2 (written before the index had its checksum) are still read.
 
 No pickle anywhere: dtypes are stored by name (`float32`, `bfloat16`, ...), meta must be JSON. One data file per
 snapshot (not one per array) keeps the file-descriptor and mmap count independent of the number of arrays, which
@@ -30,9 +35,11 @@ from typing import Any, Mapping
 import ml_dtypes
 import numpy as np
 
-from angel_jax.checkpoint.checksum import ALGORITHM, digest_many
+from angel_jax.checkpoint.checksum import ALGORITHM, digest, digest_many
 
-FORMAT = "angel_jax.snapshot/2"
+FORMAT = "angel_jax.snapshot/3"
+LEGACY_FORMATS = ("angel_jax.snapshot/2",)  # no index checksum
+INDEX_CHECKSUM = f"index_{ALGORITHM}"
 INDEX_FILE = "index.json"
 DATA_FILE = "data.bin"
 ALIGN = 4096
@@ -108,12 +115,13 @@ class SnapshotIndex:
     data_bytes: int
 
     def to_json(self) -> dict[str, Any]:
-        return {"format": FORMAT, "step": self.step, "data_bytes": self.data_bytes, "meta": self.meta,
+        body = {"format": FORMAT, "step": self.step, "data_bytes": self.data_bytes, "meta": self.meta,
                 "arrays": [a.to_json() for a in self.arrays]}
+        return {**body, INDEX_CHECKSUM: _index_digest(body)}
 
     @staticmethod
     def from_json(obj: Mapping[str, Any]) -> "SnapshotIndex":
-        if obj.get("format") != FORMAT:
+        if obj.get("format") not in (FORMAT, *LEGACY_FORMATS):
             raise ValueError(f"unknown format {obj.get('format')!r} (expected {FORMAT!r})")
         arrays = tuple(ArrayEntry.from_json(a) for a in obj["arrays"])
         index = SnapshotIndex(step=int(obj["step"]), arrays=arrays, meta=dict(obj["meta"]),
@@ -121,6 +129,11 @@ class SnapshotIndex:
         for a in arrays:
             if a.offset + a.nbytes > index.data_bytes:
                 raise ValueError(f"array {a.name!r} extends past data_bytes={index.data_bytes}")
+        if obj.get("format") == FORMAT:
+            body = {k: v for k, v in obj.items() if k != INDEX_CHECKSUM}
+            if obj.get(INDEX_CHECKSUM) != _index_digest(body):
+                raise ValueError(f"index checksum mismatch ({INDEX_CHECKSUM} {_index_digest(body):#018x}, "
+                                 f"expected {obj.get(INDEX_CHECKSUM)!r}): the index or its meta was changed")
         return index
 
     def with_checksums(self, digests: list[int]) -> "SnapshotIndex":
@@ -129,6 +142,13 @@ class SnapshotIndex:
     @property
     def checksums(self) -> dict[str, int | None]:
         return {a.name: a.checksum for a in self.arrays}
+
+
+def _index_digest(body: Mapping[str, Any]) -> int:
+    """XXH3-64 of an index without its checksum, as canonical JSON (sorted keys, no spaces): the same value
+    whatever wrote or re-wrote the JSON (orbax's JSON handler for the persistent tier)."""
+    text = json.dumps(body, sort_keys=True, allow_nan=True, separators=(",", ":"))
+    return digest(memoryview(text.encode()))
 
 
 def plan_layout(step: int, arrays: Mapping[str, np.ndarray], meta: Mapping[str, Any]) -> SnapshotIndex:
