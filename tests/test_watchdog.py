@@ -16,8 +16,8 @@ import pytest
 from angel_jax.config import ConfigError, load_config
 from angel_jax.resilience import coordinator as co
 from angel_jax.resilience.goodput import CATEGORIES, goodput, paint
-from angel_jax.resilience.heartbeat import (HeartbeatClient, HeartbeatServer, Rejected, decode, encode, sign,
-                                            validate)
+from angel_jax.resilience.heartbeat import (HeartbeatClient, HeartbeatServer, Rejected, RejectionLimiter, decode,
+                                            encode, sign, validate)
 from angel_jax.resilience.worker import WorkerEnv, ckpt_kill_for_attempt, cluster_detected
 
 TOKEN = "t" * 64
@@ -454,6 +454,37 @@ def test_server_delivers_signed_messages_and_rejects_the_rest(tmp_path):
     assert not any(m.get("seq") == 99 for m in messages)
 
 
+def test_hostile_lines_are_rejected_not_raised():
+    """Lines that once raised inside the server instead of being rejected: a 5000-digit integer (Python refuses to
+    read integers of > 4300 digits) and a MAC with non-ASCII characters (hmac.compare_digest refuses them)."""
+    huge = b'{"body": {"kind": "heartbeat", "rank": ' + b"9" * 5000 + b'}, "mac": "00"}'
+    with pytest.raises(Rejected, match="malformed: not JSON"):
+        decode(huge, TOKEN, 2)
+    body = _body()
+    line = json.dumps({"body": body, "mac": "\u00e9" * 64}).encode()
+    with pytest.raises(Rejected, match="malformed: expected"):
+        decode(line, TOKEN, 2)
+    server = HeartbeatServer(TOKEN, 2).start()
+    try:
+        host, port = server.address.rsplit(":", 1)
+        with socket.create_connection((host, int(port))) as s:
+            s.sendall(huge + b"\n" + line + b"\n" + encode(TOKEN, body))
+        items = _drain(server, until=lambda xs: any(x[0] == "message" for x in xs))
+    finally:
+        server.close()
+    assert [x[0] for x in items] == ["rejected", "rejected", "message"]  # the server lived on and kept reading
+
+
+def test_rejections_are_rate_limited_per_sender():
+    limiter = RejectionLimiter(per_window=3, window_s=60.0)
+    said = [limiter.admit("10.0.0.1", t) for t in range(10)]  # one flooding sender
+    assert [log for log, _ in said] == [True] * 3 + [False] * 7 and not any(s for _, s in said)
+    assert limiter.admit("10.0.0.2", 5.0) == (True, None)  # another sender has its own budget
+    log, summary = limiter.admit("10.0.0.1", 61.0)  # the next window: logged, with the count of the last one
+    assert log and summary == "7 more rejected lines from 10.0.0.1 in 61 s (not logged one by one)"
+    assert limiter.admit("10.0.0.1", 62.0) == (True, None)
+
+
 def _drain(server: HeartbeatServer, until, timeout: float = 10.0) -> list:
     items, deadline = [], time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -555,7 +586,7 @@ def test_checkpoint_kill_point_scoped_to_an_attempt():
     ("resilience.stop_grace=-1", "'resilience.stop_grace'.*must be >= 0"),
     ("resilience.no_progress_limit=-1", "'resilience.no_progress_limit'.*must be >= 0"),
     ("resilience.heartbeat_lost_after=0.5", "'resilience.heartbeat_lost_after'.*longer than heartbeat_interval"),
-    ("resilience.slow_phase_timeout=.inf", "'resilience.slow_phase_timeout'.*finite number > 0"),
+    ("resilience.slow_phase_timeout=.inf", "'resilience.slow_phase_timeout'.*must be a finite number"),
     ("resilience.exclude_after=two", "'resilience.exclude_after'.*expected int"),
 ])
 def test_resilience_config_validation(override, message):

@@ -139,10 +139,11 @@ def decode(line: bytes, token: str, n_ranks: int) -> dict[str, Any]:
         raise Rejected(f"oversized: a line of more than {MAX_LINE} bytes")
     try:
         outer = json.loads(line)
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError):
-        raise Rejected("malformed: not JSON") from None
-    if not isinstance(outer, dict) or set(outer) != {"body", "mac"} or not isinstance(outer["mac"], str):
-        raise Rejected("malformed: expected {\"body\": ..., \"mac\": \"...\"}")
+    except (ValueError, UnicodeDecodeError, RecursionError):  # ValueError: also an integer of > 4300 digits
+        raise Rejected("malformed: not JSON (or a number too long to read)") from None
+    if (not isinstance(outer, dict) or set(outer) != {"body", "mac"} or not isinstance(outer["mac"], str)
+            or not outer["mac"].isascii()):  # compare_digest refuses non-ASCII strings
+        raise Rejected("malformed: expected {\"body\": ..., \"mac\": \"<hex>\"}")
     try:
         expected = sign(token, outer["body"])
     except (TypeError, ValueError, RecursionError):
@@ -150,6 +151,31 @@ def decode(line: bytes, token: str, n_ranks: int) -> dict[str, Any]:
     if not hmac.compare_digest(expected, outer["mac"]):
         raise Rejected("unauthenticated: the MAC does not match the job's token")
     return validate(outer["body"], n_ranks)
+
+
+class RejectionLimiter:
+    """Which rejections are worth an event: at most `per_window` per sender (host) per `window_s` seconds; the
+    rest are counted and reported as one summary when the sender's next window opens. A flood of hostile
+    connections then costs a few lines per minute in events.jsonl, not one per connection. Used by one thread
+    (the watchdog's), so it needs no lock."""
+
+    def __init__(self, per_window: int = 10, window_s: float = 60.0):
+        self.per_window, self.window_s = per_window, window_s
+        self._windows: dict[str, tuple[float, int, int]] = {}  # sender -> (window start, logged, dropped)
+
+    def admit(self, sender: str, now: float) -> tuple[bool, str | None]:
+        """(log this rejection?, a summary of the sender's previous window's dropped ones, or None)."""
+        start, logged, dropped = self._windows.get(sender, (now, 0, 0))
+        summary = None
+        if now - start >= self.window_s:
+            if dropped:
+                summary = f"{dropped} more rejected lines from {sender} in {now - start:.0f} s (not logged one by one)"
+            start, logged, dropped = now, 0, 0
+        if logged < self.per_window:
+            self._windows[sender] = (start, logged + 1, dropped)
+            return True, summary
+        self._windows[sender] = (start, logged, dropped + 1)
+        return False, summary
 
 
 # --------------------------------------------------------------------------------------------- server

@@ -29,7 +29,7 @@ from angel_jax.resilience import coordinator as co
 from angel_jax.resilience.events import EventLog, read_events
 from angel_jax.resilience.goodput import format_report, goodput
 from angel_jax.resilience.group import WorkerGroup, log_tail, reserve_port
-from angel_jax.resilience.heartbeat import HeartbeatServer
+from angel_jax.resilience.heartbeat import HeartbeatServer, RejectionLimiter
 from angel_jax.resilience.watchers import default_detectors
 
 TICK = 0.05
@@ -63,6 +63,7 @@ class Launcher:
                                    n_workers=workers, spares=spares, resume=self.cfg.train.resume)
         self.detectors: list[co.CoordinatorDetector] = default_detectors(self.cfg)
         self.inbox: queue.Queue | None = None
+        self.rejections = RejectionLimiter()  # heartbeat_rejected events per sender, rate-limited
         self.group: WorkerGroup | None = None
         self._stamp = time.time()
         self._mono0, self._wall0 = time.monotonic(), time.time()
@@ -135,7 +136,11 @@ class Launcher:
             self._do(self.machine.handle(co.WorkerExited(when, attempt, rank, code)), when)
         elif kind == "rejected":
             _, when, peer, reason = item
-            self._emit(co.Emit("heartbeat_rejected", {"peer": peer, "reason": reason}), when)
+            log_it, summary = self.rejections.admit(peer.rsplit(":", 1)[0], when)
+            if summary:
+                self._emit(co.Emit("heartbeat_rejected", {"peer": peer, "reason": summary}), when)
+            if log_it:
+                self._emit(co.Emit("heartbeat_rejected", {"peer": peer, "reason": reason}), when)
 
     # --------------------------------------------------------------------------------------------- actions
 
