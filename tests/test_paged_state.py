@@ -152,3 +152,25 @@ def test_training_loop_resumes_a_paged_run_exactly(tmp_path, write_tiny_config):
     assert sorted(resumed) == sorted(straight) == list(range(1, 9))
     assert resumed == straight
     assert (tmp_path / "resumed" / "timeline_measured.json").is_file()
+
+
+def test_a_disk_tier_without_room_for_the_plan_is_refused_before_training(tmp_path):
+    """memory.disk_budget unset: the disk tier may hold what its file system has free. A 64 KiB tmpfs cannot hold
+    the streamed stages' optimizer state, so the engine refuses at build time, naming the bytes, and writes
+    nothing (it used to start and fail at step 1 with 'page ... is not in the store')."""
+    import subprocess
+
+    from angel_jax.schedule.plan import PlanError
+
+    disk = tmp_path / "small"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        cfg = _cfg(tmp_path, device_budget=3_600_000, host_budget=4_200_000, disk_dir=str(disk))
+        with pytest.raises(PlanError, match=r"need the disk tier: give the disk tier more than [\d,]+ B "
+                                            r"\(memory.disk_budget, or free space in memory.disk_dir\)"):
+            build_engine(cfg, _mesh())
+        assert not any(p.is_file() for p in disk.rglob("*"))
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)

@@ -79,7 +79,7 @@ def test_refusals_say_how_much_is_missing_and_which_key_to_raise():
     # Host room for parameters, gradients and staging but not all optimizer state, and no disk tier.
     with pytest.raises(PlanError, match="set memory.disk_dir"):
         make_plan(costs, BW, Budgets(minimum, 100 * MB, 0, fixed))
-    with pytest.raises(PlanError, match="raise memory.disk_budget"):
+    with pytest.raises(PlanError, match=r"more than 8,388,608 B \(memory.disk_budget, or free space"):
         make_plan(costs, BW, Budgets(minimum, 100 * MB, 8 * MB, fixed))
     on_disk = make_plan(costs, BW, Budgets(minimum, 100 * MB, None, fixed))
     host_opt = sum(h == "host" for h in on_disk.opt_home)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import shutil
 import threading
 from dataclasses import dataclass
 from typing import Any
@@ -149,10 +150,21 @@ def _blueprint(cfg: Config) -> Blueprint:
                      StageUpdates(fns.update, fns.update_norm), schedule)
 
 
+def disk_budget(cfg: Config) -> int | None:
+    """Bytes the disk tier may hold: memory.disk_budget, or else what its file system has free now (a plan that
+    needs more is refused before anything is written, instead of failing on a full disk mid-step); None when the
+    directory does not exist (the disk tier then says so when it opens)."""
+    if cfg.memory.disk_budget:
+        return cfg.memory.disk_budget
+    try:
+        return shutil.disk_usage(cfg.memory.disk_dir).free
+    except OSError:
+        return None
+
+
 def make_store(cfg: Config, device: jax.Device) -> PageStore:
     return PageStore(DeviceTier(device, budget=None), HostTier(device, budget=cfg.memory.host_budget or None),
-                     DiskTier(cfg.memory.disk_dir, budget=cfg.memory.disk_budget or None)
-                     if cfg.memory.disk_dir else None)
+                     DiskTier(cfg.memory.disk_dir, budget=disk_budget(cfg)) if cfg.memory.disk_dir else None)
 
 
 def plan_for(cfg: Config, bp: Blueprint, store: PageStore, example_batch: jax.Array,
@@ -165,7 +177,7 @@ def plan_for(cfg: Config, bp: Blueprint, store: PageStore, example_batch: jax.Ar
     bw = profile_transfers(bp.params_layout, device_sharding, host_sharding,
                            load_bandwidths(default_calibration_path()))
     budgets = Budgets(device=device_budget(cfg, device), host=cfg.memory.host_budget or None,
-                      disk=(cfg.memory.disk_budget or None) if cfg.memory.disk_dir else 0,
+                      disk=disk_budget(cfg) if cfg.memory.disk_dir else 0,
                       fixed_device=fixed_device_bytes(cfg, example_batch.shape[0]))
     plan = make_plan(costs, bw, budgets, staleness=cfg.optimizer.staleness, shared_cpu=device.platform == "cpu")
     return plan, costs, bw, budgets
