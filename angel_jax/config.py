@@ -181,7 +181,7 @@ class CheckpointConfig:
     keep: int = doc(2, "Keep this many newest checkpoints in every tier (memory, peer, persistent).")
     keep_every: int = doc(0, "Also keep every persisted step divisible by this (0 = off): a long-term history.")
     at_end: bool = doc(True, "Save a checkpoint after the last step.")
-    memory_dir: str = doc("", "Memory tier (a RAM-backed directory); empty = /dev/shm/angel_jax/<run id>.")
+    memory_dir: str = doc("", "Memory tier (a RAM-backed directory, private to this user); empty = /dev/shm/angel_jax-<uid>/<run id>.")
     peer_dir: str = doc("", "Where each snapshot is copied in the background (a peer host's mount); empty = none.")
     verify_on_restore: bool = doc(True, "Check every array's CRC-32 before resuming from it.")
 

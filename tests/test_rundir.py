@@ -134,3 +134,62 @@ def test_a_memory_tier_that_cannot_be_a_directory_is_left_alone(tmp_path, where,
     assert "checkpoints are persisted directly" in caplog.text
     if where == "file":
         assert mem.read_text() == "mine"
+
+
+def _as_nobody(code: str, *args: str) -> None:
+    """Run Python code as another user (uid/gid 65534), as a second local user would."""
+    if os.getuid() != 0:
+        pytest.skip("needs root to act as a second user")
+    # A system interpreter: the test's own may live under a directory the second user cannot enter.
+    python = next((p for p in ("/usr/bin/python3", "/usr/local/bin/python3") if os.access(p, os.X_OK)), None)
+    if python is None:
+        pytest.skip("no system python3 for the second user")
+    subprocess.run([python, "-c", code, *args], check=True, timeout=60, cwd="/",
+                   preexec_fn=lambda: (os.setgid(65534), os.setuid(65534)))
+
+
+@pytest.fixture
+def shared_dir():
+    """A fresh directory under /dev/shm that a second user can reach (the pytest tmp_path is private to root)."""
+    base = Path("/dev/shm") if os.path.isdir("/dev/shm") else Path("/tmp")
+    path = base / f"angel-jax-test-{os.getpid()}-{time.monotonic_ns()}"
+    yield path
+    subprocess.run(["rm", "-rf", str(path)], check=False)
+
+
+PLANT = """
+import json, os, sys
+root = sys.argv[1]
+os.makedirs(root + "/step_999", exist_ok=True)
+os.chmod(root, int(sys.argv[2], 8))
+open(root + "/step_999/data.bin", "wb").write(bytes(4096))
+json.dump({"forged": True}, open(root + "/step_999/index.json", "w"))
+"""
+
+
+@pytest.mark.parametrize("mode", ["0777", "0755"])
+def test_a_memory_tier_made_by_another_user_is_refused(tmp_path, shared_dir, mode):
+    """Another local user pre-creates the memory tier (world-writable, or merely theirs) with a forged step 999:
+    the run refuses the tier instead of resuming it, and deletes nothing of it."""
+    run = tmp_path / "run"
+    run.mkdir()
+    _as_nobody(PLANT, str(shared_dir), mode)
+    with pytest.raises(CheckpointError, match=r"belongs to uid 65534, not to this user|writable by other users"):
+        claim_memory_tier(run, shared_dir)
+    assert (shared_dir / "step_999" / "data.bin").exists()
+
+
+def test_a_world_writable_memory_tier_of_ours_is_refused_and_new_ones_are_private(tmp_path):
+    run, mem = tmp_path / "run", tmp_path / "mem"
+    run.mkdir()
+    mem.mkdir()
+    mem.chmod(0o777)
+    with pytest.raises(CheckpointError, match=r"writable by other users \(mode 777\)"):
+        claim_memory_tier(run, mem)
+    mem.chmod(0o755)
+    claim_memory_tier(run, mem)
+    fresh = tmp_path / "fresh" / "mem"
+    claim_memory_tier(run, fresh)
+    assert fresh.stat().st_mode & 0o777 == 0o700
+    assert (run / RUN_TOKEN_FILE).stat().st_mode & 0o777 == 0o600
+    assert (fresh / OWNER_FILE).stat().st_mode & 0o777 == 0o600

@@ -75,7 +75,7 @@ class SnapshotWriter:
         the one whose data file has the right size is preferred. Raises MemoryTierFull when space runs out.
         """
         self._drop_unlinked()
-        self.root.mkdir(parents=True, exist_ok=True)
+        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)  # private: no other user reads or plants snapshots
         tmp = tmp_dir(self.root, step)
         victims = [v for v in victims if v != tmp and self.recyclable(v)]
         victims.sort(key=lambda v: _file_size(v / DATA_FILE) != index.data_bytes)

@@ -18,7 +18,7 @@ def _doc(default: Any, text: str) -> Any:
 @dataclass(frozen=True)
 class CheckpointOptions:
     persistent_dir: Path = _doc(Path("checkpoints"), "Root of the orbax checkpoints (one directory per step).")
-    memory_dir: Path | None = _doc(None, "Memory tier (tmpfs); None = /dev/shm/angel_jax/<run id from persistent_dir>.")
+    memory_dir: Path | None = _doc(None, "Memory tier (tmpfs); None = /dev/shm/angel_jax-<uid>/<run id from persistent_dir>.")
     peer_dir: Path | None = _doc(None, "Backup copy of each snapshot, e.g. a peer host's tmpfs mount; None = no peer.")
     keep_last: int = _doc(3, "Keep this many newest checkpoints in every tier.")
     keep_every: int | None = _doc(None, "Also keep persisted steps divisible by this (persistent tier only).")
@@ -48,4 +48,5 @@ class CheckpointOptions:
         absolute = os.path.abspath(self.persistent_dir)
         run_id = f"{Path(absolute).name}-{hashlib.sha1(absolute.encode()).hexdigest()[:10]}"
         base = Path("/dev/shm") if os.path.isdir("/dev/shm") else Path(tempfile.gettempdir())
-        return base / "angel_jax" / run_id
+        # Per user: another user's directory of the same name could neither be used nor be trusted.
+        return base / f"angel_jax-{os.getuid()}" / run_id

@@ -10,7 +10,7 @@ peer copy and an orbax checkpoint in the background) holds
 
 The run's persistent tier is `<run_dir>/checkpoints/<k>/` (ordinary orbax checkpoints; see
 angel_jax/checkpoint/persist.py for reading one with plain orbax). The memory tier defaults to
-/dev/shm/angel_jax/<run id>, so a restarted process finds its predecessor's snapshots there.
+/dev/shm/angel_jax-<uid>/<run id>, so a restarted process finds its predecessor's snapshots there.
 
 In a multi-process run every process holds the same replicated state; process 0 writes the checkpoints, every
 process reads them, and process 0 decides which step all of them restore.
@@ -19,8 +19,10 @@ process reads them, and process 0 decides which step all of them restore.
 from __future__ import annotations
 
 import logging
+import os
 import re
 import shutil
+import stat
 import threading
 import time
 import uuid
@@ -70,6 +72,8 @@ def claim_memory_tier(run_dir: Path, memory_root: Path) -> bool:
         log.warning("checkpoint.memory_dir %s is not a directory: no memory tier, checkpoints are persisted "
                     "directly", memory_root)
         return False
+    if memory_root.is_dir():
+        _refuse_unless_private(memory_root)
     entries = list(memory_root.iterdir()) if memory_root.is_dir() else []
     owner_file = memory_root / OWNER_FILE
     foreign = sorted(p.name for p in entries if not (p == owner_file and _plain_file(p)) and not is_snapshot_entry(p))
@@ -78,7 +82,7 @@ def claim_memory_tier(run_dir: Path, memory_root: Path) -> bool:
         raise CheckpointError(
             f"checkpoint.memory_dir {memory_root} holds {shown}, which are not checkpoint snapshots; nothing was "
             "deleted. Point checkpoint.memory_dir at an empty directory of its own (RAM-backed, such as "
-            "/dev/shm/<name>), or leave it empty for /dev/shm/angel_jax/<run id>")
+            "/dev/shm/<name>), or leave it empty for /dev/shm/angel_jax-<uid>/<run id>")
     token_file = run_dir / RUN_TOKEN_FILE
     token = token_file.read_text().strip() if token_file.is_file() else None
     owner = owner_file.read_text().strip() if _plain_file(owner_file) else None
@@ -91,15 +95,42 @@ def claim_memory_tier(run_dir: Path, memory_root: Path) -> bool:
             shutil.rmtree(p)
     if token is None:
         token = uuid.uuid4().hex
-        token_file.write_text(token + "\n")
+        _write_private(token_file, token + "\n")
     if owner != token:
         try:
-            memory_root.mkdir(parents=True, exist_ok=True)
-            owner_file.write_text(token + "\n")
+            memory_root.mkdir(mode=0o700, parents=True, exist_ok=True)
+            _write_private(owner_file, token + "\n")
         except OSError as e:
             log.warning("checkpoint.memory_dir %s cannot be created (%s): no memory tier, checkpoints are "
                         "persisted directly", memory_root, e.strerror or e)
     return bool(stale)
+
+
+def _refuse_unless_private(memory_root: Path) -> None:
+    """A memory tier another user owns or may write to could hold snapshots planted there (a forged step with
+    chosen weights would be resumed like any other): refuse it, and a parent others may replace it in."""
+    st = memory_root.stat()
+    if st.st_uid != os.getuid():
+        raise CheckpointError(f"checkpoint.memory_dir {memory_root} belongs to uid {st.st_uid}, not to this user "
+                              f"(uid {os.getuid()}): its snapshots cannot be trusted; use a directory of your own")
+    if st.st_mode & 0o022:
+        raise CheckpointError(f"checkpoint.memory_dir {memory_root} is writable by other users (mode "
+                              f"{stat.S_IMODE(st.st_mode):o}): its snapshots cannot be trusted; `chmod go-w` it "
+                              "or use a private directory")
+    parent = memory_root.resolve().parent
+    pst = parent.stat()
+    if pst.st_mode & 0o022 and not pst.st_mode & stat.S_ISVTX or pst.st_uid not in (0, os.getuid()):
+        raise CheckpointError(f"checkpoint.memory_dir {memory_root}: its parent {parent} belongs to uid "
+                              f"{pst.st_uid} or lets other users replace the memory tier (mode "
+                              f"{stat.S_IMODE(pst.st_mode):o}, no sticky bit): use a private directory")
+
+
+def _write_private(path: Path, text: str) -> None:
+    """A file only this user can read (a run token names the run's memory tier)."""
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(text)
+    os.chmod(path, 0o600)  # an existing file keeps its mode through O_CREAT
 
 
 def _plain_file(path: Path) -> bool:
