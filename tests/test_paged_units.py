@@ -74,8 +74,14 @@ def test_refusals_say_how_much_is_missing_and_which_key_to_raise():
     minimum = minimum_device_bytes(costs, Budgets(0, None, 0, fixed))
     with pytest.raises(PlanError, match=f"{MB:,} B missing; raise memory.device_budget"):
         make_plan(costs, BW, Budgets(minimum - MB, None, 0, fixed))
-    with pytest.raises(PlanError, match="raise memory.host_budget or memory.device_budget"):
-        make_plan(costs, BW, Budgets(minimum, 32 * MB, 0, fixed))  # 64 MiB of parameters and gradients
+    # 64 MiB of parameters and gradients, and without a disk tier 64 MiB of optimizer state too: the refusal names
+    # the least budget that works (the shortfall alone would be refused again at the optimizer state).
+    with pytest.raises(PlanError, match=f"raise memory.host_budget to at least {128 * MB:,} B .*memory.device_budget"):
+        make_plan(costs, BW, Budgets(minimum, 32 * MB, 0, fixed))
+    make_plan(costs, BW, Budgets(minimum, 128 * MB, 0, fixed))  # and that figure is enough
+    with pytest.raises(PlanError, match=f"at least {80 * MB:,} B"):  # with a disk tier: + staging of 2 stages
+        make_plan(costs, BW, Budgets(minimum, 32 * MB, None, fixed))
+    make_plan(costs, BW, Budgets(minimum, 80 * MB, None, fixed))
     # Host room for parameters, gradients and staging but not all optimizer state, and no disk tier.
     with pytest.raises(PlanError, match="set memory.disk_dir"):
         make_plan(costs, BW, Budgets(minimum, 100 * MB, 0, fixed))

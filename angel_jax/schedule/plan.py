@@ -170,17 +170,22 @@ def _place_optimizer_state(costs: list[StageCost], budgets: Budgets, streamed: l
     bytes, disk bytes)."""
     # Parameters and gradients of the streamed stages; lock-free mode keeps a second version of the parameters.
     host_used = sum((2 + staleness) * costs[i].param_bytes for i in streamed)
-    if budgets.host is not None and host_used > budgets.host:
-        raise PlanError(f"host budget {budgets.host:,} B cannot hold the streamed stages' parameters and gradients "
-                        f"({host_used:,} B): {host_used - budgets.host:,} B missing; raise memory.host_budget or "
-                        "memory.device_budget")
     # Room to stage optimizer state read from disk (OPT_STAGING stages, the largest) in host memory.
     staging = OPT_STAGING * max((costs[i].opt_bytes for i in streamed), default=0)
+    # The least host memory this placement can run with: all optimizer state on disk (then only its staging is on
+    # the host), or, without a disk tier, all of it on the host. A refusal names this figure, not only the first
+    # shortfall: raising the budget by that alone would be refused again at the optimizer state.
+    least = host_used + (staging if budgets.disk != 0 else sum(costs[i].opt_bytes for i in streamed))
+    if budgets.host is not None and host_used > budgets.host:
+        raise PlanError(f"host budget {budgets.host:,} B cannot hold the streamed stages' parameters and gradients "
+                        f"({host_used:,} B): raise memory.host_budget to at least {least:,} B (with their optimizer "
+                        "state), or memory.device_budget")
     opt_home, disk_used = [], 0
     for i in range(len(costs)):
         if i not in streamed:
             opt_home.append("device")
-        elif budgets.host is None or host_used + costs[i].opt_bytes + staging <= budgets.host:
+        elif budgets.host is None or host_used + costs[i].opt_bytes + (staging if budgets.disk != 0 else 0) \
+                <= budgets.host:  # room left for staging, unless there is no disk to stage from
             opt_home.append("host")
             host_used += costs[i].opt_bytes
         elif budgets.disk is not None and disk_used + costs[i].opt_bytes > budgets.disk:
@@ -198,5 +203,5 @@ def _place_optimizer_state(costs: list[StageCost], budgets: Budgets, streamed: l
         if budgets.host is not None and host_used > budgets.host:
             raise PlanError(f"host budget {budgets.host:,} B cannot stage optimizer state read from disk "
                             f"({staging:,} B on top of {host_used - staging:,} B): {host_used - budgets.host:,} B "
-                            "missing; raise memory.host_budget")
+                            f"missing; raise memory.host_budget to at least {least:,} B")
     return tuple(opt_home), host_used, disk_used
