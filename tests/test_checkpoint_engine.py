@@ -431,3 +431,17 @@ def test_non_held_save_is_released_when_it_returns(tmp_path: Path) -> None:
     with CheckpointEngine(options(tmp_path)) as engine:
         handle = engine.save(1, make_state(5), {})
         assert handle.released.is_set()
+
+
+def test_a_full_peer_tier_keeps_no_partial_copy(tmp_path: Path, small_tmpfs: Path,
+                                               caplog: pytest.LogCaptureFixture) -> None:
+    """The peer backup of a 4 MiB snapshot into a 2 MiB peer fails with a warning; the save still persists, and
+    the peer holds no half-written step_<k>.tmp (it used to stay, holding the space the peer lacked)."""
+    big = {"w": np.random.default_rng(2).standard_normal(1 << 20, dtype=np.float32)}
+    caplog.set_level(logging.WARNING)
+    with CheckpointEngine(options(tmp_path, peer_dir=small_tmpfs / "peer")) as engine:
+        handle = engine.save(1, big, {})
+        assert handle.wait(60) == "persisted"
+        assert_bitwise(engine.restore().arrays, big)
+    assert "No space left" in caplog.text
+    assert not list((small_tmpfs / "peer").iterdir())

@@ -320,13 +320,17 @@ def copy_committed(src: Path, dst_root: Path, step: int, fault: Any = None) -> P
     tmp, final = tmp_dir(dst_root, step), step_dir(dst_root, step)
     remove_dir(tmp)
     tmp.mkdir()
-    for name in (DATA_FILE, INDEX_FILE):
-        shutil.copyfile(src / name, tmp / name)
-        fd = os.open(tmp / name, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+    try:
+        for name in (DATA_FILE, INDEX_FILE):
+            shutil.copyfile(src / name, tmp / name)
+            fd = os.open(tmp / name, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+    except OSError:
+        remove_dir(tmp)  # a full or failing peer keeps no half-written copy (it would hold the space it lacks)
+        raise
     if fault is not None:
         fault()
     replace_dir(tmp, final)
