@@ -116,6 +116,20 @@ def test_an_edited_index_is_a_damaged_copy_and_restore_falls_back(run_dir, tmp_p
                                       if '"resumed"' in line][-1]
 
 
+def test_a_final_checkpoint_that_never_reached_the_persistent_tier_is_persisted_by_the_rerun(run_dir, tmp_path):
+    """As after a kill while the last step was being persisted: step 4 is in the memory tier, its persistent copy
+    is an unfinished orbax directory. Running the finished job again persists step 4 and exits cleanly."""
+    import shutil
+
+    copy = _copy_run(run_dir, tmp_path)
+    persistent = copy / "checkpoints"
+    shutil.move(persistent / "4", persistent / "4.orbax-checkpoint-tmp-1")
+    result = train(load_config(copy / "config.yaml"))
+    assert result.final_step == 4 and (persistent / "4").is_dir()
+    assert not list(persistent.glob("4.orbax-checkpoint-tmp*"))
+    assert cli.main(["ckpt", "verify", str(copy), "4"]) == 0
+
+
 def test_resuming_into_another_model_is_refused(run_dir, tmp_path):
     copy = _copy_run(run_dir, tmp_path)
     # 2 heads -> 1: every parameter keeps its shape, the model computes another function.

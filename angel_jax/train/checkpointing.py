@@ -229,6 +229,18 @@ class TrainCheckpointer:
         restored = self.engine.restore(chosen)
         return restored.step, restored.arrays, dict(restored.meta), restored.source
 
+    def persisted(self, step: int) -> bool:
+        """Whether `step` is committed in the persistent tier (process 0 looks; every process gets its answer)."""
+        found = None
+        if self.primary:
+            tiers = {i.step: i.tiers for i in self.engine.list()}.get(step, {})
+            found = "persistent" in tiers and tiers["persistent"].state == "persisted"
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+
+            found = bool(multihost_utils.broadcast_one_to_all(np.int32(1 if found else 0)))
+        return bool(found)
+
     def archive_existing(self) -> Path | None:
         """Move every tier's checkpoints of this run aside (train.resume=false): the new run owns the run
         directory's checkpoints, and nothing of the old run is deleted. Returns the archive directory."""

@@ -177,6 +177,10 @@ def _run(t: Trainer) -> TrainResult:
     t.progress = _progress(t)
     t.hooks.on_phase("compiling", t.start_step)
 
+    if t.start_step == steps and steps > 0 and not t.checkpointer.persisted(steps):
+        # Resumed at the end from a copy that never reached the persistent tier (the process was killed while
+        # persisting its final checkpoint): persist it now, or a reboot would lose the run's last steps.
+        _save(t, steps)
     step, pending = t.start_step, None  # pending: (step, its metrics still on the device, dispatch time)
     last_done = time.perf_counter()
     while step < steps or pending is not None:
