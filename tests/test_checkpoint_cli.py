@@ -80,6 +80,7 @@ def _largest_file(root: Path) -> Path:
     return max((p for p in root.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # orbax: see test_checkpoint_crash
 def test_a_run_whose_every_checkpoint_is_damaged_is_not_silently_restarted(run_dir, tmp_path):
     copy = _copy_run(run_dir, tmp_path)
     for data in [*(tmp_path / "mem").glob("step_*/data.bin"),

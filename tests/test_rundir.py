@@ -144,8 +144,9 @@ def _as_nobody(code: str, *args: str) -> None:
     python = next((p for p in ("/usr/bin/python3", "/usr/local/bin/python3") if os.access(p, os.X_OK)), None)
     if python is None:
         pytest.skip("no system python3 for the second user")
-    subprocess.run([python, "-c", code, *args], check=True, timeout=60, cwd="/",
-                   preexec_fn=lambda: (os.setgid(65534), os.setuid(65534)))
+    # user= / group= switch in the child's C code (no Python runs between fork and exec: safe beside JAX threads).
+    subprocess.run([python, "-c", code, *args], check=True, timeout=60, cwd="/", user=65534, group=65534,
+                   extra_groups=[])
 
 
 @pytest.fixture
