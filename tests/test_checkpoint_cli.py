@@ -10,6 +10,7 @@ from angel_jax import cli
 from angel_jax.checkpoint import CheckpointError
 from angel_jax.config import load_config
 from angel_jax.train.loop import train
+from test_checkpoint_engine import largest_file
 
 
 @pytest.fixture(scope="module")
@@ -76,15 +77,11 @@ def _copy_run(run_dir: Path, into: Path) -> Path:
     return copy
 
 
-def _largest_file(root: Path) -> Path:
-    return max((p for p in root.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
-
-
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # orbax: see test_checkpoint_crash
 def test_a_run_whose_every_checkpoint_is_damaged_is_not_silently_restarted(run_dir, tmp_path):
     copy = _copy_run(run_dir, tmp_path)
     for data in [*(tmp_path / "mem").glob("step_*/data.bin"),
-                 *(_largest_file(p) for p in (copy / "checkpoints").iterdir() if p.name.isdigit())]:
+                 *(largest_file(p) for p in (copy / "checkpoints").iterdir() if p.name.isdigit())]:
         raw = bytearray(data.read_bytes())
         for k in range(1, 40):  # bytes all over the file: whatever the encoding, the arrays cannot survive
             raw[k * len(raw) // 40] ^= 0xFF

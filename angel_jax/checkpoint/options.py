@@ -18,7 +18,8 @@ def _doc(default: Any, text: str) -> Any:
 @dataclass(frozen=True)
 class CheckpointOptions:
     persistent_dir: Path = _doc(Path("checkpoints"), "Root of the orbax checkpoints (one directory per step).")
-    memory_dir: Path | None = _doc(None, "Memory tier (tmpfs); None = /dev/shm/angel_jax-<uid>/<run id from persistent_dir>.")
+    memory_dir: Path | None = _doc(None, "Memory tier (tmpfs); None = /dev/shm/angel_jax-<uid>/<run id from "
+                                         "persistent_dir>.")
     peer_dir: Path | None = _doc(None, "Backup copy of each snapshot, e.g. a peer host's tmpfs mount; None = no peer.")
     keep_last: int = _doc(3, "Keep this many newest checkpoints in every tier.")
     keep_every: int | None = _doc(None, "Also keep persisted steps divisible by this (persistent tier only).")

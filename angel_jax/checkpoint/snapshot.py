@@ -190,6 +190,14 @@ def scan(root: Path | None) -> tuple[dict[int, Path], dict[int, Path]]:
     return committed, partial
 
 
+def is_snapshot_dir(entry: Path) -> bool:
+    """Whether `entry` is a directory this module writes into a tier: `step_<k>` or `step_<k>.tmp` (not a link)
+    holding nothing but snapshot files. Callers that clean a tier delete only such entries."""
+    if entry.is_symlink() or not entry.is_dir() or not (_STEP_RE.match(entry.name) or _TMP_RE.match(entry.name)):
+        return False
+    return all(f.name in (DATA_FILE, INDEX_FILE) and f.is_file() and not f.is_symlink() for f in entry.iterdir())
+
+
 def write_index(directory: Path, index: SnapshotIndex) -> None:
     (directory / INDEX_FILE).write_text(json.dumps(index.to_json(), allow_nan=True))
 

@@ -191,7 +191,8 @@ def _place_optimizer_state(costs: list[StageCost], budgets: Budgets, streamed: l
         elif budgets.disk is not None and disk_used + costs[i].opt_bytes > budgets.disk:
             rest = sum(costs[j].opt_bytes for j in streamed if j >= i)
             where = "set memory.disk_dir (there is no disk tier)" if budgets.disk == 0 else \
-                f"give the disk tier more than {budgets.disk:,} B (memory.disk_budget, or free space in memory.disk_dir)"
+                f"give the disk tier more than {budgets.disk:,} B (memory.disk_budget, or free space in " \
+                "memory.disk_dir)"
             raise PlanError(f"host budget {budgets.host:,} B holds the optimizer state of the streamed stages only up "
                             f"to stage {costs[i].name!r}; the remaining {rest:,} B need the disk tier: {where} or "
                             "raise memory.host_budget")

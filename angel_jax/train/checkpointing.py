@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import logging
 import os
-import re
 import shutil
 import stat
 import threading
@@ -33,7 +32,7 @@ import jax
 import numpy as np
 
 from angel_jax.checkpoint import CheckpointEngine, CheckpointError, CheckpointOptions, SaveHandle
-from angel_jax.checkpoint.snapshot import DATA_FILE, INDEX_FILE
+from angel_jax.checkpoint.snapshot import is_snapshot_dir
 from angel_jax.config import Config, to_dict
 
 log = logging.getLogger(__name__)
@@ -42,17 +41,6 @@ RUN_TOKEN_FILE = ".checkpoint_run_token"
 """In the run directory: a random token naming this run's memory tier (see claim_memory_tier)."""
 OWNER_FILE = "run_token"
 """In the memory tier's directory: the token of the run whose snapshots it holds."""
-SNAPSHOT_NAME = re.compile(r"^step_\d+(\.tmp)?$")
-SNAPSHOT_FILES = (DATA_FILE, INDEX_FILE)
-
-
-def is_snapshot_entry(entry: Path) -> bool:
-    """Whether `entry` is something the checkpoint engine writes into a memory tier: a snapshot directory
-    (`step_<k>` or `step_<k>.tmp`, not a link) holding nothing but snapshot files. Only such entries are ever
-    deleted from a memory tier."""
-    if entry.is_symlink() or not entry.is_dir() or not SNAPSHOT_NAME.match(entry.name):
-        return False
-    return all(f.name in SNAPSHOT_FILES and f.is_file() and not f.is_symlink() for f in entry.iterdir())
 
 
 def claim_memory_tier(run_dir: Path, memory_root: Path) -> bool:
@@ -76,7 +64,8 @@ def claim_memory_tier(run_dir: Path, memory_root: Path) -> bool:
         _refuse_unless_private(memory_root)
     entries = list(memory_root.iterdir()) if memory_root.is_dir() else []
     owner_file = memory_root / OWNER_FILE
-    foreign = sorted(p.name for p in entries if not (p == owner_file and _plain_file(p)) and not is_snapshot_entry(p))
+    ours = lambda p: (p == owner_file and _plain_file(p)) or is_snapshot_dir(p)  # noqa: E731
+    foreign = sorted(p.name for p in entries if not ours(p))
     if foreign:
         shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
         raise CheckpointError(
@@ -210,36 +199,29 @@ class TrainCheckpointer:
     def restore_latest(self) -> tuple[int, dict[str, np.ndarray], dict[str, Any], str] | None:
         """(step, arrays, meta, tier) of the newest valid checkpoint, or None when there is none. Damaged copies
         are skipped with a warning. Every process restores the step process 0 chose."""
-        chosen = None
+        chosen = -1
         if self.primary:
             ref = self.engine.latest_valid()
             chosen = ref.step if ref is not None else (ALL_DAMAGED if self.has_any() else -1)
-        if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
-            chosen = int(multihost_utils.broadcast_one_to_all(np.int64(-1 if chosen is None else chosen)))
+        chosen = _from_primary(chosen)
         if chosen == ALL_DAMAGED:
             # Starting over would overwrite the run's metrics and, at its first save, its checkpoints.
             raise CheckpointError(
                 f"every checkpoint of the run in {self.run_dir} is damaged (see the warnings above, or `angel-jax "
                 f"ckpt verify {self.run_dir}`): refusing to start over from step 1 over it. To train afresh anyway, "
                 "set train.resume=false (the damaged checkpoints are moved aside, not deleted)")
-        if chosen is None or chosen < 0:
+        if chosen < 0:
             return None
         restored = self.engine.restore(chosen)
         return restored.step, restored.arrays, dict(restored.meta), restored.source
 
     def persisted(self, step: int) -> bool:
         """Whether `step` is committed in the persistent tier (process 0 looks; every process gets its answer)."""
-        found = None
+        found = False
         if self.primary:
             tiers = {i.step: i.tiers for i in self.engine.list()}.get(step, {})
             found = "persistent" in tiers and tiers["persistent"].state == "persisted"
-        if jax.process_count() > 1:
-            from jax.experimental import multihost_utils
-
-            found = bool(multihost_utils.broadcast_one_to_all(np.int32(1 if found else 0)))
-        return bool(found)
+        return bool(_from_primary(int(found)))
 
     def archive_existing(self) -> Path | None:
         """Move every tier's checkpoints of this run aside (train.resume=false): the new run owns the run
@@ -263,6 +245,15 @@ class TrainCheckpointer:
     def close(self) -> None:
         """Waits for background saves (the last checkpoint is committed before the process moves on)."""
         self.engine.close()
+
+
+def _from_primary(value: int) -> int:
+    """Process 0's `value` on every process (what process 0 decides about the checkpoints, all of them do)."""
+    if jax.process_count() == 1:
+        return value
+    from jax.experimental import multihost_utils
+
+    return int(multihost_utils.broadcast_one_to_all(np.int64(value)))
 
 
 # ------------------------------------------------------------------------------------------------- inspection
