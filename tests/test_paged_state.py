@@ -4,6 +4,7 @@ exact across device, host and disk pages, refusals that name what differs, and t
 from __future__ import annotations
 
 import json
+import re
 
 import jax
 import numpy as np
@@ -172,5 +173,63 @@ def test_a_disk_tier_without_room_for_the_plan_is_refused_before_training(tmp_pa
                                             r"\(memory.disk_budget, or free space in memory.disk_dir\)"):
             build_engine(cfg, _mesh())
         assert not any(p.is_file() for p in disk.rglob("*"))
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def test_a_disk_filled_by_another_process_during_training_is_a_clear_error(tmp_path, monkeypatch):
+    """The plan fitted when it was made; then another process takes every byte of the disk tier's file system,
+    including the room a stale page copy leaves when it is freed (the store frees it before writing the new
+    version, so a disk that is merely full at one moment does not stop the run). The next write-back of an
+    optimizer page fails: the run stops with one AngelError (the command line prints it without a traceback)
+    that says the file system is full and names the page, the bytes it needed and the bytes free. Before, the
+    failed write-back was dropped unseen and the page silently stayed on the host, past the host budget."""
+    import os
+    import subprocess
+
+    from angel_jax.errors import AngelError
+    from angel_jax.memory.disk_tier import DiskTier
+
+    disk = tmp_path / "small"
+    disk.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(disk)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here")
+
+    def fill() -> None:  # a real full file system: write until ENOSPC
+        fd = os.open(disk / "filler", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)
+        try:
+            while True:
+                os.write(fd, b"\0" * 4096)
+        except OSError:
+            pass
+        finally:
+            os.close(fd)
+
+    free = DiskTier.free
+
+    def free_then_taken(self, page_id: int) -> None:
+        free(self, page_id)
+        fill()
+
+    try:
+        cfg = _cfg(tmp_path, device_budget=3_600_000, host_budget=4_200_000, disk_dir=str(disk))
+        engine = build_engine(cfg, _mesh())
+        try:
+            assert "disk" in engine.built.plan.opt_home
+            data = batches(6, MODEL, 2)
+            _steps(engine, data[:2])
+            monkeypatch.setattr(DiskTier, "free", free_then_taken)
+            with pytest.raises(AngelError) as caught:
+                _steps(engine, data[2:])
+            message = str(caught.value)
+            assert "the file system is full (no space left on device)" in message, message
+            assert re.search(r"writing page \d+ to .* failed", message), message
+            assert re.search(r"the page needs [\d,]+ B, [\d,]+ B are free in ", message), message
+        finally:
+            monkeypatch.undo()
+            try:
+                engine.close()
+            except AngelError:
+                pass
     finally:
         subprocess.run(["umount", "-l", str(disk)], check=False)

@@ -216,13 +216,25 @@ class DiskTier(Tier):
                     self._remove_file(path)
                 self._forget(page_id)  # before waking the waiter: it sees the tier as it was
                 out.set_exception(DiskTierError(
-                    f"disk tier: writing page {page_id} to {path} failed: {_reason(str(e))} ({e})"))
+                    f"disk tier: writing page {page_id} to {path} failed: {_reason(str(e))}"
+                    f"{self._room(str(e), data.nbytes)} ({e})"))
             else:
                 out.set_result(None)
 
         commit.add_done_callback(done)
         crc.add_done_callback(done)
         return out
+
+    def _room(self, msg: str, nbytes: int) -> str:
+        """For a full file system: how many bytes the page needed and how many its directory had free, so the
+        user knows how much room to make (another process may have filled the disk since the plan was made)."""
+        if not _reason(msg).startswith("the file system is full"):
+            return ""
+        try:
+            free = shutil.disk_usage(self.root).free
+        except OSError:
+            return f"; the page needs {nbytes:,} B"
+        return f"; the page needs {nbytes:,} B, {free:,} B are free in {self.root}"
 
     def read(self, page_id: int, into: np.ndarray | None = None) -> cf.Future:
         """Start reading a page; the future gives a 1-D numpy array (`into`, if given: a writable contiguous

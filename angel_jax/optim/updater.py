@@ -46,6 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from angel_jax.errors import AngelError
 from angel_jax.memory import PageStore
 from angel_jax.memory.tiers import HOST_MEMORY_KINDS
 
@@ -167,8 +168,9 @@ class Deferred:
         return float(self.result())
 
 
-class UpdaterError(RuntimeError):
-    """A stage update failed in the worker; raised on the training thread at its next call."""
+class UpdaterError(AngelError, RuntimeError):
+    """A stage update failed in the worker (its message carries the cause: a full disk names the page and the
+    bytes); raised on the training thread at its next call."""
 
 
 class PageUpdater:
@@ -305,6 +307,7 @@ class PageUpdater:
                     applied.append(a)
                 self._stage_first()  # the next step's first disk reads start now, under its forward pass
                 staged = True
+                self._settle_writes()
                 all_applied = self._on_device(applied, jnp.logical_and)
                 out["update_norm"].set(jnp.sqrt(self._on_device(sq, jnp.add)))
                 out["skipped"].set(1.0 - all_applied.astype(jnp.float32))
@@ -344,7 +347,7 @@ class PageUpdater:
                 for oid in self.slots[i].opt_ids:
                     self.store.prefetch(oid, "host")
             return
-        self._writing = [(j, hs) for j, hs in self._writing if not all(h.done() for h in hs)]
+        self._settle_writes()
         while len(self._ahead) + len(self._writing) >= OPT_STAGING:
             if not wait or not self._writing:
                 return
@@ -356,6 +359,15 @@ class PageUpdater:
             handle = self.store.prefetch(oid, "host")
             if self.record:
                 self.record("disk", f"read {slot.name}", handle)
+
+    def _settle_writes(self) -> None:
+        """Forget the write-backs that have landed; one that failed (a disk filled by another process since the
+        plan was made) raises its error here, so the run stops instead of keeping the page on the host unseen."""
+        for _, handles in self._writing:
+            for h in handles:
+                if h.done():
+                    h.wait()
+        self._writing = [(j, hs) for j, hs in self._writing if not all(h.done() for h in hs)]
 
     def _written_back(self, i: int, handles: list) -> None:
         """Stage i's staged optimizer pages are on their way home (or dropped: the disk copy is current)."""
