@@ -119,7 +119,7 @@ def _train(args: argparse.Namespace) -> int:
     if args.print_config:
         print(dump_yaml(cfg), end="")
         return 0
-    from angel_jax.resilience.faults import FaultHooks
+    from angel_jax.tol.faults import FaultHooks
     from angel_jax.train.loop import train  # jax is imported only when needed: `--help` stays instant
 
     faults = FaultHooks.from_env(rank=0, vocab_size=cfg.model.vocab_size)  # ANGEL_JAX_FAULTS: tests only
@@ -132,7 +132,7 @@ def _train(args: argparse.Namespace) -> int:
 
 
 def _launch(args: argparse.Namespace) -> int:
-    from angel_jax.resilience.launch import launch
+    from angel_jax.tol.launch import launch
 
     if args.workers < 1 or args.spares < 0:
         print("error: -n must be >= 1 and --spares >= 0", file=sys.stderr)
@@ -142,7 +142,7 @@ def _launch(args: argparse.Namespace) -> int:
 
 
 def _worker(args: argparse.Namespace) -> int:
-    from angel_jax.resilience.worker import run
+    from angel_jax.tol.worker import run
 
     return run(str(args.config), args.overrides)
 
@@ -163,7 +163,7 @@ def _data(args: argparse.Namespace) -> int:
 
 
 def _plan(args: argparse.Namespace) -> int:
-    from angel_jax.schedule import plan_cli
+    from angel_jax.train import plan_cli
 
     return plan_cli.main(args)
 

@@ -7,3 +7,9 @@ message names what is wrong (the key and file, the path, the page, the step).
 
 class AngelError(Exception):
     """A problem the user can act on; its message says what and where."""
+
+
+EXIT_RESTART = 75
+"""Exit status of a worker that asks the watchdog for a restart (the trainer's RestartRequested; EX_TEMPFAIL)."""
+EXIT_EXCLUDE = 76
+"""Exit status of a worker that asks the watchdog to restart without its node."""

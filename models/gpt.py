@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from angel_jax.config import ModelConfig
-from angel_jax.stages import Stage, StagedModel
+from models.stages import Stage, StagedModel
 
 _INIT_STD = 0.02
 
@@ -167,6 +167,10 @@ def staged(cfg: ModelConfig) -> StagedModel:
         loss=cross_entropy,
         split=split,
         merge=merge,
+        init=lambda seed: init(cfg, seed),
+        abstract=lambda: abstract_params(cfg),
+        param_count=param_count(cfg),
+        flops_per_token=flops_per_token(cfg),
     )
 
 

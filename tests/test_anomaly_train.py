@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from angel_jax.config import load_config
-from angel_jax.resilience.events import read_events
-from angel_jax.resilience.faults import FaultHooks, InjectedFault, parse
+from angel_jax.tee.events import read_events
+from angel_jax.tol.faults import FaultHooks, InjectedFault, parse
 from angel_jax.train import metrics as M
 from angel_jax.train.loop import train
 

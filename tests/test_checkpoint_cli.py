@@ -151,7 +151,7 @@ def test_a_full_persistent_disk_warns_and_training_finishes(tmp_path, write_tiny
     import logging
     import subprocess
 
-    from angel_jax.resilience.events import read_events
+    from angel_jax.tee.events import read_events
 
     cfg_path = write_tiny_config(tmp_path, "full", train={"steps": 12}, checkpoint={"every": 4, "keep": 2})
     mount = tmp_path / "full" / "checkpoints"

@@ -13,8 +13,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from angel_jax.resilience.actions import Action, ActionPolicy, CrossRankSuite, DetectorSuite, strongest
-from angel_jax.resilience.detectors import (
+from angel_jax.tee.actions import Action, ActionPolicy, CrossRankSuite, DetectorSuite, strongest
+from angel_jax.tee.detectors import (
     AnomalyConfig,
     GradSpikeConfig,
     HangConfig,
@@ -532,7 +532,7 @@ def test_bounded_memory_noise_never_fires(noise_mib):
 @pytest.mark.parametrize("log_scale", [False, True])
 def test_spike_bound_is_exactly_where_update_fires(log_scale):
     """The trainer's on-device guard uses bound(state): a value above it fires, one at or below it does not."""
-    from angel_jax.resilience.detectors import SpikeConfig, SpikeDetector
+    from angel_jax.tee.detectors import SpikeConfig, SpikeDetector
 
     cfg = SpikeConfig(window=50, warmup=10, log_scale=log_scale)
     det = SpikeDetector("x", "x", cfg)

@@ -242,7 +242,11 @@ def test_accounting_and_values_after_any_sequence_of_moves(sequence, home):
                     assert s.wait_all() == []
                     check_accounting(s, before)
             except BudgetExceeded:
-                assert s.bytes_used() == used  # refused: nothing changed
+                # Refused: nothing reserved. (Moves issued earlier may land meanwhile and free their sources, on
+                # their own threads, so usage can only have dropped; it was once compared for equality, which
+                # failed when a free landed between the two readings.)
+                after = s.bytes_used()
+                assert all(after[t] <= used[t] for t in used), (used, after)
             except PageStoreError:
                 pass  # e.g. evicting a page that is not there; must leave the store consistent
             for t in ("device", "host"):

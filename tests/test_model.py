@@ -1,4 +1,4 @@
-"""models/gpt.py and the stage view (angel_jax/stages.py) on a tiny float32 GPT."""
+"""models/gpt.py and the stage view (models/stages.py) on a tiny float32 GPT."""
 
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 
 from angel_jax.optim import make_optimizer
-from angel_jax.schedule.paged_engine import PagedTrainEngine
+from angel_jax.train.paged import PagedTrainEngine
 from angel_jax.train.step import StepControls, init_state, make_train_step
 from models import gpt
 from test_paged import batches

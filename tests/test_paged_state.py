@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from angel_jax.config import Config, MemoryConfig, ModelConfig, OptimizerConfig, TrainConfig
-from angel_jax.schedule.paged_engine import PagedTrainEngine
+from angel_jax.train.paged import PagedTrainEngine
 from angel_jax.schedule.timeline import Timeline
 from angel_jax.train.engines import StateMismatch, TrainEngine, build_engine
 from test_paged import PAGE, batches

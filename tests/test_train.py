@@ -32,7 +32,7 @@ from angel_jax.errors import AngelError
 from angel_jax.train import loop
 from angel_jax.train import metrics as M
 from angel_jax.checkpoint import CheckpointEngine, CheckpointOptions
-from angel_jax.resilience.events import read_events
+from angel_jax.tee.events import read_events
 from angel_jax.train.hooks import TrainHooks
 from angel_jax.train.loop import TrainingDiverged, TrainResult, train
 from models import gpt

@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 
 from angel_jax.config import ConfigError, load_config
-from angel_jax.resilience import coordinator as co
-from angel_jax.resilience.goodput import CATEGORIES, goodput, paint
-from angel_jax.resilience.heartbeat import (HeartbeatClient, HeartbeatServer, Rejected, RejectionLimiter, decode,
+from angel_jax.tol import coordinator as co
+from angel_jax.tol.goodput import CATEGORIES, goodput, paint
+from angel_jax.tol.heartbeat import (HeartbeatClient, HeartbeatServer, Rejected, RejectionLimiter, decode,
                                             encode, sign, validate)
-from angel_jax.resilience.worker import WorkerEnv, ckpt_kill_for_attempt, cluster_detected
+from angel_jax.tol.worker import WorkerEnv, ckpt_kill_for_attempt, cluster_detected
 
 TOKEN = "t" * 64
 POLICY = co.WatchdogPolicy(total_steps=16, hang_timeout_min=5.0, hang_factor=10.0, slow_phase_timeout=100.0,
@@ -307,9 +307,9 @@ def test_describe_status():
     assert co.describe_status(1) == "exited with status 1"
     assert co.describe_status(75) == "exited with status 75 (restart requested)"
     assert co.EXIT_RESTART == 75 and co.EXIT_EXCLUDE == 76
-    from angel_jax.train.anomaly import EXIT_EXCLUDE, EXIT_RESTART
+    from angel_jax import errors
 
-    assert (EXIT_RESTART, EXIT_EXCLUDE) == (co.EXIT_RESTART, co.EXIT_EXCLUDE)
+    assert (errors.EXIT_RESTART, errors.EXIT_EXCLUDE) == (co.EXIT_RESTART, co.EXIT_EXCLUDE)
 
 
 # --------------------------------------------------------------------------------------------- goodput
@@ -499,8 +499,8 @@ def _drain(server: HeartbeatServer, until, timeout: float = 10.0) -> list:
 def test_rejected_heartbeats_are_logged_and_change_nothing(tmp_path, write_tiny_config):
     """The launcher's own path: forged and malformed lines through a real server into the watchdog of a running
     job; each is logged to events.jsonl with its reason, and the machine's state is exactly what it was."""
-    from angel_jax.resilience.events import read_events
-    from angel_jax.resilience.launch import Launcher
+    from angel_jax.tee.events import read_events
+    from angel_jax.tol.launch import Launcher
 
     launcher = Launcher(write_tiny_config(tmp_path), [], workers=2)
     server = HeartbeatServer(launcher.token, 2).start()
@@ -606,9 +606,9 @@ def test_launch_refuses_a_bad_config_before_starting_anything(tmp_path):
 def test_straggler_is_found_from_busy_times_not_step_times():
     """Synchronous data parallelism: both ranks report the same step time; rank 1's busy time (its time outside
     waiting for the device) is 3x: the straggler watch names rank 1 once 8 of its last 10 steps were slow."""
-    from angel_jax.resilience.actions import ActionPolicy, CrossRankSuite
-    from angel_jax.resilience.detectors import AnomalyConfig
-    from angel_jax.resilience.watchers import CrossRankWatch
+    from angel_jax.tee.actions import ActionPolicy, CrossRankSuite
+    from angel_jax.tee.detectors import AnomalyConfig
+    from angel_jax.tol.watchers import CrossRankWatch
 
     watch = CrossRankWatch(CrossRankSuite(AnomalyConfig(), ActionPolicy()))
     views = {r: co.RankView(rank=r, node=f"local{r}", pid=10 + r, spawned=0.0, last_progress=0.0) for r in (0, 1)}

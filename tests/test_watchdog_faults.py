@@ -23,8 +23,8 @@ import numpy as np
 import pytest
 
 from angel_jax.checkpoint import CheckpointEngine, CheckpointOptions
-from angel_jax.resilience.events import read_events
-from angel_jax.resilience.heartbeat import encode
+from angel_jax.tee.events import read_events
+from angel_jax.tol.heartbeat import encode
 from angel_jax.train import metrics as M
 
 pytestmark = pytest.mark.slow
@@ -130,7 +130,7 @@ def _kill_if_worker(pid: int | None, run_dir: Path) -> None:
         cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
     except OSError:
         return
-    if "angel_jax.resilience.worker" in cmdline and run_dir.name in cmdline:
+    if "angel_jax.tol.worker" in cmdline and run_dir.name in cmdline:
         os.kill(pid, signal.SIGKILL)
 
 
@@ -313,7 +313,7 @@ def test_the_worker_under_slurm_without_the_launcher(launches, reference, tmp_pa
     import random
     import socket
 
-    from angel_jax.resilience.heartbeat import HeartbeatServer
+    from angel_jax.tol.heartbeat import HeartbeatServer
 
     while True:  # JAX's Slurm support derives the coordinator port from the job id
         job_id = random.randrange(10**5, 10**6)

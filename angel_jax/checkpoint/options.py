@@ -5,26 +5,22 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
-
-def _doc(default: Any, text: str) -> Any:
-    """A field with a default and the one-line description that config tooling shows (metadata key "doc")."""
-    return field(default=default, metadata={"doc": text})
+from angel_jax.config.fields import doc
 
 
 @dataclass(frozen=True)
 class CheckpointOptions:
-    persistent_dir: Path = _doc(Path("checkpoints"), "Root of the orbax checkpoints (one directory per step).")
-    memory_dir: Path | None = _doc(None, "Memory tier (tmpfs); None = /dev/shm/angel_jax-<uid>/<run id from "
+    persistent_dir: Path = doc(Path("checkpoints"), "Root of the orbax checkpoints (one directory per step).")
+    memory_dir: Path | None = doc(None, "Memory tier (tmpfs); None = /dev/shm/angel_jax-<uid>/<run id from "
                                          "persistent_dir>.")
-    peer_dir: Path | None = _doc(None, "Backup copy of each snapshot, e.g. a peer host's tmpfs mount; None = no peer.")
-    keep_last: int = _doc(3, "Keep this many newest checkpoints in every tier.")
-    keep_every: int | None = _doc(None, "Also keep persisted steps divisible by this (persistent tier only).")
-    verify_on_restore: bool = _doc(True, "Check every array's XXH3-64 checksum before a restore returns it.")
-    io_threads: int = _doc(2, "Threads that compute checksums in parallel (1 = in the calling thread).")
+    peer_dir: Path | None = doc(None, "Backup copy of each snapshot, e.g. a peer host's tmpfs mount; None = no peer.")
+    keep_last: int = doc(3, "Keep this many newest checkpoints in every tier.")
+    keep_every: int | None = doc(None, "Also keep persisted steps divisible by this (persistent tier only).")
+    verify_on_restore: bool = doc(True, "Check every array's XXH3-64 checksum before a restore returns it.")
+    io_threads: int = doc(2, "Threads that compute checksums in parallel (1 = in the calling thread).")
 
     def __post_init__(self) -> None:
         # Accept str paths (YAML, command line) but store Paths; reject impossible values naming the field.

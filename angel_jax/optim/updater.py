@@ -10,7 +10,7 @@ ahead of its update and written back after it, so the disk works while other sta
 stages' optimizer pages are on the host for this at any time, read-ahead and write-backs still in flight counted
 together (the plan reserves exactly that much host memory).
 
-The guard (train/step.py `StepControls`) is the reference trainer's: an update whose loss, gradient norm or update
+The guard (optim/guard.py) is the reference trainer's: an update whose loss, gradient norm or update
 norm is not finite or above its bound is dropped, by every stage (each jit selects the old pages). The update norm
 is global, known only once every stage's update is; when it has a bound, a first pass computes it (stage update
 without writing anything) before the pass that applies. Without one, a stage whose own update is not finite keeps
@@ -49,6 +49,7 @@ import optax
 from angel_jax.errors import AngelError
 from angel_jax.memory import PageStore
 from angel_jax.memory.tiers import HOST_MEMORY_KINDS
+from angel_jax.optim.guard import StepControls, update_norm_ok
 
 OPT_STAGING = 2
 """Stages of disk-resident optimizer state held in host memory around their update (read ahead, or being written
@@ -296,7 +297,7 @@ class PageUpdater:
                 ok = guard.ok
                 if math.isfinite(guard.max_update_norm):
                     total = self._norm_pass(grads, norm, guard.lr_scale)
-                    ok = ok & jnp.isfinite(total) & (jnp.sqrt(total) <= guard.max_update_norm)
+                    ok = ok & update_norm_ok(jnp.sqrt(total), StepControls(max_update_norm=guard.max_update_norm))
                 sq, applied = [], []
                 for i in range(len(self.slots)):
                     self._stage_disk(i, wait=True)

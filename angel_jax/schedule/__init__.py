@@ -8,8 +8,7 @@
     execute.py       PagedExecutor: one step at a time, transfers overlapping compute; updates by optim/updater.py
     timeline.py      predicted and measured timelines (JSON, Gantt PNG)
     engine.py        build_paged_engine: config -> layouts -> profile -> plan -> page store -> executor
-    paged_engine.py  PagedTrainEngine: the TrainEngine protocol the training loop drives
-    plan_cli.py      `angel-jax plan`
 
-It sees stages (angel_jax/stages.py) and pages (angel_jax/memory), not Flax modules.
+It sees stages (models/stages.py) and pages (angel_jax/memory), never a model family or Flax module. The training
+loop drives it through train/paged.py (`PagedTrainEngine`); `angel-jax plan` is train/plan_cli.py.
 """

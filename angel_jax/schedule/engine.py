@@ -5,8 +5,8 @@
 
 `blueprint(cfg)` makes the page layouts and compiled stage functions from shapes alone (cached per configuration
 in the process); `plan_for` profiles them and plans under the config's budgets; `build_paged_engine` then puts
-every page in its planned home and wires the executor to the updater. `angel_jax/schedule/paged_engine.py` wraps
-the result in the `TrainEngine` protocol the training loop drives; `angel-jax plan` (plan_cli.py) stops after
+every page in its planned home and wires the executor to the updater. `angel_jax/train/paged.py` wraps
+the result in the `TrainEngine` protocol the training loop drives; `angel-jax plan` (train/plan_cli.py) stops after
 `plan_for`, without allocating the model.
 """
 
@@ -35,8 +35,8 @@ from angel_jax.schedule.costs import profile_costs, profile_transfers
 from angel_jax.schedule.execute import PagedExecutor, PagedModel
 from angel_jax.schedule.plan import Bandwidths, Budgets, Plan, StageCost, load_bandwidths, make_plan
 from angel_jax.schedule.stagefns import StageFunctions
-from angel_jax.stages import StagedModel
-from models import gpt
+import models
+from models.stages import StagedModel
 
 log = logging.getLogger(__name__)
 
@@ -132,8 +132,8 @@ _BLUEPRINTS_LOCK = threading.Lock()
 
 
 def _blueprint(cfg: Config) -> Blueprint:
-    staged = gpt.staged(cfg.model)
-    _, abstract = gpt.abstract_params(cfg.model)
+    staged = models.get(cfg.model)
+    _, abstract = staged.abstract()
     stage_params = jax.eval_shape(staged.split, abstract)
     tx, schedule = make_optimizer(cfg.optimizer, cfg.train.steps, clip=False)
     names = [s.name for s in staged.stages]

@@ -28,19 +28,18 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 
 from angel_jax.memory import PageStore
 from angel_jax.memory.layout import PageLayout
+from angel_jax.optim.guard import StepControls, before_update_ok
 from angel_jax.optim.paged import global_norm, join_opt_state
 from angel_jax.optim.updater import Guard, PageUpdater
 from angel_jax.schedule.plan import Plan
 from angel_jax.schedule.stagefns import StageFunctions
 from angel_jax.schedule.timeline import Recorder, Timeline
 from angel_jax.schedule.trace import compute_sequence
-from angel_jax.stages import StagedModel
-from angel_jax.train.step import StepControls
+from models.stages import StagedModel
 
 
 @dataclass(frozen=True)
@@ -158,8 +157,7 @@ class PagedExecutor:
         norm = global_norm(sqsums)
         c = controls or StepControls()
         # The guard's verdict on what is known now (the update norm's comes in the updater), on the device.
-        ok = jnp.isfinite(loss) & jnp.isfinite(norm) & (loss <= np.float32(c.max_loss)) \
-            & (norm <= np.float32(c.max_grad_norm))
+        ok = before_update_ok(loss, norm, c)
         deferred = updater.finish(step, norm, Guard(ok, float(c.max_update_norm), float(c.lr_scale)))
         self.step_count += 1
         if rec:

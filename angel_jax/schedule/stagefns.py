@@ -22,7 +22,7 @@ import optax
 
 from angel_jax.memory.layout import PageLayout, StageLayout
 from angel_jax.optim.paged import OptLayout, make_stage_update, make_stage_update_norm, sqsum
-from angel_jax.stages import StagedModel
+from models.stages import StagedModel
 
 Pages = tuple
 

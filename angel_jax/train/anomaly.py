@@ -34,17 +34,14 @@ import psutil
 
 from angel_jax.config import AnomalyDetectionConfig
 from angel_jax.errors import AngelError
-from angel_jax.resilience.actions import Action, ActionPolicy, DetectorSuite
-from angel_jax.resilience.detectors import Anomaly
-from angel_jax.resilience.events import EventLog
-from angel_jax.train.step import StepControls
+from angel_jax.optim.guard import StepControls
+from angel_jax.tee.actions import Action, ActionPolicy, DetectorSuite
+from angel_jax.tee.detectors import Anomaly
+from angel_jax.tee.events import EventLog
+from angel_jax.units import device_bytes_in_use
 
 log = logging.getLogger(__name__)
 
-EXIT_RESTART = 75
-"""Exit status of a worker that asks the watchdog for a restart (EX_TEMPFAIL)."""
-EXIT_EXCLUDE = 76
-"""Exit status of a worker that asks the watchdog to restart without its node."""
 
 # Detectors whose figures are the same on every process (computed from the global batch): only they may change
 # the step loop (skip, rollback), which every process must do alike. The others judge local time and memory.
@@ -194,6 +191,5 @@ class AnomalyMonitor:
 
 
 def _device_bytes() -> float | None:
-    device = jax.local_devices()[0]
-    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
-    return float(stats["bytes_in_use"]) if stats and "bytes_in_use" in stats else None
+    used = device_bytes_in_use(jax.local_devices()[0])
+    return None if used is None else float(used)

@@ -34,6 +34,7 @@ import numpy as np
 from angel_jax.checkpoint import CheckpointEngine, CheckpointError, CheckpointOptions, SaveHandle
 from angel_jax.checkpoint.snapshot import is_snapshot_dir
 from angel_jax.config import Config, to_dict
+from angel_jax.units import human_bytes
 
 log = logging.getLogger(__name__)
 
@@ -272,14 +273,6 @@ def engine_for_run(run_dir: Path) -> CheckpointEngine:
     return CheckpointEngine(checkpoint_options(cfg, run_dir))
 
 
-def _size(n: int) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if n < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
-
-
 def list_table(run_dir: Path) -> list[str]:
     """`angel-jax ckpt ls`: one line per step with its state and size in each tier (no checksum reading)."""
     with engine_for_run(run_dir) as engine:
@@ -292,7 +285,7 @@ def list_table(run_dir: Path) -> list[str]:
         cells = []
         for tier in ("memory", "peer", "persistent"):
             t = info.tiers.get(tier)
-            cells.append(f"{t.state} {_size(t.nbytes)}" if t else "-")
+            cells.append(f"{t.state} {human_bytes(t.nbytes)}" if t else "-")
         lines.append(f"{info.step:>8}  " + "".join(f"{c:<22}" for c in cells))
     lines.append(f"tiers: {roots}")
     return lines

@@ -23,17 +23,17 @@ import numpy as np
 from angel_jax import config as config_lib
 from angel_jax import data as data_lib
 from angel_jax.config import Config
-from angel_jax.resilience.actions import Action
-from angel_jax.resilience.events import EventLog
+from angel_jax.errors import EXIT_EXCLUDE, EXIT_RESTART
+from angel_jax.tee.actions import Action
+from angel_jax.tee.events import EventLog
 from angel_jax.train import metrics as metrics_lib
-from angel_jax.train.anomaly import (EXIT_EXCLUDE, EXIT_RESTART, AnomalyMonitor, RestartRequested,
-                                     TrainingDiverged, Verdict)
+from angel_jax.train.anomaly import AnomalyMonitor, RestartRequested, TrainingDiverged, Verdict
 from angel_jax.train.checkpointing import TrainCheckpointer, check_same_model
 from angel_jax.train.engines import TrainEngine, build_engine
 from angel_jax.train.hooks import HookList, OnStep, TrainHooks
 from angel_jax.train.report import memory_report
 from angel_jax.train.rundir import lock_run_dir
-from models import gpt
+import models
 
 log = logging.getLogger("angel_jax.train")
 
@@ -146,7 +146,7 @@ def setup(cfg: Config, hooks: HookList) -> Trainer:
             sinks.append(metrics_lib.TensorBoardSink(run_dir / "tb"))
     return Trainer(cfg=cfg, run_dir=run_dir, mesh=mesh, engine=engine, data=data, checkpointer=checkpointer,
                    monitor=monitor, events=events, sinks=sinks, hooks=hooks, start_step=start_step,
-                   flops_per_token=gpt.flops_per_token(cfg.model), peak=metrics_lib.device_peak(devices[0]),
+                   flops_per_token=models.get(cfg.model).flops_per_token, peak=metrics_lib.device_peak(devices[0]),
                    is_primary=is_primary, skips=skips)
 
 

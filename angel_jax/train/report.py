@@ -8,15 +8,8 @@ import jax
 import psutil
 
 from angel_jax.config import Config
-from models import gpt
-
-
-def human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    raise AssertionError
+from angel_jax.units import device_memory_stats, human_bytes
+import models
 
 
 def tree_bytes(tree: Any) -> int:
@@ -28,7 +21,7 @@ def memory_report(cfg: Config, mesh: jax.sharding.Mesh, placement: list[str] = (
     where the engine keeps the state (`placement`), per-device memory where the backend reports it, host RSS."""
     from angel_jax.train.engines import state_bytes
 
-    counts = gpt.param_count(cfg.model)
+    counts = models.get(cfg.model).param_count
     params = counts["total"] * jax.numpy.dtype(cfg.model.param_dtype).itemsize
     opt = state_bytes(cfg) - 2 * params
     m = cfg.model
@@ -46,8 +39,8 @@ def memory_report(cfg: Config, mesh: jax.sharding.Mesh, placement: list[str] = (
     ]
     lines += list(placement)
     for device in [d for d in mesh.devices.flat if d.process_index == jax.process_index()][:4]:
-        stats = device.memory_stats() if hasattr(device, "memory_stats") else None
-        if stats and "bytes_limit" in stats:
+        stats = device_memory_stats(device)
+        if "bytes_limit" in stats:
             lines.append(f"{device}: in use {human_bytes(stats.get('bytes_in_use', 0))} of "
                          f"{human_bytes(stats['bytes_limit'])}")
     lines.append(f"host: RSS {human_bytes(psutil.Process().memory_info().rss)}, "

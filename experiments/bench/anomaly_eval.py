@@ -4,7 +4,7 @@
                                              [--cases nan_batch,corrupt_batch,...] [--workdir DIR] [--no-save]
 
 Every case is a real `angel-jax train` (single process) or `angel-jax launch -n 2` (two workers) process with a
-fault injected through ANGEL_JAX_FAULTS (angel_jax/resilience/faults.py), default thresholds and actions. For each
+fault injected through ANGEL_JAX_FAULTS (angel_jax/tol/faults.py), default thresholds and actions. For each
 case the table says whether the fault was detected (an anomaly event of the expected detector in events.jsonl),
 how many steps after the injection, what was done about it, and whether the run still finished all its steps with
 a healthy loss (the mean loss of its last 20 steps within 5% of the clean run's over the same steps). Clean runs of --clean-steps steps count false
@@ -35,7 +35,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from angel_jax.benchinfo import emit, machine_info, results_path
-from angel_jax.resilience.events import read_events
+from angel_jax.tee.events import read_events
 from angel_jax.train.metrics import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[2]

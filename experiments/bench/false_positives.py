@@ -28,8 +28,8 @@ from pathlib import Path
 
 from angel_jax.benchinfo import emit, results_path
 from angel_jax.config import load_config
-from angel_jax.resilience.detectors import SpikeDetector
-from angel_jax.resilience.events import read_events
+from angel_jax.tee.detectors import SpikeDetector
+from angel_jax.tee.events import read_events
 from angel_jax.train.metrics import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -42,7 +42,7 @@ import time
 from pathlib import Path
 
 from angel_jax.benchinfo import emit, machine_info, results_path
-from angel_jax.resilience.events import read_events
+from angel_jax.tee.events import read_events
 
 ROOT = Path(__file__).resolve().parents[2]
 SCENARIOS = {

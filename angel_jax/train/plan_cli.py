@@ -22,7 +22,7 @@ from angel_jax.config import Config, load_config
 from angel_jax.memory.bench_io import default_calibration_path
 from angel_jax.schedule.engine import Blueprint, blueprint, device_budget, fixed_device_bytes, make_store, plan_for
 from angel_jax.schedule.plan import Budgets, Plan, StageCost, load_bandwidths, make_plan
-from angel_jax.train.report import human_bytes
+from angel_jax.units import human_bytes
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="angel-jax plan", description=__doc__,

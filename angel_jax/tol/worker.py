@@ -26,7 +26,7 @@ Exit status: 0 when every step is done and the last checkpoint is committed; 75/
 restart / exclusion; 1 on any other error (its traceback in the log, its last line in the exit report); 143 after
 SIGTERM. A failed worker leaves with os._exit: JAX's exit-time shutdown waits for peers that may be gone.
 
-Fault injection for the watchdog's tests: ANGEL_JAX_FAULTS (angel_jax.resilience.faults: raise@S, hang@S, ... with
+Fault injection for the watchdog's tests: ANGEL_JAX_FAULTS (angel_jax.tol.faults: raise@S, hang@S, ... with
 rank= and attempt=), and ANGEL_JAX_CKPT_KILL_AT=<point>[@<step>][:attempt=A], the checkpoint engine's SIGKILL
 point, here optionally limited to one attempt so the restart does not die the same way.
 """
@@ -193,7 +193,7 @@ def run(config: str, overrides: list[str]) -> int:
     rank = wenv.process_id if wenv.process_id is not None else scheduler_rank(os.environ)
     client = None
     if wenv.heartbeat_addr and wenv.token:
-        from angel_jax.resilience.heartbeat import HeartbeatClient
+        from angel_jax.tol.heartbeat import HeartbeatClient
 
         # Started before jax is imported (seconds): the watchdog hears from the worker at once.
         client = HeartbeatClient(wenv.heartbeat_addr, wenv.token, rank=rank, attempt=wenv.attempt,
@@ -216,7 +216,7 @@ def run(config: str, overrides: list[str]) -> int:
                 client.rank = rank
         log.info("worker %d of %d (attempt %d, node %s): %d devices here, %d in the job", jax.process_index(),
                  jax.process_count(), wenv.attempt, wenv.node or "-", jax.local_device_count(), jax.device_count())
-        from angel_jax.resilience.faults import FaultHooks
+        from angel_jax.tol.faults import FaultHooks
         from angel_jax.train.loop import train
 
         hooks: list[Any] = [h for h in (client, FaultHooks.from_env(rank=jax.process_index(),

@@ -1,6 +1,6 @@
 """`angel-jax launch -n N CONFIG [key=value ...]`: the watchdog coordinator, the shell around coordinator.Watchdog.
 
-It checks the config, starts the heartbeat server, spawns N workers (`python -m angel_jax.resilience.worker`, each
+It checks the config, starts the heartbeat server, spawns N workers (`python -m angel_jax.tol.worker`, each
 calling jax.distributed.initialize with a fresh coordinator port per attempt), and then loops: heartbeats,
 rejections and worker exits arrive on one queue (exits timestamped by a waiter thread per worker), every 50 ms
 the machine is ticked, and its actions are carried out: spawn a group, stop a group (SIGTERM, grace, SIGKILL),
@@ -25,12 +25,12 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from angel_jax.config import Config, load_config
-from angel_jax.resilience import coordinator as co
-from angel_jax.resilience.events import EventLog, read_events
-from angel_jax.resilience.goodput import format_report, goodput
-from angel_jax.resilience.group import WorkerGroup, log_tail, reserve_port
-from angel_jax.resilience.heartbeat import HeartbeatServer, RejectionLimiter
-from angel_jax.resilience.watchers import default_detectors
+from angel_jax.tol import coordinator as co
+from angel_jax.tee.events import EventLog, read_events
+from angel_jax.tol.goodput import format_report, goodput
+from angel_jax.tol.group import WorkerGroup, log_tail, reserve_port
+from angel_jax.tol.heartbeat import HeartbeatServer, RejectionLimiter
+from angel_jax.tol.watchers import default_detectors
 
 TICK = 0.05
 """Seconds between ticks of the machine: the bound on how late a hang is noticed, beyond its timeout."""
@@ -188,7 +188,7 @@ class Launcher:
     def _argv(self, action: co.Spawn) -> list[str]:
         # Workers report progress through heartbeats, not a progress bar; a restart always resumes.
         extra = ["train.progress=false", f"train.resume={'true' if action.resume else 'false'}"]
-        return [self.python, "-m", "angel_jax.resilience.worker", self.config_path, *self.overrides, *extra]
+        return [self.python, "-m", "angel_jax.tol.worker", self.config_path, *self.overrides, *extra]
 
     def _env(self, action: co.Spawn, rank: int, port: int) -> dict[str, str]:
         env = dict(os.environ)

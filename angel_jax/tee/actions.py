@@ -13,14 +13,12 @@ is the pure form, `update(obs)` keeps the state in the object.
 
 from __future__ import annotations
 
-import dataclasses
-import enum
 import numbers
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
 from typing import Any
 
-from angel_jax.resilience.detectors import (
+from angel_jax.config.anomaly import Action, ActionPolicy  # noqa: F401 - importable from here too
+from angel_jax.tee.detectors import (
     PHASES,
     AnomalyConfig,
     Anomaly,
@@ -33,76 +31,10 @@ from angel_jax.resilience.detectors import (
 )
 
 
-class Action(enum.StrEnum):
-    """What the trainer / coordinator does, weakest first."""
-
-    LOG = "log"  # record it, carry on
-    SKIP = "skip"  # drop this batch's update
-    ROLLBACK = "rollback"  # restore the last good checkpoint and skip the data window since
-    RESTART = "restart"  # stop the whole group and restart from the last good checkpoint
-    EXCLUDE = "exclude"  # restart without the node of the named rank
-
-    @property
-    def strength(self) -> int:
-        return list(Action).index(self)
-
-
 def strongest(anomalies: Iterable[Anomaly]) -> Action | None:
     """The strongest action among anomalies (None when there are none)."""
     actions = [Action(a.action) for a in anomalies if a.action is not None]
     return max(actions, key=lambda a: a.strength) if actions else None
-
-
-def _act(default: Action, text: str) -> Any:
-    return field(default=default, metadata={"doc": text})
-
-
-@dataclass(frozen=True)
-class ActionPolicy:
-    """Detector name -> Action. Defaults: act as little as fixes the problem.
-
-    straggler defaults to `log`, not `exclude`: excluding a node forces a full restart (lost progress since the
-    last checkpoint plus start-up and compile), changes the world size, and a rank that is slow for k of m steps
-    is often transiently slow (a checkpoint persisting on that host, a noisy neighbour). Opt in with
-    `straggler: exclude` together with a longer `straggler.sustain_m` when spare nodes exist.
-    """
-
-    nan: Action = _act(Action.ROLLBACK, "NaN/Inf: the state may already be poisoned; go back to a good checkpoint.")
-    loss_spike: Action = _act(Action.ROLLBACK, "Loss spike: roll back and skip the data window (PaLM-style).")
-    grad_spike: Action = _act(Action.SKIP, "Gradient-norm spike: drop this batch's update.")
-    update_spike: Action = _act(Action.SKIP, "Update-norm spike: drop this batch's update.")
-    step_time: Action = _act(Action.LOG, "Job-wide slowdown: nothing a restart reliably fixes; report it.")
-    straggler: Action = _act(Action.LOG, "Straggler rank: report (see the class doc for why not exclude).")
-    hang: Action = _act(Action.RESTART, "Hang: the group is stuck; restart from the last checkpoint.")
-    memory_growth: Action = _act(Action.RESTART, "Leak: restart before it runs out of memory.")
-
-    @classmethod
-    def names(cls) -> tuple[str, ...]:
-        return tuple(f.name for f in dataclasses.fields(cls))
-
-    @classmethod
-    def from_dict(cls, raw: Mapping[str, Any]) -> ActionPolicy:
-        """Strict: an unknown detector or action raises ValueError naming it; absent detectors keep defaults."""
-        if not isinstance(raw, Mapping):
-            raise ValueError(f"action policy: expected a mapping of detector -> action, got {raw!r}")
-        known = cls.names()
-        actions = ", ".join(a.value for a in Action)
-        kwargs = {}
-        for key, value in raw.items():
-            if key not in known:
-                raise ValueError(f"action policy: unknown detector {key!r}; known: {', '.join(known)}")
-            if not isinstance(value, str) or value not in {a.value for a in Action}:
-                raise ValueError(f"action policy: unknown action {value!r} for detector {key!r}; known: {actions}")
-            kwargs[key] = Action(value)
-        return cls(**kwargs)
-
-    def to_dict(self) -> dict[str, str]:
-        return {name: getattr(self, name).value for name in self.names()}
-
-    def action_for(self, detector: str) -> Action:
-        if detector not in self.names():
-            raise ValueError(f"action policy: unknown detector {detector!r}; known: {', '.join(self.names())}")
-        return getattr(self, detector)
 
 
 # --------------------------------------------------------------------------------------------- suites

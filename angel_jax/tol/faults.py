@@ -30,8 +30,8 @@ from typing import Any
 
 import numpy as np
 
+from angel_jax.optim.guard import StepControls
 from angel_jax.train.hooks import TrainHooks
-from angel_jax.train.step import StepControls
 
 ENV = "ANGEL_JAX_FAULTS"
 ATTEMPT_ENV = "ANGEL_JAX_ATTEMPT"

@@ -3,7 +3,8 @@
 The reference trainer runs a model whole; the scheduling pass needs to run it one stage at a time, moving each
 stage's parameters in and out of device memory around the call. A model exposes that view as a `StagedModel`:
 
-    staged = model_module.staged(cfg)             # pure description, no arrays
+    staged = models.get(cfg.model)                # pure description, no arrays
+    graphdef, params = staged.init(seed)          # the whole model, for the in-memory engines
     stage_params = staged.split(params)           # whole-model params -> one pytree per stage
     logits = staged.forward(stage_params, tokens) # embed -> block 0 .. N-1 -> head
     loss = staged.loss(logits, targets)
@@ -44,6 +45,15 @@ class StagedModel:
     """Whole-model params -> list of per-stage params (same order as `stages`)."""
     merge: Callable[[list[PyTree]], PyTree]
     """Inverse of `split`."""
+    init: Callable[[int], tuple[Any, PyTree]]
+    """seed -> (graphdef, whole-model params): the model built with real arrays (`nnx.merge(graphdef, params)`
+    is the whole model as one module, for the in-memory engines)."""
+    abstract: Callable[[], tuple[Any, PyTree]]
+    """() -> (graphdef, params as jax.ShapeDtypeStruct), allocating nothing."""
+    param_count: dict[str, int]
+    """'total' parameters, and 'matmul': those that enter matrix products (for FLOP counts)."""
+    flops_per_token: float
+    """Training FLOPs per token (forward + backward) that MFU is stated against (the formula is the family's)."""
 
     def forward(self, stage_params: list[PyTree], tokens: jax.Array) -> jax.Array:
         """Run every stage in sequence: the meaning of the stage decomposition."""

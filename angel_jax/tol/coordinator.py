@@ -29,15 +29,11 @@ import math
 import signal
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Mapping, Protocol, Sequence
+from typing import Any, Mapping, Protocol, Sequence
 
-if TYPE_CHECKING:  # angel_jax.config imports this package (the detectors' configs): no import cycle at run time
-    from angel_jax.config import ResilienceConfig
+from angel_jax.config import ResilienceConfig
+from angel_jax.errors import EXIT_EXCLUDE, EXIT_RESTART
 
-EXIT_RESTART = 75
-"""A worker's exit status asking for a restart (the trainer's RestartRequested, EX_TEMPFAIL)."""
-EXIT_EXCLUDE = 76
-"""A worker's exit status asking for a restart without its node."""
 
 SLOW_PHASES = frozenset({"starting", "init", "setup", "restoring", "compiling", "checkpointing", "done"})
 """Phases that make no step progress by nature; the hang timeout is at least `slow_phase_timeout` in them."""

@@ -9,7 +9,7 @@ Every detector is a pure pair, optax style:
 States are frozen dataclasses of plain values and tuples; `state.to_dict()` is JSON-ready and
 `type(state).from_dict(d)` restores it (strictly), so detector states go into checkpoints. Nothing here reads a
 clock, a file or a device: the hang detector is handed `now`. Thresholds live in one typed config dataclass per
-detector; the defaults are chosen so that clean runs give no anomaly (see tests/test_detectors.py).
+detector (angel_jax/config/anomaly.py); the defaults are chosen so that clean runs give no anomaly (see tests/test_detectors.py).
 
 Detectors only detect: `Anomaly.action` is left None and filled in by the policy (`actions.ActionPolicy`) when a
 `DetectorSuite` runs them.
@@ -20,11 +20,24 @@ from __future__ import annotations
 import dataclasses
 import math
 import operator
-import types
 import typing
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
+
+from angel_jax.config.anomaly import (  # noqa: F401 - the detectors' configs, importable from here too
+    AnomalyConfig,
+    GradSpikeConfig,
+    HangConfig,
+    LossSpikeConfig,
+    MemoryGrowthConfig,
+    NanConfig,
+    SpikeConfig,
+    StepTimeConfig,
+    StragglerConfig,
+    UpdateSpikeConfig,
+)
+from angel_jax.config.fields import typed
 
 Severity = Literal["info", "warning", "error", "critical"]
 PHASES = ("train", "compile", "checkpoint", "restore", "eval")
@@ -32,15 +45,6 @@ PHASES = ("train", "compile", "checkpoint", "restore", "eval")
 MAD_TO_SIGMA = 1.4826
 """MAD of a normal distribution times this is its standard deviation."""
 MiB = 1 << 20
-
-
-def _doc(default: Any, text: str) -> Any:
-    """A config field with a default and a one-line description (same metadata key as angel_jax.config)."""
-    return field(default=default, metadata={"doc": text})
-
-
-def _sub(cls: type, text: str) -> Any:
-    return field(default_factory=cls, metadata={"doc": text})
 
 
 # --------------------------------------------------------------------------------------------- records
@@ -97,41 +101,11 @@ class _State:
         missing = [n for n in names if n not in raw]
         if unknown or missing:
             raise ValueError(f"{name}: unknown keys {unknown}, missing keys {missing}")
-        return cls(**{n: _typed(raw[n], hints[n], f"{name}.{n}") for n in names})
+        return cls(**{n: typed(raw[n], hints[n], f"{name}.{n}") for n in names})
 
 
 def _listify(value: Any) -> Any:
     return [_listify(v) for v in value] if isinstance(value, tuple) else value
-
-
-def _typed(value: Any, tp: Any, where: str) -> Any:
-    """Check a JSON value against a state annotation; lists become tuples, ints become floats where asked."""
-    origin, args = typing.get_origin(tp), typing.get_args(tp)
-    if origin in (typing.Union, types.UnionType):
-        for option in args:
-            try:
-                return _typed(value, option, where)
-            except ValueError:
-                pass
-    elif origin is tuple:
-        if isinstance(value, (list, tuple)):
-            if len(args) == 2 and args[1] is Ellipsis:
-                return tuple(_typed(v, args[0], f"{where}[{i}]") for i, v in enumerate(value))
-            if len(value) == len(args):
-                return tuple(_typed(v, a, f"{where}[{i}]") for i, (v, a) in enumerate(zip(value, args)))
-    elif tp is type(None):
-        if value is None:
-            return None
-    elif tp is bool:
-        if isinstance(value, bool):
-            return value
-    elif tp is int:
-        if isinstance(value, int) and not isinstance(value, bool):
-            return value
-    elif tp is float:
-        if isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value):
-            return float(value)
-    raise ValueError(f"{where}: {value!r} is not a {getattr(tp, '__name__', tp)}")
 
 
 def _median(sorted_values: typing.Sequence[float]) -> float:
@@ -144,20 +118,7 @@ def median(values: typing.Iterable[float]) -> float:
     return _median(sorted(values))
 
 
-def _check(errs: list, ok: bool, key: str, problem: str) -> None:
-    if not ok:
-        errs.append((key, problem))
-
-
 # --------------------------------------------------------------------------------------------- NaN / Inf
-
-
-@dataclass(frozen=True)
-class NanConfig:
-    enabled: bool = _doc(True, "Report NaN/Inf in the loss, gradient norm or update norm (fires at once).")
-
-    def validate(self) -> list[tuple[str, str]]:
-        return []
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,55 +148,6 @@ class NanDetector:
 
 
 # --------------------------------------------------------------------------------------------- spikes
-
-
-@dataclass(frozen=True)
-class SpikeConfig:
-    enabled: bool = _doc(True, "Run this detector.")
-    window: int = _doc(100, "Recent healthy values kept as the baseline (median and MAD); spikes never enter it.")
-    warmup: int = _doc(20, "No judgement until the window holds this many values (all values enter it until then).")
-    z_threshold: float = _doc(8.0, "Fire when (value - median) / (1.4826 * MAD) exceeds this (one-sided: upward).")
-    min_rel_dev: float = _doc(0.2, "... and value - median also exceeds this fraction of |median| ...")
-    min_abs_dev: float = _doc(1e-3, "... and this absolute amount, so a flat plateau (MAD ~ 0) does not fire on noise.")
-    rebaseline_after: int = _doc(10, "After this many spikes in a row, accept them as the new level (0 = never).")
-    log_scale: bool = _doc(False, "Compute median, MAD and z on log(value) (multiplicative noise, e.g. norms).")
-
-    def validate(self) -> list[tuple[str, str]]:
-        errs: list = []
-        _check(errs, self.window >= 1, "window", "must be >= 1")
-        _check(errs, 1 <= self.warmup <= self.window, "warmup", f"must be in [1, window={self.window}]")
-        _check(errs, self.z_threshold > 0, "z_threshold", "must be > 0")
-        _check(errs, self.min_rel_dev >= 0, "min_rel_dev", "must be >= 0")
-        _check(errs, self.min_abs_dev >= 0, "min_abs_dev", "must be >= 0")
-        _check(errs, 0 <= self.rebaseline_after <= self.window, "rebaseline_after",
-               f"must be in [0, window={self.window}]")
-        return errs
-
-
-@dataclass(frozen=True)
-class LossSpikeConfig(SpikeConfig):
-    """Loss: noise of a few % around a trend; a spike worth a rollback is > 20% above the median and > 8 sigmas."""
-
-
-@dataclass(frozen=True)
-class GradSpikeConfig(SpikeConfig):
-    """Gradient norms: multiplicative, heavy-tailed noise, so judged on log scale. Clean runs of the main job
-    reach 4.3x their median gradient norm (robust log z 6.6) within 300 steps, and with clipping such a step is
-    a normal-sized update; so only a jump to > 10x the median and > 6 robust sigmas of log(norm) fires."""
-
-    z_threshold: float = _doc(6.0, "Fire when the robust z of log(value) exceeds this (one-sided: upward).")
-    min_rel_dev: float = _doc(9.0, "... and value - median also exceeds this multiple of the median ...")
-    min_abs_dev: float = _doc(1e-8, "... and this absolute amount.")
-    log_scale: bool = _doc(True, "Compute median, MAD and z on log(value).")
-
-
-@dataclass(frozen=True)
-class UpdateSpikeConfig(GradSpikeConfig):
-    """Update norms: the optimizer's step, bounded by the learning rate (Adam-like updates barely follow the
-    gradient's size), so much steadier than gradient norms: a jump to > 2x the median and > 6 robust sigmas of
-    log(norm) fires (a learning-rate blow-up)."""
-
-    min_rel_dev: float = _doc(1.0, "... and value - median also exceeds this multiple of the median ...")
 
 
 @dataclass(frozen=True, slots=True)
@@ -309,27 +221,6 @@ class SpikeDetector:
 # --------------------------------------------------------------------------------------------- step time
 
 
-@dataclass(frozen=True)
-class StepTimeConfig:
-    enabled: bool = _doc(True, "Run this detector.")
-    window: int = _doc(100, "Recent normal 'train' step times kept as the baseline (their median).")
-    warmup: int = _doc(20, "No judgement until the window holds this many step times.")
-    factor: float = _doc(1.5, "A step is slow when its time exceeds factor x the baseline median ...")
-    min_excess_s: float = _doc(0.01, "... and the median by at least this many seconds (millisecond steps jitter).")
-    sustain_k: int = _doc(8, "Fire when at least k of ...")
-    sustain_m: int = _doc(10, "... the last m judged steps were slow; re-armed once fewer than k are.")
-
-    def validate(self) -> list[tuple[str, str]]:
-        errs: list = []
-        _check(errs, self.window >= 1, "window", "must be >= 1")
-        _check(errs, 1 <= self.warmup <= self.window, "warmup", f"must be in [1, window={self.window}]")
-        _check(errs, self.factor > 1, "factor", "must be > 1")
-        _check(errs, self.min_excess_s >= 0, "min_excess_s", "must be >= 0")
-        _check(errs, self.sustain_m >= 1, "sustain_m", "must be >= 1")
-        _check(errs, 1 <= self.sustain_k <= self.sustain_m, "sustain_k", f"must be in [1, sustain_m={self.sustain_m}]")
-        return errs
-
-
 @dataclass(frozen=True, slots=True)
 class StepTimeState(_State):
     window: tuple[float, ...] = ()  # recent normal step times (slow ones never enter)
@@ -378,25 +269,6 @@ class StepTimeDetector:
 
 
 # --------------------------------------------------------------------------------------------- stragglers
-
-
-@dataclass(frozen=True)
-class StragglerConfig:
-    enabled: bool = _doc(True, "Run this detector (cross-rank, on the coordinator).")
-    factor: float = _doc(1.5, "A rank is slow in a step when its time exceeds factor x the median of all ranks ...")
-    min_excess_s: float = _doc(0.01, "... and that median by at least this many seconds.")
-    sustain_k: int = _doc(8, "Fire for a rank slow in at least k of ...")
-    sustain_m: int = _doc(10, "... its last m steps; re-armed once fewer than k are; forgotten after m unseen steps.")
-    min_ranks: int = _doc(2, "Judge a step only when at least this many ranks reported a time for it.")
-
-    def validate(self) -> list[tuple[str, str]]:
-        errs: list = []
-        _check(errs, self.factor > 1, "factor", "must be > 1")
-        _check(errs, self.min_excess_s >= 0, "min_excess_s", "must be >= 0")
-        _check(errs, self.sustain_m >= 1, "sustain_m", "must be >= 1")
-        _check(errs, 1 <= self.sustain_k <= self.sustain_m, "sustain_k", f"must be in [1, sustain_m={self.sustain_m}]")
-        _check(errs, self.min_ranks >= 2, "min_ranks", "must be >= 2")
-        return errs
 
 
 @dataclass(frozen=True, slots=True)
@@ -455,21 +327,6 @@ class StragglerDetector:
 # --------------------------------------------------------------------------------------------- hangs
 
 
-@dataclass(frozen=True)
-class HangConfig:
-    enabled: bool = _doc(True, "Run this detector (cross-rank, on the coordinator).")
-    min_timeout_s: float = _doc(60.0, "No hang is declared in a 'train' step before this many seconds.")
-    factor: float = _doc(10.0, "Otherwise the timeout is factor x the expected step time, when that is longer.")
-    slow_phase_timeout_s: float = _doc(900.0, "Minimum timeout during compile, checkpoint, restore or eval phases.")
-    startup_timeout_s: float = _doc(900.0, "Minimum timeout while no expected step time is known (first steps).")
-
-    def validate(self) -> list[tuple[str, str]]:
-        errs: list = []
-        for key in ("min_timeout_s", "factor", "slow_phase_timeout_s", "startup_timeout_s"):
-            _check(errs, getattr(self, key) > 0, key, "must be > 0")
-        return errs
-
-
 @dataclass(frozen=True, slots=True)
 class HangState(_State):
     reported: float | None = None  # last-progress time of the stall already reported
@@ -519,23 +376,6 @@ class HangDetector:
 
 
 # --------------------------------------------------------------------------------------------- memory growth
-
-
-@dataclass(frozen=True)
-class MemoryGrowthConfig:
-    enabled: bool = _doc(True, "Run this detector (host and device bytes separately).")
-    window: int = _doc(200, "Observations in the trend window (least-squares slope of bytes vs step).")
-    warmup: int = _doc(100, "Observations ignored after start (allocators and caches fill up first).")
-    min_growth_bytes: float = _doc(256.0 * MiB, "Fire when the growth projected over the window exceeds this ...")
-    min_growth_fraction: float = _doc(0.02, "... and this fraction of the level at the start of the window.")
-
-    def validate(self) -> list[tuple[str, str]]:
-        errs: list = []
-        _check(errs, self.window >= 4, "window", "must be >= 4")
-        _check(errs, self.warmup >= 0, "warmup", "must be >= 0")
-        _check(errs, self.min_growth_bytes > 0, "min_growth_bytes", "must be > 0")
-        _check(errs, self.min_growth_fraction >= 0, "min_growth_fraction", "must be >= 0")
-        return errs
 
 
 @dataclass(frozen=True, slots=True)
@@ -605,18 +445,3 @@ class MemoryGrowthDetector:
 # --------------------------------------------------------------------------------------------- all thresholds
 
 
-@dataclass(frozen=True)
-class AnomalyConfig:
-    nan: NanConfig = _sub(NanConfig, "NaN/Inf in loss, gradient norm, update norm.")
-    loss_spike: LossSpikeConfig = _sub(LossSpikeConfig, "Loss spikes (robust z-score).")
-    grad_spike: GradSpikeConfig = _sub(GradSpikeConfig, "Gradient-norm spikes (robust z-score).")
-    update_spike: UpdateSpikeConfig = _sub(UpdateSpikeConfig, "Update-norm spikes (robust z-score).")
-    step_time: StepTimeConfig = _sub(StepTimeConfig, "Job-wide step-time regression.")
-    straggler: StragglerConfig = _sub(StragglerConfig, "Straggler ranks (coordinator).")
-    hang: HangConfig = _sub(HangConfig, "Hangs, for coordinators built on CrossRankSuite; `angel-jax launch` judges "
-                                        "hangs by resilience.hang_* instead.")
-    memory_growth: MemoryGrowthConfig = _sub(MemoryGrowthConfig, "Host/device memory leak trends.")
-
-    def validate(self) -> list[tuple[str, str]]:
-        return [(f"{f.name}.{key}", problem) for f in dataclasses.fields(self)
-                for key, problem in getattr(self, f.name).validate()]

@@ -4,7 +4,7 @@ A watcher implements `coordinator.CoordinatorDetector`: on every tick it reads t
 step time of each recent step, ...) and returns `AnomalyReport`s; the watchdog logs them, and recovers when one's
 action is restart or exclude, exactly as for a report a worker's own detectors send in a heartbeat.
 
-    CrossRankWatch   angel_jax.resilience.actions.CrossRankSuite's straggler detector, fed each step's per-rank
+    CrossRankWatch   angel_jax.tee.actions.CrossRankSuite's straggler detector, fed each step's per-rank
                      busy time (perf/busy_time: the time a rank spends outside waiting for the device) once every
                      live rank has reported that step. In synchronous data parallelism every rank's step time is
                      the same (the fast ones wait in the collective); the busy time shows which rank the others
@@ -18,8 +18,8 @@ from __future__ import annotations
 from typing import Mapping
 
 from angel_jax.config import Config
-from angel_jax.resilience.actions import ActionPolicy, CrossRankSuite
-from angel_jax.resilience.coordinator import AnomalyReport, CoordinatorDetector, RankView
+from angel_jax.tee.actions import ActionPolicy, CrossRankSuite
+from angel_jax.tol.coordinator import AnomalyReport, CoordinatorDetector, RankView
 
 
 class CrossRankWatch:

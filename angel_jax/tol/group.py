@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
-from angel_jax.resilience.coordinator import describe_status
+from angel_jax.tol.coordinator import describe_status
 
 
 @dataclass

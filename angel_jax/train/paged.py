@@ -33,12 +33,12 @@ import jax
 import numpy as np
 
 from angel_jax.config import Config
+from angel_jax.optim.guard import StepControls
 from angel_jax.schedule.engine import PagedEngine, build_paged_engine
 from angel_jax.schedule.timeline import Timeline
-from angel_jax.train.engines import StateMismatch, check_arrays
-from angel_jax.train.report import human_bytes
-from angel_jax.train.step import StepControls
-from models import gpt
+from angel_jax.train.protocol import StateMismatch, check_arrays
+from angel_jax.units import human_bytes
+import models
 
 log = logging.getLogger(__name__)
 
@@ -85,7 +85,7 @@ class PagedTrainEngine:
         self.device = mesh.devices.flat[0]
         self.batch_sharding = jax.sharding.SingleDeviceSharding(self.device)
         with jax.default_device(jax.devices("cpu")[0]):  # the initial model is built on the host
-            _, params = gpt.init(cfg.model, cfg.train.seed)
+            _, params = models.get(cfg.model).init(cfg.train.seed)
         params = jax.tree.map(np.asarray, params)
         example = jax.device_put(np.zeros((cfg.train.batch_size, cfg.model.seq_len + 1), np.int32),
                                  self.batch_sharding)

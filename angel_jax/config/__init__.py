@@ -11,32 +11,15 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import types
 import typing
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 
-from angel_jax.errors import AngelError
-from angel_jax.resilience.detectors import AnomalyConfig
-
-
-class ConfigError(AngelError, ValueError):
-    """A configuration problem; the message names the key and where it came from."""
-
-
-def doc(default: Any, text: str) -> Any:
-    """A dataclass field with a default and a one-line description."""
-    if isinstance(default, (list, dict)):
-        return field(default_factory=lambda: type(default)(default), metadata={"doc": text})
-    return field(default=default, metadata={"doc": text})
-
-
-def sub(cls: type, text: str) -> Any:
-    """A nested config section."""
-    return field(default_factory=cls, metadata={"doc": text})
+from angel_jax.config.anomaly import Action, ActionPolicy, AnomalyConfig
+from angel_jax.config.fields import ConfigError, doc, field_doc, sub, type_name, typed  # noqa: F401
 
 
 # --------------------------------------------------------------------------------------------- sections
@@ -44,7 +27,7 @@ def sub(cls: type, text: str) -> Any:
 
 @dataclass
 class ModelConfig:
-    name: str = doc("gpt", "Model family (models/<name>.py); only 'gpt' for now.")
+    name: str = doc("gpt", "Model family: a name in models.FAMILIES (checked when the model is built).")
     vocab_size: int = doc(256, "Vocabulary size; must cover the tokenizer's (256 for bytes).")
     seq_len: int = doc(128, "Tokens per training sequence (context length).")
     d_model: int = doc(128, "Residual stream width.")
@@ -67,8 +50,6 @@ class ModelConfig:
         if self.mlp_ratio <= 0 or not 1 <= hidden <= 2**24:
             errs.append(("mlp_ratio", f"must be > 0 and give an MLP hidden width (mlp_ratio x d_model) between 1 "
                                       f"and 2**24, got {self.mlp_ratio!r} x {self.d_model} = {hidden:.4g}"))
-        if self.name != "gpt":
-            errs.append(("name", f"unknown model {self.name!r}; known: gpt"))
         return errs
 
 
@@ -242,7 +223,7 @@ class AnomalyDetectionConfig:
     max_rollbacks: int = doc(3, "Stop the run after this many rollbacks without reaching a new checkpoint.")
 
     def validate(self) -> list[tuple[str, str]]:
-        from angel_jax.resilience.actions import Action, ActionPolicy
+
 
         errs = [("thresholds." + key, problem) for key, problem in self.thresholds.validate()]
         try:
@@ -291,35 +272,9 @@ class Config:
 # --------------------------------------------------------------------------------------------- loading
 
 
-def _type_name(tp: Any) -> str:
-    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
-
-
 def _coerce(value: Any, tp: Any, key: str, origin: str) -> Any:
     """Check `value` against the annotation `tp`; the only conversion is int -> float."""
-    where = f"{key!r} in {origin}"
-    kind = typing.get_origin(tp)
-    if kind is Literal:
-        choices = typing.get_args(tp)
-        if value not in choices:
-            raise ConfigError(f"{where}: {value!r} is not one of {', '.join(map(repr, choices))}")
-        return value
-    if kind in (typing.Union, types.UnionType):
-        for option in typing.get_args(tp):
-            if option is type(None) and value is None:
-                return None
-            try:
-                return _coerce(value, option, key, origin)
-            except ConfigError:
-                continue
-        raise ConfigError(f"{where}: {value!r} is not a {_type_name(tp)}")
-    if tp is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if tp is int and isinstance(value, bool) or not isinstance(value, tp):
-        raise ConfigError(f"{where}: expected {_type_name(tp)}, got {type(value).__name__} {value!r}")
-    if tp is float and not math.isfinite(value):  # no setting means anything with NaN or an infinity
-        raise ConfigError(f"{where}: must be a finite number, got {value!r}")
-    return value
+    return typed(value, tp, f"{key!r} in {origin}")
 
 
 def _build(cls: type, raw: Any, prefix: str, origin: str) -> Any:
@@ -433,5 +388,5 @@ def describe(cls: type = Config, prefix: str = "") -> list[str]:
             lines += describe(tp, f"{prefix}{f.name}.")
             continue
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        lines.append(f"{prefix}{f.name} ({_type_name(tp)}, default {default!r}): {f.metadata.get('doc', '')}")
+        lines.append(f"{prefix}{f.name} ({type_name(tp)}, default {default!r}): {f.metadata.get('doc', '')}")
     return lines
