@@ -64,7 +64,7 @@ def reference(cfg: Config, data: list[jax.Array]) -> tuple[list[float], dict]:
     """The reference trainer's losses and final parameters."""
     graphdef, params = gpt.init(cfg.model, 0)
     tx, schedule = make_optimizer(cfg.optimizer, cfg.train.steps)
-    step = jax.jit(make_train_step(graphdef, tx, schedule))
+    step = jax.jit(make_train_step(graphdef, tx, schedule, gpt.cross_entropy))
     state = init_state(params, tx)
     losses = []
     for b in data:

@@ -31,7 +31,7 @@ def test_guard_and_lr_scale_match_the_reference(tmp_path):
     data = batches(len(CONTROLS), MODEL, 2)
     graphdef, params = gpt.init(MODEL, cfg.train.seed)
     tx, schedule = make_optimizer(cfg.optimizer, cfg.train.steps)
-    ref_step = jax.jit(make_train_step(graphdef, tx, schedule))
+    ref_step = jax.jit(make_train_step(graphdef, tx, schedule, gpt.cross_entropy))
     state = init_state(params, tx)
     ref = []
     for b, c in zip(data, CONTROLS):

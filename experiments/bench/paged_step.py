@@ -55,7 +55,7 @@ class Reference:
         tx, schedule = make_optimizer(cfg.optimizer, cfg.train.steps)
         graphdef, params = gpt.init(cfg.model, cfg.train.seed)
         self.state = init_state(params, tx)
-        self._step = jax.jit(make_train_step(graphdef, tx, schedule), donate_argnums=0)
+        self._step = jax.jit(make_train_step(graphdef, tx, schedule, gpt.cross_entropy), donate_argnums=0)
 
     def step(self, batch: jax.Array) -> dict:
         self.state, metrics = self._step(self.state, batch)

@@ -40,7 +40,7 @@ def main(argv: list[str] | None = None) -> int:
     graphdef, _ = gpt.abstract_params(cfg.model)
     state = jax.jit(lambda: init_state(gpt.init(cfg.model, cfg.train.seed)[1], tx),
                     out_shardings=NamedSharding(mesh, P()))()
-    step = jax.jit(make_train_step(graphdef, tx, schedule), donate_argnums=0)
+    step = jax.jit(make_train_step(graphdef, tx, schedule, gpt.cross_entropy), donate_argnums=0)
     rng = np.random.default_rng(0)
     batch = jax.device_put(rng.integers(0, cfg.model.vocab_size, (cfg.train.batch_size, cfg.model.seq_len + 1),
                                         dtype=np.int32), NamedSharding(mesh, P("data")))
