@@ -596,3 +596,19 @@ def test_jsonl_sink_truncates_after_the_resume_step(tmp_path):
     sink.write(4, {"loss": 40.0})
     sink.close()
     assert [(r["step"], r["loss"]) for r in M.read_jsonl(path)] == [(1, 1.0), (2, 2.0), (3, 3.0), (4, 40.0)]
+
+
+def test_every_sink_goes_back_after_a_rollback(tmp_path):
+    """The loop calls truncate_after on every sink after a rollback: the JSONL file drops the later records (they
+    are written again), the TensorBoard sink takes the call and goes on writing."""
+    path = tmp_path / "m.jsonl"
+    sinks: list[M.MetricsSink] = [M.JsonlSink(path)]
+    pytest.importorskip("tensorboardX")
+    sinks.append(M.TensorBoardSink(tmp_path / "tb"))
+    for sink in sinks:
+        for step in range(1, 6):
+            sink.write(step, {"loss": float(step)})
+        sink.truncate_after(2)
+        sink.write(3, {"loss": 30.0})
+        sink.close()
+    assert [(r["step"], r["loss"]) for r in M.read_jsonl(path)] == [(1, 1.0), (2, 2.0), (3, 30.0)]

@@ -31,6 +31,12 @@ access in a step:
 
 A stage in use (between `acquire` and `release`) never has its parameters replaced under it: an update that
 completes meanwhile is kept pending and installed at `release`.
+
+Threads. The training thread talks to the worker only by immutable messages: `StageGrads` (`submit`) and one
+`StepOrder` per step (`finish`: the step, its global gradient norm, its `Guard` and the timeline hook of that step
+or None); the worker answers with the step's `Deferred` results. The worker uses nothing else a step might change:
+whether a step's updates are recorded is the order's, never a field read while another thread may rewrite it.
+Who owns what is stated at `PageUpdater`.
 """
 
 from __future__ import annotations
@@ -39,7 +45,7 @@ import math
 import queue
 import threading
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -93,6 +99,39 @@ class Guard:
     ok: jax.Array
     max_update_norm: float
     lr_scale: float
+
+
+@dataclass(frozen=True)
+class StageGrads:
+    """Message to the worker: stage `stage`'s gradient pages of `step`, on the tier its update reads them from."""
+
+    step: int
+    stage: int
+    grads: tuple
+
+
+@dataclass(frozen=True)
+class StepOrder:
+    """Message to the worker: every gradient of `step` is submitted, update every stage. All the worker needs for
+    the step beside the gradients; it answers with the step's deferred results (`PageUpdater.finish`)."""
+
+    step: int
+    norm: jax.Array
+    """The step's global gradient norm (device scalar)."""
+    guard: Guard
+    record: Callable[..., None] | None = None
+    """Timeline hook for this step's updates, disk reads and writes (record(stream, label, outputs,
+    after=inputs), `Recorder.record`); None: the step is not recorded."""
+
+
+@dataclass(frozen=True)
+class UpdaterState:
+    """What the updater holds of the training state beside the pages, as of the last step in flight."""
+
+    applied: jax.Array
+    """Updates applied (a dropped one does not count): the reference trainer's `TrainState.step`."""
+    opt_small: tuple[tuple[jax.Array, ...], ...]
+    """Per stage: the optimizer-state leaves too small for pages (step counts)."""
 
 
 class StageUpdates:
@@ -175,23 +214,37 @@ class UpdaterError(AngelError, RuntimeError):
 
 
 class PageUpdater:
+    """Runs the stage updates on its worker thread; every public method is called by the training thread.
+
+    Who owns which field:
+    - set at construction, never changed: `store`, `slots`, `updates`, `placements`, `schedule`, `staleness`,
+      `small_specs` (the store is shared, and safe for both threads);
+    - the training thread (acquire/release/finish/reset/close): `stale_uses`, `max_lag`, `_thread`;
+    - the worker, while a step is in flight: `_applied`, `_opt_small`, `_ahead`, `_writing`, `_error` (set once,
+      under `_cond`). The training thread reads them only through `state()` and replaces them only through
+      `reset()`, both after `drain()`, when no step is in flight;
+    - both, only under `_cond`: `_done`, `_held`, `_pending`, `_busy`.
+    """
+
     def __init__(self, store: PageStore, slots: list[StageSlot], updates: StageUpdates, opt_small: list[list],
                  placements: dict[str, Placement], schedule: optax.Schedule, *, staleness: int):
         if staleness not in (0, 1):
             raise ValueError(f"staleness must be 0 or 1, got {staleness}")
         self.store, self.slots, self.updates, self.placements = store, slots, updates, placements
         self.schedule = schedule
-        self.opt_small = opt_small
-        """Per stage: the optimizer-state leaves too small for pages (step counts), kept where the update runs."""
-        self.applied = jnp.zeros((), jnp.int32)
-        """Updates applied (a dropped one does not count): the reference trainer's `TrainState.step`."""
         self.staleness = staleness
+        self.small_specs: tuple[tuple[tuple[tuple[int, ...], np.dtype], ...], ...] = tuple(
+            tuple((tuple(s.shape), np.dtype(s.dtype)) for s in stage) for stage in opt_small)
+        """Per stage: (shape, dtype) of each small optimizer-state leaf (fixed by the optimizer)."""
         self.stale_uses = 0
         """Stage uses that ran with parameters one update behind (lock-free mode only)."""
         self.max_lag = 0
         """The most updates a stage use was ever behind (the staleness bound: never above `staleness`)."""
-        self.record: Callable[..., None] | None = None
-        """Timeline hook: record(stream, label, outputs, after=inputs), set by the executor while it records."""
+        self._opt_small: list[list] = [list(stage) for stage in opt_small]
+        """Per stage: the optimizer-state leaves too small for pages (step counts), kept where the update runs (a
+        list per stage, as the stage update's jit was traced with)."""
+        self._applied = jnp.zeros((), jnp.int32)
+        """Updates applied (a dropped one does not count): the reference trainer's `TrainState.step`."""
         n = len(slots)
         self._cond = threading.Condition()
         self._done = [0] * n
@@ -199,6 +252,7 @@ class PageUpdater:
         self._held = [False] * n
         self._pending: list[tuple | None] = [None] * n
         self._inbox: queue.Queue = queue.Queue()
+        """Messages to the worker: StageGrads, (StepOrder, its deferred results), or None to stop."""
         self._busy = 0
         """Steps finished by the executor and not yet fully updated."""
         self._error: BaseException | None = None
@@ -238,18 +292,18 @@ class PageUpdater:
 
     def submit(self, step: int, i: int, grads: tuple) -> None:
         """Stage i's gradient pages of `step` (on the tier its update reads them from)."""
-        self._inbox.put(("grads", step, i, grads))
+        self._inbox.put(StageGrads(step, i, grads))
 
-    def finish(self, step: int, norm: jax.Array, guard: Guard) -> dict[str, Deferred]:
-        """All of `step`'s gradients are submitted; `norm` is their global norm. Returns the step's update norm,
-        skipped flag (1.0 when the update was dropped) and learning rate, deferred."""
+    def finish(self, order: StepOrder) -> dict[str, Deferred]:
+        """All of `order.step`'s gradients are submitted: update every stage as the order says. Returns the step's
+        update norm, skipped flag (1.0 when the update was dropped) and learning rate, deferred."""
         out = {"update_norm": Deferred(), "skipped": Deferred(), "lr": Deferred()}
         with self._cond:
             self._busy += 1
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="angel_jax-updater", daemon=True)
             self._thread.start()
-        self._inbox.put(("finish", step, norm, guard, out))
+        self._inbox.put((order, out))
         return out
 
     def drain(self) -> None:
@@ -261,14 +315,31 @@ class PageUpdater:
             self._check()
             assert not any(self._held) and not any(p is not None for p in self._pending)
 
-    def reset(self, step: int, applied: int) -> None:
-        """After the state was replaced (a checkpoint loaded): every stage is up to date at `step`."""
+    def state(self) -> UpdaterState:
+        """The updates applied and the small optimizer-state leaves, once every step in flight is updated."""
+        self.drain()
+        with self._cond:
+            return UpdaterState(self._applied, tuple(tuple(stage) for stage in self._opt_small))
+
+    def reset(self, step: int, applied: int, opt_small: Sequence[Sequence[Any]]) -> None:
+        """After the pages were replaced (a checkpoint loaded): every stage is up to date at `step`, `applied`
+        updates were applied, and `opt_small` (per stage, arrays shaped as `small_specs`) are the small leaves."""
+        if len(opt_small) != len(self.slots):
+            raise ValueError(f"opt_small has {len(opt_small)} stages, the updater {len(self.slots)}")
+        small = []
+        for slot, specs, leaves in zip(self.slots, self.small_specs, opt_small):
+            got = [(tuple(np.shape(a)), np.dtype(a.dtype)) for a in leaves]
+            if got != list(specs):
+                raise ValueError(f"stage {slot.name!r}: small optimizer leaves {got}, expected {list(specs)}")
+            at = self.placements[slot.where].compute  # where its update runs
+            small.append([jax.device_put(np.asarray(a), at) for a in leaves])
         self.drain()
         with self._cond:
             self._ahead.clear()  # the store was refilled: nothing is staged any more
             self._writing.clear()
             self._done = [step] * len(self.slots)
-            self.applied = jnp.asarray(applied, jnp.int32)
+            self._applied = jnp.asarray(applied, jnp.int32)
+            self._opt_small = small
 
     def close(self) -> None:
         if self._thread is not None:
@@ -285,35 +356,37 @@ class PageUpdater:
         grads: dict[int, tuple] = {}
         staged = False  # the first stages' disk reads of the coming step are issued
         while (msg := self._inbox.get()) is not None:
-            if msg[0] == "grads":
-                grads[msg[2]] = msg[3]
+            if isinstance(msg, StageGrads):
+                grads[msg.stage] = msg.grads
                 continue
-            _, step, norm, guard, out = msg
+            order, out = msg
+            guard, record = order.guard, order.record
             try:
                 if self._error is not None:
                     raise UpdaterError(f"an earlier stage update failed: {self._error}")
                 if not staged:
-                    self._stage_first()
+                    self._stage_first(record)
                 ok = guard.ok
                 if math.isfinite(guard.max_update_norm):
-                    total = self._norm_pass(grads, norm, guard.lr_scale)
+                    total = self._norm_pass(grads, order)
                     ok = ok & update_norm_ok(jnp.sqrt(total), StepControls(max_update_norm=guard.max_update_norm))
                 sq, applied = [], []
                 for i in range(len(self.slots)):
-                    self._stage_disk(i, wait=True)
+                    self._stage_disk(i, record, wait=True)
                     for ahead in range(i + 1, i + OPT_STAGING):
-                        self._stage_disk(ahead)
-                    s, a = self._update(i, grads.pop(i), norm, ok, guard.lr_scale)
+                        self._stage_disk(ahead, record)
+                    s, a = self._update(i, grads.pop(i), order, ok)
                     sq.append(s)
                     applied.append(a)
-                self._stage_first()  # the next step's first disk reads start now, under its forward pass
+                self._stage_first(record)  # the next step's first disk reads start now, under its forward pass
                 staged = True
                 self._settle_writes()
                 all_applied = self._on_device(applied, jnp.logical_and)
+                # The step's last use of `record`: once the update norm is set, the recorder may be finished.
                 out["update_norm"].set(jnp.sqrt(self._on_device(sq, jnp.add)))
                 out["skipped"].set(1.0 - all_applied.astype(jnp.float32))
-                out["lr"].set(self.schedule(self.applied) * guard.lr_scale)
-                self.applied = self.applied + all_applied.astype(jnp.int32)
+                out["lr"].set(self.schedule(self._applied) * guard.lr_scale)
+                self._applied = self._applied + all_applied.astype(jnp.int32)
             except BaseException as e:  # noqa: BLE001 - surfaced on the training thread
                 with self._cond:
                     self._error = self._error or e
@@ -333,11 +406,11 @@ class PageUpdater:
             total = op(total, jax.device_put(v, to))
         return total
 
-    def _stage_first(self) -> None:
+    def _stage_first(self, record: Callable[..., None] | None) -> None:
         for i in range(OPT_STAGING):
-            self._stage_disk(i)
+            self._stage_disk(i, record)
 
-    def _stage_disk(self, i: int, wait: bool = False) -> None:
+    def _stage_disk(self, i: int, record: Callable[..., None] | None, wait: bool = False) -> None:
         """Start reading stage i's optimizer pages from disk into host memory (if that is their home and they are
         not there yet), keeping at most OPT_STAGING stages staged. A read-ahead that does not fit is left for
         later; with `wait` (the stage is next) the oldest write-backs are waited for until it fits."""
@@ -358,8 +431,8 @@ class PageUpdater:
         self._ahead.add(i)
         for oid in slot.opt_ids:
             handle = self.store.prefetch(oid, "host")
-            if self.record:
-                self.record("disk", f"read {slot.name}", handle)
+            if record is not None:
+                record("disk", f"read {slot.name}", handle)
 
     def _settle_writes(self) -> None:
         """Forget the write-backs that have landed; one that failed (a disk filled by another process since the
@@ -381,40 +454,40 @@ class PageUpdater:
 
         params = to_compute(tuple(self.store.get(p, slot.where) for p in slot.param_ids))
         opt = to_compute(tuple(self.store.get(o, slot.opt_where) for o in slot.opt_ids))
-        return params, to_compute(grads), opt, to_compute(self.opt_small[i])
+        return params, to_compute(grads), opt, to_compute(self._opt_small[i])
 
-    def _norm_pass(self, grads: dict[int, tuple], norm: jax.Array, lr_scale: float) -> jax.Array:
+    def _norm_pass(self, grads: dict[int, tuple], order: StepOrder) -> jax.Array:
         """The update's global sum of squares, nothing written (disk pages are read, then dropped again)."""
-        sq = []
+        record, sq = order.record, []
         for i, slot in enumerate(self.slots):
-            self._stage_disk(i, wait=True)
+            self._stage_disk(i, record, wait=True)
             for ahead in range(i + 1, i + OPT_STAGING):
-                self._stage_disk(ahead)
+                self._stage_disk(ahead, record)
             place = self.placements[slot.where]
             params, g, opt, small = self._inputs(slot, place, grads[i], i)
             fn = self.updates.norm_pass(slot.kind, place.compute)
-            sq.append(fn(params, g, opt, small, jax.device_put(norm, place.compute),
-                         jax.device_put(np.float32(lr_scale), place.compute)))
-            if self.record:
-                self.record("host" if slot.where == "host" else "compute", f"norm {slot.name}", sq[-1])
+            sq.append(fn(params, g, opt, small, jax.device_put(order.norm, place.compute),
+                         jax.device_put(np.float32(order.guard.lr_scale), place.compute)))
+            if record is not None:
+                record("host" if slot.where == "host" else "compute", f"norm {slot.name}", sq[-1])
             if slot.opt_home == "disk":
                 jax.block_until_ready(sq[-1])  # done reading the staged copy: free it (the disk copy is current)
                 self._written_back(i, [self.store.evict(oid, "host") for oid in slot.opt_ids])
-        self._stage_first()
+        self._stage_first(record)
         return self._on_device(sq, jnp.add)
 
-    def _update(self, i: int, grads: tuple, norm: jax.Array, ok: jax.Array, lr_scale: float) -> tuple:
-        slot, store = self.slots[i], self.store
+    def _update(self, i: int, grads: tuple, order: StepOrder, ok: jax.Array) -> tuple:
+        slot, store, record = self.slots[i], self.store, order.record
         place = self.placements[slot.where]
         lock_free = self.staleness > 0 and slot.where == "host"
         fn = self.updates.get(slot.kind, place.compute, donate_params=not lock_free)
         params, grads, opt, small = self._inputs(slot, place, grads, i)
-        ready_when = grads if self.record else None  # the update starts once its gradients are home
+        ready_when = grads if record is not None else None  # the update starts once its gradients are home
         new_params, new_opt, small, update_sq, applied = fn(
-            params, grads, opt, small, jax.device_put(norm, place.compute), jax.device_put(ok, place.compute),
-            jax.device_put(np.float32(lr_scale), place.compute))
+            params, grads, opt, small, jax.device_put(order.norm, place.compute), jax.device_put(ok, place.compute),
+            jax.device_put(np.float32(order.guard.lr_scale), place.compute))
         del params, opt, grads
-        self.opt_small[i] = small
+        self._opt_small[i] = small
         new_params = jax.device_put(new_params, place.tier)
         writes = []
         for oid, arr in zip(slot.opt_ids, jax.device_put(new_opt, place.tier)):
@@ -422,13 +495,13 @@ class PageUpdater:
             if slot.opt_home == "disk":
                 handle = store.evict(oid, "host")  # written back home; the host copy is freed once it lands
                 writes.append(handle)
-                if self.record:
-                    self.record("disk", f"write {slot.name}", handle)
+                if record is not None:
+                    record("disk", f"write {slot.name}", handle)
         if slot.opt_home == "disk":
             self._written_back(i, writes)
-        if self.record:
-            self.record("host" if slot.where == "host" else "compute", f"update {slot.name}", new_params,
-                        after=ready_when)
+        if record is not None:
+            record("host" if slot.where == "host" else "compute", f"update {slot.name}", new_params,
+                   after=ready_when)
         if lock_free:
             jax.block_until_ready(new_params)  # "written": only then may the training thread pick it up
         with self._cond:

@@ -20,6 +20,10 @@ updates ran; the next step's first stages start while later stages are still bei
 With `staleness: 0` the arithmetic is the reference trainer's: the same stage functions, the same optax update,
 clipping by the same global norm; only where the bytes sit differs. So streamed and resident placements give
 bitwise-identical results, and both match the whole-model trainer to float rounding.
+
+The executor runs on the training thread and shares no field with the updater's worker: each step it sends the
+stage gradients and one immutable `StepOrder` (the step, its global norm, its guard, and the timeline hook when
+the step is recorded), and reads the answers from the deferred results.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from angel_jax.memory import PageStore
 from angel_jax.memory.layout import PageLayout
 from angel_jax.optim.guard import StepControls, before_update_ok
 from angel_jax.optim.paged import global_norm, join_opt_state
-from angel_jax.optim.updater import Guard, PageUpdater
+from angel_jax.optim.updater import Guard, PageUpdater, StepOrder
 from angel_jax.schedule.plan import Plan
 from angel_jax.schedule.stagefns import StageFunctions
 from angel_jax.schedule.timeline import Recorder, Timeline
@@ -60,10 +64,12 @@ class PagedModel:
 
 
 class PagedExecutor:
+    """One training step at a time. Every field is the training thread's: it alone calls the methods; others
+    change the executor only through them (`set_step` after a checkpoint is loaded, `record_steps`)."""
+
     def __init__(self, model: PagedModel, fns: StageFunctions, plan: Plan, store: PageStore, updater: PageUpdater):
         self.model, self.fns, self.plan, self.store, self.updater = model, fns, plan, store, updater
-        self.step_count = 0
-        """Optimizer steps taken (dispatched)."""
+        self._steps_taken = 0
         self.on_access: Callable[[str, int], None] | None = None
         """Test hook, called after each access is dispatched (e.g. to sample live device memory)."""
         self.last_timeline: Timeline | None = None
@@ -74,6 +80,18 @@ class PagedExecutor:
         self._recording: tuple[Recorder, int, Any] | None = None  # (recorder, steps left, last update norm)
         self._last_mark: Any = None  # the previous step's last computation (see `issue`)
 
+    @property
+    def step_count(self) -> int:
+        """Optimizer steps taken (dispatched)."""
+        return self._steps_taken
+
+    def set_step(self, n: int) -> None:
+        """The state was replaced by that of step `n` (a checkpoint loaded, the updater reset to the same step):
+        the next step is step n."""
+        if n < 0:
+            raise ValueError(f"step must be >= 0, got {n}")
+        self._steps_taken = n
+
     # ------------------------------------------------------------------------------------------------ one step
     def step(self, batch: jax.Array, controls: StepControls | None = None) -> dict[str, Any]:
         """One training step; returns loss, grad_norm, update_norm, lr and skipped (the last three deferred:
@@ -82,7 +100,7 @@ class PagedExecutor:
         plan, store, fns, staged, updater = self.plan, self.store, self.fns, self.model.staged, self.updater
         self._poll_recording()
         rec = self._recording[0] if self._recording and self._recording[1] > 0 else None
-        step = self.step_count
+        step = self._steps_taken
         tokens, targets = batch[:, :-1], batch[:, 1:]
         streamed = set(plan.streamed)
         refs: dict[int, int] = {}
@@ -158,8 +176,10 @@ class PagedExecutor:
         c = controls or StepControls()
         # The guard's verdict on what is known now (the update norm's comes in the updater), on the device.
         ok = before_update_ok(loss, norm, c)
-        deferred = updater.finish(step, norm, Guard(ok, float(c.max_update_norm), float(c.lr_scale)))
-        self.step_count += 1
+        order = StepOrder(step, norm, Guard(ok, float(c.max_update_norm), float(c.lr_scale)),
+                          rec.record if rec else None)
+        deferred = updater.finish(order)
+        self._steps_taken += 1
         if rec:
             recorder, left, _ = self._recording
             self._recording = (recorder, left - 1, deferred["update_norm"])
@@ -179,9 +199,7 @@ class PagedExecutor:
     def record_steps(self, steps: int = 2) -> None:
         """Record the measured timeline of the next `steps` steps, their updates included; `last_timeline` holds
         it once complete (checked at each step, or by `finish_recording`)."""
-        recorder = Recorder()
-        self._recording = (recorder, steps, None)
-        self.updater.record = recorder.record
+        self._recording = (Recorder(), steps, None)
 
     def _poll_recording(self, wait: bool = False) -> None:
         if self._recording is None:
@@ -191,8 +209,7 @@ class PagedExecutor:
             return
         if not wait and not last_norm.done():  # the last recorded step's updates are still dispatching
             return
-        last_norm.result()
-        self.updater.record = None
+        last_norm.result()  # the worker has made its last call to the recorder (see PageUpdater._run)
         self._recording = None
         timeline = recorder.finish()
         # The steady-state step, as the planner predicts it: between the starts of consecutive first forwards.
@@ -225,5 +242,5 @@ class PagedExecutor:
         self.updater.drain()
         name = self.model.staged.stages[i].name
         big = list(self.model.opt_layout.stage(name).unpack(tuple(self.store.read(o) for o in self.model.opt_ids(i))))
-        small = [np.asarray(s) for s in self.updater.opt_small[i]]
+        small = [np.asarray(s) for s in self.updater.state().opt_small[i]]
         return join_opt_state(big, small, self.fns.opt_structure[self.model.staged.stages[i].kind])

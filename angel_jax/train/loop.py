@@ -188,7 +188,7 @@ def _run(t: Trainer) -> TrainResult:
         if step < steps:
             step += 1
             batch = jax.make_array_from_process_local_data(t.engine.batch_sharding, _next_batch(t, step))
-            controls = t.monitor.controls(update_norm=getattr(t.engine, "guards_update_norm", True))
+            controls = t.monitor.controls(update_norm=t.engine.guards_update_norm)
             dispatched = (step, t.engine.step(batch, t.hooks.on_controls(step, controls)))
         if pending is not None:
             last_done, verdict = _finish(t, pending, last_done)
@@ -291,8 +291,7 @@ def _rollback(t: Trainer, bad_step: int, verdict: Verdict) -> int:
         t.events.write("rollback", step=bad_step, to_step=to_step, tier=tier, skipped_batches=window,
                        reason=verdict.reason)
         for sink in t.sinks:
-            if isinstance(sink, metrics_lib.JsonlSink):
-                sink.truncate_after(to_step)
+            sink.truncate_after(to_step)
     t.history = [r for r in t.history if r["step"] <= to_step]
     if t.progress is not None:
         t.progress.n = to_step

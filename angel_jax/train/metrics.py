@@ -89,7 +89,12 @@ def throughput(step_time: float, tokens_per_step: int, flops_per_token: float, p
 
 
 class MetricsSink(Protocol):
-    def write(self, step: int, metrics: dict[str, float]) -> None: ...
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        """One logged record of `step`."""
+
+    def truncate_after(self, step: int) -> None:
+        """The run went back to `step` (a rollback): records of later steps are recomputed and written again. A
+        sink drops what it holds of them where it can; where that means nothing, it does nothing."""
 
     def close(self) -> None: ...
 
@@ -139,6 +144,9 @@ class TensorBoardSink:
         for key, value in metrics.items():
             if isinstance(value, (int, float)):
                 self._writer.add_scalar(key, value, step)
+
+    def truncate_after(self, step: int) -> None:
+        """Nothing: event files are append-only; the recomputed steps are written again after the old ones."""
 
     def close(self) -> None:
         self._writer.close()

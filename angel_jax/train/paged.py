@@ -48,13 +48,13 @@ RECORDED_STEPS = 2
 
 def layout_fingerprint(built: PagedEngine) -> dict[str, Any]:
     """Per stage: [dtype, length] of each parameter and optimizer page, [dtype, shape] of each small leaf."""
-    model, small = built.model, built.updater.opt_small
+    model, small = built.model, built.updater.small_specs
     out = {}
     for i, stage in enumerate(model.staged.stages):
         out[stage.name] = {
             "params": [[p.dtype.name, p.length] for p in model.params_layout.stage(stage.name).pages],
             "opt": [[p.dtype.name, p.length] for p in model.opt_layout.stage(stage.name).pages],
-            "opt_small": [[np.dtype(s.dtype).name, list(s.shape)] for s in small[i]],
+            "opt_small": [[np.dtype(dtype).name, list(shape)] for shape, dtype in small[i]],
         }
     return out
 
@@ -75,6 +75,9 @@ def _first_difference(mine: dict, theirs: Any) -> str | None:
 
 
 class PagedTrainEngine:
+    """Called on the training thread only. It reads and changes the executor's and updater's state through their
+    methods (`PageUpdater.state` and `reset`, `PagedExecutor.set_step`), never by writing their fields."""
+
     name = "paged"
     guards_update_norm = False
     """The anomaly monitor leaves max_update_norm unbounded for this engine: the update norm is known only once
@@ -131,18 +134,18 @@ class PagedTrainEngine:
         for i, stage in enumerate(model.staged.stages):
             params += [(f"params/{stage.name}/{k}", pid) for k, pid in enumerate(model.param_ids(i))]
             opt += [(f"opt/{stage.name}/{k}", oid) for k, oid in enumerate(model.opt_ids(i))]
-            small += [(f"opt_small/{stage.name}/{j}", i, j) for j in range(len(self.built.updater.opt_small[i]))]
+            small += [(f"opt_small/{stage.name}/{j}", i, j) for j in range(len(self.built.updater.small_specs[i]))]
         return params, opt, small
 
     def state_arrays(self) -> dict[str, Any]:
-        self.built.updater.drain()  # lock-free mode: the last step's updates land first
+        held = self.built.updater.state()  # lock-free mode: the last step's updates land first
         self.built.store.wait_all()
-        store, small = self.built.store, self.built.updater.opt_small
+        store = self.built.store
         params, opt, small_names = self._names()
         out: dict[str, Any] = {name: store.read(pid) for name, pid in params + opt}
-        out.update({name: np.asarray(small[i][j]) for name, i, j in small_names})
+        out.update({name: np.asarray(held.opt_small[i][j]) for name, i, j in small_names})
         out["step"] = np.asarray(self.executor.step_count, np.int32)
-        out["applied"] = np.asarray(self.built.updater.applied, np.int32)
+        out["applied"] = np.asarray(held.applied, np.int32)
         return out
 
     def state_meta(self) -> dict[str, Any]:
@@ -164,8 +167,7 @@ class PagedTrainEngine:
         layout = {**{n: p for n, p in params}, **{n: o for n, o in opt}}
         store, updater, plan = self.built.store, self.built.updater, self.built.plan
         expected = {name: self._page_spec(pid) for name, pid in layout.items()}
-        expected.update({name: (tuple(updater.opt_small[i][j].shape), updater.opt_small[i][j].dtype)
-                         for name, i, j in small_names})
+        expected.update({name: updater.small_specs[i][j] for name, i, j in small_names})
         expected["step"] = expected["applied"] = ((), np.dtype(np.int32))
         check_arrays(expected, arrays, "paged engine")
         updater.drain()
@@ -177,10 +179,12 @@ class PagedTrainEngine:
         for name, pid in layout.items():  # one page at a time: never two copies of the model in flight
             store.remove(pid)
             store.add(pid, np.asarray(arrays[name]), home=homes[pid]).wait()
-        for name, i, j in small_names:
-            updater.opt_small[i][j] = jax.device_put(np.asarray(arrays[name]), updater.opt_small[i][j].sharding)
-        self.executor.step_count = int(arrays["step"])
-        updater.reset(self.executor.step_count, int(arrays["applied"]))
+        small: list[list[np.ndarray]] = [[] for _ in updater.small_specs]
+        for name, i, _ in small_names:  # in leaf order
+            small[i].append(np.asarray(arrays[name]))
+        step = int(arrays["step"])
+        updater.reset(step, int(arrays["applied"]), small)
+        self.executor.set_step(step)
 
     def _page_spec(self, page_id: int) -> tuple[tuple[int], np.dtype]:
         model = self.built.model

@@ -25,6 +25,10 @@ class TrainEngine(Protocol):
     batch_sharding: jax.sharding.Sharding
     """Where `step` expects the global batch."""
 
+    guards_update_norm: bool
+    """Whether the engine bounds the update norm when `controls.max_update_norm` is finite; the anomaly monitor
+    leaves that bound off (infinite) for an engine that does not (where guarding it would cost a second pass)."""
+
     def step(self, batch: jax.Array, controls: StepControls | None = None) -> dict[str, jax.Array]:
         """One optimizer step on a global batch int32[B, T+1]; returns loss, grad_norm (before clipping),
         update_norm, lr and skipped (1.0 when the guard dropped the update) as scalars that may still be
