@@ -16,8 +16,9 @@ The model:
 - A move copies a current copy (the source) to another tier. Budgets are checked when it is issued; a request the
   table refuses (BudgetExceeded, PagePinned, PageStoreError) raises before changing anything.
 - Copies a move takes away (`Move.frees`) are only marked *leaving*; they are dropped when the move lands and kept
-  when it fails, so a page is never without a complete copy. A failed move is rolled back: its destination is
-  dropped and a home it moved is restored.
+  when it fails, so a page is never without a complete copy. That holds for letting go of a copy in favour of
+  one still landing too (an `evict` whose target already receives the current version): the copy leaves with
+  that move. A failed move is rolled back: its destination is dropped and a home it moved is restored.
 - A dropped copy stays charged to its tier while a move still reads it, and on the disk while its own write
   runs (it *drains*); the `Free` comes with the event that ends the last of those moves. No new copy can go to
   that tier meanwhile (a tier holds one entry per page): such a request is answered `Blocked`, to be asked again
@@ -47,7 +48,8 @@ LOWER = {"device": "host", "host": "disk", "disk": None}
 @dataclass(frozen=True)
 class Move:
     """A copy to carry out: the current version of `page` from `src` (None: the page's first copy, from the
-    caller's value) to `dst`. `frees` are the tiers whose copies go once it lands. `src_copy`/`dst_copy` name
+    caller's value) to `dst`. `frees` are the tiers whose copies go once it lands (as issued: a later `evict`
+    onto its destination can add one). `src_copy`/`dst_copy` name
     the copies, so the mover can find their data; `label` describes the move for its handle."""
     id: int
     page: int
