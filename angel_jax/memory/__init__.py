@@ -2,7 +2,8 @@
 
 - `PageLayout` (layout.py): packs each stage's state pytree into single-dtype flat pages; pack/unpack under jit.
 - `Tier`, `DeviceTier`, `HostTier` (tiers.py), `DiskTier` (disk_tier.py): byte-budgeted page holders.
-- `PageStore`, `PageHandle` (store.py): where every page lives; asynchronous prefetch / evict / writeback.
+- `PageTable` (page_table.py): the rules of where pages live, as a pure state machine (events in, decisions out).
+- `PageStore`, `PageHandle` (store.py): carries out the table's moves; asynchronous prefetch / evict / writeback.
 - `bench_io.main` (bench_io.py): `angel-jax bench io`, the bandwidth calibration the scheduling pass reads.
 
 This package knows nothing about models.
