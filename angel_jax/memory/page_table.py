@@ -363,14 +363,17 @@ class PageTable:
 
     def update(self, page_id: int, tier: str) -> Decision:
         """A new version on `tier`, taking over the bytes of the current copy there; other non-home copies are
-        dropped, the home copy becomes stale. A copy still landing there is waited for (`Blocked`)."""
+        dropped, the home copy becomes stale. A copy still landing there, or still read by a move, is waited for
+        (`Blocked`)."""
         page = self._page(page_id)
         self._tier(tier)
         old = page.current(tier)
         if old is None or tier == "disk":
             raise PageStoreError(f"page {page_id}: no current copy on {tier!r} to update "
                                  f"(current copies: {page.where()})")
-        if old.maker is not None:
+        if old.maker is not None or old.readers:
+            # Still landing, or still being read by a move (a write-back home): the new version replaces the
+            # old array, which the tier deletes, so wait until nothing reads it.
             return Decision(Blocked(page_id, tier))
         page.version += 1
         new = _Copy(self._new_id(), page_id, tier, page.version, old.cost, maker=None)
