@@ -164,7 +164,7 @@ class CheckpointConfig:
     at_end: bool = doc(True, "Save a checkpoint after the last step.")
     memory_dir: str = doc("", "Memory tier (a RAM-backed directory, private to this user); empty = /dev/shm/angel_jax-<uid>/<run id>.")
     peer_dir: str = doc("", "Where each snapshot is copied in the background (a peer host's mount); empty = none.")
-    verify_on_restore: bool = doc(True, "Check every array's CRC-32 before resuming from it.")
+    verify_on_restore: bool = doc(True, "Check every array's XXH3-64 checksum before resuming from it.")
 
     def validate(self) -> list[tuple[str, str]]:
         errs = []
