@@ -155,6 +155,18 @@ def test_bad_override_names_key_and_override(override, key):
     assert repr(key) in msg and override in msg and str(TINY) in msg
 
 
+@pytest.mark.parametrize("text, override, key, instead", [
+    ("anomaly:\n  thresholds:\n    hang:\n      factor: 5.0\n", "anomaly.thresholds.hang.factor=5",
+     "anomaly.thresholds.hang", "resilience.hang_timeout_min, resilience.hang_factor"),
+    ("anomaly:\n  actions:\n    hang: log\n", "anomaly.actions.hang=log",
+     "anomaly.actions.hang", "resilience.hang_timeout_min, resilience.hang_factor"),
+])
+def test_retired_key_is_refused_by_name_with_what_to_use_instead(tmp_path, text, override, key, instead):
+    path = _write(tmp_path, text)
+    for msg, where in ((_error(path), str(path)), (_error(TINY, [override]), override)):
+        assert repr(key) in msg and instead in msg and where in msg and "unknown" not in msg
+
+
 @pytest.mark.parametrize("override", ["train.steps", "train.steps:5", "=5", "train..steps=5", ".steps=5"])
 def test_malformed_override(override):
     with pytest.raises(ConfigError) as info:

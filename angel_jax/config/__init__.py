@@ -216,7 +216,7 @@ class ResilienceConfig:
 class AnomalyDetectionConfig:
     enabled: bool = doc(True, "Run the anomaly detectors on every step's figures (TEE).")
     actions: dict = doc({}, "Detector -> action overrides, e.g. {loss_spike: log}. Detectors: nan, loss_spike, "
-                            "grad_spike, update_spike, step_time, straggler, hang, memory_growth; actions: log, "
+                            "grad_spike, update_spike, step_time, straggler, memory_growth; actions: log, "
                             "skip, rollback, restart, exclude.")
     thresholds: AnomalyConfig = sub(AnomalyConfig, "Detector thresholds (defaults: no false alarm on clean runs).")
     max_consecutive_skips: int = doc(20, "Stop the run after this many updates in a row were dropped.")
@@ -232,7 +232,7 @@ class AnomalyDetectionConfig:
             return errs + [("actions", str(e))]
         # These detectors judge figures that differ between processes (time, memory, one rank): acting on them
         # inside the step loop would split a data-parallel group. They may log, restart or exclude.
-        for name in ("step_time", "straggler", "hang", "memory_growth"):
+        for name in ("step_time", "straggler", "memory_growth"):
             if policy.action_for(name) in (Action.SKIP, Action.ROLLBACK):
                 errs.append((f"actions.{name}", f"{name} cannot be {policy.action_for(name).value!r}: "
                                                  "use log, restart or exclude"))
@@ -271,6 +271,15 @@ class Config:
 
 # --------------------------------------------------------------------------------------------- loading
 
+_HANG_KEYS = "resilience.hang_timeout_min, resilience.hang_factor and resilience.slow_phase_timeout"
+
+RETIRED: dict[str, str] = {
+    "anomaly.thresholds.hang": f"was removed: nothing fed that detector; the watchdog judges hangs by {_HANG_KEYS}",
+    "anomaly.actions.hang": f"was removed: a hang always restarts the group (and counts towards "
+                            f"resilience.exclude_after for its node); its timeouts are {_HANG_KEYS}",
+}
+"""Dotted keys that no longer exist -> what to use instead; refused by name (in a file or an override)."""
+
 
 def _coerce(value: Any, tp: Any, key: str, origin: str) -> Any:
     """Check `value` against the annotation `tp`; the only conversion is int -> float."""
@@ -285,6 +294,8 @@ def _build(cls: type, raw: Any, prefix: str, origin: str) -> Any:
     kwargs = {}
     for key, value in raw.items():
         dotted = f"{prefix}{key}"
+        if dotted in RETIRED:
+            raise ConfigError(f"{dotted!r} {RETIRED[dotted]} (in {origin})")
         if key not in names:
             raise ConfigError(f"unknown key {dotted!r} in {origin}; known keys here: {', '.join(sorted(names))}")
         tp = hints[key]
@@ -292,6 +303,9 @@ def _build(cls: type, raw: Any, prefix: str, origin: str) -> Any:
             kwargs[key] = _build(tp, value, f"{dotted}.", origin)
         else:
             kwargs[key] = _coerce(value, tp, dotted, origin)
+            for inner in kwargs[key] if isinstance(kwargs[key], dict) else ():
+                if f"{dotted}.{inner}" in RETIRED:  # a key inside a free-form mapping (anomaly.actions)
+                    raise ConfigError(f"'{dotted}.{inner}' {RETIRED[f'{dotted}.{inner}']} (in {origin})")
     return cls(**kwargs)
 
 

@@ -9,8 +9,8 @@ action is restart or exclude, exactly as for a report a worker's own detectors s
                      live rank has reported that step. In synchronous data parallelism every rank's step time is
                      the same (the fast ones wait in the collective); the busy time shows which rank the others
                      waited for, when its slowness is on the host (data, hooks, a loaded CPU). A rank whose device
-                     is slow inside the collective step does not show there. Its hang detector is not fed: the
-                     watchdog's progress timeout (resilience.hang_*) is the one hang detector here.
+                     is slow inside the collective step does not show there. Hangs are judged by the watchdog's
+                     progress timeout (resilience.hang_*), the one hang detector.
 """
 
 from __future__ import annotations
