@@ -127,7 +127,7 @@ def test_wrong_type_in_file_names_key_and_file(tmp_path, text, key):
     ("optimizer:\n  lr: -0.001\n", "optimizer.lr"),
     ("optimizer:\n  lr: 0\n", "optimizer.lr"),
     ("model:\n  d_model: 30\n  n_heads: 4\n", "model.n_heads"),
-    ("optimizer:\n  staleness: 2\n", "optimizer.staleness"),
+    ("memory:\n  staleness: 2\n", "memory.staleness"),
     ("model:\n  vocab_size: 100\n", "model.vocab_size"),  # the byte tokenizer needs 256
     ("data:\n  tokenizer: bpe\n  bpe_vocab_size: 1024\nmodel:\n  vocab_size: 512\n", "model.vocab_size"),
     ("train:\n  steps: 0\n", "train.steps"),
@@ -147,7 +147,7 @@ def test_impossible_value_in_file_names_key_and_file(tmp_path, text, key):
     ("trian.steps=5", "trian"),
     ("optimizer.lr=-1", "optimizer.lr"),
     ("model.n_heads=3", "model.n_heads"),
-    ("optimizer.staleness=2", "optimizer.staleness"),
+    ("memory.staleness=2", "memory.staleness"),
     ("model.vocab_size=255", "model.vocab_size"),
 ])
 def test_bad_override_names_key_and_override(override, key):
@@ -156,6 +156,8 @@ def test_bad_override_names_key_and_override(override, key):
 
 
 @pytest.mark.parametrize("text, override, key, instead", [
+    ("optimizer:\n  lr: 0.001\n  staleness: 1\n", "optimizer.staleness=1", "optimizer.staleness",
+     "'optimizer.staleness' moved to 'memory.staleness'"),
     ("anomaly:\n  thresholds:\n    hang:\n      factor: 5.0\n", "anomaly.thresholds.hang.factor=5",
      "anomaly.thresholds.hang", "resilience.hang_timeout_min, resilience.hang_factor"),
     ("anomaly:\n  actions:\n    hang: log\n", "anomaly.actions.hang=log",

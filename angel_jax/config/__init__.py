@@ -88,7 +88,6 @@ class OptimizerConfig:
     eps: float = doc(1e-8, "Adam epsilon.")
     weight_decay: float = doc(0.1, "Decoupled weight decay (adamw, lion).")
     grad_clip: float = doc(1.0, "Clip gradients to this global norm (0 = off).")
-    staleness: int = doc(0, "Paged engine: 0 = exact updates, 1 = lock-free (a stage may use one-step-old parameters).")
 
     def validate(self) -> list[tuple[str, str]]:
         errs = []
@@ -105,8 +104,6 @@ class OptimizerConfig:
             errs.append(("eps", "must be > 0"))
         if self.weight_decay < 0 or self.grad_clip < 0:
             errs.append(("weight_decay" if self.weight_decay < 0 else "grad_clip", "must be >= 0"))
-        if self.staleness not in (0, 1):
-            errs.append(("staleness", "must be 0 (exact) or 1 (lock-free)"))
         return errs
 
 
@@ -145,11 +142,14 @@ class MemoryConfig:
     host_budget: int = doc(0, "Bytes of pinned host memory for pages (0 = no limit beyond the machine's).")
     disk_dir: str = doc("", "Directory of the disk tier (empty = no disk tier).")
     disk_budget: int = doc(0, "Bytes the disk tier may hold (0 = no limit beyond the file system's).")
+    staleness: int = doc(0, "Paged engine: 0 = exact updates, 1 = lock-free (a stage may use one-step-old parameters).")
 
     def validate(self) -> list[tuple[str, str]]:
         errs = []
         if self.page_size < 4096:
             errs.append(("page_size", "must be >= 4096 bytes"))
+        if self.staleness not in (0, 1):
+            errs.append(("staleness", "must be 0 (exact) or 1 (lock-free)"))
         for key in ("device_budget", "host_budget", "disk_budget"):
             if getattr(self, key) < 0:
                 errs.append((key, "must be >= 0"))
@@ -274,6 +274,7 @@ class Config:
 _HANG_KEYS = "resilience.hang_timeout_min, resilience.hang_factor and resilience.slow_phase_timeout"
 
 RETIRED: dict[str, str] = {
+    "optimizer.staleness": "moved to 'memory.staleness'",
     "anomaly.thresholds.hang": f"was removed: nothing fed that detector; the watchdog judges hangs by {_HANG_KEYS}",
     "anomaly.actions.hang": f"was removed: a hang always restarts the group (and counts towards "
                             f"resilience.exclude_after for its node); its timeouts are {_HANG_KEYS}",
