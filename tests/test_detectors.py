@@ -158,14 +158,14 @@ def test_flat_plateau_with_zero_mad_needs_the_minimum_deviation():
 
 
 def step_time_seq(slow_ranges, flagged=()):
-    seq = [(0, 60.0, "compile")]
+    seq = [(0, 60.0, "compiling")]
     for i in range(1, 300):
         if i in flagged or i == 100:
-            seq.append((i, 2.0 if i in flagged else 20.0, "checkpoint"))
+            seq.append((i, 2.0 if i in flagged else 20.0, "checkpointing"))
         elif any(a <= i < b for a, b in slow_ranges):
-            seq.append((i, 2.0, "train"))
+            seq.append((i, 2.0, "training"))
         else:
-            seq.append((i, 1.0 if i % 2 else 1.02, "train"))
+            seq.append((i, 1.0 if i % 2 else 1.02, "training"))
     return seq
 
 
@@ -179,7 +179,7 @@ def test_step_time_regression_exact_steps_and_flagged_steps_ignored():
 
 
 def test_step_time_intermittent_slowness_is_not_sustained():
-    seq = [(i, 2.0 if i % 2 and i > 50 else 1.0, "train") for i in range(300)]
+    seq = [(i, 2.0 if i % 2 and i > 50 else 1.0, "training") for i in range(300)]
     assert fire_steps(StepTimeDetector(), seq)[1] == {}
 
 
@@ -276,12 +276,12 @@ def healthy_run(seed, n=2000):
     lr = np.minimum((t + 1) / 200, 1.0) * (0.1 + 0.9 * 0.5 * (1 + np.cos(np.pi * t / n)))
     update = 3.0 * lr * noise(0.05)
     step_time = 0.4 * (1 + 0.1 * rng.uniform(-1, 1, n))
-    phase = np.array(["train"] * n, dtype=object)
-    phase[0], step_time[0] = "compile", 45.0
+    phase = np.array(["training"] * n, dtype=object)
+    phase[0], step_time[0] = "compiling", 45.0
     for s in range(200, n, 200):
-        phase[s], step_time[s] = "checkpoint", 6.0
+        phase[s], step_time[s] = "checkpointing", 6.0
     for s in range(500, n, 500):
-        phase[s], step_time[s] = "eval", 3.0
+        phase[s], step_time[s] = "restoring", 3.0
     step_time[97::97] *= 3.0  # GC pauses: not flagged, not sustained
     host = 6 * GiB + 2 * GiB * (1 - np.exp(-t / 25)) + 32 * MiB * rng.standard_normal(n)
     device = 30 * GiB + 512 * MiB * (t > 0) + 4 * MiB * rng.standard_normal(n)
@@ -478,7 +478,7 @@ def test_norm_noise_inside_the_gate_never_fires(level, rel):
 @settings(max_examples=60, deadline=None)
 @given(st.floats(1e-3, 1e3), st.lists(st.floats(0.0, 0.49), min_size=30, max_size=150))
 def test_step_time_and_stragglers_below_the_factor_never_fire(base, rel):
-    seq = [(i, base * (1 + r), "train") for i, r in enumerate(rel)]
+    seq = [(i, base * (1 + r), "training") for i, r in enumerate(rel)]
     assert fire_steps(StepTimeDetector(), seq)[1] == {}
     ranks = [(i, {k: base * (1 + rel[(i + k) % len(rel)]) for k in range(6)}) for i in range(len(rel))]
     assert fire_steps(StragglerDetector(), ranks)[1] == {}

@@ -76,7 +76,7 @@ class UpdateSpikeConfig(GradSpikeConfig):
 @dataclass(frozen=True)
 class StepTimeConfig:
     enabled: bool = doc(True, "Run this detector.")
-    window: int = doc(100, "Recent normal 'train' step times kept as the baseline (their median).")
+    window: int = doc(100, "Recent normal training step times kept as the baseline (their median).")
     warmup: int = doc(20, "No judgement until the window holds this many step times.")
     factor: float = doc(1.5, "A step is slow when its time exceeds factor x the baseline median ...")
     min_excess_s: float = doc(0.01, "... and the median by at least this many seconds (millisecond steps jitter).")

@@ -1,7 +1,7 @@
 """TEE -> TOL: what to do about an anomaly, and the suites that run the detectors.
 
     suite = DetectorSuite(AnomalyConfig(), ActionPolicy.from_dict({"step_time": "log"}))
-    for anomaly in suite.update({"step": 12, "loss": 2.31, "grad_norm": 0.8, "step_time": 0.41, "phase": "train"}):
+    for anomaly in suite.update({"step": 12, "loss": 2.31, "grad_norm": 0.8, "step_time": 0.41, "phase": "training"}):
         ...  # anomaly.action is an Action; strongest(anomalies) is the one to act on
     ckpt_extra["tee"] = suite.to_dict()        # JSON; DetectorSuite.from_dict(...) on restore
 
@@ -18,8 +18,8 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from angel_jax.config.anomaly import Action, ActionPolicy  # noqa: F401 - importable from here too
+from angel_jax.phases import Phase
 from angel_jax.tee.detectors import (
-    PHASES,
     AnomalyConfig,
     Anomaly,
     MemoryGrowthDetector,
@@ -89,9 +89,10 @@ class _Suite:
         if isinstance(step, bool) or not isinstance(step, numbers.Integral):
             raise ValueError(f"observation 'step': expected an int, got {step!r}")
         out["step"] = int(step)
-        phase = out.setdefault("phase", "train")
-        if phase not in PHASES:
-            raise ValueError(f"observation 'phase': {phase!r} is not one of {', '.join(PHASES)}")
+        phase = out.setdefault("phase", Phase.TRAINING)
+        if phase not in set(Phase):
+            raise ValueError(f"observation 'phase': {phase!r} is not one of {', '.join(Phase)}")
+        out["phase"] = Phase(phase)
         return out
 
     def init(self) -> dict[str, Any]:

@@ -37,10 +37,9 @@ from angel_jax.config.anomaly import (  # noqa: F401 - the detectors' configs, i
     UpdateSpikeConfig,
 )
 from angel_jax.config.fields import typed
+from angel_jax.phases import Phase
 
 Severity = Literal["info", "warning", "error", "critical"]
-PHASES = ("train", "compile", "checkpoint", "restore", "eval")
-"""Phases a step may be flagged with; only 'train' steps are judged for step time."""
 MAD_TO_SIGMA = 1.4826
 """MAD of a normal distribution times this is its standard deviation."""
 MiB = 1 << 20
@@ -228,9 +227,10 @@ class StepTimeState(_State):
 
 
 class StepTimeDetector:
-    """Job-wide step-time regression: k of the last m 'train' steps slower than factor x the rolling median.
+    """Job-wide step-time regression: k of the last m training steps slower than factor x the rolling median.
 
-    Steps flagged with another phase (compile, checkpoint, restore, eval) are ignored entirely. Fires once per
+    Steps flagged with another phase (the first step, COMPILING; a checkpointing or restoring one) are ignored
+    entirely. Fires once per
     episode; slow steps stay out of the baseline so a lasting regression is not absorbed into it.
     """
 
@@ -243,9 +243,9 @@ class StepTimeDetector:
         return StepTimeState()
 
     def update(self, state: StepTimeState, step: int, step_time: float | None,
-               phase: str = "train") -> tuple[StepTimeState, Anomaly | None]:
+               phase: Phase = Phase.TRAINING) -> tuple[StepTimeState, Anomaly | None]:
         cfg = self.config
-        if phase != "train" or step_time is None or not math.isfinite(step_time) or step_time < 0:
+        if Phase(phase) != Phase.TRAINING or step_time is None or not math.isfinite(step_time) or step_time < 0:
             return state, None
         window = state.window[-cfg.window:]
         if len(window) < cfg.warmup:

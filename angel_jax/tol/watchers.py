@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Mapping
 
 from angel_jax.config import Config
+from angel_jax.phases import Phase
 from angel_jax.tee.actions import ActionPolicy, CrossRankSuite
 from angel_jax.tol.coordinator import AnomalyReport, CoordinatorDetector, RankView
 
@@ -41,7 +42,7 @@ class CrossRankWatch:
         common = set(live[0].busy_times).intersection(*(v.busy_times for v in live[1:]))
         reports = []
         for step in sorted(s for s in common if self.last is None or s > self.last):
-            obs = {"step": step, "rank_step_times": {v.rank: v.busy_times[step] for v in live}, "phase": "train"}
+            obs = {"step": step, "rank_step_times": {v.rank: v.busy_times[step] for v in live}, "phase": Phase.TRAINING}
             for a in self.suite.update(obs):
                 reports.append(AnomalyReport(now, a.detector, str(a.action), a.rank, a.step, a.message))
             self.last = step
