@@ -246,3 +246,19 @@ def test_describe_lists_every_key_with_a_doc():
 def test_every_section_has_a_doc():
     for f in dataclasses.fields(Config):
         assert f.metadata.get("doc"), f.name
+
+
+# --------------------------------------------------------------------------------------------- resilience
+
+
+@pytest.mark.parametrize("override, message", [
+    ("resilience.hang_factor=0.5", "'resilience.hang_factor'.*must be >= 1"),
+    ("resilience.stop_grace=-1", "'resilience.stop_grace'.*must be >= 0"),
+    ("resilience.no_progress_limit=-1", "'resilience.no_progress_limit'.*must be >= 0"),
+    ("resilience.heartbeat_lost_after=0.5", "'resilience.heartbeat_lost_after'.*longer than heartbeat_interval"),
+    ("resilience.slow_phase_timeout=.inf", "'resilience.slow_phase_timeout'.*must be a finite number"),
+    ("resilience.exclude_after=two", "'resilience.exclude_after'.*expected int"),
+])
+def test_resilience_config_validation(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [override])

@@ -1,7 +1,7 @@
 """The anomaly detectors' thresholds (TEE) and the actions taken on what they find: typed configs, one per
 detector, and the detector -> action policy. The detectors themselves (angel_jax/tee/detectors.py) are pure
-functions of these configs; the defaults are chosen so that clean runs give no anomaly (tests/test_detectors.py,
-experiments/bench/false_positives.py)."""
+functions of these configs; the defaults are chosen so that clean runs give no anomaly (tests/test_tee_detectors.py,
+tests/test_tee_actions.py, experiments/bench/false_positives.py)."""
 
 from __future__ import annotations
 

@@ -9,7 +9,8 @@ Every detector is a pure pair, optax style:
 States are frozen dataclasses of plain values and tuples; `state.to_dict()` is JSON-ready and
 `type(state).from_dict(d)` restores it (strictly), so detector states go into checkpoints. Nothing here reads a
 clock, a file or a device. Thresholds live in one typed config dataclass per detector (angel_jax/config/anomaly.py);
-the defaults are chosen so that clean runs give no anomaly (see tests/test_detectors.py).
+the defaults are chosen so that clean runs give no anomaly (see tests/test_tee_detectors.py
+and tests/test_tee_actions.py).
 
 Detectors only detect: `Anomaly.action` is left None and filled in by the policy (`actions.ActionPolicy`) when a
 `DetectorSuite` runs them.
