@@ -31,7 +31,7 @@ _CKPT_HELP = """\
 A run's checkpoints live in three tiers: memory (a RAM-backed directory, checkpoint.memory_dir), peer (a copy on
 another host, checkpoint.peer_dir) and persistent (<run_dir>/checkpoints, ordinary orbax checkpoints). `ls` lists
 each step's state per tier (snapshotted, backed_up, persisted, partial) without reading data; `verify` reads every
-committed copy and checks every array's CRC-32 (exit status 1 if any copy is damaged)."""
+committed copy and checks every array's XXH3-64 checksum (exit status 1 if any copy is damaged)."""
 
 _LAUNCH_HELP = """\
 Train CONFIG with N worker processes that form one data-parallel job (jax.distributed; gloo collectives on the

@@ -95,14 +95,14 @@ def test_plain_orbax_reads_the_persistent_checkpoint(tmp_path: Path) -> None:
     ckpt = mngr.restore(4, args=ocp.args.Composite(state=ocp.args.StandardRestore(), meta=ocp.args.JsonRestore()))
     mngr.close()
     assert ckpt.meta["meta"] == {"epoch": 1}
-    crcs = {a["name"]: a["xxh3_64"] for a in ckpt.meta["arrays"]}
+    digests = {a["name"]: a["xxh3_64"] for a in ckpt.meta["arrays"]}
     for name, want in state.items():
         if want.size == 0:  # orbax refuses zero-size arrays: described in meta only
-            assert name not in ckpt.state and name in crcs
+            assert name not in ckpt.state and name in digests
             continue
         got = np.asarray(ckpt.state[name])
         assert got.dtype == want.dtype and got.tobytes() == want.tobytes()
-        assert xxhash.xxh3_64_intdigest(got.tobytes()) == crcs[name]
+        assert xxhash.xxh3_64_intdigest(got.tobytes()) == digests[name]
 
 
 # ----------------------------------------------------------------------------------------------- consistency

@@ -127,7 +127,7 @@ def test_wrong_type_in_file_names_key_and_file(tmp_path, text, key):
     ("optimizer:\n  lr: -0.001\n", "optimizer.lr"),
     ("optimizer:\n  lr: 0\n", "optimizer.lr"),
     ("model:\n  d_model: 30\n  n_heads: 4\n", "model.n_heads"),
-    ("optimizer:\n  staleness: 2\n", "optimizer.staleness"),
+    ("memory:\n  staleness: 2\n", "memory.staleness"),
     ("model:\n  vocab_size: 100\n", "model.vocab_size"),  # the byte tokenizer needs 256
     ("data:\n  tokenizer: bpe\n  bpe_vocab_size: 1024\nmodel:\n  vocab_size: 512\n", "model.vocab_size"),
     ("train:\n  steps: 0\n", "train.steps"),
@@ -147,12 +147,26 @@ def test_impossible_value_in_file_names_key_and_file(tmp_path, text, key):
     ("trian.steps=5", "trian"),
     ("optimizer.lr=-1", "optimizer.lr"),
     ("model.n_heads=3", "model.n_heads"),
-    ("optimizer.staleness=2", "optimizer.staleness"),
+    ("memory.staleness=2", "memory.staleness"),
     ("model.vocab_size=255", "model.vocab_size"),
 ])
 def test_bad_override_names_key_and_override(override, key):
     msg = _error(TINY, ["train.steps=5", override])
     assert repr(key) in msg and override in msg and str(TINY) in msg
+
+
+@pytest.mark.parametrize("text, override, key, instead", [
+    ("optimizer:\n  lr: 0.001\n  staleness: 1\n", "optimizer.staleness=1", "optimizer.staleness",
+     "'optimizer.staleness' moved to 'memory.staleness'"),
+    ("anomaly:\n  thresholds:\n    hang:\n      factor: 5.0\n", "anomaly.thresholds.hang.factor=5",
+     "anomaly.thresholds.hang", "resilience.hang_timeout_min, resilience.hang_factor"),
+    ("anomaly:\n  actions:\n    hang: log\n", "anomaly.actions.hang=log",
+     "anomaly.actions.hang", "resilience.hang_timeout_min, resilience.hang_factor"),
+])
+def test_retired_key_is_refused_by_name_with_what_to_use_instead(tmp_path, text, override, key, instead):
+    path = _write(tmp_path, text)
+    for msg, where in ((_error(path), str(path)), (_error(TINY, [override]), override)):
+        assert repr(key) in msg and instead in msg and where in msg and "unknown" not in msg
 
 
 @pytest.mark.parametrize("override", ["train.steps", "train.steps:5", "=5", "train..steps=5", ".steps=5"])
@@ -232,3 +246,19 @@ def test_describe_lists_every_key_with_a_doc():
 def test_every_section_has_a_doc():
     for f in dataclasses.fields(Config):
         assert f.metadata.get("doc"), f.name
+
+
+# --------------------------------------------------------------------------------------------- resilience
+
+
+@pytest.mark.parametrize("override, message", [
+    ("resilience.hang_factor=0.5", "'resilience.hang_factor'.*must be >= 1"),
+    ("resilience.stop_grace=-1", "'resilience.stop_grace'.*must be >= 0"),
+    ("resilience.no_progress_limit=-1", "'resilience.no_progress_limit'.*must be >= 0"),
+    ("resilience.heartbeat_lost_after=0.5", "'resilience.heartbeat_lost_after'.*longer than heartbeat_interval"),
+    ("resilience.slow_phase_timeout=.inf", "'resilience.slow_phase_timeout'.*must be a finite number"),
+    ("resilience.exclude_after=two", "'resilience.exclude_after'.*expected int"),
+])
+def test_resilience_config_validation(override, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(None, [override])

@@ -1,4 +1,4 @@
-"""Lock-free updates (`optimizer.staleness: 1`): stages run one update behind while their update is written, the
+"""Lock-free updates (`memory.staleness: 1`): stages run one update behind while their update is written, the
 lag never exceeds one step, and training still converges like exact mode."""
 
 from __future__ import annotations
@@ -28,9 +28,9 @@ LR = 5e-4
 
 
 def _cfg(staleness: int) -> Config:
-    return Config(model=MODEL, optimizer=OptimizerConfig(name="adamw", lr=LR, warmup_steps=20, staleness=staleness),
+    return Config(model=MODEL, optimizer=OptimizerConfig(name="adamw", lr=LR, warmup_steps=20),
                   train=TrainConfig(steps=STEPS, batch_size=BATCH),
-                  memory=MemoryConfig(mode="paged", page_size=PAGE, device_budget=BUDGET))
+                  memory=MemoryConfig(mode="paged", page_size=PAGE, device_budget=BUDGET, staleness=staleness))
 
 
 def stdlib_windows(n: int, seed: int) -> np.ndarray:

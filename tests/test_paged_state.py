@@ -98,7 +98,7 @@ def test_load_state_names_what_does_not_fit(tmp_path):
 
 def test_lock_free_state_is_read_after_pending_updates(tmp_path):
     cfg = _cfg(tmp_path, device_budget=1_200_000)
-    cfg.optimizer.staleness = 1
+    cfg.memory.staleness = 1
     engine = PagedTrainEngine(cfg, _mesh())
     try:
         _steps(engine, batches(5, MODEL, 2))

@@ -116,7 +116,7 @@ class CheckpointEngine:
         self._pinned: set[int] = set()  # steps whose snapshot the background work still needs
         self._errors: list[CheckpointError] = []
         self._worker: threading.Thread | None = None
-        self._crc_pool: ThreadPoolExecutor | None = None
+        self._checksum_pool: ThreadPoolExecutor | None = None
         self._writer: SnapshotWriter | None = None
         self._cleaned = False
         self._closed = False
@@ -125,9 +125,9 @@ class CheckpointEngine:
 
     def _pool(self) -> ThreadPoolExecutor | None:
         """Threads that hash arrays (xxhash releases the GIL on large buffers)."""
-        if self.options.io_threads > 1 and self._crc_pool is None:
-            self._crc_pool = ThreadPoolExecutor(self.options.io_threads, thread_name_prefix="ckpt-hash")
-        return self._crc_pool
+        if self.options.io_threads > 1 and self._checksum_pool is None:
+            self._checksum_pool = ThreadPoolExecutor(self.options.io_threads, thread_name_prefix="ckpt-hash")
+        return self._checksum_pool
 
     def _snapshot_writer(self) -> SnapshotWriter:
         if self._writer is None:
@@ -473,8 +473,8 @@ class CheckpointEngine:
         self._closed = True
         if self._writer is not None:
             self._writer.close()
-        if self._crc_pool is not None:
-            self._crc_pool.shutdown()
+        if self._checksum_pool is not None:
+            self._checksum_pool.shutdown()
 
     def __enter__(self) -> "CheckpointEngine":
         return self

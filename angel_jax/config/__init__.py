@@ -88,7 +88,6 @@ class OptimizerConfig:
     eps: float = doc(1e-8, "Adam epsilon.")
     weight_decay: float = doc(0.1, "Decoupled weight decay (adamw, lion).")
     grad_clip: float = doc(1.0, "Clip gradients to this global norm (0 = off).")
-    staleness: int = doc(0, "Paged engine: 0 = exact updates, 1 = lock-free (a stage may use one-step-old parameters).")
 
     def validate(self) -> list[tuple[str, str]]:
         errs = []
@@ -105,8 +104,6 @@ class OptimizerConfig:
             errs.append(("eps", "must be > 0"))
         if self.weight_decay < 0 or self.grad_clip < 0:
             errs.append(("weight_decay" if self.weight_decay < 0 else "grad_clip", "must be >= 0"))
-        if self.staleness not in (0, 1):
-            errs.append(("staleness", "must be 0 (exact) or 1 (lock-free)"))
         return errs
 
 
@@ -145,11 +142,14 @@ class MemoryConfig:
     host_budget: int = doc(0, "Bytes of pinned host memory for pages (0 = no limit beyond the machine's).")
     disk_dir: str = doc("", "Directory of the disk tier (empty = no disk tier).")
     disk_budget: int = doc(0, "Bytes the disk tier may hold (0 = no limit beyond the file system's).")
+    staleness: int = doc(0, "Paged engine: 0 = exact updates, 1 = lock-free (a stage may use one-step-old parameters).")
 
     def validate(self) -> list[tuple[str, str]]:
         errs = []
         if self.page_size < 4096:
             errs.append(("page_size", "must be >= 4096 bytes"))
+        if self.staleness not in (0, 1):
+            errs.append(("staleness", "must be 0 (exact) or 1 (lock-free)"))
         for key in ("device_budget", "host_budget", "disk_budget"):
             if getattr(self, key) < 0:
                 errs.append((key, "must be >= 0"))
@@ -164,7 +164,7 @@ class CheckpointConfig:
     at_end: bool = doc(True, "Save a checkpoint after the last step.")
     memory_dir: str = doc("", "Memory tier (a RAM-backed directory, private to this user); empty = /dev/shm/angel_jax-<uid>/<run id>.")
     peer_dir: str = doc("", "Where each snapshot is copied in the background (a peer host's mount); empty = none.")
-    verify_on_restore: bool = doc(True, "Check every array's CRC-32 before resuming from it.")
+    verify_on_restore: bool = doc(True, "Check every array's XXH3-64 checksum before resuming from it.")
 
     def validate(self) -> list[tuple[str, str]]:
         errs = []
@@ -216,7 +216,7 @@ class ResilienceConfig:
 class AnomalyDetectionConfig:
     enabled: bool = doc(True, "Run the anomaly detectors on every step's figures (TEE).")
     actions: dict = doc({}, "Detector -> action overrides, e.g. {loss_spike: log}. Detectors: nan, loss_spike, "
-                            "grad_spike, update_spike, step_time, straggler, hang, memory_growth; actions: log, "
+                            "grad_spike, update_spike, step_time, straggler, memory_growth; actions: log, "
                             "skip, rollback, restart, exclude.")
     thresholds: AnomalyConfig = sub(AnomalyConfig, "Detector thresholds (defaults: no false alarm on clean runs).")
     max_consecutive_skips: int = doc(20, "Stop the run after this many updates in a row were dropped.")
@@ -232,7 +232,7 @@ class AnomalyDetectionConfig:
             return errs + [("actions", str(e))]
         # These detectors judge figures that differ between processes (time, memory, one rank): acting on them
         # inside the step loop would split a data-parallel group. They may log, restart or exclude.
-        for name in ("step_time", "straggler", "hang", "memory_growth"):
+        for name in ("step_time", "straggler", "memory_growth"):
             if policy.action_for(name) in (Action.SKIP, Action.ROLLBACK):
                 errs.append((f"actions.{name}", f"{name} cannot be {policy.action_for(name).value!r}: "
                                                  "use log, restart or exclude"))
@@ -271,6 +271,16 @@ class Config:
 
 # --------------------------------------------------------------------------------------------- loading
 
+_HANG_KEYS = "resilience.hang_timeout_min, resilience.hang_factor and resilience.slow_phase_timeout"
+
+RETIRED: dict[str, str] = {
+    "optimizer.staleness": "moved to 'memory.staleness'",
+    "anomaly.thresholds.hang": f"was removed: nothing fed that detector; the watchdog judges hangs by {_HANG_KEYS}",
+    "anomaly.actions.hang": f"was removed: a hang always restarts the group (and counts towards "
+                            f"resilience.exclude_after for its node); its timeouts are {_HANG_KEYS}",
+}
+"""Dotted keys that no longer exist -> what to use instead; refused by name (in a file or an override)."""
+
 
 def _coerce(value: Any, tp: Any, key: str, origin: str) -> Any:
     """Check `value` against the annotation `tp`; the only conversion is int -> float."""
@@ -285,6 +295,8 @@ def _build(cls: type, raw: Any, prefix: str, origin: str) -> Any:
     kwargs = {}
     for key, value in raw.items():
         dotted = f"{prefix}{key}"
+        if dotted in RETIRED:
+            raise ConfigError(f"{dotted!r} {RETIRED[dotted]} (in {origin})")
         if key not in names:
             raise ConfigError(f"unknown key {dotted!r} in {origin}; known keys here: {', '.join(sorted(names))}")
         tp = hints[key]
@@ -292,6 +304,9 @@ def _build(cls: type, raw: Any, prefix: str, origin: str) -> Any:
             kwargs[key] = _build(tp, value, f"{dotted}.", origin)
         else:
             kwargs[key] = _coerce(value, tp, dotted, origin)
+            for inner in kwargs[key] if isinstance(kwargs[key], dict) else ():
+                if f"{dotted}.{inner}" in RETIRED:  # a key inside a free-form mapping (anomaly.actions)
+                    raise ConfigError(f"'{dotted}.{inner}' {RETIRED[f'{dotted}.{inner}']} (in {origin})")
     return cls(**kwargs)
 
 

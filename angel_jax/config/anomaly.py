@@ -1,7 +1,7 @@
 """The anomaly detectors' thresholds (TEE) and the actions taken on what they find: typed configs, one per
 detector, and the detector -> action policy. The detectors themselves (angel_jax/tee/detectors.py) are pure
-functions of these configs; the defaults are chosen so that clean runs give no anomaly (tests/test_detectors.py,
-experiments/bench/false_positives.py)."""
+functions of these configs; the defaults are chosen so that clean runs give no anomaly (tests/test_tee_detectors.py,
+tests/test_tee_actions.py, experiments/bench/false_positives.py)."""
 
 from __future__ import annotations
 
@@ -76,7 +76,7 @@ class UpdateSpikeConfig(GradSpikeConfig):
 @dataclass(frozen=True)
 class StepTimeConfig:
     enabled: bool = doc(True, "Run this detector.")
-    window: int = doc(100, "Recent normal 'train' step times kept as the baseline (their median).")
+    window: int = doc(100, "Recent normal training step times kept as the baseline (their median).")
     warmup: int = doc(20, "No judgement until the window holds this many step times.")
     factor: float = doc(1.5, "A step is slow when its time exceeds factor x the baseline median ...")
     min_excess_s: float = doc(0.01, "... and the median by at least this many seconds (millisecond steps jitter).")
@@ -114,21 +114,6 @@ class StragglerConfig:
 
 
 @dataclass(frozen=True)
-class HangConfig:
-    enabled: bool = doc(True, "Run this detector (cross-rank, on the coordinator).")
-    min_timeout_s: float = doc(60.0, "No hang is declared in a 'train' step before this many seconds.")
-    factor: float = doc(10.0, "Otherwise the timeout is factor x the expected step time, when that is longer.")
-    slow_phase_timeout_s: float = doc(900.0, "Minimum timeout during compile, checkpoint, restore or eval phases.")
-    startup_timeout_s: float = doc(900.0, "Minimum timeout while no expected step time is known (first steps).")
-
-    def validate(self) -> list[tuple[str, str]]:
-        errs: list = []
-        for key in ("min_timeout_s", "factor", "slow_phase_timeout_s", "startup_timeout_s"):
-            check(errs, getattr(self, key) > 0, key, "must be > 0")
-        return errs
-
-
-@dataclass(frozen=True)
 class MemoryGrowthConfig:
     enabled: bool = doc(True, "Run this detector (host and device bytes separately).")
     window: int = doc(200, "Observations in the trend window (least-squares slope of bytes vs step).")
@@ -153,8 +138,6 @@ class AnomalyConfig:
     update_spike: UpdateSpikeConfig = sub(UpdateSpikeConfig, "Update-norm spikes (robust z-score).")
     step_time: StepTimeConfig = sub(StepTimeConfig, "Job-wide step-time regression.")
     straggler: StragglerConfig = sub(StragglerConfig, "Straggler ranks (coordinator).")
-    hang: HangConfig = sub(HangConfig, "Hangs, for coordinators built on CrossRankSuite; `angel-jax launch` judges "
-                                        "hangs by resilience.hang_* instead.")
     memory_growth: MemoryGrowthConfig = sub(MemoryGrowthConfig, "Host/device memory leak trends.")
 
     def validate(self) -> list[tuple[str, str]]:
@@ -195,7 +178,6 @@ class ActionPolicy:
     update_spike: Action = doc(Action.SKIP, "Update-norm spike: drop this batch's update.")
     step_time: Action = doc(Action.LOG, "Job-wide slowdown: nothing a restart reliably fixes; report it.")
     straggler: Action = doc(Action.LOG, "Straggler rank: report (see the class doc for why not exclude).")
-    hang: Action = doc(Action.RESTART, "Hang: the group is stuck; restart from the last checkpoint.")
     memory_growth: Action = doc(Action.RESTART, "Leak: restart before it runs out of memory.")
 
     @classmethod

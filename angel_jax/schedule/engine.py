@@ -179,7 +179,7 @@ def plan_for(cfg: Config, bp: Blueprint, store: PageStore, example_batch: jax.Ar
     budgets = Budgets(device=device_budget(cfg, device), host=cfg.memory.host_budget or None,
                       disk=disk_budget(cfg) if cfg.memory.disk_dir else 0,
                       fixed_device=fixed_device_bytes(cfg, example_batch.shape[0]))
-    plan = make_plan(costs, bw, budgets, staleness=cfg.optimizer.staleness, shared_cpu=device.platform == "cpu")
+    plan = make_plan(costs, bw, budgets, staleness=cfg.memory.staleness, shared_cpu=device.platform == "cpu")
     return plan, costs, bw, budgets
 
 
@@ -215,7 +215,7 @@ def build_paged_engine(cfg: Config, params: Any, example_batch: jax.Array, *,
         small.append([jax.device_put(np.asarray(s), where[home].compute) for s in small_leaves])
         slots.append(StageSlot(stage.name, stage.kind, model.param_ids(i), model.opt_ids(i), home, plan.opt_home[i]))
         store.wait_all()  # one stage at a time: host memory holds at most one stage's staging copies
-    updater = PageUpdater(store, slots, bp.updates, small, where, bp.schedule, staleness=cfg.optimizer.staleness)
+    updater = PageUpdater(store, slots, bp.updates, small, where, bp.schedule, staleness=cfg.memory.staleness)
     executor = PagedExecutor(model, bp.fns, plan, store, updater)
     log.info("paged engine: %d stages, %d resident, prefetch %d, predicted step %.3f s",
              len(staged.stages), len(plan.resident), plan.prefetch, plan.predicted.step_time)

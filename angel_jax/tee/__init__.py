@@ -5,7 +5,6 @@ feed the suites and act on what they return."""
 from angel_jax.tee.actions import CrossRankSuite, DetectorSuite, strongest
 from angel_jax.tee.detectors import (
     Anomaly,
-    HangDetector,
     MemoryGrowthDetector,
     NanDetector,
     SpikeDetector,
@@ -14,6 +13,6 @@ from angel_jax.tee.detectors import (
 )
 
 __all__ = [
-    "Anomaly", "CrossRankSuite", "DetectorSuite", "HangDetector", "MemoryGrowthDetector", "NanDetector",
+    "Anomaly", "CrossRankSuite", "DetectorSuite", "MemoryGrowthDetector", "NanDetector",
     "SpikeDetector", "StepTimeDetector", "StragglerDetector", "strongest",
 ]

@@ -1,13 +1,13 @@
 """TEE -> TOL: what to do about an anomaly, and the suites that run the detectors.
 
     suite = DetectorSuite(AnomalyConfig(), ActionPolicy.from_dict({"step_time": "log"}))
-    for anomaly in suite.update({"step": 12, "loss": 2.31, "grad_norm": 0.8, "step_time": 0.41, "phase": "train"}):
+    for anomaly in suite.update({"step": 12, "loss": 2.31, "grad_norm": 0.8, "step_time": 0.41, "phase": "training"}):
         ...  # anomaly.action is an Action; strongest(anomalies) is the one to act on
     ckpt_extra["tee"] = suite.to_dict()        # JSON; DetectorSuite.from_dict(...) on restore
 
 `DetectorSuite` runs the per-step detectors inside a worker (NaN, loss / gradient-norm / update-norm spikes,
-step-time regression, host and device memory growth); `CrossRankSuite` runs the straggler and hang detectors on
-the coordinator's heartbeat data. Both are thin stateful shells around the pure detectors: `step(state, obs)`
+step-time regression, host and device memory growth); `CrossRankSuite` runs the straggler detector on the
+coordinator's heartbeat data. Both are thin stateful shells around the pure detectors: `step(state, obs)`
 is the pure form, `update(obs)` keeps the state in the object.
 """
 
@@ -18,11 +18,10 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from angel_jax.config.anomaly import Action, ActionPolicy  # noqa: F401 - importable from here too
+from angel_jax.phases import Phase
 from angel_jax.tee.detectors import (
-    PHASES,
     AnomalyConfig,
     Anomaly,
-    HangDetector,
     MemoryGrowthDetector,
     NanDetector,
     SpikeDetector,
@@ -90,9 +89,10 @@ class _Suite:
         if isinstance(step, bool) or not isinstance(step, numbers.Integral):
             raise ValueError(f"observation 'step': expected an int, got {step!r}")
         out["step"] = int(step)
-        phase = out.setdefault("phase", "train")
-        if phase not in PHASES:
-            raise ValueError(f"observation 'phase': {phase!r} is not one of {', '.join(PHASES)}")
+        phase = out.setdefault("phase", Phase.TRAINING)
+        if phase not in set(Phase):
+            raise ValueError(f"observation 'phase': {phase!r} is not one of {', '.join(Phase)}")
+        out["phase"] = Phase(phase)
         return out
 
     def init(self) -> dict[str, Any]:
@@ -191,33 +191,22 @@ class DetectorSuite(_Suite):
 
 
 class CrossRankSuite(_Suite):
-    """Straggler + hang detectors on the coordinator. Observation keys: step (required; for a hang, the last
-    step reached), rank_step_times (rank -> seconds, for the stragglers), now and last_progress (seconds on the
-    coordinator's clock; last_progress is one time or rank -> time), expected_step_time (s), phase."""
+    """The straggler detector on the coordinator. Observation keys: step (required), rank_step_times (rank ->
+    seconds), phase. Hangs are the watchdog's own judgement (its progress timeout, resilience.hang_*), not a
+    detector here."""
 
-    KEYS = ("step", "rank_step_times", "now", "last_progress", "expected_step_time", "phase")
-    KEYS_ALL = ("straggler", "hang")
+    KEYS = ("step", "rank_step_times", "phase")
+    KEYS_ALL = ("straggler",)
 
     def _build(self) -> dict[str, Any]:
-        dets = {"straggler": StragglerDetector(self.config.straggler), "hang": HangDetector(self.config.hang)}
-        return {key: det for key, det in dets.items() if det.config.enabled}
+        det = StragglerDetector(self.config.straggler)
+        return {"straggler": det} if det.config.enabled else {}
 
     def _check(self, obs: Mapping[str, Any]) -> dict:
         out = super()._check(obs)
         if "rank_step_times" in out:
             out["rank_step_times"] = _rank_map("rank_step_times", out["rank_step_times"])
-        for key in ("now", "expected_step_time"):
-            if key in out:
-                out[key] = _real(key, out[key])
-        if "last_progress" in out:
-            lp = out["last_progress"]
-            out["last_progress"] = (_rank_map("last_progress", lp) if isinstance(lp, Mapping)
-                                    else _real("last_progress", lp))
         return out
 
     def _args(self, key: str, obs: dict) -> tuple | None:
-        if key == "straggler":
-            return (obs["step"], obs["rank_step_times"]) if "rank_step_times" in obs else None
-        if "now" not in obs or "last_progress" not in obs:
-            return None
-        return (obs["step"], obs["now"], obs["last_progress"], obs.get("expected_step_time"), obs["phase"])
+        return (obs["step"], obs["rank_step_times"]) if "rank_step_times" in obs else None

@@ -8,8 +8,9 @@ Every detector is a pure pair, optax style:
 
 States are frozen dataclasses of plain values and tuples; `state.to_dict()` is JSON-ready and
 `type(state).from_dict(d)` restores it (strictly), so detector states go into checkpoints. Nothing here reads a
-clock, a file or a device: the hang detector is handed `now`. Thresholds live in one typed config dataclass per
-detector (angel_jax/config/anomaly.py); the defaults are chosen so that clean runs give no anomaly (see tests/test_detectors.py).
+clock, a file or a device. Thresholds live in one typed config dataclass per detector (angel_jax/config/anomaly.py);
+the defaults are chosen so that clean runs give no anomaly (see tests/test_tee_detectors.py
+and tests/test_tee_actions.py).
 
 Detectors only detect: `Anomaly.action` is left None and filled in by the policy (`actions.ActionPolicy`) when a
 `DetectorSuite` runs them.
@@ -28,7 +29,6 @@ from typing import Any, Literal
 from angel_jax.config.anomaly import (  # noqa: F401 - the detectors' configs, importable from here too
     AnomalyConfig,
     GradSpikeConfig,
-    HangConfig,
     LossSpikeConfig,
     MemoryGrowthConfig,
     NanConfig,
@@ -38,10 +38,9 @@ from angel_jax.config.anomaly import (  # noqa: F401 - the detectors' configs, i
     UpdateSpikeConfig,
 )
 from angel_jax.config.fields import typed
+from angel_jax.phases import Phase
 
 Severity = Literal["info", "warning", "error", "critical"]
-PHASES = ("train", "compile", "checkpoint", "restore", "eval")
-"""Phases a step may be flagged with; only 'train' steps are judged for step time."""
 MAD_TO_SIGMA = 1.4826
 """MAD of a normal distribution times this is its standard deviation."""
 MiB = 1 << 20
@@ -229,9 +228,10 @@ class StepTimeState(_State):
 
 
 class StepTimeDetector:
-    """Job-wide step-time regression: k of the last m 'train' steps slower than factor x the rolling median.
+    """Job-wide step-time regression: k of the last m training steps slower than factor x the rolling median.
 
-    Steps flagged with another phase (compile, checkpoint, restore, eval) are ignored entirely. Fires once per
+    Steps flagged with another phase (the first step, COMPILING; a checkpointing or restoring one) are ignored
+    entirely. Fires once per
     episode; slow steps stay out of the baseline so a lasting regression is not absorbed into it.
     """
 
@@ -244,9 +244,9 @@ class StepTimeDetector:
         return StepTimeState()
 
     def update(self, state: StepTimeState, step: int, step_time: float | None,
-               phase: str = "train") -> tuple[StepTimeState, Anomaly | None]:
+               phase: Phase = Phase.TRAINING) -> tuple[StepTimeState, Anomaly | None]:
         cfg = self.config
-        if phase != "train" or step_time is None or not math.isfinite(step_time) or step_time < 0:
+        if Phase(phase) != Phase.TRAINING or step_time is None or not math.isfinite(step_time) or step_time < 0:
             return state, None
         window = state.window[-cfg.window:]
         if len(window) < cfg.warmup:
@@ -322,57 +322,6 @@ class StragglerDetector:
             anomaly = Anomaly(self.name, step, "warning", "step_time", message, valid[r], med, threshold, rank=r)
         ranks = tuple((r, seen, flags) for r, (seen, flags) in sorted(history.items()))
         return StragglerState(ranks, tuple(sorted(active))), anomaly
-
-
-# --------------------------------------------------------------------------------------------- hangs
-
-
-@dataclass(frozen=True, slots=True)
-class HangState(_State):
-    reported: float | None = None  # last-progress time of the stall already reported
-
-
-class HangDetector:
-    """No progress for longer than max(min timeout for the phase, factor x expected step time).
-
-    `now` and the last-progress time come from the caller's clock (the detector reads none). With a mapping
-    rank -> last-progress time, the rank that progressed least recently is named. Fires once per stall.
-    """
-
-    name = "hang"
-
-    def __init__(self, config: HangConfig = HangConfig()):
-        self.config = config
-
-    def init(self) -> HangState:
-        return HangState()
-
-    def timeout(self, expected_step_time: float | None, phase: str = "train") -> float:
-        cfg = self.config
-        floor = cfg.min_timeout_s if phase == "train" else max(cfg.min_timeout_s, cfg.slow_phase_timeout_s)
-        if expected_step_time is None or not math.isfinite(expected_step_time) or expected_step_time <= 0:
-            return max(floor, cfg.startup_timeout_s)
-        return max(floor, cfg.factor * expected_step_time)
-
-    def update(self, state: HangState, step: int, now: float, last_progress: float | Mapping[int, float],
-               expected_step_time: float | None = None, phase: str = "train") -> tuple[HangState, Anomaly | None]:
-        rank = None
-        if isinstance(last_progress, Mapping):
-            if not last_progress:
-                return state, None
-            last, rank = min((float(t), int(r)) for r, t in last_progress.items())
-        else:
-            last = float(last_progress)
-        timeout = self.timeout(expected_step_time, phase)
-        stalled = now - last
-        if stalled <= timeout or state.reported == last:
-            return state, None
-        who = "" if rank is None else f" (rank {rank} is the furthest behind)"
-        expected = "unknown" if expected_step_time is None else f"{expected_step_time:.4g}s"
-        message = (f"hang after step {step}: no progress for {stalled:.1f}s > timeout {timeout:.1f}s "
-                   f"(phase {phase}, expected step time {expected}){who}")
-        return HangState(last), Anomaly(self.name, step, "critical", "progress", message, stalled,
-                                        expected_step_time, timeout, rank=rank)
 
 
 # --------------------------------------------------------------------------------------------- memory growth

@@ -33,10 +33,8 @@ from typing import Any, Mapping, Protocol, Sequence
 
 from angel_jax.config import ResilienceConfig
 from angel_jax.errors import EXIT_EXCLUDE, EXIT_RESTART
+from angel_jax.phases import BEFORE_FIRST_STEP, SLOW_PHASES, Phase
 
-
-SLOW_PHASES = frozenset({"starting", "init", "setup", "restoring", "compiling", "checkpointing", "done"})
-"""Phases that make no step progress by nature; the hang timeout is at least `slow_phase_timeout` in them."""
 FATAL_ACTIONS = ("restart", "exclude")
 STEP_TIME_SAMPLES = 256
 
@@ -222,7 +220,7 @@ class RankView:
     """The highest step this rank reached in this attempt."""
     start_step: int | None = None
     """The step this attempt started from (the restored checkpoint), once reported."""
-    phase: str = "starting"
+    phase: Phase = Phase.STARTING
     loss: float | None = None
     step_time: float | None = None
     seq: int = -1
@@ -244,7 +242,7 @@ class Failure:
     rank: int | None
     node: str | None
     step: int | None
-    phase: str
+    phase: Phase
     detail: str
     """One line naming the worker, its exit status or signal, the step and phase."""
     action: str = "restart"
@@ -363,14 +361,14 @@ class Watchdog:
             return out + self._anomaly(AnomalyReport(e.now, body["detector"], body["action"],
                                                      body.get("anomaly_rank", view.rank), body["anomaly_step"],
                                                      body["message"], source=f"rank{view.rank}"))
-        out += self._progress(view, e.now, body["step"], body["phase"], body)
+        out += self._progress(view, e.now, body["step"], Phase(body["phase"]), body)
         if first_contact and self.state == State.STARTING and all(v.last_seen is not None for v in self.ranks.values()):
             out += self._to(State.WARMUP, "every worker reported")
         return out
 
-    def _progress(self, view: RankView, now: float, step: int, phase: str, body: Mapping[str, Any]) -> list[Action]:
+    def _progress(self, view: RankView, now: float, step: int, phase: Phase, body: Mapping[str, Any]) -> list[Action]:
         out: list[Action] = []
-        if view.start_step is None and phase not in ("starting", "init", "setup", "restoring"):
+        if view.start_step is None and phase not in BEFORE_FIRST_STEP:
             view.start_step = step
             if view.rank == 0 and (self.attempt > 0 or step > 0):
                 lost = None if self.prev_attempt_best is None else max(0, self.prev_attempt_best - step)
@@ -417,7 +415,7 @@ class Watchdog:
         def span(a: float | None, b: float | None) -> float | None:
             return None if a is None or b is None else round(b - a, 3)
 
-        restoring, compiling = self.phase_at.get("restoring"), self.phase_at.get("compiling")
+        restoring, compiling = self.phase_at.get(Phase.RESTORING), self.phase_at.get(Phase.COMPILING)
         start = self.ranks[0].spawned if self.ranks else None
         return {"detection_s": span(self.fault_at, self.detected_at),
                 "teardown_s": span(self.detected_at, self.stopped_at),
@@ -460,7 +458,7 @@ class Watchdog:
         where = f"rank {e.rank} (node {view.node})" if view is not None else "the group"
         return self._fail(e.now, e.now, Failure(
             "anomaly", self.attempt, e.rank, view.node if view else None, e.step,
-            view.phase if view else "training",
+            view.phase if view else Phase.TRAINING,
             f"{e.detector} on {where} at step {e.step} asked for {e.action}: {e.message}", action=e.action),
             extra=fields)
 

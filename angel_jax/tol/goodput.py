@@ -26,6 +26,8 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any, Iterable
 
+from angel_jax.phases import Phase
+
 CATEGORIES = ("detection_recovery", "lost_progress", "restore", "checkpoint_stall", "startup_compile", "shutdown")
 """Badput categories, highest priority first."""
 _PRIORITY = {c: len(CATEGORIES) - i for i, c in enumerate(CATEGORIES)}
@@ -75,9 +77,9 @@ def _labels(events: list[dict[str, Any]], t0: float, t1: float) -> list[tuple[fl
         labels.append((rec["spawn"], rec.get("first", end), "startup_compile"))
         phases = rec["phases"] + [(end, None)]
         for (start, phase), (stop, _) in zip(phases, phases[1:]):
-            if phase == "restoring":
+            if phase == Phase.RESTORING:
                 labels.append((start, min(stop, end), "restore"))
-            elif phase == "checkpointing":
+            elif phase == Phase.CHECKPOINTING:
                 labels.append((start, min(stop, end), "checkpoint_stall"))
         if fault is not None:
             resumed = nxt.get("resumed") if nxt is not None else max(rec["ckpts"], default=None)

@@ -40,6 +40,7 @@ import threading
 import time
 from typing import Any, Callable, Mapping
 
+from angel_jax.phases import WORKER_PHASES, Phase
 from angel_jax.train.hooks import TrainHooks
 
 log = logging.getLogger(__name__)
@@ -48,7 +49,6 @@ VERSION = 1
 MAX_LINE = 64 * 1024
 """Longest accepted line in bytes; a longer one is rejected and its connection closed."""
 KINDS = ("heartbeat", "checkpoint", "anomaly", "exit")
-PHASES = ("init", "setup", "restoring", "compiling", "training", "checkpointing", "done")
 STEP_MIN_INTERVAL = 0.05
 """Step-only updates are sent at most this often (phase changes, checkpoints and anomalies at once)."""
 MAX_TIMES = 64
@@ -118,7 +118,7 @@ def validate(body: Any, n_ranks: int) -> dict[str, Any]:
         raise Rejected(f"malformed: protocol version {body['v']}, expected {VERSION}")
     if not 0 <= body["rank"] < n_ranks:
         raise Rejected(f"malformed: rank {body['rank']} outside 0..{n_ranks - 1}")
-    if body["phase"] not in PHASES:
+    if body["phase"] not in WORKER_PHASES:
         raise Rejected(f"malformed: unknown phase {body['phase']!r}")
     if body["step"] < 0 or body["attempt"] < 0:
         raise Rejected("malformed: negative step or attempt")
@@ -273,7 +273,7 @@ class HeartbeatClient(TrainHooks):
         self._lock = threading.Condition()
         self._send_lock = threading.Lock()
         self._seq = 0
-        self._step, self._phase = 0, "init"
+        self._step, self._phase = 0, Phase.INIT
         self._loss: float | None = None
         self._step_time: float | None = None
         self._times: list[list] = []
@@ -289,7 +289,7 @@ class HeartbeatClient(TrainHooks):
 
     # ------------------------------------------------------------------ hooks
 
-    def on_phase(self, phase: str, step: int) -> None:
+    def on_phase(self, phase: Phase, step: int) -> None:
         # Sent from the training thread itself, before it goes on: a phase change is rare, a loopback write takes
         # microseconds, and a process killed right after entering a phase (a crash inside a checkpoint write) has
         # still told the watchdog where it died.
@@ -393,7 +393,7 @@ class HeartbeatClient(TrainHooks):
                     return
                 step_only = self._wake and not self._urgent
                 wait = self._last_step_sent + STEP_MIN_INTERVAL - time.monotonic()
-                if step_only and wait > 0 and self._phase == "training":
+                if step_only and wait > 0 and self._phase == Phase.TRAINING:
                     self._lock.wait(timeout=wait)  # coalesce fast steps; a phase change or an anomaly still wakes us
                 self._wake = False
             # Lock order: _send_lock, then _lock; messages are numbered and sent under both, so in seq order.

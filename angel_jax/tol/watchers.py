@@ -9,8 +9,8 @@ action is restart or exclude, exactly as for a report a worker's own detectors s
                      live rank has reported that step. In synchronous data parallelism every rank's step time is
                      the same (the fast ones wait in the collective); the busy time shows which rank the others
                      waited for, when its slowness is on the host (data, hooks, a loaded CPU). A rank whose device
-                     is slow inside the collective step does not show there. Its hang detector is not fed: the
-                     watchdog's progress timeout (resilience.hang_*) is the one hang detector here.
+                     is slow inside the collective step does not show there. Hangs are judged by the watchdog's
+                     progress timeout (resilience.hang_*), the one hang detector.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from __future__ import annotations
 from typing import Mapping
 
 from angel_jax.config import Config
+from angel_jax.phases import Phase
 from angel_jax.tee.actions import ActionPolicy, CrossRankSuite
 from angel_jax.tol.coordinator import AnomalyReport, CoordinatorDetector, RankView
 
@@ -41,7 +42,7 @@ class CrossRankWatch:
         common = set(live[0].busy_times).intersection(*(v.busy_times for v in live[1:]))
         reports = []
         for step in sorted(s for s in common if self.last is None or s > self.last):
-            obs = {"step": step, "rank_step_times": {v.rank: v.busy_times[step] for v in live}, "phase": "train"}
+            obs = {"step": step, "rank_step_times": {v.rank: v.busy_times[step] for v in live}, "phase": Phase.TRAINING}
             for a in self.suite.update(obs):
                 reports.append(AnomalyReport(now, a.detector, str(a.action), a.rank, a.step, a.message))
             self.last = step

@@ -35,6 +35,7 @@ import psutil
 from angel_jax.config import AnomalyDetectionConfig
 from angel_jax.errors import AngelError
 from angel_jax.optim.guard import StepControls
+from angel_jax.phases import Phase
 from angel_jax.tee.actions import Action, ActionPolicy, DetectorSuite
 from angel_jax.tee.detectors import Anomaly
 from angel_jax.tee.events import EventLog
@@ -109,7 +110,7 @@ class AnomalyMonitor:
 
     # --------------------------------------------------------------------------------------------- observing
 
-    def observe(self, step: int, values: dict[str, float], *, phase: str = "train") -> Verdict:
+    def observe(self, step: int, values: dict[str, float], *, phase: Phase = Phase.TRAINING) -> Verdict:
         """Run the detectors on step `step`'s figures; write events; return what the loop must do. Raises
         TrainingDiverged when updates keep being dropped."""
         skipped = values.get("skipped", 0.0) >= 0.5

@@ -293,7 +293,7 @@ def list_table(run_dir: Path) -> list[str]:
 
 def verify_report(run_dir: Path, step: int | None = None) -> tuple[bool, list[str]]:
     """`angel-jax ckpt verify`: read every committed copy of `step` (default: every step) and check each array's
-    CRC-32. Returns (all good, lines)."""
+    XXH3-64 checksum. Returns (all good, lines)."""
     with engine_for_run(run_dir) as engine:
         committed = [i.step for i in engine.list() if i.committed]
         if step is not None and step not in committed:

@@ -26,14 +26,14 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterable
 
-PHASES = ("setup", "restoring", "compiling", "training", "checkpointing", "done")
+from angel_jax.phases import TRAINER_PHASES, Phase  # noqa: F401 - TRAINER_PHASES: what on_phase is called with
 
 
 class TrainHooks:
     """Base class: every method does nothing. Subclass and override what you need."""
 
-    def on_phase(self, phase: str, step: int) -> None:
-        """The run enters `phase` (one of PHASES) at `step` (the last completed step)."""
+    def on_phase(self, phase: Phase, step: int) -> None:
+        """The run enters `phase` (one of TRAINER_PHASES) at `step` (the last completed step)."""
 
     def on_batch(self, step: int, index: int, rows: Any) -> Any:
         """This process's rows of the batch of `step` (global batch `index`); return them, or a replacement."""
@@ -73,7 +73,7 @@ class HookList(TrainHooks):
     def __init__(self, hooks: Iterable[TrainHooks]):
         self.hooks = list(hooks)
 
-    def on_phase(self, phase: str, step: int) -> None:
+    def on_phase(self, phase: Phase, step: int) -> None:
         for h in self.hooks:
             h.on_phase(phase, step)
 

@@ -24,6 +24,7 @@ from angel_jax import config as config_lib
 from angel_jax import data as data_lib
 from angel_jax.config import Config
 from angel_jax.errors import EXIT_EXCLUDE, EXIT_RESTART
+from angel_jax.phases import Phase
 from angel_jax.tee.actions import Action
 from angel_jax.tee.events import EventLog
 from angel_jax.train import metrics as metrics_lib
@@ -104,7 +105,7 @@ def _data(cfg: Config) -> data_lib.TokenIterator:
 def setup(cfg: Config, hooks: HookList) -> Trainer:
     run_dir = cfg.run_dir
     is_primary = jax.process_index() == 0
-    hooks.on_phase("setup", 0)
+    hooks.on_phase(Phase.SETUP, 0)
     run_dir.mkdir(parents=True, exist_ok=True)
     devices = jax.devices()
     if cfg.train.batch_size % len(devices):
@@ -123,7 +124,7 @@ def setup(cfg: Config, hooks: HookList) -> Trainer:
     if not cfg.train.resume:
         checkpointer.archive_existing()
     else:
-        hooks.on_phase("restoring", 0)
+        hooks.on_phase(Phase.RESTORING, 0)
         restored = checkpointer.restore_latest()
         if restored is not None:
             start_step, arrays, meta, tier = restored
@@ -175,7 +176,7 @@ def _run(t: Trainer) -> TrainResult:
     if t.is_primary:
         print(memory_report(cfg, t.mesh, t.engine.memory_report()), flush=True)
     t.progress = _progress(t)
-    t.hooks.on_phase("compiling", t.start_step)
+    t.hooks.on_phase(Phase.COMPILING, t.start_step)
 
     if t.start_step == steps and steps > 0 and not t.checkpointer.persisted(steps):
         # Resumed at the end from a copy that never reached the persistent tier (the process was killed while
@@ -207,11 +208,11 @@ def _run(t: Trainer) -> TrainResult:
             last_done = time.perf_counter()  # the save's blocking part is not a training step
     if t.progress is not None:
         t.progress.close()
-    t.hooks.on_phase("checkpointing", steps)  # the final checkpoint is committed before train() returns
+    t.hooks.on_phase(Phase.CHECKPOINTING, steps)  # the final checkpoint is committed before train() returns
     t.checkpointer.close()
-    t.hooks.on_phase("training", steps)
+    t.hooks.on_phase(Phase.TRAINING, steps)
     _report_checkpoint_errors(t)
-    t.hooks.on_phase("done", steps)
+    t.hooks.on_phase(Phase.DONE, steps)
     return TrainResult(t.run_dir, steps, t.history, t.engine.params())
 
 
@@ -231,7 +232,7 @@ def _checkpoint_due(cfg: Config, step: int) -> bool:
 
 
 def _save(t: Trainer, step: int) -> None:
-    t.hooks.on_phase("checkpointing", step)
+    t.hooks.on_phase(Phase.CHECKPOINTING, step)
     meta = {"data": t.data.state().to_dict(), "engine": t.engine.state_meta(), "data_skips": t.skips,
             "tee": t.monitor.state_dict()}
     # Engines with immutable state let the checkpoint hold it and copy it in the background (no stall).
@@ -248,7 +249,7 @@ def _save(t: Trainer, step: int) -> None:
     t.trail = {}
     t.monitor.checkpoint_saved()
     t.hooks.on_checkpoint(step, info)
-    t.hooks.on_phase("training", step)
+    t.hooks.on_phase(Phase.TRAINING, step)
 
 
 def _act(t: Trainer, bad_step: int, verdict: Verdict) -> int:
@@ -263,7 +264,7 @@ def _act(t: Trainer, bad_step: int, verdict: Verdict) -> int:
 
 def _rollback(t: Trainer, bad_step: int, verdict: Verdict) -> int:
     """Back to the newest valid checkpoint (or the initial state), with the data moved past the bad window."""
-    t.hooks.on_phase("restoring", bad_step)
+    t.hooks.on_phase(Phase.RESTORING, bad_step)
     t.checkpointer.wait()  # a save still being committed is the newest good state
     restored = t.checkpointer.restore_latest()
     # The detectors go back with the model: their baselines describe the restored state's figures.
@@ -296,7 +297,7 @@ def _rollback(t: Trainer, bad_step: int, verdict: Verdict) -> int:
     if t.progress is not None:
         t.progress.n = to_step
         t.progress.refresh()
-    t.hooks.on_phase("training", to_step)
+    t.hooks.on_phase(Phase.TRAINING, to_step)
     return to_step
 
 
@@ -317,8 +318,8 @@ def _finish(t: Trainer, pending: tuple[int, dict], last_done: float) -> tuple[fl
     step_time = done - last_done
     if step == t.start_step + 1:
         values["perf/first_step_time"] = step_time  # includes compilation
-        t.hooks.on_phase("training", step)
-        phase = "compile"
+        t.hooks.on_phase(Phase.TRAINING, step)
+        phase = Phase.COMPILING
     else:
         tokens = t.cfg.train.batch_size * t.cfg.model.seq_len
         values.update(metrics_lib.throughput(step_time, tokens, t.flops_per_token, t.peak, jax.device_count()))
@@ -326,7 +327,7 @@ def _finish(t: Trainer, pending: tuple[int, dict], last_done: float) -> tuple[fl
         # This process's time outside waiting for the device: in a synchronous data-parallel step every rank's
         # step time is the same, but a rank slowed on its host (data, hooks, a busy CPU) shows here.
         values["perf/busy_time"] = max(0.0, step_time - (done - waiting))
-        phase = "train"
+        phase = Phase.TRAINING
     verdict = t.monitor.observe(step, values, phase=phase)
     values.update(verdict.metrics)
     for event in verdict.events:

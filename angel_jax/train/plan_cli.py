@@ -75,7 +75,7 @@ def _estimated_plan(cfg: Config, bp: Blueprint, peak_tflops: float | None) -> tu
     budgets = Budgets(device=device_budget(cfg, device), host=cfg.memory.host_budget or None,
                       disk=(cfg.memory.disk_budget or None) if cfg.memory.disk_dir else 0,
                       fixed_device=fixed_device_bytes(cfg, cfg.train.batch_size))
-    plan = make_plan(costs, bw, budgets, staleness=cfg.optimizer.staleness, shared_cpu=device.platform == "cpu")
+    plan = make_plan(costs, bw, budgets, staleness=cfg.memory.staleness, shared_cpu=device.platform == "cpu")
     return plan, costs, budgets, f"estimated from FLOPs at {peak.flops_per_device / 1e12:.1f} TFLOP/s " \
                                  f"({peak.source}); bandwidths: {bw.source}"
 
