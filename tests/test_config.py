@@ -262,3 +262,22 @@ def test_every_section_has_a_doc():
 def test_resilience_config_validation(override, message):
     with pytest.raises(ConfigError, match=message):
         load_config(None, [override])
+
+
+def test_a_config_recorded_by_an_earlier_version_is_upgraded(tmp_path):
+    """A run directory's config.yaml lists every key as the version that wrote it knew them: a moved key is read
+    from its old place, a removed one dropped (so `angel-jax ckpt ls` works on old runs), while the same keys
+    in a user's config are refused by name."""
+    from angel_jax.config import dump_yaml, load_recorded_config
+
+    raw = yaml.safe_load(dump_yaml(Config()))
+    raw["memory"].pop("staleness")
+    raw["optimizer"]["staleness"] = 1
+    raw["anomaly"]["thresholds"]["hang"] = {"enabled": True, "min_timeout_s": 60.0}
+    raw["anomaly"]["actions"] = {"hang": "restart", "loss_spike": "log"}
+    path = tmp_path / "config.yaml"
+    path.write_text(yaml.safe_dump(raw))
+    cfg = load_recorded_config(path)
+    assert cfg.memory.staleness == 1 and cfg.anomaly.actions == {"loss_spike": "log"}
+    with pytest.raises(ConfigError, match="was removed|moved to"):
+        load_config(path)

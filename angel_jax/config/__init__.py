@@ -9,8 +9,11 @@ the file (or "command line" for an override). Nothing is silently coerced except
 
 from __future__ import annotations
 
+import copy
 import dataclasses
+import logging
 import math
+import re
 import typing
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +23,8 @@ import yaml
 
 from angel_jax.config.anomaly import Action, ActionPolicy, AnomalyConfig
 from angel_jax.config.fields import ConfigError, doc, field_doc, sub, type_name, typed  # noqa: F401
+
+log = logging.getLogger(__name__)
 
 
 # --------------------------------------------------------------------------------------------- sections
@@ -355,6 +360,46 @@ def config_from_dict(raw: dict, origin: str = "config") -> Config:
     cfg = _build(Config, raw, "", origin)
     _validate_all(cfg, origin)
     return cfg
+
+
+def upgrade_recorded(raw: dict) -> tuple[dict, list[str]]:
+    """A run directory's config.yaml as an earlier version wrote it (every key, retired ones included) in today's
+    form: a moved key goes to its new place, a removed one is dropped. Returns (raw, what was changed). Only for
+    configs this project wrote itself; a user's config with a retired key is refused by name."""
+    raw = copy.deepcopy(raw)
+    changed = []
+    for dotted, why in RETIRED.items():
+        *parents, leaf = dotted.split(".")
+        node = raw
+        for key in parents:
+            node = node.get(key) if isinstance(node, dict) else None
+        if not isinstance(node, dict) or leaf not in node:
+            continue
+        value = node.pop(leaf)
+        moved = re.fullmatch(r"moved to '([\w.]+)'", why)
+        if moved:
+            *to_parents, to_leaf = moved.group(1).split(".")
+            target = raw
+            for key in to_parents:
+                target = target.setdefault(key, {})
+            target.setdefault(to_leaf, value)
+        changed.append(f"{dotted} {why}")
+    return raw, changed
+
+
+def load_recorded_config(path: str | Path) -> Config:
+    """The resolved config a run recorded in its directory (config.yaml), written by this or an earlier version."""
+    path = Path(path)
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except (yaml.YAMLError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path}: not a readable config: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level, got {type(raw).__name__}")
+    raw, changed = upgrade_recorded(raw)
+    for note in changed:
+        log.info("%s (written by an earlier version): %s", path, note)
+    return config_from_dict(raw, str(path))
 
 
 def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:

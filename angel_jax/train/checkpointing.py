@@ -263,13 +263,13 @@ def _from_primary(value: int) -> int:
 def engine_for_run(run_dir: Path) -> CheckpointEngine:
     """A checkpoint engine over a run directory's tiers, as its resolved config (<run_dir>/config.yaml) names
     them; the defaults when the run wrote no config."""
-    from angel_jax.config import Config, load_config
+    from angel_jax.config import load_recorded_config
 
     run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise CheckpointError(f"run directory {run_dir} does not exist")
     config_file = run_dir / "config.yaml"
-    cfg = load_config(config_file) if config_file.is_file() else Config()
+    cfg = load_recorded_config(config_file) if config_file.is_file() else Config()
     return CheckpointEngine(checkpoint_options(cfg, run_dir))
 
 
