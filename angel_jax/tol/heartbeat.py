@@ -40,6 +40,7 @@ import threading
 import time
 from typing import Any, Callable, Mapping
 
+from angel_jax.config.fields import ConfigError, typed
 from angel_jax.phases import WORKER_PHASES, Phase
 from angel_jax.train.hooks import TrainHooks
 
@@ -61,9 +62,9 @@ MAX_LOGGED_REJECTIONS = 20
 _COMMON = {"v": int, "kind": str, "rank": int, "attempt": int, "seq": int, "time": float, "pid": int, "node": str,
            "step": int, "phase": str}
 _BY_KIND: dict[str, dict[str, Any]] = {
-    "heartbeat": {"loss": (float, None), "step_time": (float, None), "times": list, "busy": list, "cache": dict},
+    "heartbeat": {"loss": float | None, "step_time": float | None, "times": list, "busy": list, "cache": dict},
     "checkpoint": {"ckpt_step": int, "stall_s": float},
-    "anomaly": {"detector": str, "action": str, "anomaly_step": int, "anomaly_rank": (int, None), "message": str},
+    "anomaly": {"detector": str, "action": str, "anomaly_step": int, "anomaly_rank": int | None, "message": str},
     "exit": {"code": int, "error": str},
 }
 
@@ -88,15 +89,12 @@ def encode(token: str, body: Mapping[str, Any]) -> bytes:
 
 
 def _typed(value: Any, tp: Any) -> bool:
-    if isinstance(tp, tuple):
-        return any(_typed(value, t) for t in tp)
-    if tp is None:
-        return value is None
-    if tp is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
-    if tp is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    return isinstance(value, tp)
+    """Whether a JSON value has the schema's type (the configs' strict check: no bool for int, finite floats)."""
+    try:
+        typed(value, tp, "field")
+    except ConfigError:
+        return False
+    return True
 
 
 def validate(body: Any, n_ranks: int) -> dict[str, Any]:
