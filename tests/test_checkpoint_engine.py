@@ -445,3 +445,33 @@ def test_a_full_peer_tier_keeps_no_partial_copy(tmp_path: Path, small_tmpfs: Pat
         assert_bitwise(engine.restore().arrays, big)
     assert "No space left" in caplog.text
     assert not list((small_tmpfs / "peer").iterdir())
+
+
+# ----------------------------------------------------------------------------------------------- fault hook
+
+
+def test_fault_hook_is_called_at_every_point_of_a_save_in_order(tmp_path: Path) -> None:
+    """Faults enter as a callable; the env var (ANGEL_JAX_CKPT_KILL_AT) is only read at the edge (faults.from_env)."""
+    from angel_jax.checkpoint import faults
+
+    calls: list[tuple[str, int]] = []
+    opts = options(tmp_path, peer_dir=tmp_path / "peer")
+    with CheckpointEngine(opts, fault=lambda point, step: calls.append((point, step))) as engine:
+        engine.save(4, make_state(4), {})
+        engine.wait()
+    assert calls == [(p, 4) for p in faults.POINTS]
+    assert faults.from_env({}) is faults.no_fault
+    assert faults.from_env({faults.ENV: "peer.commit@3"}) is not faults.no_fault
+
+
+def test_a_failing_peer_copy_is_reported_and_the_save_still_persists(tmp_path: Path) -> None:
+    def fault(point: str, step: int) -> None:
+        if point == "peer.commit":
+            raise OSError("peer unreachable")
+
+    with CheckpointEngine(options(tmp_path, peer_dir=tmp_path / "peer"), fault=fault) as engine:
+        handle = engine.save(1, make_state(1), {})
+        assert handle.wait(60) == "persisted"
+        errors = engine.poll_errors()
+        assert [(e.stage, str(e)) for e in errors] == [("peer", "checkpoint step 1: peer copy failed: peer unreachable")]
+        assert "peer" not in engine.list()[0].tiers or engine.list()[0].tiers["peer"].state == "partial"

@@ -6,9 +6,12 @@
     errors = engine.poll_errors()                                                  # background failures, once each
     restored = engine.restore()          # newest valid: memory -> peer -> persistent, checksums verified
 
-Modules: options (CheckpointOptions), snapshot (the memory/peer directory format, reading, checking), memtier
-(the fast, buffer-reusing snapshot writer), checksum (XXH3-64 per array), persist (the orbax tier; its docstring
-shows how plain orbax reads a checkpoint), retention (pure policy), faults (crash-test hook), engine (the shell).
+Modules: options (CheckpointOptions),
+tiers (the interface every tier implements) with memtier (the memory tier; writer: its fast, buffer-reusing
+snapshot writer), peer (the peer backup) and persist (the orbax tier; its docstring shows how plain orbax reads a
+checkpoint); snapshot (the memory/peer directory format, reading, checking), checksum (XXH3-64 per array),
+retention (pure policy), faults (the crash-test hook, passed in as a callable), worker (the background queue and
+SaveHandle), engine (the manager that chains the tiers).
 """
 
 from angel_jax.checkpoint.engine import CheckpointEngine, SaveHandle

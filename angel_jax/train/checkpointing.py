@@ -14,6 +14,9 @@ angel_jax/checkpoint/persist.py for reading one with plain orbax). The memory ti
 
 In a multi-process run every process holds the same replicated state; process 0 writes the checkpoints, every
 process reads them, and process 0 decides which step all of them restore.
+
+Fault injection (crash tests only) enters here, at the edge: the engine is built with the hook that
+ANGEL_JAX_CKPT_KILL_AT describes (angel_jax/checkpoint/faults.py), read when the engine is built.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import jax
 import numpy as np
 
 from angel_jax.checkpoint import CheckpointEngine, CheckpointError, CheckpointOptions, SaveHandle
+from angel_jax.checkpoint import faults
 from angel_jax.checkpoint.snapshot import is_snapshot_dir
 from angel_jax.config import Config, to_dict
 from angel_jax.units import human_bytes
@@ -158,6 +162,11 @@ def checkpoint_options(cfg: Config, run_dir: Path) -> CheckpointOptions:
                              verify_on_restore=c.verify_on_restore)
 
 
+def training_engine(options: CheckpointOptions) -> CheckpointEngine:
+    """The engine a training run saves through: with the crash tests' fault hook when the environment asks."""
+    return CheckpointEngine(options, fault=faults.from_env())
+
+
 class TrainCheckpointer:
     """Saves (process 0) and restores (every process) a run's training state through the checkpoint engine."""
 
@@ -168,7 +177,7 @@ class TrainCheckpointer:
         self.run_dir = run_dir
         if primary:  # before any restore: other processes restore the step process 0 chooses
             claim_memory_tier(run_dir, self.options.resolved_memory_dir())
-        self.engine = CheckpointEngine(self.options)
+        self.engine = training_engine(self.options)
         self.last_handle: SaveHandle | None = None
 
     # --------------------------------------------------------------------------------------------- saving
@@ -240,7 +249,7 @@ class TrainCheckpointer:
                 shutil.move(str(root), str(archive / tier))
         log.warning("train.resume=false: the run directory's earlier checkpoints were moved to %s", archive)
         claim_memory_tier(self.run_dir, self.options.resolved_memory_dir())
-        self.engine = CheckpointEngine(self.options)
+        self.engine = training_engine(self.options)
         return archive
 
     def close(self) -> None:
