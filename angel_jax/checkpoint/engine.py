@@ -12,13 +12,11 @@ The tiers (tiers.py: memtier.MemoryTier, peer.PeerTier, persist.OrbaxTier) know 
 and delete steps; this module decides the order, what runs in the background (worker.py) and what a failure
 means. Restore, latest_valid and verify go through the tiers fastest first and fall back on damage.
 
-`save(..., hold=True)` moves the copy itself off the training thread too: the engine only takes references to the
-arrays, and the worker copies them into the memory tier, then sets `handle.released`. The caller promises that the
-arrays stay unchanged and alive until then: for jax arrays (immutable) that means not donating or deleting them,
-which the in-memory train engine does by running its step without donation while a held save is copying. The
-training stall is then the time to hand over references (microseconds), at the price of the arrays' memory being
-kept until the copy is done. Without `hold` (numpy arrays that the caller updates in place, such as host pages),
-save() copies before it returns.
+A held state snapshot (state.StateSnapshot with held=True) moves the copy itself off the training thread too: the
+engine only takes references to the arrays, and the worker copies them into the memory tier, then releases the
+snapshot. The training stall is then the time to hand over references (microseconds), at the price of the arrays'
+memory being kept until the copy is done. A snapshot that is not held (numpy arrays that the caller updates in
+place, such as host pages) is copied before save() returns, and released then.
 
 Why the checksum is not in the blocking part: hashing is cheap (XXH3-64, ~11 GB/s per core here) but not free, and
 it is computed from the snapshot (never the live arrays). A snapshot only gets its committed name after its
@@ -50,6 +48,7 @@ from angel_jax.checkpoint.options import CheckpointOptions
 from angel_jax.checkpoint.peer import PeerTier
 from angel_jax.checkpoint.persist import OrbaxTier
 from angel_jax.checkpoint.records import CheckpointError, CheckpointInfo, CheckpointRef, Restored, TierState
+from angel_jax.checkpoint.state import StateSnapshot, as_snapshot
 from angel_jax.checkpoint.tiers import CheckpointTier, CopyTier
 from angel_jax.checkpoint.worker import Job, SaveHandle, SaveWorker
 
@@ -85,37 +84,46 @@ class CheckpointEngine:
 
     # ------------------------------------------------------------------------------------------- saving
 
-    def save(self, step: int, arrays: Mapping[str, np.ndarray | jax.Array], meta: dict[str, Any], *,
-             hold: bool = False, released: threading.Event | None = None) -> SaveHandle:
-        """Snapshots `arrays` into the memory tier and returns; the rest happens in the background.
+    def save(self, step: int, state: StateSnapshot | Mapping[str, np.ndarray | jax.Array],
+             meta: dict[str, Any]) -> SaveHandle:
+        """Snapshots `state` into the memory tier and returns; the rest happens in the background.
 
-        Without `hold`, the arrays may be modified, donated or deleted as soon as this returns. With `hold`, the
-        copy into the memory tier happens in the background as well, and the caller must keep the arrays unchanged
-        and alive until `handle.released` is set (the caller's own Event when `released` is given). Bad input
-        (non-JSON meta, object dtypes, a negative step) raises here, before anything is written. If the memory
-        tier is full or unusable, the state is persisted directly (blocking, or in the background with `hold`)
-        with a warning.
+        `state` is a StateSnapshot or a plain mapping (a snapshot that is not held). Not held: the arrays are
+        copied before this returns and may be modified, donated or deleted afterwards. Held: the copy into the
+        memory tier happens in the background as well, and the snapshot is released when it is done (or failed).
+        Either way the snapshot is released, also when this raises. Bad input (non-JSON meta, object dtypes, a
+        negative step) raises here, before anything is written. If the memory tier is full or unusable, the state
+        is persisted directly (blocking, or in the background when held) with a warning.
         """
+        snapshot = as_snapshot(state)
+        try:
+            return self._save(step, snapshot, meta)
+        except BaseException:
+            snapshot.release()
+            raise
+
+    def _save(self, step: int, snapshot: StateSnapshot, meta: dict[str, Any]) -> SaveHandle:
         if self._closed:
             raise CheckpointError("engine is closed", step=step, stage="save")
         if not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be an int >= 0, got {step!r}")
         started = self._clock()
-        index = snap.plan_layout(step, arrays, meta)
-        job = Job(step, index, SaveHandle(step, released), started)
+        index = snap.plan_layout(step, snapshot.arrays, meta)
+        job = Job(step, index, SaveHandle(step), started)
         self._memory.pin(step)  # the same step again while its previous save is in flight: let it finish
-        if hold:
-            for x in arrays.values():  # start device-to-host transfers now; the worker waits for them
+        if snapshot.held:
+            for x in snapshot.arrays.values():  # start device-to-host transfers now; the worker waits for them
                 if isinstance(x, jax.Array):
                     x.copy_to_host_async()
-            job.held = dict(arrays)
+            job.held = snapshot
         else:
             try:
-                in_memory = self._write_memory(job, arrays, "persisting directly (blocking) instead")
+                in_memory = self._write_memory(job, snapshot.arrays, "persisting directly (blocking) instead")
             except BaseException:
                 self._memory.unpin(step)
                 raise
-            job.handle.released.set()
+            finally:
+                snapshot.release()
             if not in_memory:
                 self._memory.unpin(step)
                 job.handle.stall_s = job.handle.timings["ckpt/stall_s"] = self._clock() - started
@@ -140,10 +148,10 @@ class CheckpointEngine:
         """The background half of a held save: copy the arrays into the memory tier, then release them."""
         t0 = self._clock()
         try:
-            return self._write_memory(job, job.held, "persisting directly instead")
+            return self._write_memory(job, job.held.arrays, "persisting directly instead")
         finally:
+            job.held.release()
             job.held = None
-            job.handle.released.set()
             job.handle.timings["ckpt/copy_s"] = self._clock() - t0
 
     def _persist_directly(self, index: snap.SnapshotIndex, host: Mapping[str, np.ndarray], handle: SaveHandle) -> None:
@@ -170,8 +178,9 @@ class CheckpointEngine:
                                                      step=job.step, stage=job.stage), cause=e)
             job.handle._advance("failed")
         finally:
-            job.held = None
-            job.handle.released.set()  # also when the copy failed: the caller's arrays are free either way
+            if job.held is not None:  # also when the copy failed: the caller's arrays are free either way
+                job.held.release()
+                job.held = None
             self._memory.unpin(job.step)
             self._retain(job.handle, job.step)
 

@@ -13,10 +13,11 @@ import threading
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 from angel_jax.checkpoint.records import CheckpointError
 from angel_jax.checkpoint.snapshot import SnapshotIndex
+from angel_jax.checkpoint.state import StateSnapshot
 
 _TERMINAL = ("persisted", "superseded", "failed")
 
@@ -24,15 +25,13 @@ _TERMINAL = ("persisted", "superseded", "failed")
 class SaveHandle:
     """Progress of one save: copied -> snapshotted -> [backed_up ->] persisted | superseded | failed."""
 
-    def __init__(self, step: int, released: threading.Event | None = None):
+    def __init__(self, step: int):
         self.step = step
         self.stall_s = 0.0
         self.timings: dict[str, float] = {}  # ckpt/... metric names -> seconds
         self.errors: list[CheckpointError] = []
         self._state = "copied"
         self._done = threading.Event()
-        self.released = released if released is not None else threading.Event()
-        """Set once the engine no longer needs the caller's arrays (at return, or after a held save's copy)."""
 
     @property
     def state(self) -> str:
@@ -66,8 +65,8 @@ class Job:
     started: float
     tmp: Path | None = None
     """The snapshot's .tmp directory; None until a held snapshot's arrays are copied."""
-    held: dict[str, Any] | None = None
-    """A held save's arrays, until the worker has copied them."""
+    held: StateSnapshot | None = None
+    """A held snapshot, until the worker has copied (and released) it."""
     stage: str = "background"
     """Where the save is, for the error message when it fails: snapshot, peer, persist."""
 

@@ -3,7 +3,7 @@
 A checkpoint of step k (written by `angel_jax.checkpoint.CheckpointEngine`: a memory-tier snapshot first, then a
 peer copy and an orbax checkpoint in the background) holds
 
-    arrays   every array of the engine's training state (`TrainEngine.state_arrays`: parameters and optimizer
+    arrays   every array of the engine's training state (`TrainEngine.state_snapshot`: parameters and optimizer
              state; for the paged engine, every page family wherever it lives)
     meta     {"step": k, "data": the data iterator's state, "engine": engine meta (name, page layout),
               "seed": train.seed, "config": the resolved config}
@@ -25,7 +25,6 @@ import logging
 import os
 import shutil
 import stat
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -34,7 +33,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from angel_jax.checkpoint import CheckpointEngine, CheckpointError, CheckpointOptions, SaveHandle
+from angel_jax.checkpoint import CheckpointEngine, CheckpointError, CheckpointOptions, SaveHandle, StateSnapshot
 from angel_jax.checkpoint import faults
 from angel_jax.checkpoint.snapshot import is_snapshot_dir
 from angel_jax.config import Config, to_dict
@@ -182,14 +181,15 @@ class TrainCheckpointer:
 
     # --------------------------------------------------------------------------------------------- saving
 
-    def save(self, step: int, arrays: dict[str, Any], meta: dict[str, Any], *, hold: bool = False,
-             released: threading.Event | None = None) -> SaveHandle | None:
-        """Blocks only for the memory-tier snapshot (with `hold`, not even for that: see CheckpointEngine.save);
-        None on processes other than 0."""
+    def save(self, step: int, snapshot: StateSnapshot, meta: dict[str, Any]) -> SaveHandle | None:
+        """Blocks only for the memory-tier snapshot (for a held snapshot, not even for that: see
+        CheckpointEngine.save), which is released when the copy is done; None on processes other than 0, which
+        release the snapshot at once."""
         if not self.primary:
+            snapshot.release()
             return None
         full = {"step": step, **meta, "seed": self.cfg.train.seed, "config": to_dict(self.cfg)}
-        self.last_handle = self.engine.save(step, arrays, full, hold=hold, released=released)
+        self.last_handle = self.engine.save(step, snapshot, full)
         return self.last_handle
 
     def wait(self) -> None:
