@@ -1,5 +1,6 @@
 """Crashes and full disks with real processes: a child saves step 1 fully, then dies by SIGKILL at a chosen point of
-step 2 (the engine's fault hook, angel_jax/checkpoint/faults.py), and the parent restores from what is left.
+step 2 (the engine's fault hook, angel_jax/checkpoint/faults.py, built from the environment as the trainer builds
+it), and the parent restores from what is left.
 
 Run as a script, this file is the child:  python tests/test_checkpoint_crash.py <mode> <root> [args]
 """
@@ -41,9 +42,9 @@ def engine_options(root: Path, peer: bool = True, **kw):
 
 def child_kill(root: Path) -> None:
     """Saves step 1 completely, then step 2; ANGEL_JAX_CKPT_KILL_AT=<point>@2 kills us inside step 2."""
-    from angel_jax.checkpoint import CheckpointEngine
+    from angel_jax.checkpoint import CheckpointEngine, faults
 
-    engine = CheckpointEngine(engine_options(root))
+    engine = CheckpointEngine(engine_options(root), fault=faults.from_env())
     engine.save(1, make_state(1), {"step": 1})
     engine.wait()
     print("step 1 saved", flush=True)

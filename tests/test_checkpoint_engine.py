@@ -18,7 +18,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from angel_jax.checkpoint import CheckpointEngine, CheckpointError, CheckpointOptions
+from angel_jax.checkpoint import CheckpointEngine, CheckpointError, CheckpointOptions, StateSnapshot
 from angel_jax.checkpoint.snapshot import read_index, write_index
 
 
@@ -392,17 +392,19 @@ def test_full_memory_tier_falls_back_with_a_warning(tmp_path: Path, small_tmpfs:
 
 
 def test_held_save_copies_in_the_background_and_releases(tmp_path: Path) -> None:
-    """hold=True: save() takes references; the worker copies them and sets `released`, after which the caller
-    may donate them. What was saved is the state at save(), although training went on with new arrays."""
+    """A held snapshot: save() takes references; the worker copies them and releases the snapshot, after which
+    the caller may donate them. What was saved is the state at save(), although training went on with new
+    arrays."""
     state = {"w": jnp.arange(1 << 16, dtype=jnp.float32), "b": jnp.ones((8, 8), jnp.bfloat16),
              "step": jnp.asarray(7, jnp.int32)}
     expected = {k: np.array(v) for k, v in state.items()}
     step_fn = jax.jit(lambda s: jax.tree.map(lambda x: x * 3 + 1, s))  # no donation while the save holds `state`
     donating = jax.jit(lambda s: jax.tree.map(lambda x: x * 3 + 1, s), donate_argnums=0)
     with CheckpointEngine(options(tmp_path)) as engine:
-        handle = engine.save(1, state, {"k": 1}, hold=True)
+        snapshot = StateSnapshot(state, held=True)
+        handle = engine.save(1, snapshot, {"k": 1})
         new = step_fn(state)
-        assert handle.released.wait(30)
+        assert snapshot.wait_released(30)
         assert handle.timings["ckpt/copy_s"] >= 0 and handle.stall_s <= handle.timings["ckpt/copy_s"] + 1.0
         del state
         new = donating(new)  # the saved arrays are free now; later steps may donate as they like
@@ -420,8 +422,9 @@ def test_held_save_into_a_full_memory_tier_persists_and_still_releases(tmp_path:
     expected = {"w": np.array(big["w"])}
     caplog.set_level(logging.WARNING)
     with CheckpointEngine(options(tmp_path, memory_dir=small_tmpfs / "shm")) as engine:
-        handle = engine.save(1, big, {}, hold=True)
-        assert handle.released.wait(30)
+        snapshot = StateSnapshot(big, held=True)
+        handle = engine.save(1, snapshot, {})
+        assert snapshot.wait_released(30)
         assert handle.wait(60) == "persisted"
         assert "persisting directly" in caplog.text
         assert_bitwise(engine.restore().arrays, expected)
@@ -429,8 +432,19 @@ def test_held_save_into_a_full_memory_tier_persists_and_still_releases(tmp_path:
 
 def test_non_held_save_is_released_when_it_returns(tmp_path: Path) -> None:
     with CheckpointEngine(options(tmp_path)) as engine:
-        handle = engine.save(1, make_state(5), {})
-        assert handle.released.is_set()
+        snapshot = StateSnapshot(make_state(5))
+        engine.save(1, snapshot, {})
+        assert snapshot.released
+        with pytest.raises(RuntimeError, match="released"):
+            snapshot.arrays  # noqa: B018 - a released snapshot keeps nothing alive
+
+
+def test_a_snapshot_is_released_when_save_refuses_it(tmp_path: Path) -> None:
+    with CheckpointEngine(options(tmp_path)) as engine:
+        snapshot = StateSnapshot({"o": np.array([object()])}, held=True)
+        with pytest.raises(TypeError, match="raw bytes"):
+            engine.save(1, snapshot, {})
+        assert snapshot.released
 
 
 def test_a_full_peer_tier_keeps_no_partial_copy(tmp_path: Path, small_tmpfs: Path,
@@ -445,3 +459,34 @@ def test_a_full_peer_tier_keeps_no_partial_copy(tmp_path: Path, small_tmpfs: Pat
         assert_bitwise(engine.restore().arrays, big)
     assert "No space left" in caplog.text
     assert not list((small_tmpfs / "peer").iterdir())
+
+
+# ----------------------------------------------------------------------------------------------- fault hook
+
+
+def test_fault_hook_is_called_at_every_point_of_a_save_in_order(tmp_path: Path) -> None:
+    """Faults enter as a callable; the env var (ANGEL_JAX_CKPT_KILL_AT) is only read at the edge (faults.from_env)."""
+    from angel_jax.checkpoint import faults
+
+    calls: list[tuple[str, int]] = []
+    opts = options(tmp_path, peer_dir=tmp_path / "peer")
+    with CheckpointEngine(opts, fault=lambda point, step: calls.append((point, step))) as engine:
+        engine.save(4, make_state(4), {})
+        engine.wait()
+    assert calls == [(p, 4) for p in faults.POINTS]
+    assert faults.from_env({}) is faults.no_fault
+    assert faults.from_env({faults.ENV: "peer.commit@3"}) is not faults.no_fault
+
+
+def test_a_failing_peer_copy_is_reported_and_the_save_still_persists(tmp_path: Path) -> None:
+    def fault(point: str, step: int) -> None:
+        if point == "peer.commit":
+            raise OSError("peer unreachable")
+
+    with CheckpointEngine(options(tmp_path, peer_dir=tmp_path / "peer"), fault=fault) as engine:
+        handle = engine.save(1, make_state(1), {})
+        assert handle.wait(60) == "persisted"
+        errors = engine.poll_errors()
+        assert [(e.stage, str(e)) for e in errors] == [("peer",
+                                                        "checkpoint step 1: peer copy failed: peer unreachable")]
+        assert "peer" not in engine.list()[0].tiers or engine.list()[0].tiers["peer"].state == "partial"

@@ -104,14 +104,16 @@ def test_checkpoint_holds_its_step_while_training_goes_on(tmp_path, write_tiny_c
     try:
         for _ in range(3):
             engine.step(batch())
-        arrays = engine.state_arrays()
-        copy_at_k = {k: np.array(v, copy=True) for k, v in arrays.items()}
+        snapshot = engine.state_snapshot()
+        assert not snapshot.held  # pages change in place: the checkpoint must copy before save() returns
+        copy_at_k = {k: np.array(v, copy=True) for k, v in snapshot.arrays.items()}
         with CheckpointEngine(opts) as ckpt:
-            handle = ckpt.save(3, arrays, {"engine": engine.state_meta()})
+            handle = ckpt.save(3, snapshot, {"engine": engine.state_meta()})
+            assert snapshot.released
             changed = 0
             for _ in range(4):  # training goes on while the save is checksummed and persisted
                 engine.step(batch())
-            now = engine.state_arrays()
+            now = engine.state_snapshot().arrays
             changed = sum(not np.array_equal(now[k], copy_at_k[k]) for k in copy_at_k)
             assert changed > len(copy_at_k) // 2, "training should have changed most pages"
             ckpt.wait()

@@ -44,7 +44,7 @@ def test_guard_and_lr_scale_match_the_reference(tmp_path):
         assert plan.resident and "disk" in plan.opt_home, plan  # device, host and disk updates all guarded
         got = [{k: float(v) for k, v in engine.step(jax.device_put(b, engine.batch_sharding), c).items()}
                for b, c in zip(data, CONTROLS)]
-        arrays = engine.state_arrays()
+        arrays = engine.state_snapshot().arrays
         final = engine.params()
     finally:
         engine.close()

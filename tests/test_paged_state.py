@@ -56,7 +56,7 @@ def test_checkpoint_round_trip_is_bit_exact(tmp_path):
     first = PagedTrainEngine(cfg, _mesh())
     try:
         _steps(first, data[:4])
-        arrays = {k: np.array(v) for k, v in first.state_arrays().items()}  # a copy, as a checkpoint holds
+        arrays = {k: np.array(v) for k, v in first.state_snapshot().arrays.items()}  # a copy, as a checkpoint holds
         meta = json.loads(json.dumps(first.state_meta()))
     finally:
         first.close()
@@ -78,7 +78,7 @@ def test_checkpoint_round_trip_is_bit_exact(tmp_path):
 def test_load_state_names_what_does_not_fit(tmp_path):
     engine = PagedTrainEngine(_cfg(tmp_path), _mesh())
     try:
-        arrays, meta = engine.state_arrays(), engine.state_meta()
+        arrays, meta = engine.state_snapshot().arrays, engine.state_meta()
         with pytest.raises(StateMismatch, match="'in_memory' engine.*memory.mode"):
             engine.load_state(arrays, {"engine": "in_memory"})
         with pytest.raises(StateMismatch, match="page size"):
@@ -102,7 +102,7 @@ def test_lock_free_state_is_read_after_pending_updates(tmp_path):
     engine = PagedTrainEngine(cfg, _mesh())
     try:
         _steps(engine, batches(5, MODEL, 2))
-        arrays = engine.state_arrays()
+        arrays = engine.state_snapshot().arrays
         params = engine.params()
         # Every stage has taken all five updates (its optimizer step count), and the pages are those parameters.
         counts = {int(v) for k, v in arrays.items() if k.startswith("opt_small/")}

@@ -161,6 +161,32 @@ def test_saves_hold_the_state_instead_of_copying_it(straight):
     assert all(info["held"] for step, info in straight.saves.items() if step >= 20), straight.saves
 
 
+def test_a_held_snapshot_keeps_the_state_until_it_is_released(tmp_path, write_tiny_config):
+    """The in-memory engine's held state snapshot: the steps after it run without donation, so its arrays stay
+    alive while a checkpoint would copy them; once it is released the step donates its input state again."""
+    from angel_jax.train.engines import InMemoryEngine
+
+    cfg = load_config(write_tiny_config(tmp_path, "held"))
+    mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1], axis_types=(jax.sharding.AxisType.Auto,))
+    engine = InMemoryEngine(cfg, mesh)
+    tokens = np.random.default_rng(0).integers(0, 256, (4, 33), dtype=np.int32)
+    batch = lambda: jax.device_put(tokens, engine.batch_sharding)  # noqa: E731
+    try:
+        engine.step(batch())
+        snapshot = engine.state_snapshot()
+        assert snapshot.held
+        kept = [a for a in snapshot.arrays.values() if isinstance(a, jax.Array)]
+        engine.step(batch())
+        engine.step(batch())
+        assert not any(a.is_deleted() for a in kept)
+        snapshot.release()
+        before = [a for a in jax.tree.leaves(engine.state) if isinstance(a, jax.Array)]
+        engine.step(batch())
+        assert any(a.is_deleted() for a in before)  # donating again
+    finally:
+        engine.close()
+
+
 @pytest.mark.slow
 def test_metrics_file_has_the_fixed_names(straight):
     records = straight.records()

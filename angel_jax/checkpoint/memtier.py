@@ -1,160 +1,142 @@
-"""Writing snapshots into the memory tier fast: the only part of a save that blocks training.
+"""The memory tier: snapshots in a tmpfs directory that outlives the process (`/dev/shm` by default).
 
-Why the reuse: a fresh 1 GiB tmpfs file costs a kernel page allocation and zeroing per 4 KiB page, and a fresh
-mapping costs a page fault per page on first write; on the development VM that made a first copy ~5x slower than
-copying into a file whose pages exist and are already mapped. So a snapshot that retention is about to evict is
-not deleted: its directory is renamed to the new step's `.tmp` name and its data file (and this process's mapping
-of it) is overwritten in place. The mapping cache is keyed by inode and holds the file open, so an inode number
-cannot be reused behind our back while cached; entries whose file was unlinked are dropped on the next use.
+A save's only blocking part is the copy into this tier, so it is written in three steps that the manager can
+place on different threads:
 
-Space is reserved with posix_fallocate before mapping: writing through a mapping into a full tmpfs raises SIGBUS
-(the process dies), whereas fallocate fails cleanly with ENOSPC, which the engine turns into its fallback.
+    prepare + copy  (write)   step_<k>.tmp/data.bin reserved and filled from the arrays      (training thread, or
+                                                                                              the worker for held
+                                                                                              snapshots)
+    commit                    XXH3-64 of the copy, index.json, rename to step_<k>/          (the worker)
+
+Pins: while background work still needs a step's snapshot (to checksum it, copy it to the peer, persist it), the
+step is pinned and neither retention nor the recycling of evicted snapshots (writer.py) touches it. Pinning a step
+that is already pinned waits, so the same step saved again waits for its previous save. One lock guards the pins
+and every rename and delete in the tier; copies and checksums run outside it.
 """
 
 from __future__ import annotations
 
-import mmap
-import os
-from dataclasses import dataclass
+import threading
+from concurrent.futures import Executor
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Mapping
 
 import numpy as np
 
-from angel_jax.checkpoint.snapshot import DATA_FILE, INDEX_FILE, SnapshotIndex, remove_dir, tmp_dir
+from angel_jax.checkpoint import snapshot as snap
+from angel_jax.checkpoint.faults import Fault, no_fault
+from angel_jax.checkpoint.retention import steps_to_keep
+from angel_jax.checkpoint.tiers import CheckpointTier, Committed
+from angel_jax.checkpoint.writer import MemoryTierFull, SnapshotWriter
+
+__all__ = ["MemoryTier", "MemoryTierFull"]
 
 
-class MemoryTierFull(OSError):
-    """The memory tier could not hold a snapshot (ENOSPC/EFBIG/EROFS...); the engine falls back to persisting."""
+class MemoryTier(CheckpointTier):
+    """Snapshot directories `step_<k>/` under `root`, written by recycling evicted snapshots' files."""
 
+    name = "memory"
+    committed_state = "snapshotted"
 
-@dataclass
-class _Mapping:
-    fd: int
-    mm: mmap.mmap | None  # None for a zero-byte file (mmap cannot map zero bytes)
-    size: int
+    def __init__(self, root: Path, keep_last: int, *, fault: Fault = no_fault):
+        super().__init__(root, keep_last)
+        self._fault = fault
+        self._lock = threading.Condition()  # the pins, and every rename/delete under root
+        self._pinned: set[int] = set()
+        self._writer: SnapshotWriter | None = None  # created by the first write or load: constructors do nothing
 
-    def close(self) -> None:
-        if self.mm is not None:
+    def _snapshot_writer(self) -> SnapshotWriter:
+        if self._writer is None:
+            self._writer = SnapshotWriter(self.root)
+        return self._writer
+
+    # ------------------------------------------------------------------------------------------- pins
+
+    def pin(self, step: int) -> None:
+        """Protects `step`'s snapshot until `unpin`; waits while another save of the same step holds it."""
+        with self._lock:
+            while step in self._pinned:
+                self._lock.wait()
+            self._pinned.add(step)
+
+    def unpin(self, step: int) -> None:
+        with self._lock:
+            self._pinned.discard(step)
+            self._lock.notify_all()
+
+    # ------------------------------------------------------------------------------------------- reading
+
+    def scan(self) -> tuple[dict[int, Path], dict[int, Path]]:
+        return snap.scan(self.root)
+
+    def _path(self, step: int) -> Path:
+        return self.scan()[0].get(step, snap.step_dir(self.root, step))
+
+    def load(self, step: int, *, verify: bool,
+             pool: Executor | None) -> tuple[snap.SnapshotIndex, dict[str, np.ndarray]]:
+        path = self._path(step)
+        index, arrays = snap.load(path, verify=verify, pool=pool)
+        self._snapshot_writer().mark_exported(path)  # its bytes back these arrays: never overwrite in place
+        return index, arrays
+
+    def check(self, step: int, pool: Executor | None) -> list[str]:
+        # Read-only shared mappings, dropped on return: checking never pins a snapshot the way restore's views do.
+        return snap.check(self._path(step), pool)
+
+    # ------------------------------------------------------------------------------------------- deleting
+
+    def delete(self, step: int) -> None:
+        with self._lock:
+            for path in (p for s, p in self.scan()[0].items() if s == step):
+                snap.remove_dir(path)
+
+    def retain(self, protect: frozenset[int] | set[int] = frozenset()) -> None:
+        """keep_last newest snapshots; pinned steps are never removed."""
+        with self._lock:
+            super().retain(self._pinned | set(protect))
+
+    def remove_partial(self) -> None:
+        """`.tmp` directories of steps nobody is writing (a recycling save may have taken its pick already)."""
+        with self._lock:
+            for step, path in self.scan()[1].items():
+                if step not in self._pinned:
+                    snap.remove_dir(path)
+
+    # ------------------------------------------------------------------------------------------- writing
+
+    def write(self, step: int, index: snap.SnapshotIndex, host: Mapping[str, np.ndarray]) -> Path:
+        """Copies `host` into `step_<k>.tmp/` (not yet committed) and returns that directory. The step must be
+        pinned. Raises MemoryTierFull when the tier cannot take it (full, or not creatable)."""
+        writer = self._snapshot_writer()
+        with self._lock:
+            committed, partial = self.scan()
+            keep = steps_to_keep([*committed, step], self.keep_last)
+            victims = [p for s, p in sorted(committed.items()) if s not in keep and s not in self._pinned]
+            victims += [p for s, p in partial.items() if s not in self._pinned or s == step]
             try:
-                self.mm.close()
-            except BufferError:  # a view is still alive somewhere; the GC unmaps it later
-                pass
-        os.close(self.fd)
-
-
-class SnapshotWriter:
-    """Copies arrays into `<root>/step_<k>.tmp/data.bin`, recycling evicted snapshot files and their mappings."""
-
-    def __init__(self, root: Path):
-        self.root = root
-        self._maps: dict[tuple[int, int], _Mapping] = {}
-        self._exported: set[tuple[int, int]] = set()  # inodes handed out as zero-copy restore views
-
-    # ------------------------------------------------------------------------------------------- recycling
-
-    def mark_exported(self, directory: Path) -> None:
-        """Never overwrite this snapshot's data in place: restore gave out views of it (unlinking is still fine)."""
-        try:
-            st = os.stat(directory / DATA_FILE)
-        except FileNotFoundError:
-            return
-        self._exported.add((st.st_dev, st.st_ino))
-
-    def recyclable(self, directory: Path) -> bool:
-        try:
-            st = os.stat(directory / DATA_FILE)
-        except FileNotFoundError:
-            return True  # nothing to protect; the directory is still a free name to reuse
-        return (st.st_dev, st.st_ino) not in self._exported
-
-    def prepare(self, step: int, index: SnapshotIndex, victims: list[Path]) -> Path:
-        """A `.tmp` directory for `step` whose data.bin has exactly index.data_bytes reserved and mapped.
-
-        victims: directories that may be recycled (already filtered for pending persistence by the engine);
-        the one whose data file has the right size is preferred. Raises MemoryTierFull when space runs out.
-        """
-        self._drop_unlinked()
-        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)  # private: no other user reads or plants snapshots
-        tmp = tmp_dir(self.root, step)
-        victims = [v for v in victims if v != tmp and self.recyclable(v)]
-        victims.sort(key=lambda v: _file_size(v / DATA_FILE) != index.data_bytes)
-        if tmp.exists() and not self.recyclable(tmp):
-            remove_dir(tmp)
-        if not tmp.exists():
-            if victims:
-                os.rename(victims[0], tmp)
-            else:
-                tmp.mkdir()
-        try:
-            (tmp / INDEX_FILE).unlink()  # a recycled directory's old index must not describe the new bytes
-        except FileNotFoundError:
-            pass
-        try:
-            self._map(tmp / DATA_FILE, index.data_bytes)
-        except OSError as e:
-            remove_dir(tmp)  # give the space back; the caller falls back to persisting directly
-            raise MemoryTierFull(e.errno, f"memory tier {self.root}: cannot reserve {index.data_bytes} bytes: "
-                                          f"{e.strerror}") from e
+                tmp = writer.prepare(step, index, victims)
+            except MemoryTierFull:
+                raise
+            except OSError as e:  # e.g. memory_dir not creatable: same fallback as a full tier
+                raise MemoryTierFull(e.errno, f"memory tier {self.root}: {e}") from e
+        writer.copy(tmp, index, host, after_first=lambda: self._fault("snapshot.copy", step))
         return tmp
 
-    def _map(self, path: Path, size: int) -> _Mapping:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
-        st = os.fstat(fd)
-        key = (st.st_dev, st.st_ino)
-        cached = self._maps.get(key)
-        if cached is not None and cached.size == size and st.st_size == size:
-            os.close(fd)
-            return cached
-        if cached is not None:
-            cached.close()
-            del self._maps[key]
-        try:
-            if st.st_size != size:
-                os.ftruncate(fd, size)
-            if size:
-                os.posix_fallocate(fd, 0, size)  # reserve now: a full tmpfs must fail here, not SIGBUS in memcpy
-            mapping = _Mapping(fd=fd, mm=mmap.mmap(fd, size) if size else None, size=size)
-        except BaseException:
-            os.close(fd)
-            raise
-        self._maps[key] = mapping
-        return mapping
-
-    def _drop_unlinked(self) -> None:
-        for key, m in list(self._maps.items()):
-            if os.fstat(m.fd).st_nlink == 0:
-                m.close()
-                del self._maps[key]
-
-    # ------------------------------------------------------------------------------------------- copying
-
-    def copy(self, tmp: Path, index: SnapshotIndex, arrays: Mapping[str, np.ndarray],
-             after_first: Callable[[], None] | None = None) -> None:
-        """Copies every array into the mapped data file of `tmp` (prepared by `prepare`).
-
-        One thread on purpose: the copy is memory-bandwidth bound, and on the 2-core development VM two threads
-        copying 16 MiB pieces took 0.28 s per GiB against 0.16 s for one plain np.copyto per array.
-        """
-        mapping = self._map(tmp / DATA_FILE, index.data_bytes)
-        first = True
-        for entry in index.arrays:
-            if entry.nbytes == 0:
-                continue
-            src = arrays[entry.name]
-            np.copyto(np.ndarray(entry.shape, src.dtype, buffer=mapping.mm, offset=entry.offset), src)
-            if first and after_first is not None:
-                after_first()
-            first = False
+    def commit(self, step: int, tmp: Path, index: snap.SnapshotIndex, pool: Executor | None) -> Committed:
+        """Checksums the copy in `tmp`, writes its index and renames it to `step_<k>/`: from now on it is a
+        checkpoint. Why here and not in write: hashing is cheap but not free, and it reads the copy, never the
+        live arrays, so it can run in the background."""
+        _, views = snap.map_data(tmp, index, private=False)
+        index = snap.checksummed(index, views, pool)
+        del views
+        snap.write_index(tmp, index)
+        self._fault("snapshot.commit", step)
+        with self._lock:
+            final = snap.step_dir(self.root, step)
+            snap.replace_dir(tmp, final)
+        return Committed(step, final, index)
 
     def close(self) -> None:
-        for m in self._maps.values():
-            m.close()
-        self._maps.clear()
-
-
-def _file_size(path: Path) -> int:
-    try:
-        return os.stat(path).st_size
-    except FileNotFoundError:
-        return -1
+        """Unmaps the writer's cached files."""
+        if self._writer is not None:
+            self._writer.close()

@@ -37,8 +37,10 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from angel_jax.checkpoint.faults import fault_point
-from angel_jax.checkpoint.snapshot import SnapshotDamaged, SnapshotIndex, decode_dtype, remove_dir, verify_arrays
+from angel_jax.checkpoint.faults import Fault, no_fault
+from angel_jax.checkpoint.snapshot import (SnapshotDamaged, SnapshotIndex, decode_dtype, open_arrays, remove_dir,
+                                           verify_arrays)
+from angel_jax.checkpoint.tiers import Committed, CopyTier
 
 STATE_ITEM = "state"
 META_ITEM = "meta"
@@ -48,16 +50,21 @@ _DISCARD_WAIT_S = 10.0
 """At most this long to clear what a failed save left while its last writes drain."""
 
 
-class OrbaxTier:
+class OrbaxTier(CopyTier):
     """Saves, lists, loads and checks orbax checkpoints under `root`. Thread-safe (one orbax call at a time)."""
 
-    def __init__(self, root: Path):
-        self.root = root
+    name = "persistent"
+    committed_state = "persisted"
+    stage = "persist"
+    best_effort = False
+
+    def __init__(self, root: Path, keep_last: int, keep_every: int | None = None, *, fault: Fault = no_fault):
+        super().__init__(root, keep_last, keep_every)
+        self._fault = fault
         # One orbax call at a time (checkpointers keep per-call state), and no cleanup racing a save in progress.
         self._lock = threading.RLock()
 
-    @staticmethod
-    def _checkpointer(step: int) -> ocp.Checkpointer:
+    def _checkpointer(self, step: int) -> ocp.Checkpointer:
         """A synchronous orbax Checkpointer (we already run in a background thread) with one fault-injection point
         between "all data written" and orbax's commit. Patched on the instance: orbax finds a handler's args class
         by its type, so a subclass would not be recognised."""
@@ -71,7 +78,7 @@ class OrbaxTier:
         finalize = handler.finalize
 
         def finalize_with_fault_point(directory):  # noqa: ANN001, ANN202 - orbax's signature
-            fault_point("persist.commit", step)
+            self._fault("persist.commit", step)
             return finalize(directory)
 
         handler.finalize = finalize_with_fault_point
@@ -118,6 +125,11 @@ class OrbaxTier:
         remove_dir(self.root / str(step))
 
     # ------------------------------------------------------------------------------------------- saving
+
+    def copy_from(self, source: Committed) -> Path:
+        """Persists a committed memory-tier snapshot, read through read-only views of its file."""
+        _, views = open_arrays(source.path, private=False)
+        return self.save(source.index, views)
 
     def save(self, index: SnapshotIndex, arrays: Mapping[str, np.ndarray]) -> Path:
         """Writes and commits step `index.step`; on any error the partial directory is removed and the error raised.

@@ -271,6 +271,16 @@ def map_data(directory: Path, index: SnapshotIndex, *, private: bool) -> tuple[S
     return index, arrays
 
 
+def bytes_view(arr: np.ndarray) -> memoryview:
+    """An array's bytes in C order, as hashed for its checksum (no copy for a contiguous array)."""
+    return memoryview(np.ascontiguousarray(arr).reshape(-1).view(np.uint8))
+
+
+def checksummed(index: SnapshotIndex, arrays: Mapping[str, np.ndarray], pool: Executor | None) -> SnapshotIndex:
+    """`index` with the checksum of every array filled in from `arrays` (the copy, never the live state)."""
+    return index.with_checksums(digest_many([bytes_view(arrays[a.name]) for a in index.arrays], pool))
+
+
 def verify_arrays(index: SnapshotIndex, arrays: Mapping[str, np.ndarray], pool: Executor | None,
                   where: str) -> list[str]:
     """Problems where arrays do not match the index (missing, wrong dtype/shape, checksum mismatch)."""
@@ -288,7 +298,7 @@ def verify_arrays(index: SnapshotIndex, arrays: Mapping[str, np.ndarray], pool: 
             problems.append(f"{where}: array {a.name!r} has no checksum")
             continue
         names.append(a.name)
-        bufs.append(memoryview(np.ascontiguousarray(arr).reshape(-1).view(np.uint8)))
+        bufs.append(bytes_view(arr))
         expected.append(a.checksum)
     for name, got, want in zip(names, digest_many(bufs, pool), expected):
         if got != want:

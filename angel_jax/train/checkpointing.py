@@ -3,7 +3,7 @@
 A checkpoint of step k (written by `angel_jax.checkpoint.CheckpointEngine`: a memory-tier snapshot first, then a
 peer copy and an orbax checkpoint in the background) holds
 
-    arrays   every array of the engine's training state (`TrainEngine.state_arrays`: parameters and optimizer
+    arrays   every array of the engine's training state (`TrainEngine.state_snapshot`: parameters and optimizer
              state; for the paged engine, every page family wherever it lives)
     meta     {"step": k, "data": the data iterator's state, "engine": engine meta (name, page layout),
               "seed": train.seed, "config": the resolved config}
@@ -14,6 +14,9 @@ angel_jax/checkpoint/persist.py for reading one with plain orbax). The memory ti
 
 In a multi-process run every process holds the same replicated state; process 0 writes the checkpoints, every
 process reads them, and process 0 decides which step all of them restore.
+
+Fault injection (crash tests only) enters here, at the edge: the engine is built with the hook that
+ANGEL_JAX_CKPT_KILL_AT describes (angel_jax/checkpoint/faults.py), read when the engine is built.
 """
 
 from __future__ import annotations
@@ -22,7 +25,6 @@ import logging
 import os
 import shutil
 import stat
-import threading
 import time
 import uuid
 from pathlib import Path
@@ -31,7 +33,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from angel_jax.checkpoint import CheckpointEngine, CheckpointError, CheckpointOptions, SaveHandle
+from angel_jax.checkpoint import CheckpointEngine, CheckpointError, CheckpointOptions, SaveHandle, StateSnapshot
+from angel_jax.checkpoint import faults
 from angel_jax.checkpoint.snapshot import is_snapshot_dir
 from angel_jax.config import Config, to_dict
 from angel_jax.units import human_bytes
@@ -158,6 +161,11 @@ def checkpoint_options(cfg: Config, run_dir: Path) -> CheckpointOptions:
                              verify_on_restore=c.verify_on_restore)
 
 
+def training_engine(options: CheckpointOptions) -> CheckpointEngine:
+    """The engine a training run saves through: with the crash tests' fault hook when the environment asks."""
+    return CheckpointEngine(options, fault=faults.from_env())
+
+
 class TrainCheckpointer:
     """Saves (process 0) and restores (every process) a run's training state through the checkpoint engine."""
 
@@ -168,19 +176,20 @@ class TrainCheckpointer:
         self.run_dir = run_dir
         if primary:  # before any restore: other processes restore the step process 0 chooses
             claim_memory_tier(run_dir, self.options.resolved_memory_dir())
-        self.engine = CheckpointEngine(self.options)
+        self.engine = training_engine(self.options)
         self.last_handle: SaveHandle | None = None
 
     # --------------------------------------------------------------------------------------------- saving
 
-    def save(self, step: int, arrays: dict[str, Any], meta: dict[str, Any], *, hold: bool = False,
-             released: threading.Event | None = None) -> SaveHandle | None:
-        """Blocks only for the memory-tier snapshot (with `hold`, not even for that: see CheckpointEngine.save);
-        None on processes other than 0."""
+    def save(self, step: int, snapshot: StateSnapshot, meta: dict[str, Any]) -> SaveHandle | None:
+        """Blocks only for the memory-tier snapshot (for a held snapshot, not even for that: see
+        CheckpointEngine.save), which is released when the copy is done; None on processes other than 0, which
+        release the snapshot at once."""
         if not self.primary:
+            snapshot.release()
             return None
         full = {"step": step, **meta, "seed": self.cfg.train.seed, "config": to_dict(self.cfg)}
-        self.last_handle = self.engine.save(step, arrays, full, hold=hold, released=released)
+        self.last_handle = self.engine.save(step, snapshot, full)
         return self.last_handle
 
     def wait(self) -> None:
@@ -240,7 +249,7 @@ class TrainCheckpointer:
                 shutil.move(str(root), str(archive / tier))
         log.warning("train.resume=false: the run directory's earlier checkpoints were moved to %s", archive)
         claim_memory_tier(self.run_dir, self.options.resolved_memory_dir())
-        self.engine = CheckpointEngine(self.options)
+        self.engine = training_engine(self.options)
         return archive
 
     def close(self) -> None:

@@ -2,8 +2,8 @@
 
     engine = build_engine(cfg, mesh)                  # in_memory or paged, by memory.mode
     metrics = engine.step(batch)                      # device scalars: loss, grad_norm, update_norm, lr
-    arrays, meta = engine.state_arrays(), engine.state_meta()   # what a checkpoint holds
-    engine.load_state(arrays, meta)                   # back to that step, bit for bit
+    snapshot, meta = engine.state_snapshot(), engine.state_meta()   # what a checkpoint holds
+    engine.load_state(snapshot.arrays, meta)          # back to that step, bit for bit
 
 Two implementations, no `if paged` branches in the loop:
 - `InMemoryEngine` (here): the reference trainer. The whole train state is a replicated pytree of jax arrays on
@@ -25,6 +25,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from angel_jax.checkpoint.state import StateSnapshot
 from angel_jax.config import Config
 from angel_jax.errors import AngelError
 from angel_jax.optim import make_optimizer
@@ -44,9 +45,10 @@ class InMemoryEngine:
     """The reference trainer: replicated parameters and optimizer state, the batch sharded over 'data'.
 
     The step donates the old state (no second copy of it in device memory). While a checkpoint holds the state of
-    a step (`keep_until`), the next steps run a non-donating compilation of the same step instead, so the held
-    arrays stay valid while the checkpoint copies them in the background. That variant is compiled in a
-    background thread once the first step is running, so it is ready by the first checkpoint.
+    a step (a held `state_snapshot`, until it is released), the next steps run a non-donating compilation of the
+    same step instead, so the held arrays stay valid while the checkpoint copies them in the background. That
+    variant is compiled in a background thread once the first step is running, so it is ready by the first
+    checkpoint.
     """
 
     name = "in_memory"
@@ -68,7 +70,7 @@ class InMemoryEngine:
         self.state: TrainState = jax.jit(make_state, out_shardings=self.replicated)()
         self._step_fn = make_train_step(graphdef, tx, schedule, model.loss)
         self._step = jax.jit(self._step_fn, donate_argnums=0)
-        self._keeping: threading.Event | None = None
+        self._keeping: list[StateSnapshot] = []  # held snapshots not yet released: no donation while any is
         self._keep_step: Any = None  # the non-donating step, compiled ahead
         self._keep_compile: threading.Thread | None = None
 
@@ -77,9 +79,8 @@ class InMemoryEngine:
         controls = (controls or StepControls()).as_numpy()
         if self._keep_compile is None:
             self._compile_keep_variant(batch, controls)
-        if self._keeping is not None and self._keeping.is_set():
-            self._keeping = None
-        step = self._step if self._keeping is None else self._keep_step
+        self._keeping = [s for s in self._keeping if not s.released]
+        step = self._keep_step if self._keeping else self._step
         self.state, metrics = step(self.state, batch, controls)
         return metrics
 
@@ -97,21 +98,26 @@ class InMemoryEngine:
         self._keep_compile = threading.Thread(target=compile_it, name="compile-keep-step", daemon=True)
         self._keep_compile.start()
 
-    def keep_until(self, released: threading.Event) -> bool:
+    def state_snapshot(self) -> StateSnapshot:
+        # A replicated global array is not fully addressable in a multi-process run; its local shard is all of it.
+        arrays = {name: _local(a) for name, a in named_leaves(self.state).items()}
+        if not self._can_hold():
+            return StateSnapshot(arrays)
+        snapshot = StateSnapshot(arrays, held=True)
+        self._keeping.append(snapshot)
+        return snapshot
+
+    def _can_hold(self) -> bool:
+        """Whether the state can stay alive until a checkpoint has copied it: the non-donating step compiled, and
+        room on the device for a second copy of the state for a step or two."""
         if self._keep_compile is not None:
             self._keep_compile.join()  # long done on real runs (compiled since step 1); tiny test runs may wait
         if self._keep_step is None:  # could not compile: the checkpoint copies in the foreground
             return False
-        # Holding keeps a second copy of the state alive for one step or two: only where the device has room.
         held = sum(_local(a).nbytes for a in jax.tree.leaves(self.state))
-        if device_free_bytes(self.mesh.devices.flat[0]) < 1.25 * held:
-            return False
-        self._keeping = released
-        return True
-
-    def state_arrays(self) -> dict[str, Any]:
-        # A replicated global array is not fully addressable in a multi-process run; its local shard is all of it.
-        return {name: _local(a) for name, a in named_leaves(self.state).items()}
+        # This process's first device: another process's device has no memory statistics here.
+        local = next(d for d in self.mesh.devices.flat if d.process_index == jax.process_index())
+        return device_free_bytes(local) >= 1.25 * held
 
     def state_meta(self) -> dict[str, Any]:
         return {"engine": self.name}

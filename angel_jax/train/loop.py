@@ -11,7 +11,6 @@ whose guard drops bad updates on the device and whose verdict may roll the run b
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -235,15 +234,12 @@ def _save(t: Trainer, step: int) -> None:
     t.hooks.on_phase(Phase.CHECKPOINTING, step)
     meta = {"data": t.data.state().to_dict(), "engine": t.engine.state_meta(), "data_skips": t.skips,
             "tee": t.monitor.state_dict()}
-    # Engines with immutable state let the checkpoint hold it and copy it in the background (no stall).
-    release = threading.Event()
-    keep_until = getattr(t.engine, "keep_until", None)
-    hold = t.is_primary and keep_until is not None and keep_until(release)
-    handle = t.checkpointer.save(step, t.engine.state_arrays(), meta, hold=hold, released=release)
-    if handle is None:
-        release.set()
+    # A held snapshot (an engine with immutable state) is copied in the background: no stall. The checkpoint
+    # releases it when its copy is done; the engine sees that through the snapshot itself.
+    snapshot = t.engine.state_snapshot()
+    handle = t.checkpointer.save(step, snapshot, meta)
     info = {"stall_s": handle.stall_s if handle else 0.0, "state": handle.state if handle else "not primary",
-            "held": hold}
+            "held": handle is not None and snapshot.held}
     t.carry["ckpt/stall_s"] = info["stall_s"]
     t.carry["ckpt/step"] = step
     t.trail = {}

@@ -2,8 +2,8 @@
 
     engine = PagedTrainEngine(cfg, mesh)          # one device, one process
     metrics = engine.step(batch, controls)        # loss, grad_norm, update_norm, lr, skipped (may be computing)
-    arrays, meta = engine.state_arrays(), engine.state_meta()
-    engine.load_state(arrays, meta)               # back to that step, bit for bit
+    snapshot, meta = engine.state_snapshot(), engine.state_meta()   # not held: pages change in place
+    engine.load_state(snapshot.arrays, meta)      # back to that step, bit for bit
 
 The training state is every page family under stable names, read from wherever the current version lives
 (device, host or disk), after every update in flight has landed:
@@ -32,6 +32,7 @@ from typing import Any, Mapping
 import jax
 import numpy as np
 
+from angel_jax.checkpoint.state import StateSnapshot
 from angel_jax.config import Config
 from angel_jax.optim.guard import StepControls
 from angel_jax.schedule.engine import PagedEngine, build_paged_engine
@@ -137,16 +138,18 @@ class PagedTrainEngine:
             small += [(f"opt_small/{stage.name}/{j}", i, j) for j in range(len(self.built.updater.small_specs[i]))]
         return params, opt, small
 
-    def state_arrays(self) -> dict[str, Any]:
-        held = self.built.updater.state()  # lock-free mode: the last step's updates land first
+    def state_snapshot(self) -> StateSnapshot:
+        """Never held: host and disk pages are updated in place by the next step, so a checkpoint copies them
+        before its save returns."""
+        updater_state = self.built.updater.state()  # lock-free mode: the last step's updates land first
         self.built.store.wait_all()
         store = self.built.store
         params, opt, small_names = self._names()
         out: dict[str, Any] = {name: store.read(pid) for name, pid in params + opt}
-        out.update({name: np.asarray(held.opt_small[i][j]) for name, i, j in small_names})
+        out.update({name: np.asarray(updater_state.opt_small[i][j]) for name, i, j in small_names})
         out["step"] = np.asarray(self.executor.step_count, np.int32)
-        out["applied"] = np.asarray(held.applied, np.int32)
-        return out
+        out["applied"] = np.asarray(updater_state.applied, np.int32)
+        return StateSnapshot(out)
 
     def state_meta(self) -> dict[str, Any]:
         return {"engine": self.name, "page_size": self.cfg.memory.page_size,

@@ -8,6 +8,7 @@ from typing import Any, Mapping, Protocol, runtime_checkable
 import jax
 import numpy as np
 
+from angel_jax.checkpoint.state import StateSnapshot
 from angel_jax.errors import AngelError
 from angel_jax.optim.guard import StepControls
 
@@ -35,9 +36,12 @@ class TrainEngine(Protocol):
         computing (the loop reads them one step late). `controls`: the guard's bounds and the lr multiplier
         (train/step.py); None = no bounds beyond finiteness."""
 
-    def state_arrays(self) -> dict[str, Any]:
-        """Every array of the training state after the last step, by stable name (numpy or jax arrays). They
-        stay unchanged until the next `step` call; the checkpoint engine copies them before it returns."""
+    def state_snapshot(self) -> StateSnapshot:
+        """Every array of the training state after the last step, by stable name (numpy or jax arrays), and
+        how long they stay valid. Not held: unchanged only until the next `step` call (a checkpoint copies them
+        before its save returns). Held: the engine keeps them alive and unchanged (no donation, no update in
+        place) until the snapshot is released, so a checkpoint may copy them in the background. The engine
+        decides which it can afford; whoever takes a held snapshot must release it (a checkpoint save does)."""
 
     def state_meta(self) -> dict[str, Any]:
         """JSON: the engine name and whatever `load_state` needs to check that arrays fit (layout, shapes)."""
@@ -47,13 +51,6 @@ class TrainEngine(Protocol):
 
     def params(self) -> Any:
         """The whole model's parameters as numpy arrays, in `models.gpt`'s structure."""
-
-    # Optional (the loop uses getattr): an engine whose state_arrays() are immutable jax arrays can let a
-    # checkpoint hold them and copy them in the background instead of stalling training for the copy.
-    #   def keep_until(self, released: threading.Event) -> bool:
-    #       """Keep the arrays that state_arrays() returns next alive and unchanged (no donation) until
-    #       `released` is set; False if the engine cannot do it now (the checkpoint then copies before it
-    #       returns)."""
 
     def memory_report(self) -> list[str]:
         """Lines for the start-up memory report: where the state lives."""

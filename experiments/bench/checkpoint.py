@@ -6,11 +6,11 @@ State: `arrays` float32 arrays of `mib` MiB each (default 1 GiB), random (incomp
 Figures (one JSON line each, appended to experiments/results/checkpoint_<platform>.jsonl unless --no-save):
 
   save_blocking_orbax_s      orbax Checkpointer.save of the state to the persistent directory, blocking (median)
-  save_stall_held_s          what the in-memory trainer blocks for: CheckpointEngine.save(hold=True) of the state as
-                             jax arrays (references handed over; the copy runs in the background) (median)
+  save_stall_held_s          what the in-memory trainer blocks for: CheckpointEngine.save of a held StateSnapshot of
+                             the state as jax arrays (references handed over; the copy runs in the background) (median)
   held_copy_s                the background copy of a held save into the memory tier (median)
   save_stall_ratio           save_stall_held_s / save_blocking_orbax_s (target <= 0.05)
-  save_stall_engine_first_s  save() without hold (numpy state updated in place, as host pages are) blocks for the
+  save_stall_engine_first_s  save() of a state that is not held (numpy state updated in place, as host pages are) blocks for the
                              copy into the memory tier: the first save (fresh tmpfs files)
   save_stall_engine_s        the same for later saves, which reuse the evicted snapshot's file (median)
   save_stall_copy_ratio      save_stall_engine_s / save_blocking_orbax_s
@@ -45,7 +45,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from angel_jax.benchinfo import emit, machine_info, results_path
-from angel_jax.checkpoint import CheckpointEngine, CheckpointOptions
+from angel_jax.checkpoint import CheckpointEngine, CheckpointOptions, StateSnapshot
 
 
 def drop_page_cache() -> bool:
@@ -108,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
         with CheckpointEngine(opts) as engine:
             for step in range(1, args.repeats + 3):
                 jstate = jax.block_until_ready(next_state(jstate, step))
-                handle = engine.save(step, jstate, {"step": step}, hold=True)
+                handle = engine.save(step, StateSnapshot(jstate, held=True), {"step": step})
                 held_stalls.append(handle.stall_s)
                 engine.wait()
                 assert handle.state == "persisted", handle
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
             assert engine.restore().arrays["layer00/w"][0] == step
         del jstate
         figure("save_stall_held_s", statistics.median(held_stalls[2:]), samples=[round(x, 6) for x in held_stalls],
-               note="save(hold=True) of jax arrays: references handed over, copied in the background")
+               note="save of a held snapshot of jax arrays: references handed over, copied in the background")
         figure("held_copy_s", statistics.median(copies[2:]), samples=[round(x, 4) for x in copies])
         figure("save_stall_ratio", statistics.median(held_stalls[2:]) / statistics.median(blocking), unit="ratio",
                target="<= 0.05", path="held (the in-memory trainer's saves)")
