@@ -183,6 +183,12 @@ def test_a_held_snapshot_keeps_the_state_until_it_is_released(tmp_path, write_ti
         before = [a for a in jax.tree.leaves(engine.state) if isinstance(a, jax.Array)]
         engine.step(batch())
         assert any(a.is_deleted() for a in before)  # donating again
+        # A process that writes no checkpoint asks for no held snapshot: the step keeps donating.
+        unheld = engine.state_snapshot(may_hold=False)
+        assert not unheld.held
+        before = [a for a in jax.tree.leaves(engine.state) if isinstance(a, jax.Array)]
+        engine.step(batch())
+        assert any(a.is_deleted() for a in before)
     finally:
         engine.close()
 

@@ -98,10 +98,10 @@ class InMemoryEngine:
         self._keep_compile = threading.Thread(target=compile_it, name="compile-keep-step", daemon=True)
         self._keep_compile.start()
 
-    def state_snapshot(self) -> StateSnapshot:
+    def state_snapshot(self, may_hold: bool = True) -> StateSnapshot:
         # A replicated global array is not fully addressable in a multi-process run; its local shard is all of it.
         arrays = {name: _local(a) for name, a in named_leaves(self.state).items()}
-        if not self._can_hold():
+        if not (may_hold and self._can_hold()):
             return StateSnapshot(arrays)
         snapshot = StateSnapshot(arrays, held=True)
         self._keeping.append(snapshot)

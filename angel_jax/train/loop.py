@@ -235,8 +235,9 @@ def _save(t: Trainer, step: int) -> None:
     meta = {"data": t.data.state().to_dict(), "engine": t.engine.state_meta(), "data_skips": t.skips,
             "tee": t.monitor.state_dict()}
     # A held snapshot (an engine with immutable state) is copied in the background: no stall. The checkpoint
-    # releases it when its copy is done; the engine sees that through the snapshot itself.
-    snapshot = t.engine.state_snapshot()
+    # releases it when its copy is done; the engine sees that through the snapshot itself. Only process 0 writes
+    # checkpoints: the others take no held snapshot (waiting to afford one would stall the whole group).
+    snapshot = t.engine.state_snapshot(may_hold=t.is_primary)
     handle = t.checkpointer.save(step, snapshot, meta)
     info = {"stall_s": handle.stall_s if handle else 0.0, "state": handle.state if handle else "not primary",
             "held": handle is not None and snapshot.held}

@@ -138,7 +138,7 @@ class PagedTrainEngine:
             small += [(f"opt_small/{stage.name}/{j}", i, j) for j in range(len(self.built.updater.small_specs[i]))]
         return params, opt, small
 
-    def state_snapshot(self) -> StateSnapshot:
+    def state_snapshot(self, may_hold: bool = True) -> StateSnapshot:
         """Never held: host and disk pages are updated in place by the next step, so a checkpoint copies them
         before its save returns."""
         updater_state = self.built.updater.state()  # lock-free mode: the last step's updates land first

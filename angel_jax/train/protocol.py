@@ -36,12 +36,13 @@ class TrainEngine(Protocol):
         computing (the loop reads them one step late). `controls`: the guard's bounds and the lr multiplier
         (train/step.py); None = no bounds beyond finiteness."""
 
-    def state_snapshot(self) -> StateSnapshot:
+    def state_snapshot(self, may_hold: bool = True) -> StateSnapshot:
         """Every array of the training state after the last step, by stable name (numpy or jax arrays), and
         how long they stay valid. Not held: unchanged only until the next `step` call (a checkpoint copies them
         before its save returns). Held: the engine keeps them alive and unchanged (no donation, no update in
         place) until the snapshot is released, so a checkpoint may copy them in the background. The engine
-        decides which it can afford; whoever takes a held snapshot must release it (a checkpoint save does)."""
+        decides which it can afford (never held when `may_hold` is False: a process that writes no checkpoint
+        should not wait to make one possible); whoever takes a held snapshot must release it (a save does)."""
 
     def state_meta(self) -> dict[str, Any]:
         """JSON: the engine name and whatever `load_state` needs to check that arrays fit (layout, shapes)."""
