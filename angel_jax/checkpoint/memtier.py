@@ -26,13 +26,13 @@ import numpy as np
 from angel_jax.checkpoint import snapshot as snap
 from angel_jax.checkpoint.faults import Fault, no_fault
 from angel_jax.checkpoint.retention import steps_to_keep
-from angel_jax.checkpoint.tiers import CheckpointTier, Committed
+from angel_jax.checkpoint.tiers import CheckpointTier, Committed, SnapshotDirectories
 from angel_jax.checkpoint.writer import MemoryTierFull, SnapshotWriter
 
 __all__ = ["MemoryTier", "MemoryTierFull"]
 
 
-class MemoryTier(CheckpointTier):
+class MemoryTier(SnapshotDirectories, CheckpointTier):
     """Snapshot directories `step_<k>/` under `root`, written by recycling evicted snapshots' files."""
 
     name = "memory"
@@ -66,22 +66,12 @@ class MemoryTier(CheckpointTier):
 
     # ------------------------------------------------------------------------------------------- reading
 
-    def scan(self) -> tuple[dict[int, Path], dict[int, Path]]:
-        return snap.scan(self.root)
-
-    def _path(self, step: int) -> Path:
-        return self.scan()[0].get(step, snap.step_dir(self.root, step))
-
     def load(self, step: int, *, verify: bool,
              pool: Executor | None) -> tuple[snap.SnapshotIndex, dict[str, np.ndarray]]:
         path = self._path(step)
         index, arrays = snap.load(path, verify=verify, pool=pool)
         self._snapshot_writer().mark_exported(path)  # its bytes back these arrays: never overwrite in place
         return index, arrays
-
-    def check(self, step: int, pool: Executor | None) -> list[str]:
-        # Read-only shared mappings, dropped on return: checking never pins a snapshot the way restore's views do.
-        return snap.check(self._path(step), pool)
 
     # ------------------------------------------------------------------------------------------- deleting
 

@@ -17,10 +17,10 @@ import numpy as np
 
 from angel_jax.checkpoint import snapshot as snap
 from angel_jax.checkpoint.faults import Fault, no_fault
-from angel_jax.checkpoint.tiers import Committed, CopyTier
+from angel_jax.checkpoint.tiers import Committed, CopyTier, SnapshotDirectories
 
 
-class PeerTier(CopyTier):
+class PeerTier(SnapshotDirectories, CopyTier):
     """Snapshot directories `step_<k>/` under `root`, copied from the memory tier."""
 
     name = "peer"
@@ -32,18 +32,9 @@ class PeerTier(CopyTier):
         super().__init__(root, keep_last)
         self._fault = fault
 
-    def scan(self) -> tuple[dict[int, Path], dict[int, Path]]:
-        return snap.scan(self.root)
-
-    def _path(self, step: int) -> Path:
-        return self.scan()[0].get(step, snap.step_dir(self.root, step))
-
     def load(self, step: int, *, verify: bool,
              pool: Executor | None) -> tuple[snap.SnapshotIndex, dict[str, np.ndarray]]:
         return snap.load(self._path(step), verify=verify, pool=pool)
-
-    def check(self, step: int, pool: Executor | None) -> list[str]:
-        return snap.check(self._path(step), pool)
 
     def delete(self, step: int) -> None:
         for path in (p for s, p in self.scan()[0].items() if s == step):

@@ -25,6 +25,7 @@ import numpy as np
 
 from angel_jax.checkpoint.records import Tier
 from angel_jax.checkpoint.retention import steps_to_keep
+from angel_jax.checkpoint import snapshot as snap
 from angel_jax.checkpoint.snapshot import SnapshotIndex, dir_bytes, remove_dir
 
 
@@ -108,3 +109,20 @@ class CopyTier(CheckpointTier):
     def copy_from(self, source: Committed) -> Path:
         """Copies a committed snapshot into this tier and commits it atomically; returns the committed path.
         On failure nothing partial is left behind and the error is raised."""
+
+
+class SnapshotDirectories:
+    """Reading a tier kept in the snapshot format (snapshot.py: `step_<k>/` directories under `root`), as the
+    memory and peer tiers are."""
+
+    root: Path
+
+    def scan(self) -> tuple[dict[int, Path], dict[int, Path]]:
+        return snap.scan(self.root)
+
+    def _path(self, step: int) -> Path:
+        return self.scan()[0].get(step, snap.step_dir(self.root, step))
+
+    def check(self, step: int, pool: Executor | None) -> list[str]:
+        # Read-only shared mappings, dropped on return: checking never pins a snapshot the way restore's views do.
+        return snap.check(self._path(step), pool)
