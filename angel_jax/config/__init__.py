@@ -93,6 +93,8 @@ class OptimizerConfig:
     eps: float = doc(1e-8, "Adam epsilon.")
     weight_decay: float = doc(0.1, "Decoupled weight decay (adamw, lion).")
     grad_clip: float = doc(1.0, "Clip gradients to this global norm (0 = off).")
+    state_dtype: Literal["float32", "bfloat16"] = doc("float32", "Dtype the optimizer's state is stored in "
+                                                      "(bfloat16 halves its bytes; the update computes in float32).")
 
     def validate(self) -> list[tuple[str, str]]:
         errs = []

@@ -158,11 +158,12 @@ def _replicate(host: np.ndarray, sharding: NamedSharding) -> jax.Array:
 
 def state_bytes(cfg: Config) -> int:
     """Bytes of the training state the in-memory engine keeps on each device: parameters, gradients and the
-    optimizer's per-parameter state (2 buffers for Adam-like optimizers, 1 for SGD with momentum / Lion)."""
+    optimizer's per-parameter state (2 buffers for Adam-like optimizers, 1 for SGD with momentum / Lion, each of
+    optimizer.state_dtype)."""
     n = models.get(cfg.model).param_count["total"]
     itemsize = jnp.dtype(cfg.model.param_dtype).itemsize
     per_param = {"adamw": 2, "adam": 2, "lion": 1, "sgd": 1, "adafactor": 1}[cfg.optimizer.name]
-    return n * itemsize * (2 + per_param)
+    return n * (itemsize * 2 + jnp.dtype(cfg.optimizer.state_dtype).itemsize * per_param)
 
 
 def fits_in_memory(cfg: Config, device: jax.Device) -> bool:
