@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import jax
 import numpy as np
@@ -233,3 +234,38 @@ def test_a_disk_filled_by_another_process_during_training_is_a_clear_error(tmp_p
                 pass
     finally:
         subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
+def test_a_model_the_host_cannot_hold_is_refused_before_it_is_built(tmp_path, monkeypatch):
+    """Parameters and gradients of the stages that do not fit the device live on the host (and the initial model
+    is built there): a host budget below that is refused from shapes alone, naming the bytes and the keys,
+    before the model is initialised or any stage is profiled (a big model used to be profiled for minutes and
+    then refused, or OOM-killed)."""
+    import models
+    from angel_jax.schedule import engine as engine_lib
+    from angel_jax.schedule.plan import PlanError
+
+    def must_not_run(*args, **kwargs):
+        raise AssertionError("profiled before the refusal")
+
+    monkeypatch.setattr(engine_lib, "profile_costs", must_not_run)
+    cfg = _cfg(tmp_path, device_budget=3_600_000, host_budget=1_000_000)
+    params = models.get(MODEL).param_count["total"] * 4
+    with pytest.raises(PlanError, match=rf"needs at least [\d,]+ B of host memory for this model \({params:,} B of "
+                                        r"parameters.*memory.host_budget gives 1,000,000 B: [\d,]+ B missing; raise "
+                                        r"memory.host_budget or memory.device_budget"):
+        build_engine(cfg, _mesh())
+
+
+def test_the_host_budget_defaults_to_what_the_machine_has(monkeypatch):
+    """memory.host_budget=0: available RAM less max(2 GiB, a tenth of RAM), not 'unlimited'."""
+    import collections
+
+    from angel_jax.schedule import engine as engine_lib
+
+    vm = collections.namedtuple("vm", "total available")
+    monkeypatch.setattr(engine_lib.psutil, "virtual_memory", lambda: vm(64 << 30, 40 << 30))
+    assert engine_lib.host_budget(_cfg(Path("/tmp"))) == (40 << 30) - (64 << 30) // 10
+    monkeypatch.setattr(engine_lib.psutil, "virtual_memory", lambda: vm(8 << 30, 5 << 30))
+    assert engine_lib.host_budget(_cfg(Path("/tmp"))) == (5 << 30) - (2 << 30)
+    assert engine_lib.host_budget(_cfg(Path("/tmp"), host_budget=123)) == 123

@@ -146,7 +146,8 @@ class MemoryConfig:
     mode: Literal["auto", "in_memory", "paged"] = doc("in_memory", "auto = in-memory when the whole state fits the device.")
     page_size: int = doc(64 * 2**20, "Bytes per page (model state is split into pages of this size).")
     device_budget: int = doc(0, "Bytes of device memory the paged engine may use (0 = all free HBM).")
-    host_budget: int = doc(0, "Bytes of pinned host memory for pages (0 = no limit beyond the machine's).")
+    host_budget: int = doc(0, "Bytes of pinned host memory for pages (0 = what this machine has: available RAM "
+                                 "less max(2 GiB, 10%)).")
     disk_dir: str = doc("", "Directory of the disk tier (empty = no disk tier).")
     disk_budget: int = doc(0, "Bytes the disk tier may hold (0 = no limit beyond the file system's).")
     staleness: int = doc(0, "Paged engine: 0 = exact updates, 1 = lock-free (a stage may use one-step-old parameters).")

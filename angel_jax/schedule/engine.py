@@ -33,8 +33,9 @@ from angel_jax.optim.paged import OptLayout, abstract_opt_state, split_opt_state
 from angel_jax.optim.updater import PageUpdater, Placement, StageSlot, StageUpdates
 from angel_jax.schedule.costs import profile_costs, profile_transfers
 from angel_jax.schedule.execute import PagedExecutor, PagedModel
-from angel_jax.schedule.plan import Bandwidths, Budgets, Plan, StageCost, load_bandwidths, make_plan
+from angel_jax.schedule.plan import Bandwidths, Budgets, Plan, PlanError, StageCost, load_bandwidths, make_plan
 from angel_jax.schedule.stagefns import StageFunctions
+from angel_jax.units import device_free_bytes
 import models
 from models.stages import StagedModel
 
@@ -82,10 +83,38 @@ def device_budget(cfg: Config, device: jax.Device) -> int:
     """memory.device_budget, or what the device has free (80% of available host RAM for the CPU backend)."""
     if cfg.memory.device_budget:
         return cfg.memory.device_budget
-    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
-    if stats and "bytes_limit" in stats:
-        return int(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
-    return int(psutil.virtual_memory().available * 0.8)
+    return device_free_bytes(device)
+
+
+HOST_MARGIN = 2 << 30
+"""Host memory left to everything else (the process's own arrays, the machine) when memory.host_budget is 0:
+at least this, or a tenth of the machine's RAM when that is more."""
+
+
+def host_budget(cfg: Config) -> int:
+    """memory.host_budget, or what this machine can give the host tier now: available RAM less a margin
+    (`HOST_MARGIN`), so that a plan larger than the machine is refused instead of meeting the OOM killer."""
+    if cfg.memory.host_budget:
+        return cfg.memory.host_budget
+    vm = psutil.virtual_memory()
+    return max(0, int(vm.available) - max(HOST_MARGIN, int(vm.total) // 10))
+
+
+def check_host_room(cfg: Config, device: jax.Device) -> None:
+    """Refuse, from shapes alone and before anything large is allocated or profiled, a model whose paged training
+    needs more host memory than the host budget gives: the initial model is built on the host, and every stage
+    that does not fit the device keeps its parameters and gradients there (only optimizer state may go to disk)."""
+    params = models.get(cfg.model).param_count["total"] * jnp.dtype(cfg.model.param_dtype).itemsize
+    on_device = max(0, device_budget(cfg, device) - fixed_device_bytes(cfg, cfg.train.batch_size))
+    need = max(params, 2 * params - on_device)
+    room = host_budget(cfg)
+    if need > room:
+        source = "memory.host_budget" if cfg.memory.host_budget else "this machine (available RAM less a margin)"
+        raise PlanError(f"the paged engine needs at least {need:,} B of host memory for this model "
+                        f"({params:,} B of parameters: the initial model is built on the host, and the parameters "
+                        f"and gradients of the stages that do not fit the device live there), but {source} gives "
+                        f"{room:,} B: {need - room:,} B missing; raise memory.host_budget or memory.device_budget, "
+                        "or train a smaller model")
 
 
 def fixed_device_bytes(cfg: Config, local_batch: int) -> int:
@@ -163,7 +192,7 @@ def disk_budget(cfg: Config) -> int | None:
 
 
 def make_store(cfg: Config, device: jax.Device) -> PageStore:
-    return PageStore(DeviceTier(device, budget=None), HostTier(device, budget=cfg.memory.host_budget or None),
+    return PageStore(DeviceTier(device, budget=None), HostTier(device, budget=host_budget(cfg)),
                      DiskTier(cfg.memory.disk_dir, budget=disk_budget(cfg)) if cfg.memory.disk_dir else None)
 
 
@@ -176,7 +205,7 @@ def plan_for(cfg: Config, bp: Blueprint, store: PageStore, example_batch: jax.Ar
                           jax.device_put(example_batch, device_sharding), placements(device, host_sharding))
     bw = profile_transfers(bp.params_layout, device_sharding, host_sharding,
                            load_bandwidths(default_calibration_path()))
-    budgets = Budgets(device=device_budget(cfg, device), host=cfg.memory.host_budget or None,
+    budgets = Budgets(device=device_budget(cfg, device), host=store.tiers["host"].budget,
                       disk=disk_budget(cfg) if cfg.memory.disk_dir else 0,
                       fixed_device=fixed_device_bytes(cfg, example_batch.shape[0]))
     plan = make_plan(costs, bw, budgets, staleness=cfg.memory.staleness, shared_cpu=device.platform == "cpu")

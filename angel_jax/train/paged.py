@@ -35,7 +35,7 @@ import numpy as np
 from angel_jax.checkpoint.state import StateSnapshot
 from angel_jax.config import Config
 from angel_jax.optim.guard import StepControls
-from angel_jax.schedule.engine import PagedEngine, build_paged_engine
+from angel_jax.schedule.engine import PagedEngine, build_paged_engine, check_host_room
 from angel_jax.schedule.timeline import Timeline
 from angel_jax.train.protocol import StateMismatch, check_arrays
 from angel_jax.units import human_bytes
@@ -88,6 +88,7 @@ class PagedTrainEngine:
         self.cfg = cfg
         self.device = mesh.devices.flat[0]
         self.batch_sharding = jax.sharding.SingleDeviceSharding(self.device)
+        check_host_room(cfg, self.device)  # before the model exists anywhere: a refusal costs nothing
         with jax.default_device(jax.devices("cpu")[0]):  # the initial model is built on the host
             _, params = models.get(cfg.model).init(cfg.train.seed)
         params = jax.tree.map(np.asarray, params)
