@@ -17,13 +17,15 @@ def test_plan_prints_the_page_table_and_writes_the_predicted_timeline(tmp_path, 
     overrides = ["memory.page_size=262144", "memory.device_budget=24000000", "train.batch_size=8"]
     assert cli.main(["plan", str(config), *overrides, "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "predicted step time" in out and "predicted peak bytes" in out
+    assert "predicted step time" in out and "predicted peak bytes" in out and "I/O per step" in out
     rows = {line.split()[0]: line for line in out.splitlines()
             if line.strip().startswith(("device ", "host ", "disk "))}
     assert set(rows) == {"device", "host", "disk"}, out
     summary = json.loads((tmp_path / "plan.json").read_text())
     assert summary["streamed"] > 0 and summary["resident"] > 0, summary  # the budget splits the model
     assert summary["peak_bytes"]["device"] <= 24_000_000
+    io = summary["io_per_step"]
+    assert io["h2d_bytes"] >= 2 * io["d2h_bytes"] - max(s["param_bytes"] for s in summary["stages"]) > 0
     assert sum(r["params"] for r in summary["table"]) >= 4 * 128 * 128 * 12 * 4  # every block's parameters
     timeline = Timeline.from_json(json.loads((tmp_path / "timeline_predicted.json").read_text()))
     assert timeline.step_time == summary["predicted_step_s"] > 0

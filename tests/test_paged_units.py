@@ -126,3 +126,17 @@ def test_bandwidths_come_from_the_bench_io_calibration(tmp_path):
     bw = load_bandwidths(path)
     assert (bw.h2d, bw.d2h, bw.disk_read, bw.disk_write) == (2e10, 1.5e10, 3e9, 2e9) and bw.source == str(path)
     assert load_bandwidths(tmp_path / "missing.json") == Bandwidths()
+
+
+def test_io_per_step_counts_every_copy_of_the_plan():
+    """Exact bytes: a streamed stage's parameters go to the device once per access (forward and backward; the
+    head once), its gradients come back once; disk-homed optimizer state is read and written once."""
+    from angel_jax.schedule.plan import Bandwidths, Plan, StageCost
+
+    costs = [StageCost(name, p, o, 0.0, 0.0, 0.0, 0.0)
+             for name, p, o in (("embed", 100, 10), ("block.0", 200, 20), ("head", 300, 30))]
+    plan = Plan(resident=(0,), home=("device", "host", "host"), opt_home=("device", "disk", "host"), prefetch=1,
+                window_bytes=0, peak_bytes={}, staleness=0, predicted=None)
+    io = plan.io_per_step(costs, Bandwidths(h2d=100.0, d2h=50.0, disk_read=10.0, disk_write=5.0))
+    assert (io["h2d_bytes"], io["d2h_bytes"], io["disk_read_bytes"], io["disk_write_bytes"]) == (700, 500, 20, 20)
+    assert (io["h2d_s"], io["d2h_s"], io["disk_read_s"], io["disk_write_s"], io["io_bound_s"]) == (7, 10, 2, 4, 10)

@@ -30,6 +30,7 @@ from angel_jax.errors import AngelError
 from angel_jax.optim.updater import OPT_STAGING
 from angel_jax.schedule.simulate import Bandwidths, StageCost, simulate
 from angel_jax.schedule.timeline import Timeline
+from angel_jax.schedule.trace import compute_sequence
 
 __all__ = ["Bandwidths", "Budgets", "Plan", "PlanError", "StageCost", "load_bandwidths", "make_plan"]
 
@@ -96,6 +97,23 @@ class Plan:
             opt = sum(c.opt_bytes for c, h in zip(costs, self.opt_home) if h == tier)
             rows.append({"tier": tier, "params": params, "gradients": params, "optimizer": opt})
         return rows
+
+    def io_per_step(self, costs: list[StageCost], bandwidths: Bandwidths) -> dict[str, float]:
+        """Bytes each copy path moves per step under this plan, and the seconds that takes at `bandwidths`: a
+        streamed stage's parameters go to the device once per access (forward and backward; the head once), its
+        gradients come back once; disk-homed optimizer state is read and written once per update. `io_bound_s`
+        is the slowest path's time: no step can be shorter."""
+        accesses = [0] * len(costs)
+        for _, i in compute_sequence(len(costs)):
+            accesses[i] += 1
+        streamed = self.streamed
+        h2d = sum(accesses[i] * costs[i].param_bytes for i in streamed)
+        d2h = sum(costs[i].param_bytes for i in streamed)
+        disk = sum(c.opt_bytes for c, h in zip(costs, self.opt_home) if h == "disk")
+        seconds = {"h2d_s": h2d / bandwidths.h2d, "d2h_s": d2h / bandwidths.d2h,
+                   "disk_read_s": disk / bandwidths.disk_read, "disk_write_s": disk / bandwidths.disk_write}
+        return {"h2d_bytes": h2d, "d2h_bytes": d2h, "disk_read_bytes": disk, "disk_write_bytes": disk, **seconds,
+                "io_bound_s": max(seconds.values())}
 
     def summary(self) -> dict:
         return {"resident": len(self.resident), "streamed": len(self.streamed), "prefetch": self.prefetch,

@@ -21,7 +21,7 @@ import numpy as np
 from angel_jax.config import Config, load_config
 from angel_jax.memory.bench_io import default_calibration_path
 from angel_jax.schedule.engine import Blueprint, blueprint, device_budget, fixed_device_bytes, make_store, plan_for
-from angel_jax.schedule.plan import Budgets, Plan, StageCost, load_bandwidths, make_plan
+from angel_jax.schedule.plan import Bandwidths, Budgets, Plan, StageCost, load_bandwidths, make_plan
 from angel_jax.units import human_bytes
 
 def _parser() -> argparse.ArgumentParser:
@@ -61,8 +61,8 @@ def estimate_costs(cfg: Config, bp: Blueprint, peak_flops: float, device_bw: flo
     return costs
 
 
-def _estimated_plan(cfg: Config, bp: Blueprint, peak_tflops: float | None) -> tuple[Plan, list[StageCost], Budgets,
-                                                                                  str]:
+def _estimated_plan(cfg: Config, bp: Blueprint, peak_tflops: float | None
+                    ) -> tuple[Plan, list[StageCost], Budgets, Bandwidths, str]:
     from angel_jax.train.metrics import Peak, device_peak
 
     device = jax.devices()[0]
@@ -76,11 +76,12 @@ def _estimated_plan(cfg: Config, bp: Blueprint, peak_tflops: float | None) -> tu
                       disk=(cfg.memory.disk_budget or None) if cfg.memory.disk_dir else 0,
                       fixed_device=fixed_device_bytes(cfg, cfg.train.batch_size))
     plan = make_plan(costs, bw, budgets, staleness=cfg.memory.staleness, shared_cpu=device.platform == "cpu")
-    return plan, costs, budgets, f"estimated from FLOPs at {peak.flops_per_device / 1e12:.1f} TFLOP/s " \
+    return plan, costs, budgets, bw, f"estimated from FLOPs at {peak.flops_per_device / 1e12:.1f} TFLOP/s " \
                                  f"({peak.source}); bandwidths: {bw.source}"
 
 
-def _profiled_plan(cfg: Config, bp: Blueprint, _: float | None) -> tuple[Plan, list[StageCost], Budgets, str]:
+def _profiled_plan(cfg: Config, bp: Blueprint, _: float | None
+                   ) -> tuple[Plan, list[StageCost], Budgets, Bandwidths, str]:
     device = jax.devices()[0]
     store = make_store(cfg, device)
     try:
@@ -88,10 +89,11 @@ def _profiled_plan(cfg: Config, bp: Blueprint, _: float | None) -> tuple[Plan, l
         plan, costs, bw, budgets = plan_for(cfg, bp, store, example, device)
     finally:
         store.close()
-    return plan, costs, budgets, f"profiled on {device.device_kind}; bandwidths: {bw.source}"
+    return plan, costs, budgets, bw, f"profiled on {device.device_kind}; bandwidths: {bw.source}"
 
 
-def report(cfg: Config, plan: Plan, costs: list[StageCost], budgets: Budgets, source: str) -> list[str]:
+def report(cfg: Config, plan: Plan, costs: list[StageCost], budgets: Budgets, bw: Bandwidths,
+           source: str) -> list[str]:
     """The lines `angel-jax plan` prints."""
     lines = [f"plan for {cfg.name}: {len(costs)} stages, page size {human_bytes(cfg.memory.page_size)}, "
              f"staleness {plan.staleness}",
@@ -109,6 +111,10 @@ def report(cfg: Config, plan: Plan, costs: list[StageCost], budgets: Budgets, so
               f"  predicted peak bytes  device {human_bytes(peak['device'])} (of which activations and working set "
               f"{human_bytes(budgets.fixed_device)}, streaming window {human_bytes(plan.window_bytes)}), "
               f"host {human_bytes(peak['host'])}, disk {human_bytes(peak['disk'])}"]
+    io = plan.io_per_step(costs, bw)
+    lines += [f"  I/O per step          h2d {human_bytes(io['h2d_bytes'])}, d2h {human_bytes(io['d2h_bytes'])}, "
+              f"disk read {human_bytes(io['disk_read_bytes'])}, disk write {human_bytes(io['disk_write_bytes'])}; "
+              f"no step can be shorter than the slowest path: {io['io_bound_s']:.4f} s"]
     return lines
 
 
@@ -117,14 +123,15 @@ def main(args: list[str] | argparse.Namespace | None = None) -> int:
         args = _parser().parse_args(args)
     cfg = load_config(args.config, list(args.overrides))
     bp = blueprint(cfg)
-    plan, costs, budgets, source = (_estimated_plan if args.estimate else _profiled_plan)(cfg, bp,
-                                                                                        args.peak_tflops)
-    print("\n".join(report(cfg, plan, costs, budgets, source)))
+    plan, costs, budgets, bw, source = (_estimated_plan if args.estimate else _profiled_plan)(cfg, bp,
+                                                                                            args.peak_tflops)
+    print("\n".join(report(cfg, plan, costs, budgets, bw, source)))
     out = Path(args.out) if args.out else cfg.run_dir
     out.mkdir(parents=True, exist_ok=True)
     plan.predicted.save_json(out / "timeline_predicted.json")
     plan.predicted.save_png(out / "timeline_predicted.png", f"{cfg.name}: predicted timeline")
     summary = {**plan.summary(), "source": source, "table": plan.table(costs),
+               "io_per_step": plan.io_per_step(costs, bw),
                "budgets": {"device": budgets.device, "host": budgets.host, "disk": budgets.disk,
                            "fixed_device": budgets.fixed_device},
                "stages": [asdict(c) for c in costs]}
