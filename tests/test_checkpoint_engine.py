@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import re
 import shutil
 import subprocess
 import threading
@@ -386,6 +387,31 @@ def test_full_memory_tier_falls_back_with_a_warning(tmp_path: Path, small_tmpfs:
         assert "No space left" in caplog.text and "persisting directly" in caplog.text
         assert not any(small_tmpfs.rglob("*.bin"))  # the failed reservation was given back
         assert_bitwise(engine.restore().arrays, big)
+
+
+def test_a_snapshot_the_machine_has_no_ram_for_is_persisted_directly(tmp_path: Path, small_tmpfs: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    """A tmpfs memory tier holds its files in RAM: a snapshot that would leave the machine with less than the
+    margin available (told here through psutil: 1.5 GiB available) is refused before anything is written, with
+    a warning naming the bytes, and the save persists directly: a state near the size of RAM never meets the OOM
+    killer through its checkpoint. A tier on a disk file system is not limited by RAM."""
+    from angel_jax.checkpoint import memtier
+
+    real = memtier.psutil.virtual_memory()
+    monkeypatch.setattr(memtier.psutil, "virtual_memory", lambda: real._replace(available=3 << 29))
+    state = {"w": np.arange(1 << 16, dtype=np.float32)}
+    caplog.set_level(logging.WARNING)
+    with CheckpointEngine(options(tmp_path, memory_dir=small_tmpfs / "shm")) as engine:
+        handle = engine.save(1, state, {})
+        assert handle.state == "persisted"
+        assert re.search(r"the snapshot would take [\d,]+ B more of RAM, 1,610,612,736 B are available", caplog.text)
+        assert "persisting directly" in caplog.text and not any(small_tmpfs.rglob("*.bin"))
+        assert_bitwise(engine.restore().arrays, state)
+    if not memtier.in_ram(tmp_path):
+        with CheckpointEngine(options(tmp_path / "disk")) as engine:
+            assert engine.save(1, state, {}).wait() in ("snapshotted", "persisted")
+            assert any((tmp_path / "disk" / "memory").rglob("data.bin"))
 
 
 # ----------------------------------------------------------------------------------------------- held saves

@@ -16,12 +16,15 @@ and every rename and delete in the tier; copies and checksums run outside it.
 
 from __future__ import annotations
 
+import errno
+import os
 import threading
 from concurrent.futures import Executor
 from pathlib import Path
 from typing import Mapping
 
 import numpy as np
+import psutil
 
 from angel_jax.checkpoint import snapshot as snap
 from angel_jax.checkpoint.faults import Fault, no_fault
@@ -29,7 +32,23 @@ from angel_jax.checkpoint.retention import steps_to_keep
 from angel_jax.checkpoint.tiers import CheckpointTier, Committed, SnapshotDirectories
 from angel_jax.checkpoint.writer import MemoryTierFull, SnapshotWriter
 
-__all__ = ["MemoryTier", "MemoryTierFull"]
+__all__ = ["MemoryTier", "MemoryTierFull", "in_ram"]
+
+RAM_MARGIN = 2 << 30
+"""RAM a snapshot written into a RAM-backed memory tier must leave available to the machine."""
+RAM_FILESYSTEMS = frozenset({"tmpfs", "ramfs"})
+
+
+def in_ram(path: Path) -> bool:
+    """Whether `path` lives on a file system whose files are RAM (tmpfs, ramfs: /dev/shm by default), by the
+    longest mount point that contains it."""
+    target = os.path.realpath(path)
+    best, fstype = "", ""
+    for part in psutil.disk_partitions(all=True):
+        mount = part.mountpoint.rstrip("/") or "/"
+        if (target == mount or target.startswith(mount.rstrip("/") + "/")) and len(mount) > len(best):
+            best, fstype = mount, part.fstype
+    return fstype in RAM_FILESYSTEMS
 
 
 class MemoryTier(SnapshotDirectories, CheckpointTier):
@@ -103,6 +122,7 @@ class MemoryTier(SnapshotDirectories, CheckpointTier):
             keep = steps_to_keep([*committed, step], self.keep_last)
             victims = [p for s, p in sorted(committed.items()) if s not in keep and s not in self._pinned]
             victims += [p for s, p in partial.items() if s not in self._pinned or s == step]
+            self._check_ram(index.data_bytes - sum(snap.dir_bytes(p) for p in victims))
             try:
                 tmp = writer.prepare(step, index, victims)
             except MemoryTierFull:
@@ -111,6 +131,18 @@ class MemoryTier(SnapshotDirectories, CheckpointTier):
                 raise MemoryTierFull(e.errno, f"memory tier {self.root}: {e}") from e
         writer.copy(tmp, index, host, after_first=lambda: self._fault("snapshot.copy", step))
         return tmp
+
+    def _check_ram(self, new_bytes: int) -> None:
+        """A tmpfs holds its files in RAM: a snapshot that would leave the machine with less than `RAM_MARGIN`
+        available (after reusing the evicted snapshots' files) is refused as if the tier were full, so a state
+        near the size of RAM is persisted directly instead of meeting the OOM killer."""
+        if new_bytes <= 0 or not in_ram(self.root):
+            return
+        available = int(psutil.virtual_memory().available)
+        if available - new_bytes < RAM_MARGIN:
+            raise MemoryTierFull(errno.ENOMEM, f"memory tier {self.root}: the snapshot would take {new_bytes:,} B "
+                                               f"more of RAM, {available:,} B are available (keeping "
+                                               f"{RAM_MARGIN:,} B free)")
 
     def commit(self, step: int, tmp: Path, index: snap.SnapshotIndex, pool: Executor | None) -> Committed:
         """Checksums the copy in `tmp`, writes its index and renames it to `step_<k>/`: from now on it is a
