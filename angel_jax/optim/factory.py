@@ -81,9 +81,6 @@ def stored_as(inner: optax.GradientTransformation, dtype: jnp.dtype) -> optax.Gr
 def clip_with_norm(tree, global_norm, max_norm: float):
     """`optax.clip_by_global_norm(max_norm)` given the norm computed elsewhere (over every stage's pages), with
     optax's own arithmetic, (t / norm) * max_norm, so paged and whole-model updates agree."""
-    import jax
-    import jax.numpy as jnp
-
     if max_norm <= 0:
         return tree
     trigger = global_norm < max_norm
