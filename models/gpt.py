@@ -4,6 +4,10 @@ The blocks are created stacked (one leading axis of size n_layers, through `nnx.
 them with one `jax.lax.scan` body, and so block i's parameters are simply `leaf[i]`. `staged()` exposes the same
 computation as stages (embed, n_layers blocks, head) for the scheduling pass; `tests/test_model.py` checks that
 running the stages in sequence gives the whole model's logits.
+
+Random keys: stage i (0 = embed, 1 + j = block j, n_layers + 1 = head) draws its parameters from
+`fold_in(key(seed), i)` alone, so one stage can be initialised by itself (`init_stage`, for models larger than host
+RAM) with exactly the values the whole model gets; `tests/test_model_init.py` checks the two bit for bit.
 """
 
 from __future__ import annotations
@@ -74,18 +78,24 @@ class Head(nnx.Module):
         return self.unembed(self.ln(x)).astype(jnp.float32)
 
 
+def stage_key(key: jax.Array, stage: int | jax.Array) -> jax.Array:
+    """The key stage `stage` draws its parameters from (0 = embed, 1 + j = block j, n_layers + 1 = head)."""
+    return jax.random.fold_in(key, stage)
+
+
 class GPT(nnx.Module):
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, key: jax.Array):
+        """`key`: the model's base key (`jax.random.key(seed)`); each stage uses only `stage_key(key, i)`."""
         self.cfg = cfg
-        self.embed = Embed(cfg, rngs)
+        self.embed = Embed(cfg, nnx.Rngs(params=stage_key(key, 0)))
 
-        @nnx.split_rngs(splits=cfg.n_layers)
-        @nnx.vmap(in_axes=(0,), out_axes=0)
-        def make_blocks(rngs: nnx.Rngs) -> Block:
-            return Block(cfg, rngs)
+        @nnx.vmap(in_axes=0, out_axes=0)
+        def make_blocks(block_keys: jax.Array) -> Block:  # one construction, vmapped over the per-block keys
+            return Block(cfg, nnx.Rngs(params=block_keys))
 
-        self.blocks = make_blocks(rngs)
-        self.head = Head(cfg, rngs)
+        block_keys = jax.vmap(lambda i: stage_key(key, i))(jnp.arange(1, cfg.n_layers + 1, dtype=jnp.uint32))
+        self.blocks = make_blocks(block_keys)
+        self.head = Head(cfg, nnx.Rngs(params=stage_key(key, cfg.n_layers + 1)))
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
         x = self.embed(tokens)
@@ -118,13 +128,28 @@ def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
 
 def init(cfg: ModelConfig, seed: int) -> tuple[nnx.GraphDef, Params]:
     """Build the model and return (graphdef, params). Only nnx.Param state exists in this model."""
-    graphdef, state = nnx.split(GPT(cfg, nnx.Rngs(params=seed)))
+    graphdef, state = nnx.split(GPT(cfg, jax.random.key(seed)))
     return graphdef, _pure_dict(state)
+
+
+def init_stage(cfg: ModelConfig, seed: int, stage: int) -> Params:
+    """Stage `stage`'s params alone (embed, block j = stage 1 + j, or head), equal bit for bit to
+    `staged(cfg).split(init(cfg, seed)[1])[stage]`; only that stage's arrays are created."""
+    if not 0 <= stage <= cfg.n_layers + 1:
+        raise IndexError(f"stage {stage} out of range: the model has {cfg.n_layers + 2} stages")
+    rngs = nnx.Rngs(params=stage_key(jax.random.key(seed), stage))
+    if stage == 0:
+        module: nnx.Module = Embed(cfg, rngs)
+    elif stage <= cfg.n_layers:
+        module = Block(cfg, rngs)
+    else:
+        module = Head(cfg, rngs)
+    return _pure_dict(nnx.state(module))
 
 
 def abstract_params(cfg: ModelConfig) -> tuple[nnx.GraphDef, Params]:
     """(graphdef, params as jax.ShapeDtypeStruct) without allocating anything."""
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: GPT(cfg, nnx.Rngs(params=0))))
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: GPT(cfg, jax.random.key(0))))
     return graphdef, _pure_dict(state)
 
 
@@ -136,7 +161,7 @@ def _pure_dict(state: nnx.State) -> Params:
 
 def staged(cfg: ModelConfig) -> StagedModel:
     """The stage view of the model: embed, n_layers homogeneous blocks, head."""
-    abstract = nnx.eval_shape(lambda: GPT(cfg, nnx.Rngs(params=0)))
+    abstract = nnx.eval_shape(lambda: GPT(cfg, jax.random.key(0)))
     embed_def = nnx.graphdef(abstract.embed)
     block_def = nnx.graphdef(abstract.blocks)
     head_def = nnx.graphdef(abstract.head)
@@ -168,6 +193,7 @@ def staged(cfg: ModelConfig) -> StagedModel:
         split=split,
         merge=merge,
         init=lambda seed: init(cfg, seed),
+        init_stage=lambda seed, stage: init_stage(cfg, seed, stage),
         abstract=lambda: abstract_params(cfg),
         param_count=param_count(cfg),
         flops_per_token=flops_per_token(cfg),

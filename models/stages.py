@@ -5,6 +5,7 @@ stage's parameters in and out of device memory around the call. A model exposes 
 
     staged = models.get(cfg.model)                # pure description, no arrays
     graphdef, params = staged.init(seed)          # the whole model, for the in-memory engines
+    block0 = staged.init_stage(seed, 1)           # one stage alone, for models larger than host RAM
     stage_params = staged.split(params)           # whole-model params -> one pytree per stage
     logits = staged.forward(stage_params, tokens) # embed -> block 0 .. N-1 -> head
     loss = staged.loss(logits, targets)
@@ -48,6 +49,8 @@ class StagedModel:
     init: Callable[[int], tuple[Any, PyTree]]
     """seed -> (graphdef, whole-model params): the model built with real arrays (`nnx.merge(graphdef, params)`
     is the whole model as one module, for the in-memory engines)."""
+    init_stage: Callable[[int, int], PyTree]
+    """(seed, stage index) -> that stage's params alone, bit-identical to `split(init(seed)[1])[index]`."""
     abstract: Callable[[], tuple[Any, PyTree]]
     """() -> (graphdef, params as jax.ShapeDtypeStruct), allocating nothing."""
     param_count: dict[str, int]
