@@ -49,12 +49,23 @@ def test_guard_and_lr_scale_match_the_reference(tmp_path):
     finally:
         engine.close()
     assert [m["skipped"] for m in got] == [m["skipped"] for m in ref] == [0, 1, 1, 0, 0, 1, 0]
+    # The gradient norm right after a sharp step (it jumps from 5 to 22 at step 5 with seed 0) amplifies the two
+    # engines' rounding differences to ~2.5e-5 while the loss still agrees to 3e-7; measured over seeds 0-7.
+    rtol = {"loss": 2e-5, "grad_norm": 1e-4, "update_norm": 2e-5, "lr": 2e-5}
     for key in ("loss", "grad_norm", "update_norm", "lr"):
-        np.testing.assert_allclose([m[key] for m in got], [m[key] for m in ref], rtol=2e-5, err_msg=key)
+        np.testing.assert_allclose([m[key] for m in got], [m[key] for m in ref], rtol=rtol[key], err_msg=key)
     assert int(arrays["applied"]) == int(state.step) == 4 and int(arrays["step"]) == len(CONTROLS)
     # Dropped updates left every tier's pages as they were: an update wrongly applied or dropped would move nearly
-    # every element by ~lr. Elements whose gradient is within rounding of zero (the key biases: softmax ignores a
-    # shift of the keys) may differ by Adam's normalised step (see test_paged): about 1% of a bias leaf.
-    for a, b in zip(jax.tree.leaves(state.params), jax.tree.leaves(final)):
-        assert np.mean(~np.isclose(np.asarray(a), b, rtol=1e-4, atol=1e-6)) < 0.02
+    # every element by ~lr. The key biases (qkv bias [d, 2d)) are left out of that count: their gradient is zero
+    # in exact arithmetic (softmax ignores a shift of the keys), so they hold rounding noise near zero (up to
+    # ~4e-6 here, where isclose's atol is 1e-6) and are only held to Adam's normalised step, lr per applied update.
+    # Every other leaf: at most 0.2% of elements off over seeds 0-7.
+    d = MODEL.d_model
+    assert jax.tree.structure(state.params) == jax.tree.structure(final)
+    for (path, a), b in zip(jax.tree_util.tree_leaves_with_path(state.params), jax.tree.leaves(final)):
+        a, b = np.asarray(a), np.asarray(b)
+        if jax.tree_util.keystr(path) == "['blocks']['qkv']['bias']":
+            np.testing.assert_allclose(a[:, d:2 * d], b[:, d:2 * d], rtol=0, atol=cfg.optimizer.lr * 4)
+            a, b = np.delete(a, np.s_[d:2 * d], axis=1), np.delete(b, np.s_[d:2 * d], axis=1)
+        assert np.mean(~np.isclose(a, b, rtol=1e-4, atol=1e-6)) < 0.02, jax.tree_util.keystr(path)
     assert all(math.isfinite(m["update_norm"]) for m in got)
