@@ -28,14 +28,22 @@ MODEL = {"d_model": 64, "n_layers": 8, "n_heads": 2, "seq_len": 16}
 PAGE = 49 * 4096
 
 
-def _memory(disk: Path) -> dict:
+BUDGETS = {
+    # Stages resident, streamed with optimizer state on host, and streamed with optimizer state on disk.
+    "mixed": {"device_budget": 3_600_000, "host_budget": 4_200_000},
+    # Every block streamed, and its parameters, gradients and optimizer state homed on disk: the host holds only
+    # the window (2 stages staged around their update, 2 stages of gradients on their way out).
+    "all_disk": {"device_budget": 1_200_000, "host_budget": 2_100_000},
+}
+
+
+def _memory(disk: Path, budgets: str = "mixed") -> dict:
     disk.mkdir(parents=True, exist_ok=True)
-    return {"mode": "paged", "page_size": PAGE, "device_budget": 3_600_000, "host_budget": 4_200_000,
-            "disk_dir": str(disk)}
+    return {"mode": "paged", "page_size": PAGE, **BUDGETS[budgets], "disk_dir": str(disk)}
 
 
-def _write(write_tiny_config, directory: Path, name: str) -> Path:
-    return write_tiny_config(directory, name, model=MODEL, memory=_memory(directory / f"{name}-disk"),
+def _write(write_tiny_config, directory: Path, name: str, budgets: str = "mixed") -> Path:
+    return write_tiny_config(directory, name, model=MODEL, memory=_memory(directory / f"{name}-disk", budgets),
                              train={"steps": STEPS, "batch_size": 2}, checkpoint={"every": 4, "keep": 2})
 
 
@@ -53,16 +61,22 @@ def _committed(run_dir: Path) -> list[int]:
 
 
 @pytest.mark.slow
-def test_paged_run_killed_and_resumed_is_bitwise_the_uninterrupted_run(tmp_path, write_tiny_config):
+@pytest.mark.parametrize("budgets", ["mixed", "all_disk"])
+def test_paged_run_killed_and_resumed_is_bitwise_the_uninterrupted_run(tmp_path, write_tiny_config, budgets):
     from angel_jax.train.loop import train
 
-    straight_cfg = _write(write_tiny_config, tmp_path, "straight")
+    straight_cfg = _write(write_tiny_config, tmp_path, "straight", budgets)
     train(load_config(straight_cfg))
     predicted = json.loads((tmp_path / "straight" / "timeline_predicted.json").read_text())
     streams = {e["stream"] for e in predicted["events"]}
     assert {"h2d", "d2h", "host", "disk"} <= streams, streams  # streamed stages, host updates, optimizer on disk
+    if budgets == "all_disk":
+        plan = json.loads((tmp_path / "straight" / "plan.json").read_text())
+        blocks = [i for i, stage in enumerate(plan["stages"]) if stage["name"].startswith("block.")]
+        for family, homes in plan["homes"].items():
+            assert all(homes[i] == "disk" for i in blocks), (family, homes)
 
-    cfg_path = _write(write_tiny_config, tmp_path, "killed")
+    cfg_path = _write(write_tiny_config, tmp_path, "killed", budgets)
     run_dir = tmp_path / "killed"
     env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT))
     cmd = ["timeout", "-s", "KILL", "300", sys.executable, "-m", "angel_jax.cli", "train", str(cfg_path)]

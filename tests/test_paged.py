@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from angel_jax.config import Config, MemoryConfig, ModelConfig, OptimizerConfig, TrainConfig
+from angel_jax.memory import PageStore
 from angel_jax.optim import make_optimizer
 from angel_jax.schedule.engine import build_paged_engine
 from angel_jax.train.step import init_state, make_train_step
@@ -148,6 +149,42 @@ def test_optimizer_state_on_disk_matches_the_reference(tmp_path):
     assert len(engine.disk_files) >= on_disk, "the disk tier should hold a chunk file per optimizer page"
     assert_mostly_streamed(engine, cfg)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+
+
+def test_every_page_family_on_disk_matches_the_reference(tmp_path):
+    """A host budget that holds only the window: the streamed stages' parameters, gradients and optimizer state
+    all live on disk (real chunk files), the host tier never holds more than the budget, and the losses are the
+    reference trainer's."""
+    data = list(_data())[:6]
+    base = eighth(_cfg())
+    params_bytes = 4 * gpt.param_count(MODEL)["total"]
+    host = 2_500_000  # the window: 2 stages staged (parameters, gradients, Adam's m and v) + 2 of gradients
+    assert 7 * host < 4 * params_bytes  # under a seventh of parameters, gradients, m and v
+    cfg = Config(**{**base.__dict__, "memory": MemoryConfig(**{**base.memory.__dict__, "host_budget": host,
+                                                               "disk_dir": str(tmp_path)})})
+    peak = [0]
+
+    def sample(op, stage):
+        peak[0] = max(peak[0], engine_store[0].tiers["host"].bytes_used)
+
+    engine_store = []
+    original = PageStore.__init__
+
+    def remember(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        engine_store.append(self)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(PageStore, "__init__", remember)
+        losses, _, engine = paged(cfg, data, on_access=sample)
+    plan = engine.plan
+    blocks = [i for i, s in enumerate(engine.model.staged.stages) if s.kind == "block" and i in plan.streamed]
+    assert len(blocks) >= 20
+    for homes in (plan.home, plan.grad_home, plan.opt_home):
+        assert sum(homes[i] == "disk" for i in blocks) >= len(blocks) - 2, homes
+    assert len(engine.disk_files) >= 3 * len(blocks), "chunk files for parameters, gradients and optimizer state"
+    assert 0 < peak[0] <= host
+    np.testing.assert_allclose(losses, reference_run("adamw")[0][:len(data)], rtol=1e-5)
 
 
 def _device_bytes() -> int:

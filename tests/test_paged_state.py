@@ -236,25 +236,30 @@ def test_a_disk_filled_by_another_process_during_training_is_a_clear_error(tmp_p
         subprocess.run(["umount", "-l", str(disk)], check=False)
 
 
-def test_a_model_the_host_cannot_hold_is_refused_before_it_is_built(tmp_path, monkeypatch):
-    """Parameters and gradients of the stages that do not fit the device live on the host (and the initial model
-    is built there): a host budget below that is refused from shapes alone, naming the bytes and the keys,
-    before the model is initialised or any stage is profiled (a big model used to be profiled for minutes and
-    then refused, or OOM-killed)."""
-    import models
+def test_a_model_the_budgets_cannot_hold_is_refused_before_it_is_built(tmp_path, monkeypatch):
+    """The plan is made from the page layouts' bytes before anything is profiled or allocated: a host budget
+    below what the streamed stages need (without a disk tier: all their pages; with one: the host window) is
+    refused naming the bytes and the keys, before the model is initialised or any stage is profiled (a big
+    model used to be profiled for minutes and then refused, or OOM-killed)."""
     from angel_jax.schedule import engine as engine_lib
     from angel_jax.schedule.plan import PlanError
 
     def must_not_run(*args, **kwargs):
-        raise AssertionError("profiled before the refusal")
+        raise AssertionError("profiled or initialised before the refusal")
 
     monkeypatch.setattr(engine_lib, "profile_costs", must_not_run)
+    monkeypatch.setattr(engine_lib, "split_opt_state", must_not_run)
     cfg = _cfg(tmp_path, device_budget=3_600_000, host_budget=1_000_000)
-    params = models.get(MODEL).param_count["total"] * 4
-    with pytest.raises(PlanError, match=rf"needs at least [\d,]+ B of host memory for this model \({params:,} B of "
-                                        r"parameters.*memory.host_budget gives 1,000,000 B: [\d,]+ B missing; raise "
-                                        r"memory.host_budget or memory.device_budget"):
+    with pytest.raises(PlanError, match=r"host budget 1,000,000 B cannot hold the streamed stages' parameters, "
+                                        r"gradients and optimizer state \([\d,]+ B\) and there is no disk tier: set "
+                                        r"memory.disk_dir, or raise memory.host_budget to at least [\d,]+ B"):
         build_engine(cfg, _mesh())
+    (tmp_path / "disk").mkdir()
+    cfg = _cfg(tmp_path, device_budget=3_600_000, host_budget=1_000_000, disk_dir=str(tmp_path / "disk"))
+    with pytest.raises(PlanError, match=r"host budget 1,000,000 B cannot hold the paged engine's host window "
+                                        r"\([\d,]+ B with every streamed page on disk"):
+        build_engine(cfg, _mesh())
+    assert not any((tmp_path / "disk").iterdir())
 
 
 def test_the_host_budget_defaults_to_what_the_machine_has(monkeypatch):

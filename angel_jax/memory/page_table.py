@@ -77,7 +77,8 @@ class Installed:
     page: int
     tier: str
     copy: int
-    replaced: int
+    replaced: int | None
+    """None: there was no copy on `tier` (`put`)."""
 
 
 @dataclass(frozen=True)
@@ -297,16 +298,17 @@ class PageTable:
             page.pins -= 1
 
     # --- events: moves ----------------------------------------------------------------------------------------
-    def prefetch(self, page_id: int, to: str) -> Decision:
+    def prefetch(self, page_id: int, to: str, keep_source: bool = False) -> Decision:
         """Bring a current copy to `to` from the nearest tier holding one; the source goes when it lands unless
-        it is the home copy or a pinned device copy."""
+        it is the home copy or a pinned device copy, or `keep_source` (a copy someone else staged there and still
+        uses, e.g. parameters staged on the host for their update while the forward pass reads them too)."""
         page = self._page(page_id)
         self._tier(to)
         have = page.copies.get(to)
         if have is not None and have.version == page.version:
             frees: list[Free] = []
             if have.leaving:
-                frees = self._claim_back(page, have)
+                frees = self._claim_back(page, have, keep_source)
             return Decision(Present(page_id, to, have.id, f"prefetch->{to} (present)"), tuple(frees))
         if have is not None:  # a stale copy: only the home copy can be stale
             return self.writeback(page_id)
@@ -314,7 +316,7 @@ class PageTable:
         if (page_id, to) in self._draining:
             return Decision(Blocked(page_id, to))
         self._reserve(page, to)
-        leaving = [src] if self._frees_source(page, src) else []
+        leaving = [src] if self._frees_source(page, src) and not keep_source else []
         return Decision(self._start(page, src, to, leaving, f"prefetch {src.tier}->{to}"))
 
     def evict(self, page_id: int, frm: str, to: str | None = None) -> Decision:
@@ -383,6 +385,28 @@ class PageTable:
                  for f in self._drop(page, c)]
         return Decision(Installed(page_id, tier, new.id, old.id), tuple(frees))
 
+    def put(self, page_id: int, tier: str) -> Decision:
+        """A new version on `tier` whether or not the page has a current copy there (e.g. an update whose staged
+        input copy was dropped meanwhile, or a page rewritten every step): as `update` when it has one; else the
+        page is charged to `tier` afresh (BudgetExceeded if it does not fit; a stale copy there is dropped
+        first), other non-home copies are dropped and the home copy becomes stale."""
+        page = self._page(page_id)
+        self._tier(tier)
+        if tier == "disk":
+            raise PageStoreError(f"page {page_id}: a new version is made on an array tier, not on the disk")
+        if page.current(tier) is not None:
+            return self.update(page_id, tier)
+        blocked, frees = self._replace_stale(page, tier)
+        if blocked is not None:
+            return Decision(blocked)
+        self._reserve(page, tier)
+        page.version += 1
+        new = _Copy(self._new_id(), page_id, tier, page.version, self._charged[tier][page.id], maker=None)
+        page.copies[tier] = new
+        frees += tuple(f for role, c in list(page.copies.items()) if c is not new and role != page.home
+                       for f in self._drop(page, c))
+        return Decision(Installed(page_id, tier, new.id, None), tuple(frees))
+
     # --- events: completions ----------------------------------------------------------------------------------
     def landed(self, move: Move) -> Decision:
         """`move`'s destination is complete: the copies it took away go (unless claimed back meanwhile)."""
@@ -443,12 +467,13 @@ class PageTable:
         """A prefetch takes its source away unless it is the home copy or a pinned device copy."""
         return src.tier != page.home and not (src.tier == "device" and page.pins)
 
-    def _claim_back(self, page: _Page, have: _Copy) -> list[Free]:
+    def _claim_back(self, page: _Page, have: _Copy, keep_source: bool = False) -> list[Free]:
         """Prefetching a leaving copy: keep it, and treat it as copied back from the nearest other copy, which
-        goes as that copy would (now, or when `have` lands). The move taking `have` away becomes a copy."""
+        goes as that copy would (now, or when `have` lands; never with `keep_source`). The move taking `have`
+        away becomes a copy."""
         have.leaving = False
         src = self._source(page, have.tier, exclude=have.tier, required=False)
-        if src is None or not self._frees_source(page, src):
+        if src is None or keep_source or not self._frees_source(page, src):
             return []
         return self._leave_once_landed(page, src, have)
 

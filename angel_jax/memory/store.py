@@ -8,7 +8,8 @@ home copy stale ("dirty") until `writeback` or an `evict` writes the new version
 Moves are asynchronous and return a `PageHandle`:
 
 - `prefetch(p, to)`: bring a current copy to tier `to` from the nearest tier holding one (device <- host <- disk).
-  The source is freed when the copy lands unless it is the home copy (or a pinned device copy).
+  The source is freed when the copy lands unless it is the home copy (or a pinned device copy, or the caller
+  says `keep_source`).
 - `evict(p, frm)`: stop holding the page on `frm`. A copy that is the only current one is first written to the
   home tier; evicting the home copy itself moves the page (and its home) one tier down (device -> host -> disk).
 - `writeback(p)`: write the current version to the home tier, keeping the current copy.
@@ -150,8 +151,8 @@ class PageStore:
         with self._lock:
             self._carry_out(self._table.remove(page_id))
 
-    def prefetch(self, page_id: int, to: str = "device") -> PageHandle:
-        return self._request(lambda: self._table.prefetch(page_id, to))
+    def prefetch(self, page_id: int, to: str = "device", keep_source: bool = False) -> PageHandle:
+        return self._request(lambda: self._table.prefetch(page_id, to, keep_source))
 
     def evict(self, page_id: int, frm: str = "device", to: str | None = None) -> PageHandle:
         return self._request(lambda: self._table.evict(page_id, frm, to))
@@ -165,6 +166,15 @@ class PageStore:
         deleted (if `new` is not the same object), stale non-home copies are dropped, the home copy becomes
         dirty."""
         self.get(page_id, tier)  # waits for a copy still landing
+        self._install(page_id, new, tier, self._table.update)
+
+    def put(self, page_id: int, new: jax.Array, tier: str = "host") -> None:
+        """As `update`, but the page need not have a copy on `tier`: one is charged there afresh if it has none
+        (BudgetExceeded if it does not fit). For pages rewritten whole (gradients each step), and for updates
+        whose staged input copy may have been dropped meanwhile."""
+        self._install(page_id, new, tier, self._table.put)
+
+    def _install(self, page_id: int, new: jax.Array, tier: str, ask: Callable[[int, str], Decision]) -> None:
         with self._lock:
             t = self._tier(tier)
             dtype, length = self._meta_of(page_id)
@@ -174,14 +184,19 @@ class PageStore:
             if isinstance(t, ArrayTier):
                 t.check_resident(page_id, new)  # refused before the table changes anything
             while True:
-                decision = self._table.update(page_id, tier)
+                decision = ask(page_id, tier)
                 if not isinstance(decision.action, Blocked):
                     break
                 self._moved.wait()  # a copy still landing there (moved meanwhile by another thread)
             installed = decision.action
             assert isinstance(installed, Installed) and isinstance(t, ArrayTier)
-            t.adopt(page_id, new, replace=True)  # deletes the replaced array, keeps the page's bytes counted
-            self._data.pop(installed.replaced, None)
+            if installed.replaced is None:
+                self._carry_out(decision)  # (a stale copy there goes first)
+                t.adopt(page_id, new)
+                decision = Decision(installed)
+            else:
+                t.adopt(page_id, new, replace=True)  # deletes the replaced array, keeps the page's bytes counted
+                self._data.pop(installed.replaced, None)
             self._data[installed.copy] = _Data(resolved(new), resolved(new), new)
             self._carry_out(decision)
 

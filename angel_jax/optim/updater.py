@@ -58,8 +58,12 @@ from angel_jax.memory.tiers import HOST_MEMORY_KINDS
 from angel_jax.optim.guard import StepControls, update_norm_ok
 
 OPT_STAGING = 2
-"""Stages of disk-resident optimizer state held in host memory around their update (read ahead, or being written
-back): the bound `_stage_disk` keeps and the host memory the plan reserves for it."""
+"""Stages of disk-homed pages (parameters, gradients, optimizer state) held in host memory around their update
+(read ahead, or being written back): the bound `_stage_disk` keeps and the host memory the plan reserves for it."""
+
+GRAD_SPILL = 2
+"""Stages of disk-homed gradients on their way from the backward to the disk at a time (the executor waits for the
+oldest before it sends more): the host memory the plan reserves for them."""
 
 
 @dataclass(frozen=True)
@@ -71,14 +75,35 @@ class StageSlot:
     param_ids: tuple[int, ...]
     opt_ids: tuple[int, ...]
     where: str
-    """'device' or 'host': the tier of the stage's parameter pages; its update runs there."""
+    """'device' or 'host': where the stage's update runs (disk-homed pages are staged through the host)."""
     opt_home: str
     """'device', 'host' or 'disk': the home of its optimizer-state pages."""
+    param_home: str = ""
+    """'device', 'host' or 'disk': the home of its parameter pages ('' = `where`)."""
+    grad_home: str = ""
+    """'device', 'host' or 'disk': where its gradients wait for the update ('' = `where`): 'disk' means they are
+    pages in the store (written there by the executor), else arrays handed over with `submit`."""
+    grad_ids: tuple[tuple[int, ...], ...] = ()
+    """Disk-homed gradients: two sets of page ids, used by step parity (lock-free mode has two steps' gradients
+    of a stage at once)."""
 
     @property
     def opt_where(self) -> str:
         """The tier the optimizer pages are read from and written to by the update (disk pages pass the host)."""
         return "host" if self.opt_home == "disk" else self.opt_home
+
+    def grads_of(self, step: int) -> tuple[int, ...]:
+        """The gradient page ids step `step` writes (disk-homed gradients only)."""
+        return self.grad_ids[step % 2] if self.grad_ids else ()
+
+    def staged_ids(self) -> tuple[int, ...]:
+        """Page ids of the stage's disk-homed parameters and optimizer state: what is staged around its update."""
+        return (self.param_ids if self.param_home == "disk" else ()) + \
+            (self.opt_ids if self.opt_home == "disk" else ())
+
+    @property
+    def on_disk(self) -> bool:
+        return bool(self.staged_ids()) or self.grad_home == "disk"
 
 
 @dataclass(frozen=True)
@@ -103,11 +128,38 @@ class Guard:
 
 @dataclass(frozen=True)
 class StageGrads:
-    """Message to the worker: stage `stage`'s gradient pages of `step`, on the tier its update reads them from."""
+    """Message to the worker: stage `stage`'s gradient pages of `step`, on the tier its update reads them from
+    (None: disk-homed gradients, written to the store's pages `StageSlot.grads_of(step)`)."""
 
     step: int
     stage: int
-    grads: tuple
+    grads: tuple | None
+
+
+@dataclass
+class _InFlight:
+    """A stage's staged pages on their way out of host memory: write-backs home, and staged gradient copies to
+    drop once the update that reads them has run (the disk holds the same bytes)."""
+
+    stage: int
+    writes: list
+    """PageHandles of the write-backs (and drops) of its staged pages."""
+    drop: tuple[int, ...] = ()
+    """Staged gradient pages (host copies) to let go once `after` is ready."""
+    after: Any = None
+
+    def landed(self) -> bool:
+        return not self.drop and all(h.done() for h in self.writes)
+
+    def settle(self, store: PageStore, wait: bool = False) -> None:
+        """Drop the staged gradient copies once their update ran (with `wait`: wait for it, and for the writes)."""
+        if self.drop and (wait or self.after is None or self.after.is_ready()):
+            jax.block_until_ready(self.after)
+            self.writes += [store.evict(g, "host") for g in self.drop]
+            self.drop = ()
+        if wait:
+            for h in self.writes:
+                h.wait()
 
 
 @dataclass(frozen=True)
@@ -223,7 +275,8 @@ class PageUpdater:
     - the worker, while a step is in flight: `_applied`, `_opt_small`, `_ahead`, `_writing`, `_error` (set once,
       under `_cond`). The training thread reads them only through `state()` and replaces them only through
       `reset()`, both after `drain()`, when no step is in flight;
-    - both, only under `_cond`: `_done`, `_held`, `_pending`, `_busy`.
+    - both, only under `_cond`: `_done`, `_held`, `_pending`, `_busy`, `_released` (write-backs started by
+      `release` on the training thread, handed to the worker's bookkeeping).
     """
 
     def __init__(self, store: PageStore, slots: list[StageSlot], updates: StageUpdates, opt_small: list[list],
@@ -259,15 +312,16 @@ class PageUpdater:
         self._thread: threading.Thread | None = None
         self._ahead: set[int] = set()
         """Stages whose disk-homed optimizer pages were read into host memory for their coming update."""
-        self._writing: list[tuple[int, list]] = []
-        """(stage, write-back handles) of disk-homed optimizer pages still on their way home, oldest first."""
+        self._writing: list[_InFlight] = []
+        """Staged pages of disk-homed stages still on their way out of host memory, oldest first."""
+        self._released: list[_InFlight] = []
 
     # ------------------------------------------------------------------------------------------ training thread
     def acquire(self, i: int, step: int) -> bool:
         """Before stage i's first access in `step` (0-based): wait until its parameters are recent enough, mark it
         in use; returns True when it runs one update behind."""
         slot = self.slots[i]
-        need = step - (self.staleness if slot.where == "host" else 0)
+        need = step - (self.staleness if self._lock_free(slot) else 0)
         with self._cond:
             while self._done[i] < need:
                 self._check()
@@ -287,7 +341,9 @@ class PageUpdater:
         with self._cond:
             self._held[i] = False
             if self._pending[i] is not None:
-                self._install(i, self._pending[i])
+                writes = self._install(i, self._pending[i])
+                if writes:
+                    self._released.append(_InFlight(i, writes))
                 self._pending[i] = None
 
     def submit(self, step: int, i: int, grads: tuple) -> None:
@@ -335,8 +391,11 @@ class PageUpdater:
             small.append([jax.device_put(np.asarray(a), at) for a in leaves])
         self.drain()
         with self._cond:
+            for flight in self._writing + self._released:
+                flight.settle(self.store, wait=True)
             self._ahead.clear()  # the store was refilled: nothing is staged any more
             self._writing.clear()
+            self._released.clear()
             self._done = [step] * len(self.slots)
             self._applied = jnp.asarray(applied, jnp.int32)
             self._opt_small = small
@@ -372,9 +431,9 @@ class PageUpdater:
                     ok = ok & update_norm_ok(jnp.sqrt(total), StepControls(max_update_norm=guard.max_update_norm))
                 sq, applied = [], []
                 for i in range(len(self.slots)):
-                    self._stage_disk(i, record, wait=True)
+                    self._stage_disk(i, record, wait=True, step=order.step)
                     for ahead in range(i + 1, i + OPT_STAGING):
-                        self._stage_disk(ahead, record)
+                        self._stage_disk(ahead, record, step=order.step)
                     s, a = self._update(i, grads.pop(i), order, ok)
                     sq.append(s)
                     applied.append(a)
@@ -410,43 +469,51 @@ class PageUpdater:
         for i in range(OPT_STAGING):
             self._stage_disk(i, record)
 
-    def _stage_disk(self, i: int, record: Callable[..., None] | None, wait: bool = False) -> None:
-        """Start reading stage i's optimizer pages from disk into host memory (if that is their home and they are
-        not there yet), keeping at most OPT_STAGING stages staged. A read-ahead that does not fit is left for
-        later; with `wait` (the stage is next) the oldest write-backs are waited for until it fits."""
-        if i >= len(self.slots) or self.slots[i].opt_home != "disk":
+    def _stage_disk(self, i: int, record: Callable[..., None] | None, wait: bool = False,
+                    step: int | None = None) -> None:
+        """Start reading stage i's disk-homed pages into host memory (parameters and optimizer state; with `step`,
+        also that step's disk-homed gradients), keeping at most OPT_STAGING stages staged. A read-ahead that
+        does not fit is left for later; with `wait` (the stage is next) the oldest write-backs are waited for
+        until it fits."""
+        if i >= len(self.slots) or not self.slots[i].on_disk:
             return
+        slot = self.slots[i]
+        ids = slot.staged_ids() + (slot.grads_of(step) if step is not None else ())
         if i in self._ahead:
-            if wait:  # idempotent; reads the pages again if their host copy went away meanwhile
-                for oid in self.slots[i].opt_ids:
-                    self.store.prefetch(oid, "host")
+            if wait or step is not None:  # idempotent; reads pages again whose host copy went away meanwhile
+                for pid in ids:
+                    self.store.prefetch(pid, "host", keep_source=True)
             return
         self._settle_writes()
         while len(self._ahead) + len(self._writing) >= OPT_STAGING:
             if not wait or not self._writing:
                 return
-            for h in self._writing.pop(0)[1]:
-                h.wait()
-        slot = self.slots[i]
+            self._writing.pop(0).settle(self.store, wait=True)
         self._ahead.add(i)
-        for oid in slot.opt_ids:
-            handle = self.store.prefetch(oid, "host")
+        for pid in ids:
+            # (keep_source: a device copy the training thread fetched meanwhile, lock-free mode, stays its own)
+            handle = self.store.prefetch(pid, "host", keep_source=True)
             if record is not None:
                 record("disk", f"read {slot.name}", handle)
 
     def _settle_writes(self) -> None:
         """Forget the write-backs that have landed; one that failed (a disk filled by another process since the
         plan was made) raises its error here, so the run stops instead of keeping the page on the host unseen."""
-        for _, handles in self._writing:
-            for h in handles:
+        with self._cond:
+            self._writing += self._released
+            self._released = []
+        for flight in self._writing:
+            flight.settle(self.store)
+            for h in flight.writes:
                 if h.done():
                     h.wait()
-        self._writing = [(j, hs) for j, hs in self._writing if not all(h.done() for h in hs)]
+        self._writing = [f for f in self._writing if not f.landed()]
 
-    def _written_back(self, i: int, handles: list) -> None:
-        """Stage i's staged optimizer pages are on their way home (or dropped: the disk copy is current)."""
+    def _written_back(self, i: int, handles: list, drop: tuple[int, ...] = (), after: Any = None) -> None:
+        """Stage i's staged pages are on their way home (or dropped: the disk copy is current); `drop`: staged
+        gradient copies to let go once `after` (the update reading them) is ready."""
         self._ahead.discard(i)
-        self._writing.append((i, handles))
+        self._writing.append(_InFlight(i, handles, drop, after))
 
     def _inputs(self, slot: StageSlot, place: Placement, grads: tuple, i: int) -> tuple:
         def to_compute(arrays: Any) -> Any:
@@ -456,32 +523,37 @@ class PageUpdater:
         opt = to_compute(tuple(self.store.get(o, slot.opt_where) for o in slot.opt_ids))
         return params, to_compute(grads), opt, to_compute(self._opt_small[i])
 
+    def _grads(self, slot: StageSlot, grads: tuple | None, step: int) -> tuple:
+        """The step's gradient pages of a stage: handed over, or (disk-homed) their staged copies."""
+        return grads if grads is not None else tuple(self.store.get(g, "host") for g in slot.grads_of(step))
+
     def _norm_pass(self, grads: dict[int, tuple], order: StepOrder) -> jax.Array:
         """The update's global sum of squares, nothing written (disk pages are read, then dropped again)."""
         record, sq = order.record, []
         for i, slot in enumerate(self.slots):
-            self._stage_disk(i, record, wait=True)
+            self._stage_disk(i, record, wait=True, step=order.step)
             for ahead in range(i + 1, i + OPT_STAGING):
-                self._stage_disk(ahead, record)
+                self._stage_disk(ahead, record, step=order.step)
             place = self.placements[slot.where]
-            params, g, opt, small = self._inputs(slot, place, grads[i], i)
+            params, g, opt, small = self._inputs(slot, place, self._grads(slot, grads[i], order.step), i)
             fn = self.updates.norm_pass(slot.kind, place.compute)
             sq.append(fn(params, g, opt, small, jax.device_put(order.norm, place.compute),
                          jax.device_put(np.float32(order.guard.lr_scale), place.compute)))
             if record is not None:
                 record("host" if slot.where == "host" else "compute", f"norm {slot.name}", sq[-1])
-            if slot.opt_home == "disk":
-                jax.block_until_ready(sq[-1])  # done reading the staged copy: free it (the disk copy is current)
-                self._written_back(i, [self.store.evict(oid, "host") for oid in slot.opt_ids])
+            if slot.on_disk:
+                jax.block_until_ready(sq[-1])  # done reading the staged copies: free them (the disk copy is current)
+                self._written_back(i, [self.store.evict(pid, "host")
+                                       for pid in slot.staged_ids() + slot.grads_of(order.step)])
         self._stage_first(record)
         return self._on_device(sq, jnp.add)
 
-    def _update(self, i: int, grads: tuple, order: StepOrder, ok: jax.Array) -> tuple:
+    def _update(self, i: int, grads: tuple | None, order: StepOrder, ok: jax.Array) -> tuple:
         slot, store, record = self.slots[i], self.store, order.record
         place = self.placements[slot.where]
-        lock_free = self.staleness > 0 and slot.where == "host"
+        lock_free = self._lock_free(slot)
         fn = self.updates.get(slot.kind, place.compute, donate_params=not lock_free)
-        params, grads, opt, small = self._inputs(slot, place, grads, i)
+        params, grads, opt, small = self._inputs(slot, place, self._grads(slot, grads, order.step), i)
         ready_when = grads if record is not None else None  # the update starts once its gradients are home
         new_params, new_opt, small, update_sq, applied = fn(
             params, grads, opt, small, jax.device_put(order.norm, place.compute), jax.device_put(ok, place.compute),
@@ -491,14 +563,12 @@ class PageUpdater:
         new_params = jax.device_put(new_params, place.tier)
         writes = []
         for oid, arr in zip(slot.opt_ids, jax.device_put(new_opt, place.tier)):
-            store.update(oid, arr, slot.opt_where)
+            store.put(oid, arr, slot.opt_where)
             if slot.opt_home == "disk":
                 handle = store.evict(oid, "host")  # written back home; the host copy is freed once it lands
                 writes.append(handle)
                 if record is not None:
                     record("disk", f"write {slot.name}", handle)
-        if slot.opt_home == "disk":
-            self._written_back(i, writes)
         if record is not None:
             record("host" if slot.where == "host" else "compute", f"update {slot.name}", new_params,
                    after=ready_when)
@@ -508,12 +578,28 @@ class PageUpdater:
             if self._held[i]:
                 self._pending[i] = new_params
             else:
-                self._install(i, new_params)
+                writes += self._install(i, new_params)
             self._done[i] += 1
             self._cond.notify_all()
+        if slot.on_disk:  # staged gradient copies go once the update ran (the disk holds the same bytes)
+            self._written_back(i, writes, drop=slot.grads_of(order.step), after=update_sq)
         return update_sq, applied
 
-    def _install(self, i: int, new_params: tuple) -> None:
+    def _lock_free(self, slot: StageSlot) -> bool:
+        """Whether the stage may run one update behind: lock-free mode, for stages updated on the host whose
+        parameters live there. Disk-homed parameters are updated exactly (their read-update-write still overlaps
+        the compute of the other stages and of the next step): a stage in use holds its new version until it is
+        released, and for disk-homed ones that second version, for every stage in use, would be host memory the
+        window does not bound."""
+        return self.staleness > 0 and slot.where == "host" and slot.param_home != "disk"
+
+    def _install(self, i: int, new_params: tuple) -> list:
+        """Put a stage's new parameters in the store; disk-homed ones start on their way home (their handles are
+        returned)."""
         slot = self.slots[i]
+        writes = []
         for pid, arr in zip(slot.param_ids, new_params):
-            self.store.update(pid, arr, slot.where)
+            self.store.put(pid, arr, slot.where)
+            if slot.param_home == "disk":
+                writes.append(self.store.evict(pid, "host"))
+        return writes

@@ -1,6 +1,7 @@
 """Build the paged engine from a config: layouts -> stage functions -> profiled costs -> plan -> page store.
 
-    built = build_paged_engine(cfg, params, example_batch)      # params: numpy, in the model's structure
+    built = build_paged_engine(cfg, params, example_batch)      # params: numpy in the model's structure, or None:
+                                                                # initialised stage by stage into their homes
     metrics = built.executor.step(batch)
 
 `blueprint(cfg)` makes the page layouts and compiled stage functions from shapes alone (cached per configuration
@@ -33,7 +34,7 @@ from angel_jax.optim.paged import OptLayout, abstract_opt_state, split_opt_state
 from angel_jax.optim.updater import PageUpdater, Placement, StageSlot, StageUpdates
 from angel_jax.schedule.costs import profile_costs, profile_transfers
 from angel_jax.schedule.execute import PagedExecutor, PagedModel
-from angel_jax.schedule.plan import Bandwidths, Budgets, Plan, PlanError, StageCost, load_bandwidths, make_plan
+from angel_jax.schedule.plan import Bandwidths, Budgets, Plan, StageCost, load_bandwidths, make_plan
 from angel_jax.schedule.stagefns import StageFunctions
 from angel_jax.units import device_free_bytes
 import models
@@ -91,30 +92,33 @@ HOST_MARGIN = 2 << 30
 at least this, or a tenth of the machine's RAM when that is more."""
 
 
-def host_budget(cfg: Config) -> int:
+def host_budget(cfg: Config, device: jax.Device | None = None) -> int:
     """memory.host_budget, or what this machine can give the host tier now: available RAM less a margin
-    (`HOST_MARGIN`), so that a plan larger than the machine is refused instead of meeting the OOM killer."""
+    (`HOST_MARGIN`), so that a plan larger than the machine is refused instead of meeting the OOM killer. On the
+    CPU backend (`device` a CPU) the "device" is that same RAM: the device budget is taken out of it too."""
     if cfg.memory.host_budget:
         return cfg.memory.host_budget
     vm = psutil.virtual_memory()
-    return max(0, int(vm.available) - max(HOST_MARGIN, int(vm.total) // 10))
+    room = int(vm.available) - max(HOST_MARGIN, int(vm.total) // 10)
+    if device is not None and device.platform == "cpu":
+        room -= device_budget(cfg, device)
+    return max(0, room)
 
 
 def check_host_room(cfg: Config, device: jax.Device) -> None:
-    """Refuse, from shapes alone and before anything large is allocated or profiled, a model whose paged training
-    needs more host memory than the host budget gives: the initial model is built on the host, and every stage
-    that does not fit the device keeps its parameters and gradients there (only optimizer state may go to disk)."""
-    params = models.get(cfg.model).param_count["total"] * jnp.dtype(cfg.model.param_dtype).itemsize
-    on_device = max(0, device_budget(cfg, device) - fixed_device_bytes(cfg, cfg.train.batch_size))
-    need = max(params, 2 * params - on_device)
-    room = host_budget(cfg)
-    if need > room:
-        source = "memory.host_budget" if cfg.memory.host_budget else "this machine (available RAM less a margin)"
-        raise PlanError(f"the paged engine needs at least {need:,} B of host memory for this model "
-                        f"({params:,} B of parameters: the initial model is built on the host, and the parameters "
-                        f"and gradients of the stages that do not fit the device live there), but {source} gives "
-                        f"{room:,} B: {need - room:,} B missing; raise memory.host_budget or memory.device_budget, "
-                        "or train a smaller model")
+    """Refuse, from shapes alone and before anything large is allocated or profiled, a model the budgets cannot
+    hold: the plan is made on the page layouts' bytes (with no compute times), so the refusal is the one the
+    profiled plan would give, naming the bytes missing and the key to raise."""
+    bp = blueprint(cfg)
+    costs = [StageCost(s.name, bp.params_layout.stage(s.name).nbytes, bp.opt_layout.stage(s.name).nbytes,
+                       0.0, 0.0, 0.0, 0.0) for s in bp.staged.stages]
+    make_plan(costs, Bandwidths(), budgets_for(cfg, device, cfg.train.batch_size), staleness=cfg.memory.staleness)
+
+
+def budgets_for(cfg: Config, device: jax.Device, local_batch: int) -> Budgets:
+    return Budgets(device=device_budget(cfg, device), host=host_budget(cfg, device),
+                   disk=disk_budget(cfg) if cfg.memory.disk_dir else 0,
+                   fixed_device=fixed_device_bytes(cfg, local_batch))
 
 
 def fixed_device_bytes(cfg: Config, local_batch: int) -> int:
@@ -192,7 +196,7 @@ def disk_budget(cfg: Config) -> int | None:
 
 
 def make_store(cfg: Config, device: jax.Device) -> PageStore:
-    return PageStore(DeviceTier(device, budget=None), HostTier(device, budget=host_budget(cfg)),
+    return PageStore(DeviceTier(device, budget=None), HostTier(device, budget=host_budget(cfg, device)),
                      DiskTier(cfg.memory.disk_dir, budget=disk_budget(cfg)) if cfg.memory.disk_dir else None)
 
 
@@ -205,20 +209,19 @@ def plan_for(cfg: Config, bp: Blueprint, store: PageStore, example_batch: jax.Ar
                           jax.device_put(example_batch, device_sharding), placements(device, host_sharding))
     bw = profile_transfers(bp.params_layout, device_sharding, host_sharding,
                            load_bandwidths(default_calibration_path()))
-    budgets = Budgets(device=device_budget(cfg, device), host=store.tiers["host"].budget,
-                      disk=disk_budget(cfg) if cfg.memory.disk_dir else 0,
-                      fixed_device=fixed_device_bytes(cfg, example_batch.shape[0]))
+    budgets = dataclasses.replace(budgets_for(cfg, device, example_batch.shape[0]), host=store.tiers["host"].budget)
     plan = make_plan(costs, bw, budgets, staleness=cfg.memory.staleness, shared_cpu=device.platform == "cpu")
     return plan, costs, bw, budgets
 
 
 def build_paged_engine(cfg: Config, params: Any, example_batch: jax.Array, *,
                        device: jax.Device | None = None) -> PagedEngine:
-    """The paged engine for `params` (the whole model's, in its structure), planned for `example_batch`'s shape."""
+    """The paged engine, planned for `example_batch`'s shape. `params`: the whole model's (numpy, in its
+    structure), or None to initialise it stage by stage (`StagedModel.init_stage` with train.seed) straight into
+    each page's home, so that the whole model never exists in memory."""
     device = device or jax.local_devices()[0]
     bp = blueprint(cfg)
     staged = bp.staged
-    host_params = [jax.tree.map(np.asarray, p) for p in staged.split(params)]
     store = make_store(cfg, device)
     try:
         plan, costs, bw, budgets = plan_for(cfg, bp, store, example_batch, device)
@@ -230,20 +233,34 @@ def build_paged_engine(cfg: Config, params: Any, example_batch: jax.Array, *,
     model = PagedModel(staged, bp.params_layout, bp.opt_layout, opt_offset=bp.params_layout.num_pages)
     tx, _ = make_optimizer(cfg.optimizer, cfg.train.steps, clip=False)
     where = placements(device, store.tiers["host"].sharding)
+    whole = staged.split(params) if params is not None else None
     slots, small = [], []
     cpu = jax.devices("cpu")[0]
-    for i, stage in enumerate(staged.stages):
-        home = plan.home[i]
-        for pid, page in zip(model.param_ids(i), bp.params_layout.stage(stage.name).pack(host_params[i])):
-            store.add(pid, page, home=home)
-        with jax.default_device(cpu):  # optimizer state starts on the host, whatever its home
-            big, small_leaves, _ = split_opt_state(tx.init(host_params[i]))
-        big = [np.asarray(b) for b in big]
-        for oid, page in zip(model.opt_ids(i), bp.opt_layout.stage(stage.name).pack(big)):
-            store.add(oid, page, home=plan.opt_home[i])
-        small.append([jax.device_put(np.asarray(s), where[home].compute) for s in small_leaves])
-        slots.append(StageSlot(stage.name, stage.kind, model.param_ids(i), model.opt_ids(i), home, plan.opt_home[i]))
-        store.wait_all()  # one stage at a time: host memory holds at most one stage's staging copies
+    try:
+        for i, stage in enumerate(staged.stages):
+            update_at = "device" if plan.home[i] == "device" else "host"
+            with jax.default_device(cpu):  # built on the host, whatever its home
+                stage_params = jax.tree.map(np.asarray, whole[i] if whole is not None
+                                            else staged.init_stage(cfg.train.seed, i))
+                big, small_leaves, _ = split_opt_state(tx.init(stage_params))
+            for pid, page in zip(model.param_ids(i), bp.params_layout.stage(stage.name).pack(stage_params)):
+                store.add(pid, page, home=plan.home[i])
+            del stage_params
+            big = [np.asarray(b) for b in big]
+            for oid, page in zip(model.opt_ids(i), bp.opt_layout.stage(stage.name).pack(big)):
+                store.add(oid, page, home=plan.opt_home[i])
+            del big
+            small.append([jax.device_put(np.asarray(s), where[update_at].compute) for s in small_leaves])
+            slots.append(StageSlot(stage.name, stage.kind, model.param_ids(i), model.opt_ids(i), update_at,
+                                   plan.opt_home[i], param_home=plan.home[i], grad_home=plan.grad_home[i],
+                                   grad_ids=model.grad_ids(i) if plan.grad_home[i] == "disk" else ()))
+            errors = store.wait_all()  # one stage at a time: host memory holds at most one stage's staging copies
+            if errors:
+                raise errors[0]
+    except BaseException:
+        store.close()
+        raise
+    del whole
     updater = PageUpdater(store, slots, bp.updates, small, where, bp.schedule, staleness=cfg.memory.staleness)
     executor = PagedExecutor(model, bp.fns, plan, store, updater)
     log.info("paged engine: %d stages, %d resident, prefetch %d, predicted step %.3f s",

@@ -1,12 +1,13 @@
 """Execute: run a plan, one training step at a time, with transfers overlapping computation.
 
 The executor holds the model as pages in a `PageStore`: resident stages live on the device (parameters, gradients
-and optimizer state), streamed stages keep their parameters and gradients in pinned host memory and their
-optimizer state on the host or on disk. One step follows the trace (trace.py):
+and optimizer state); each page family of a streamed stage lives in pinned host memory or on disk, as the plan
+says. One step follows the trace (trace.py):
 
     forward  stage 0..N-2   stage inputs saved on the device
     head     loss and gradients
-    backward stage N-2..0   recompute from the saved input, vjp; gradients of streamed stages go to the host
+    backward stage N-2..0   recompute from the saved input, vjp; gradients of streamed stages go to the host, and
+                            on to the disk where that is their home (at most `GRAD_SPILL` stages on the way)
     update   by the PageUpdater (angel_jax/optim/updater.py) on its own thread, after the global norm: on the
              device for resident stages, on the host for streamed ones
 
@@ -38,7 +39,7 @@ from angel_jax.memory import PageStore
 from angel_jax.memory.layout import PageLayout
 from angel_jax.optim.guard import StepControls, before_update_ok
 from angel_jax.optim.paged import global_norm, join_opt_state
-from angel_jax.optim.updater import Guard, PageUpdater, StepOrder
+from angel_jax.optim.updater import GRAD_SPILL, Guard, PageUpdater, StepOrder
 from angel_jax.schedule.plan import Plan
 from angel_jax.schedule.stagefns import StageFunctions
 from angel_jax.schedule.timeline import Recorder, Timeline
@@ -55,6 +56,16 @@ class PagedModel:
     opt_layout: PageLayout
     """Optimizer-state pages; their page ids are offset by `opt_offset` in the store."""
     opt_offset: int
+
+    @property
+    def grad_offset(self) -> int:
+        """Disk-homed gradient pages: two sets (by step parity) of the parameter pages' shapes, ids from here."""
+        return self.opt_offset + self.opt_layout.num_pages
+
+    def grad_ids(self, stage: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        ids = self.param_ids(stage)
+        return tuple(p + self.grad_offset for p in ids), \
+            tuple(p + self.grad_offset + self.params_layout.num_pages for p in ids)
 
     def param_ids(self, stage: int) -> tuple[int, ...]:
         return self.params_layout.stage(self.staged.stages[stage].name).page_ids
@@ -79,6 +90,8 @@ class PagedExecutor:
         self._last_use = {i: max(k for k, (_, j) in enumerate(self._seq) if j == i) for i in range(self._n)}
         self._recording: tuple[Recorder, int, Any] | None = None  # (recorder, steps left, last update norm)
         self._last_mark: Any = None  # the previous step's last computation (see `issue`)
+        self._spilling: list[list] = []  # per stage, the write handles of gradients on their way to disk
+        self._grad_pages: set[int] = set()  # disk-homed gradient pages already in the store
 
     @property
     def step_count(self) -> int:
@@ -125,11 +138,13 @@ class PagedExecutor:
             refs[i] = refs.get(i, 0) + 1
             if refs[i] == 1:
                 for pid in self.model.param_ids(i):
-                    store.prefetch(pid, "device")
-                if rec:  # (a fetch starts once its source, the last update's pages, is written)
-                    rec.record("h2d", f"fetch {staged.stages[i].name}",
-                               [store.get(p, "device") for p in self.model.param_ids(i)],
-                               after=[store.get(p, "host") for p in self.model.param_ids(i)])
+                    # A host copy of disk-homed parameters is the updater's (staged for the update): it stays.
+                    store.prefetch(pid, "device", keep_source=True)
+                if rec:  # (a fetch starts once its source, the last update's pages, is written; from disk the
+                    # fetch includes the read)
+                    ids = self.model.param_ids(i)
+                    rec.record("h2d", f"fetch {staged.stages[i].name}", [store.get(p, "device") for p in ids],
+                               after=None if plan.home[i] == "disk" else [store.get(p, "host") for p in ids])
 
         def release(k: int, i: int) -> None:
             if i in streamed:
@@ -164,7 +179,7 @@ class PagedExecutor:
                 rec.record("compute", f"{op} {staged.stages[i].name}", out)
             del pages, out
             if op != "forward":
-                updater.submit(step, i, self._grads_home(i, dpages, streamed, rec))
+                updater.submit(step, i, self._grads_home(step, i, dpages, streamed, rec))
                 del dpages
             release(k, i)
             issue(k + plan.prefetch + 1)
@@ -185,15 +200,35 @@ class PagedExecutor:
             self._recording = (recorder, left - 1, deferred["update_norm"])
         return {"loss": loss, "grad_norm": norm, **deferred}
 
-    def _grads_home(self, i: int, dpages: tuple, streamed: set[int], rec: Recorder | None) -> tuple:
-        """Gradients go where the stage's update runs: the host tier for streamed stages (D2H, asynchronous)."""
+    def _grads_home(self, step: int, i: int, dpages: tuple, streamed: set[int],
+                    rec: Recorder | None) -> tuple | None:
+        """Gradients go where the stage's update reads them: the host tier for streamed stages (D2H,
+        asynchronous), and on to their pages on disk where the plan homes them there (None is returned: the
+        updater reads them from the store)."""
         if i not in streamed:
             return dpages
         host = self.store.tiers["host"].sharding
         moved = tuple(jax.device_put(g, host) for g in dpages)
+        name = self.model.staged.stages[i].name
         if rec:
-            rec.record("d2h", f"grad {self.model.staged.stages[i].name}", moved, after=dpages)
-        return moved
+            rec.record("d2h", f"grad {name}", moved, after=dpages)
+        if self.plan.grad_home[i] != "disk":
+            return moved
+        while len(self._spilling) >= GRAD_SPILL:  # host memory holds a bounded number of them
+            for h in self._spilling.pop(0):
+                h.wait()
+        handles = []
+        for gid, arr in zip(self.model.grad_ids(i)[step % 2], moved):
+            if gid in self._grad_pages:
+                self.store.put(gid, arr, "host")
+            else:  # first use: the page is created on the host; evicting it below moves its home to the disk
+                self.store.add(gid, arr, home="host")
+                self._grad_pages.add(gid)
+            handles.append(self.store.evict(gid, "host"))
+        if rec:
+            rec.record("disk", f"spill {name}", handles)
+        self._spilling.append(handles)
+        return None
 
     # ------------------------------------------------------------------------------------------------ timelines
     def record_steps(self, steps: int = 2) -> None:

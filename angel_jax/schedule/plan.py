@@ -9,11 +9,14 @@ Policy (Angel-PTM's unified scheduling, simplified to one micro-batch and whole 
    device, update on the device), preferring the stages that cost most to stream per second of compute that could
    hide the transfer: all of free device memory is used first, which is why a model that fits trains at in-memory
    speed.
-3. The remaining stages stream: their parameters (the home copy) and gradients live in pinned host memory; their
-   optimizer state lives in host memory while the host budget lasts, then on disk (read back before the stage's
-   update, written after it, both overlapped with other work). Their updates run on the host. Lock-free mode
-   (`staleness: 1`) keeps one more copy of streamed parameters on the host: the version in use while the next is
-   written.
+3. The remaining stages stream, and each of their page families (parameters, gradients, optimizer state) is homed
+   in pinned host memory while the host budget lasts, else on disk: the host then holds only a bounded window,
+   never the model. Families go to disk cheapest first (per byte, per step): optimizer state (read once and
+   written once, around its update), then gradients (written as the backward makes them, read by the update),
+   then parameters (read for the forward, again for the backward, and around the update; written after it).
+   Updates of streamed stages run on the host; disk-homed pages are staged through it (`OPT_STAGING` stages at a
+   time) and gradients on their way to disk are bounded too (`GRAD_SPILL` stages). Lock-free mode
+   (`staleness: 1`) keeps one more copy of host-homed parameters: the version in use while the next is written.
 4. The prefetch distance is the smallest that hides the transfers the cost model predicts (a deeper one only costs
    window memory), chosen by simulating the step for each candidate (simulate.py).
 
@@ -27,12 +30,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from angel_jax.errors import AngelError
-from angel_jax.optim.updater import OPT_STAGING
+from angel_jax.optim.updater import GRAD_SPILL, OPT_STAGING
 from angel_jax.schedule.simulate import Bandwidths, StageCost, simulate
 from angel_jax.schedule.timeline import Timeline
 from angel_jax.schedule.trace import compute_sequence
 
-__all__ = ["Bandwidths", "Budgets", "Plan", "PlanError", "StageCost", "load_bandwidths", "make_plan"]
+__all__ = ["Bandwidths", "Budgets", "Plan", "PlanError", "StageCost", "load_bandwidths", "make_plan", "place_streamed"]
 
 
 class PlanError(AngelError, ValueError):
@@ -72,7 +75,9 @@ class Plan:
     resident: tuple[int, ...]
     """Stages whose pages (all families) live on the device; updated there."""
     home: tuple[str, ...]
-    """Per stage, where its parameter (and gradient) pages live: 'device' or 'host'."""
+    """Per stage, where its parameter pages live: 'device', 'host' or 'disk'."""
+    grad_home: tuple[str, ...]
+    """Per stage, where its gradient pages wait for the update: 'device', 'host' or 'disk'."""
     opt_home: tuple[str, ...]
     """Per stage, where its optimizer-state pages live: 'device', 'host' or 'disk'."""
     prefetch: int
@@ -90,35 +95,52 @@ class Plan:
 
     def table(self, costs: list[StageCost]) -> list[dict]:
         """Home bytes per family per tier (the page table `angel-jax plan` prints). Gradients of streamed stages
-        land in host memory; on the device only a window of them exists at a time (counted in the window)."""
+        wait for their update on the host or the disk; on the device only a window of them exists at a time
+        (counted in the window)."""
         rows = []
         for tier in ("device", "host", "disk"):
             params = sum(c.param_bytes for c, h in zip(costs, self.home) if h == tier)
+            grads = sum(c.param_bytes for c, h in zip(costs, self.grad_home) if h == tier)
             opt = sum(c.opt_bytes for c, h in zip(costs, self.opt_home) if h == tier)
-            rows.append({"tier": tier, "params": params, "gradients": params, "optimizer": opt})
+            rows.append({"tier": tier, "params": params, "gradients": grads, "optimizer": opt})
         return rows
 
     def io_per_step(self, costs: list[StageCost], bandwidths: Bandwidths) -> dict[str, float]:
         """Bytes each copy path moves per step under this plan, and the seconds that takes at `bandwidths`: a
         streamed stage's parameters go to the device once per access (forward and backward; the head once), its
-        gradients come back once; disk-homed optimizer state is read and written once per update. `io_bound_s`
-        is the slowest path's time: no step can be shorter."""
-        accesses = [0] * len(costs)
-        for _, i in compute_sequence(len(costs)):
-            accesses[i] += 1
-        streamed = self.streamed
-        h2d = sum(accesses[i] * costs[i].param_bytes for i in streamed)
-        d2h = sum(costs[i].param_bytes for i in streamed)
-        disk = sum(c.opt_bytes for c, h in zip(costs, self.opt_home) if h == "disk")
-        seconds = {"h2d_s": h2d / bandwidths.h2d, "d2h_s": d2h / bandwidths.d2h,
-                   "disk_read_s": disk / bandwidths.disk_read, "disk_write_s": disk / bandwidths.disk_write}
-        return {"h2d_bytes": h2d, "d2h_bytes": d2h, "disk_read_bytes": disk, "disk_write_bytes": disk, **seconds,
-                "io_bound_s": max(seconds.values())}
+        gradients come back once. Disk-homed parameters are read for every access and once more for their update,
+        and written after it; disk-homed gradients are written once and read once; disk-homed optimizer state is
+        read and written once per update. `io_bound_s` is the slowest path's time: no step can be shorter."""
+        return io_per_step(costs, bandwidths, self.home, self.grad_home, self.opt_home)
 
     def summary(self) -> dict:
         return {"resident": len(self.resident), "streamed": len(self.streamed), "prefetch": self.prefetch,
-                "opt_on_disk": sum(1 for h in self.opt_home if h == "disk"), "staleness": self.staleness,
+                "params_on_disk": self.home.count("disk"), "grads_on_disk": self.grad_home.count("disk"),
+                "opt_on_disk": self.opt_home.count("disk"), "staleness": self.staleness,
                 "predicted_step_s": self.predicted.step_time, "peak_bytes": dict(self.peak_bytes)}
+
+
+def io_per_step(costs: list[StageCost], bandwidths: Bandwidths, home: tuple[str, ...], grad_home: tuple[str, ...],
+                opt_home: tuple[str, ...]) -> dict[str, float]:
+    """See `Plan.io_per_step`."""
+    accesses = [0] * len(costs)
+    for _, i in compute_sequence(len(costs)):
+        accesses[i] += 1
+    streamed = [i for i, h in enumerate(home) if h != "device"]
+    h2d = sum(accesses[i] * costs[i].param_bytes for i in streamed)
+    d2h = sum(costs[i].param_bytes for i in streamed)
+    read = sum((accesses[i] + 1) * costs[i].param_bytes for i in streamed if home[i] == "disk") \
+        + sum(costs[i].param_bytes for i in streamed if grad_home[i] == "disk") \
+        + sum(c.opt_bytes for c, h in zip(costs, opt_home) if h == "disk")
+    write = sum(costs[i].param_bytes for i in streamed if home[i] == "disk") \
+        + sum(costs[i].param_bytes for i in streamed if grad_home[i] == "disk") \
+        + sum(c.opt_bytes for c, h in zip(costs, opt_home) if h == "disk")
+    seconds = {"h2d_s": h2d / bandwidths.h2d, "d2h_s": d2h / bandwidths.d2h,
+               "disk_read_s": read / bandwidths.disk_read, "disk_write_s": write / bandwidths.disk_write}
+    # One disk serves reads and writes: its time is their sum.
+    disk_s = seconds["disk_read_s"] + seconds["disk_write_s"]
+    return {"h2d_bytes": h2d, "d2h_bytes": d2h, "disk_read_bytes": read, "disk_write_bytes": write, **seconds,
+            "io_bound_s": max(seconds["h2d_s"], seconds["d2h_s"], disk_s)}
 
 
 def window_bytes(costs: list[StageCost], streamed: list[int], prefetch: int) -> int:
@@ -165,62 +187,87 @@ def _plan_for(costs: list[StageCost], bw: Bandwidths, budgets: Budgets, prefetch
     # Prefer keeping the stages whose streaming costs most per unit of compute that could hide it.
     order = sorted(range(n), key=lambda i: -(costs[i].param_bytes / max(costs[i].forward_s + costs[i].backward_s,
                                                                           1e-12)))
+    kept, held = set(), 0  # (a set and a running sum: deep models have hundreds of stages)
     for i in order:
-        streamed = [j for j in range(n) if j not in resident and j != i]
-        need = sum(_resident_bytes(costs[j]) for j in resident + [i]) + window_bytes(costs, streamed, prefetch)
+        streamed = [j for j in range(n) if j not in kept and j != i]
+        need = held + _resident_bytes(costs[i]) + window_bytes(costs, streamed, prefetch)
         if need <= free:
             resident.append(i)
+            kept.add(i)
+            held += _resident_bytes(costs[i])
     streamed = [j for j in range(n) if j not in resident]
     window = window_bytes(costs, streamed, prefetch)
     used = sum(_resident_bytes(costs[j]) for j in resident) + window
     if used > free:
         return None
-    home = tuple("device" if i in resident else "host" for i in range(n))
-    opt_home, host_used, disk_used = _place_optimizer_state(costs, budgets, streamed, staleness)
-    predicted = simulate(costs, bw, home, opt_home, prefetch, staleness=staleness, shared_cpu=shared_cpu)
+    home, grad_home, opt_home, host_used, disk_used = place_streamed(costs, budgets, streamed, staleness)
+    predicted = simulate(costs, bw, home, opt_home, prefetch, grad_home=grad_home, staleness=staleness,
+                         shared_cpu=shared_cpu)
     peak = {"device": budgets.fixed_device + used, "host": host_used, "disk": disk_used}
-    return Plan(tuple(sorted(resident)), home, opt_home, prefetch, window, peak, staleness, predicted)
+    return Plan(tuple(sorted(resident)), home, grad_home, opt_home, prefetch, window, peak, staleness, predicted)
 
 
-def _place_optimizer_state(costs: list[StageCost], budgets: Budgets, streamed: list[int],
-                           staleness: int) -> tuple[tuple[str, ...], int, int]:
-    """Optimizer state of streamed stages: host while the host budget lasts, then disk. Returns (homes, host
-    bytes, disk bytes)."""
-    # Parameters and gradients of the streamed stages; lock-free mode keeps a second version of the parameters.
-    host_used = sum((2 + staleness) * costs[i].param_bytes for i in streamed)
-    # Room to stage optimizer state read from disk (OPT_STAGING stages, the largest) in host memory.
-    staging = OPT_STAGING * max((costs[i].opt_bytes for i in streamed), default=0)
-    # The least host memory this placement can run with: all optimizer state on disk (then only its staging is on
-    # the host), or, without a disk tier, all of it on the host. A refusal names this figure, not only the first
-    # shortfall: raising the budget by that alone would be refused again at the optimizer state.
-    least = host_used + (staging if budgets.disk != 0 else sum(costs[i].opt_bytes for i in streamed))
-    if budgets.host is not None and host_used > budgets.host:
-        raise PlanError(f"host budget {budgets.host:,} B cannot hold the streamed stages' parameters and gradients "
-                        f"({host_used:,} B): raise memory.host_budget to at least {least:,} B (with their optimizer "
-                        "state), or memory.device_budget")
-    opt_home, disk_used = [], 0
-    for i in range(len(costs)):
-        if i not in streamed:
-            opt_home.append("device")
-        elif budgets.host is None or host_used + costs[i].opt_bytes + (staging if budgets.disk != 0 else 0) \
-                <= budgets.host:  # room left for staging, unless there is no disk to stage from
-            opt_home.append("host")
-            host_used += costs[i].opt_bytes
-        elif budgets.disk is not None and disk_used + costs[i].opt_bytes > budgets.disk:
-            rest = sum(costs[j].opt_bytes for j in streamed if j >= i)
-            where = "set memory.disk_dir (there is no disk tier)" if budgets.disk == 0 else \
-                f"give the disk tier more than {budgets.disk:,} B (memory.disk_budget, or free space in " \
-                "memory.disk_dir)"
-            raise PlanError(f"host budget {budgets.host:,} B holds the optimizer state of the streamed stages only up "
-                            f"to stage {costs[i].name!r}; the remaining {rest:,} B need the disk tier: {where} or "
-                            "raise memory.host_budget")
-        else:
-            opt_home.append("disk")
-            disk_used += costs[i].opt_bytes
-    if "disk" in opt_home:
-        host_used += staging
-        if budgets.host is not None and host_used > budgets.host:
-            raise PlanError(f"host budget {budgets.host:,} B cannot stage optimizer state read from disk "
-                            f"({staging:,} B on top of {host_used - staging:,} B): {host_used - budgets.host:,} B "
-                            f"missing; raise memory.host_budget to at least {least:,} B")
-    return tuple(opt_home), host_used, disk_used
+Homes = tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]
+
+
+def host_bytes(costs: list[StageCost], homes: Homes, staleness: int) -> int:
+    """Host memory a placement needs at its peak: the host-homed pages (lock-free mode: a second version of
+    host-homed parameters), the disk-homed pages of `OPT_STAGING` stages staged around their update (the largest
+    such stages; disk-homed parameters are updated exactly, in place), and `GRAD_SPILL` stages of gradients on
+    their way to disk."""
+    home, grad_home, opt_home = homes
+    homed = sum((1 + staleness) * c.param_bytes for c, h in zip(costs, home) if h == "host") \
+        + sum(c.param_bytes for c, h in zip(costs, grad_home) if h == "host") \
+        + sum(c.opt_bytes for c, h in zip(costs, opt_home) if h == "host")
+    staged = sorted((c.param_bytes * (h == "disk") + c.param_bytes * (g == "disk")
+                     + c.opt_bytes * (o == "disk") for c, h, g, o in zip(costs, home, grad_home, opt_home)),
+                    reverse=True)
+    spill = max((c.param_bytes for c, g in zip(costs, grad_home) if g == "disk"), default=0)
+    return homed + sum(staged[:OPT_STAGING]) + GRAD_SPILL * spill
+
+
+def disk_bytes(costs: list[StageCost], homes: Homes) -> int:
+    home, grad_home, opt_home = homes
+    return sum(c.param_bytes * ((h == "disk") + (g == "disk")) + c.opt_bytes * (o == "disk")
+               for c, h, g, o in zip(costs, home, grad_home, opt_home))
+
+
+def place_streamed(costs: list[StageCost], budgets: Budgets, streamed: list[int],
+                   staleness: int) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...], int, int]:
+    """Homes of the streamed stages' page families: the host while the host budget lasts, then the disk, cheapest
+    family first (optimizer state, gradients, parameters; within a family the last stages first). Returns
+    (param homes, gradient homes, optimizer homes, host bytes, disk bytes); resident stages are 'device'."""
+    n = len(costs)
+    homes = [["device" if i not in streamed else "host" for i in range(n)] for _ in range(3)]  # params, grads, opt
+
+    def frozen() -> Homes:
+        return tuple(homes[0]), tuple(homes[1]), tuple(homes[2])
+
+    # The least host memory any placement needs: everything streamed on disk (or, with no disk tier, on the host).
+    # A refusal names this figure, not only the first shortfall, which would be refused again further on.
+    all_disk = [["disk" if i in streamed else "device" for i in range(n)] for _ in range(3)]
+    least = host_bytes(costs, frozen(), staleness) if budgets.disk == 0 else \
+        host_bytes(costs, (tuple(all_disk[0]), tuple(all_disk[1]), tuple(all_disk[2])), staleness)
+    moves = [(family, i) for family in (2, 1, 0) for i in reversed(streamed)]
+    while budgets.host is not None and host_bytes(costs, frozen(), staleness) > budgets.host:
+        if budgets.disk == 0:
+            raise PlanError(f"host budget {budgets.host:,} B cannot hold the streamed stages' parameters, gradients "
+                            f"and optimizer state ({least:,} B) and there is no disk tier: set memory.disk_dir, or "
+                            f"raise memory.host_budget to at least {least:,} B or memory.device_budget")
+        if not moves:
+            raise PlanError(f"host budget {budgets.host:,} B cannot hold the paged engine's host window ({least:,} B "
+                            f"with every streamed page on disk: {OPT_STAGING} stages staged around their update "
+                            f"and {GRAD_SPILL} stages of gradients on their way to disk): raise memory.host_budget to "
+                            f"at least {least:,} B or memory.device_budget")
+        family, i = moves.pop(0)
+        homes[family][i] = "disk"
+    placed = frozen()
+    disk_used = disk_bytes(costs, placed)
+    if budgets.disk is not None and disk_used > budgets.disk:
+        on_disk = [costs[i].name for i in streamed if any(h[i] == "disk" for h in homes)]
+        raise PlanError(f"host budget {budgets.host:,} B holds the streamed stages' pages only with {disk_used:,} B "
+                        f"of them (stages {on_disk[0]!r}..{on_disk[-1]!r}) on disk, and they need the disk tier: "
+                        f"give the disk tier more than "
+                        f"{budgets.disk:,} B (memory.disk_budget, or free space in memory.disk_dir) or raise "
+                        "memory.host_budget")
+    return (*placed, host_bytes(costs, placed, staleness), disk_used)

@@ -14,8 +14,11 @@ Rules (those of execute.py and optim/updater.py):
 - Updates start once the last backward is done (the global norm is needed for clipping, and the guard's verdict on
   the loss and gradient norm before any update), in forward order: resident stages on the compute stream,
   streamed ones on the host stream after their gradients arrived.
-- Optimizer state on disk is read `OPT_STAGING` stages ahead of its update (the first ones under the previous
-  step's forward pass) and written back after it.
+- Disk-homed parameters are read from disk before their fetch to the device (each access); disk-homed gradients
+  are written to disk after their d2h copy.
+- Disk-homed parameters and optimizer state are read `OPT_STAGING` stages ahead of their update (the first ones
+  under the previous step's forward pass; disk-homed gradients once the backward is over) and written back after
+  it.
 - `shared_cpu`: on the CPU backend the "device" is the CPU itself, and copies between memory kinds and host
   updates are work for the same cores as compute: their streams share the compute stream's clock (they appear on
   their own rows in the picture, but never overlap compute). On the 2-core VM this lands within ~10% of measured
@@ -77,60 +80,80 @@ class _Clock:
 
 
 def simulate(costs: list[StageCost], bw: Bandwidths, home: tuple[str, ...], opt_home: tuple[str, ...],
-             prefetch: int, *, staleness: int = 0, shared_cpu: bool = False, steps: int = 3) -> Timeline:
+             prefetch: int, *, grad_home: tuple[str, ...] | None = None, staleness: int = 0, shared_cpu: bool = False,
+             steps: int = 3) -> Timeline:
+    """`home`: per stage 'device', 'host' or 'disk' (parameters); `grad_home` defaults to 'device' for resident
+    stages and 'host' for streamed ones."""
     n = len(costs)
+    if grad_home is None:
+        grad_home = tuple("device" if h == "device" else "host" for h in home)
     tl = Timeline()
     clock = _Clock(shared_cpu, tl)
     seq = compute_sequence(n)
     order = list(range(n))
-    on_disk = [i for i in order if opt_home[i] == "disk"]
+    # Bytes staged from disk around each update: what is read before the backward (state) and after it (grads).
+    state_read = [c.param_bytes * (h == "disk") + c.opt_bytes * (o == "disk") for c, h, o in zip(costs, home, opt_home)]
+    grad_read = [c.param_bytes * (g == "disk") for c, g in zip(costs, grad_home)]
+    written = [c.param_bytes * (h == "disk") + c.opt_bytes * (o == "disk") for c, h, o in zip(costs, home, opt_home)]
+    early = [i for i in order[:OPT_STAGING] if state_read[i] or grad_read[i]]  # staged under the forward pass
     updated = [0.0] * n  # when each stage's latest update is complete
     updated_before = [0.0] * n  # ... and the one before it (lock-free bound)
     read_done: dict[int, float] = {}
     first_forward = []
     reads_from = 0.0  # when the first disk reads of the coming step may start
 
-    def read(i: int, at: float) -> None:
-        read_done[i] = clock.run("disk", f"read {costs[i].name}", at, costs[i].opt_bytes / bw.disk_read)[1]
+    def read(i: int, at: float, nbytes: int) -> None:
+        if nbytes:
+            end = clock.run("disk", f"read {costs[i].name}", at, nbytes / bw.disk_read)[1]
+            read_done[i] = max(read_done.get(i, 0.0), end)
 
     for _ in range(steps):
         starts: list[float] = []
         fetched: dict[int, float] = {}
         grads_home = [0.0] * n
-        for j in on_disk[:OPT_STAGING]:
+        for j in early:
             if j not in read_done:
-                read(j, reads_from)
+                read(j, reads_from, state_read[j])
         for k, (op, i) in enumerate(seq):
             dur = costs[i].forward_s if op == "forward" else costs[i].backward_s
             ready = updated[i]
             if home[i] != "device":
                 gate = starts[k - prefetch] if k >= prefetch else (starts[0] if starts else clock.free["compute"])
                 first = i not in fetched
-                if first and staleness and updated[i] > gate:
+                if first and staleness and home[i] == "host" and updated[i] > gate:
                     ready = updated_before[i]  # runs one update behind rather than wait
-                _, ready = clock.run("h2d", f"fetch {costs[i].name}", max(gate, ready if first else 0.0),
-                                     costs[i].param_bytes / bw.h2d)
+                at = max(gate, ready if first else 0.0)
+                if home[i] == "disk" and not (i in early and first):  # (an early-staged stage is on the host)
+                    at = clock.run("disk", f"read {costs[i].name}", at, costs[i].param_bytes / bw.disk_read)[1]
+                _, ready = clock.run("h2d", f"fetch {costs[i].name}", at, costs[i].param_bytes / bw.h2d)
                 fetched[i] = ready
             start, end = clock.run("compute", f"{op} {costs[i].name}", ready, dur)
             starts.append(start)
             if op == "forward" and i == 0:
                 first_forward.append(start)
             if op != "forward":
-                grads_home[i] = end if home[i] == "device" else \
-                    clock.run("d2h", f"grad {costs[i].name}", end, costs[i].param_bytes / bw.d2h)[1]
+                if home[i] == "device":
+                    grads_home[i] = end
+                else:
+                    grads_home[i] = clock.run("d2h", f"grad {costs[i].name}", end, costs[i].param_bytes / bw.d2h)[1]
+                    if grad_home[i] == "disk":
+                        grads_home[i] = clock.run("disk", f"spill {costs[i].name}", grads_home[i],
+                                                  costs[i].param_bytes / bw.disk_write)[1]
         norm_at = max(grads_home)
+        for j in early:
+            read(j, norm_at, grad_read[j])
         for pos, i in enumerate(order):
-            if pos + OPT_STAGING < len(order) and opt_home[order[pos + OPT_STAGING]] == "disk":
+            if pos + OPT_STAGING < len(order) and order[pos + OPT_STAGING] not in early:
                 j = order[pos + OPT_STAGING]
-                read(j, max(norm_at, grads_home[i]))
+                read(j, max(norm_at, grads_home[i]), state_read[j] + grad_read[j])
             earliest = max(norm_at, grads_home[i], read_done.pop(i, 0.0))
             updated_before[i] = updated[i]
             if home[i] == "device":
                 updated[i] = clock.run("compute", f"update {costs[i].name}", earliest, costs[i].update_device_s)[1]
             else:
                 updated[i] = clock.run("host", f"update {costs[i].name}", earliest, costs[i].update_host_s)[1]
-            if opt_home[i] == "disk":
-                clock.run("disk", f"write {costs[i].name}", updated[i], costs[i].opt_bytes / bw.disk_write)
+            if written[i]:
+                clock.run("disk", f"write {costs[i].name}", updated[i], written[i] / bw.disk_write)
         reads_from = max(updated[i] for i in range(n))
     if steps > 1:
         tl.step_time = first_forward[-1] - first_forward[-2]

@@ -86,7 +86,10 @@ class Timeline:
 
 def _wait(obj: Any) -> None:
     """Wait for a recorded event's outputs: jax arrays (pytrees), page-store handles, deferred values."""
-    if hasattr(obj, "wait") and not isinstance(obj, jax.Array):
+    if isinstance(obj, (list, tuple)) and obj and hasattr(obj[0], "wait") and not isinstance(obj[0], jax.Array):
+        for item in obj:
+            item.wait()
+    elif hasattr(obj, "wait") and not isinstance(obj, jax.Array):
         obj.wait()
     else:
         jax.block_until_ready(obj)

@@ -25,6 +25,7 @@ the latest by `close`), as `timeline_{predicted,measured}.{json,png}`.
 
 from __future__ import annotations
 
+import json
 import logging
 from pathlib import Path
 from typing import Any, Mapping
@@ -37,9 +38,9 @@ from angel_jax.config import Config
 from angel_jax.optim.guard import StepControls
 from angel_jax.schedule.engine import PagedEngine, build_paged_engine, check_host_room
 from angel_jax.schedule.timeline import Timeline
+from angel_jax.train.plan_cli import plan_summary
 from angel_jax.train.protocol import StateMismatch, check_arrays
 from angel_jax.units import human_bytes
-import models
 
 log = logging.getLogger(__name__)
 
@@ -88,13 +89,11 @@ class PagedTrainEngine:
         self.cfg = cfg
         self.device = mesh.devices.flat[0]
         self.batch_sharding = jax.sharding.SingleDeviceSharding(self.device)
-        check_host_room(cfg, self.device)  # before the model exists anywhere: a refusal costs nothing
-        with jax.default_device(jax.devices("cpu")[0]):  # the initial model is built on the host
-            _, params = models.get(cfg.model).init(cfg.train.seed)
-        params = jax.tree.map(np.asarray, params)
+        check_host_room(cfg, self.device)  # before anything is profiled or allocated: a refusal costs nothing
         example = jax.device_put(np.zeros((cfg.train.batch_size, cfg.model.seq_len + 1), np.int32),
                                  self.batch_sharding)
-        self.built: PagedEngine = build_paged_engine(cfg, params, example, device=self.device)
+        # The model is initialised stage by stage straight into its pages' homes: never whole in memory.
+        self.built: PagedEngine = build_paged_engine(cfg, None, example, device=self.device)
         self.executor = self.built.executor
         self._timelines_due = {"predicted": True, "measured": True}
         self._steps_here = 0  # steps run by this engine (a resumed run warms up again before recording)
@@ -104,6 +103,7 @@ class PagedTrainEngine:
         ex = self.executor
         if self._timelines_due["predicted"]:
             self._write_timeline("predicted", self.built.plan.predicted)
+            self._write_plan()
         if self._steps_here == WARMUP_STEPS and self._timelines_due["measured"]:
             ex.record_steps(RECORDED_STEPS)
         metrics = ex.step(batch, controls)
@@ -116,6 +116,18 @@ class PagedTrainEngine:
     def stale_uses(self) -> int:
         """Stage uses that ran one update behind (lock-free mode; always 0 with staleness 0)."""
         return self.built.updater.stale_uses
+
+    def _write_plan(self) -> None:
+        """plan.json in the run directory, as `angel-jax plan` writes it (homes per family, bytes, I/O)."""
+        if jax.process_index() != 0:
+            return
+        b = self.built
+        summary = plan_summary(b.plan, b.costs, b.budgets, b.bandwidths, f"profiled; bandwidths: {b.bandwidths.source}")
+        try:
+            Path(self.cfg.run_dir).mkdir(parents=True, exist_ok=True)
+            (Path(self.cfg.run_dir) / "plan.json").write_text(json.dumps(summary, indent=1))
+        except OSError as e:
+            log.warning("could not write plan.json to %s: %s", self.cfg.run_dir, e)
 
     def _write_timeline(self, kind: str, timeline: Timeline) -> None:
         self._timelines_due[kind] = False

@@ -97,8 +97,9 @@ def report(cfg: Config, plan: Plan, costs: list[StageCost], budgets: Budgets, bw
     """The lines `angel-jax plan` prints."""
     lines = [f"plan for {cfg.name}: {len(costs)} stages, page size {human_bytes(cfg.memory.page_size)}, "
              f"staleness {plan.staleness}",
-             f"  {len(plan.resident)} resident, {len(plan.streamed)} streamed (prefetch {plan.prefetch}), "
-             f"optimizer state of {sum(h == 'disk' for h in plan.opt_home)} stages on disk",
+             f"  {len(plan.resident)} resident, {len(plan.streamed)} streamed (prefetch {plan.prefetch}); on disk: "
+             f"parameters of {plan.home.count('disk')} stages, gradients of {plan.grad_home.count('disk')}, "
+             f"optimizer state of {plan.opt_home.count('disk')}",
              "", f"  {'tier':<8}{'params':>14}{'gradients':>14}{'optimizer':>14}{'budget':>14}"]
     budget = {"device": budgets.device, "host": budgets.host, "disk": budgets.disk}
     for row in plan.table(costs):
@@ -118,6 +119,17 @@ def report(cfg: Config, plan: Plan, costs: list[StageCost], budgets: Budgets, bw
     return lines
 
 
+def plan_summary(plan: Plan, costs: list[StageCost], budgets: Budgets, bw: Bandwidths, source: str) -> dict:
+    """What plan.json holds: the plan's summary, each stage's homes per family, bytes per tier, I/O, budgets."""
+    return {**plan.summary(), "source": source, "table": plan.table(costs),
+            "homes": {"params": list(plan.home), "gradients": list(plan.grad_home),
+                      "optimizer": list(plan.opt_home)},
+            "io_per_step": plan.io_per_step(costs, bw),
+            "budgets": {"device": budgets.device, "host": budgets.host, "disk": budgets.disk,
+                        "fixed_device": budgets.fixed_device},
+            "stages": [asdict(c) for c in costs]}
+
+
 def main(args: list[str] | argparse.Namespace | None = None) -> int:
     if not isinstance(args, argparse.Namespace):
         args = _parser().parse_args(args)
@@ -130,11 +142,6 @@ def main(args: list[str] | argparse.Namespace | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     plan.predicted.save_json(out / "timeline_predicted.json")
     plan.predicted.save_png(out / "timeline_predicted.png", f"{cfg.name}: predicted timeline")
-    summary = {**plan.summary(), "source": source, "table": plan.table(costs),
-               "io_per_step": plan.io_per_step(costs, bw),
-               "budgets": {"device": budgets.device, "host": budgets.host, "disk": budgets.disk,
-                           "fixed_device": budgets.fixed_device},
-               "stages": [asdict(c) for c in costs]}
-    (out / "plan.json").write_text(json.dumps(summary, indent=1))
+    (out / "plan.json").write_text(json.dumps(plan_summary(plan, costs, budgets, bw, source), indent=1))
     print(f"  wrote {out / 'timeline_predicted.png'}, timeline_predicted.json and plan.json")
     return 0

@@ -136,7 +136,7 @@ def rung(mode: str, sizes_name: str, layers: int, disk_dir: str, steps: int) -> 
     extra = {"reference": ["memory.mode=in_memory"], "paged_host": ["memory.mode=paged"],
              "paged_disk": ["memory.mode=paged", f"memory.disk_dir={disk_dir}"]}[mode]
     if sizes_name == "smoke" and mode != "reference":  # small budgets, so the tiny models really page
-        extra += ["memory.device_budget=1400000"] + (["memory.host_budget=3600000"] if mode == "paged_disk" else [])
+        extra += ["memory.device_budget=1400000"] + (["memory.host_budget=2400000"] if mode == "paged_disk" else [])
     if mode == "paged_disk" and sizes_name != "smoke":
         # Host RAM for parameters and gradients; the optimizer state beyond what is left goes to disk.
         import psutil
@@ -155,7 +155,8 @@ def rung(mode: str, sizes_name: str, layers: int, disk_dir: str, steps: int) -> 
         if engine.name == "paged":
             plan = engine.built.plan
             placement = {"streamed": len(plan.streamed), "stages": len(plan.home),
-                         "opt_on_disk": sum(h == "disk" for h in plan.opt_home), "peak_bytes": plan.peak_bytes}
+                         "params_on_disk": plan.home.count("disk"), "grads_on_disk": plan.grad_home.count("disk"),
+                         "opt_on_disk": plan.opt_home.count("disk"), "peak_bytes": plan.peak_bytes}
     finally:
         engine.close()
     return {"ok": True, "mode": mode, "layers": layers, "params": gpt.param_count(cfg.model)["total"],
