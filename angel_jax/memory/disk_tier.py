@@ -202,6 +202,8 @@ class DiskTier(Tier):
             self._crc[page_id] = crc
         out: cf.Future = cf.Future()
         left = [2]
+        nbytes = data.nbytes  # `done` must not reference `data`: the checksum future, kept until the page is
+        # freed, keeps its callbacks, and through them the page's bytes would stay in memory
 
         def done(_: object) -> None:
             with self._lock:
@@ -217,7 +219,7 @@ class DiskTier(Tier):
                 self._forget(page_id)  # before waking the waiter: it sees the tier as it was
                 out.set_exception(DiskTierError(
                     f"disk tier: writing page {page_id} to {path} failed: {_reason(str(e))}"
-                    f"{self._room(str(e), data.nbytes)} ({e})"))
+                    f"{self._room(str(e), nbytes)} ({e})"))
             else:
                 out.set_result(None)
 

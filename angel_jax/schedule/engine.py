@@ -29,6 +29,7 @@ import psutil
 from angel_jax.config import Config
 from angel_jax.memory import DeviceTier, DiskTier, HostTier, PageLayout, PageStore
 from angel_jax.memory.bench_io import default_calibration_path
+from angel_jax.memory.malloc import return_large_frees_to_the_os
 from angel_jax.optim import make_optimizer
 from angel_jax.optim.paged import OptLayout, abstract_opt_state, split_opt_state
 from angel_jax.optim.updater import PageUpdater, Placement, StageSlot, StageUpdates
@@ -220,6 +221,7 @@ def build_paged_engine(cfg: Config, params: Any, example_batch: jax.Array, *,
     structure), or None to initialise it stage by stage (`StagedModel.init_stage` with train.seed) straight into
     each page's home, so that the whole model never exists in memory."""
     device = device or jax.local_devices()[0]
+    return_large_frees_to_the_os()  # page buffers stream through the host: freed ones must leave the process
     bp = blueprint(cfg)
     staged = bp.staged
     store = make_store(cfg, device)

@@ -63,7 +63,7 @@ def overrides(runner: str, n_layers: int, scratch: Path, args: argparse.Namespac
     if runner == "paged":
         out += ["memory.mode=paged", f"memory.disk_dir={scratch / 'disk'}",
                 f"memory.device_budget={int(args.device_budget_gib * GIB)}",
-                f"memory.host_budget={int(args.host_budget_gib * GIB)}"]
+                f"memory.host_budget={int(args.host_budget_gib * GIB)}"] + list(args.set)
     elif runner == "inmemory":
         out += ["memory.mode=in_memory"]
     return out
@@ -247,7 +247,7 @@ def run_trial(runner: str, n_layers: int, args: argparse.Namespace) -> dict:
     cmd = ["nice", "-n", "10", "prlimit", f"--as={backstop}", sys.executable, str(Path(__file__).resolve()),
            "--child", runner, "--n-layers", str(n_layers), "--scratch", str(scratch), "--child-out", str(result),
            "--device-budget-gib", str(args.device_budget_gib), "--host-budget-gib", str(args.host_budget_gib),
-           *(["--dry"] if args.dry else [])]
+           *(["--dry"] if args.dry else []), *[f"--set={kv}" for kv in args.set]]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
     t0 = time.perf_counter()
     with open(scratch / "stderr.log", "w") as err:
@@ -258,6 +258,8 @@ def run_trial(runner: str, n_layers: int, args: argparse.Namespace) -> dict:
     ok = bool(child and child.get("ok")) and proc.returncode == 0 and not killed
     record = {
         "bench": "scale", "runner": runner, **model_fields(n_layers, args.dry),
+        **({"overrides": list(args.set), "device_budget_gib": args.device_budget_gib,
+            "host_budget_gib": args.host_budget_gib} if runner == "paged" else {}),
         "ok": ok, "why_not": None if ok else failure_reason(proc.returncode, killed, child, stderr_tail),
         "peak_rss_bytes": max(peak_rss, (child or {}).get("child_maxrss", 0)),
         "peak_rss_polled_bytes": peak_rss, "peak_disk_bytes": peak_disk,
@@ -304,6 +306,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--as-margin-gib", type=float, default=4.0, help="RLIMIT_AS = cap + this (a backstop)")
     p.add_argument("--device-budget-gib", type=float, default=0.0, help="paged: memory.device_budget (0 = default)")
     p.add_argument("--host-budget-gib", type=float, default=0.0, help="paged: memory.host_budget (0 = default)")
+    p.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                   help="paged: a further config override, e.g. memory.page_size=50348032 (repeatable)")
     p.add_argument("--min-free-gib", type=float, default=1.0,
                    help="kill a run when the machine's available memory falls below this (other work grew)")
     p.add_argument("--timeout-s", type=float, default=7200.0, help="per run")
