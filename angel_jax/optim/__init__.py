@@ -1,6 +1,6 @@
 """Optimizers: optax transformations built from `OptimizerConfig` (factory.py), applied whole (reference trainer)
 or per stage on pages (paged.py: the pure stage update; updater.py: where and when it runs, exact or lock-free)."""
 
-from angel_jax.optim.factory import clip_with_norm, make_optimizer, make_schedule
+from angel_jax.optim.factory import SplitOptimizer, clip_with_norm, make_optimizer, make_schedule, split_optimizer
 
-__all__ = ["clip_with_norm", "make_optimizer", "make_schedule"]
+__all__ = ["SplitOptimizer", "clip_with_norm", "make_optimizer", "make_schedule", "split_optimizer"]

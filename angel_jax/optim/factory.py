@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 import jax
 import jax.numpy as jnp
 import optax
@@ -49,6 +52,32 @@ def make_optimizer(cfg: OptimizerConfig, total_steps: int, *,
     if clip and cfg.grad_clip > 0:
         core = optax.chain(optax.clip_by_global_norm(cfg.grad_clip), core)
     return core, lr
+
+
+@dataclass(frozen=True)
+class SplitOptimizer:
+    """`make_optimizer`'s transformation taken apart at the clipping, for a step that clips with a gradient norm
+    it computed itself and applies the rest (`core`) separately. The whole transformation's state (what `tx.init`
+    makes, what checkpoints hold) is optax.chain's `(clipping state, core state)` when `max_norm` > 0, the
+    core's state otherwise; `core_state` and `with_core_state` read and replace the core's part."""
+
+    tx: optax.GradientTransformation
+    core: optax.GradientTransformation
+    schedule: optax.Schedule
+    max_norm: float
+    """Clip by global norm to this (0 = no clipping)."""
+
+    def core_state(self, opt_state: Any) -> Any:
+        return opt_state[1] if self.max_norm > 0 else opt_state
+
+    def with_core_state(self, opt_state: Any, core_state: Any) -> Any:
+        return (opt_state[0], core_state) if self.max_norm > 0 else core_state
+
+
+def split_optimizer(cfg: OptimizerConfig, total_steps: int) -> SplitOptimizer:
+    tx, schedule = make_optimizer(cfg, total_steps)
+    core, _ = make_optimizer(cfg, total_steps, clip=False)
+    return SplitOptimizer(tx, core, schedule, max(cfg.grad_clip, 0.0))
 
 
 def stored_as(inner: optax.GradientTransformation, dtype: jnp.dtype) -> optax.GradientTransformation:

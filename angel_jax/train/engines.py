@@ -28,10 +28,10 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from angel_jax.checkpoint.state import StateSnapshot
 from angel_jax.config import Config
 from angel_jax.errors import AngelError
-from angel_jax.optim import make_optimizer
+from angel_jax.optim import split_optimizer
 from angel_jax.train.paged import PagedTrainEngine
 from angel_jax.train.protocol import StateMismatch, TrainEngine, check_arrays, named_leaves, path_name  # noqa: F401
-from angel_jax.train.step import StepControls, TrainState, init_state, make_train_step
+from angel_jax.train.step import StepControls, TrainState, init_state, make_step_phases
 from angel_jax.units import device_free_bytes
 import models
 
@@ -44,53 +44,66 @@ log = logging.getLogger(__name__)
 class InMemoryEngine:
     """The reference trainer: replicated parameters and optimizer state, the batch sharded over 'data'.
 
-    The step donates the old state (no second copy of it in device memory). While a checkpoint holds the state of
-    a step (a held `state_snapshot`, until it is released), the next steps run a non-donating compilation of the
-    same step instead, so the held arrays stay valid while the checkpoint copies them in the background. That
-    variant is compiled in a background thread once the first step is running, so it is ready by the first
-    checkpoint.
+    A step is two jitted phases (train/step.py `make_step_phases`): `judge` (forward, backward, clipped gradients,
+    the guard's figures and verdict; reads the state) and `apply` (the update, written over the donated state).
+    Nothing holds a second copy of the state: the memory is an unguarded step's (parameters, optimizer state, one
+    set of gradients, activations). While a checkpoint holds the state of a step (a held `state_snapshot`, until
+    it is released), the next steps run an `apply` that does not donate the state instead, so the held arrays stay
+    valid while the checkpoint copies them in the background. That variant is compiled in a background thread once
+    the first step is running, so it is ready by the first checkpoint.
     """
 
     name = "in_memory"
     guards_update_norm = True
-    """The update norm is known inside the jitted step, before the update is applied: guarding it is free."""
+    """The update norm is known on the device before the update is applied (`judge`): guarding it costs one more
+    pass over the optimizer state, no host round trip."""
 
     def __init__(self, cfg: Config, mesh: jax.sharding.Mesh):
         self.cfg, self.mesh = cfg, mesh
         self.replicated = NamedSharding(mesh, P())
         self.batch_sharding = NamedSharding(mesh, P("data"))
-        tx, schedule = make_optimizer(cfg.optimizer, cfg.train.steps)
+        opt = split_optimizer(cfg.optimizer, cfg.train.steps)
         model = models.get(cfg.model)
         graphdef, _ = model.abstract()
-
-        def make_state() -> TrainState:
-            return init_state(model.init(cfg.train.seed)[1], tx)
-
-        # Created directly with its final (replicated) sharding: no host copy of the initial parameters.
-        self.state: TrainState = jax.jit(make_state, out_shardings=self.replicated)()
-        self._step_fn = make_train_step(graphdef, tx, schedule, model.loss)
-        self._step = jax.jit(self._step_fn, donate_argnums=0)
+        # Created directly with their final (replicated) sharding: no host copy of the initial parameters. The
+        # parameters first, then the optimizer state from them: one jitted function making both would hold the
+        # parameter initialisers' temporaries next to the whole optimizer state.
+        params = jax.jit(lambda: model.init(cfg.train.seed)[1], out_shardings=self.replicated)()
+        self.state: TrainState = jax.jit(lambda p: init_state(p, opt.tx), out_shardings=self.replicated,
+                                         donate_argnums=0)(params)
+        del params
+        phases = make_step_phases(graphdef, opt, model.loss)
+        self._judge = jax.jit(phases.judge, out_shardings=self.replicated)
+        self._apply_fn = phases.apply
+        self._apply = jax.jit(phases.apply, out_shardings=self.replicated, donate_argnums=0)
         self._keeping: list[StateSnapshot] = []  # held snapshots not yet released: no donation while any is
-        self._keep_step: Any = None  # the non-donating step, compiled ahead
+        self._keep_apply: Any = None  # the apply that does not donate the state, compiled ahead
         self._keep_compile: threading.Thread | None = None
 
     def step(self, batch: jax.Array, controls: StepControls | None = None) -> dict[str, jax.Array]:
         # numpy scalars: jit treats host values as replicated inputs, in multi-process runs too.
         controls = (controls or StepControls()).as_numpy()
         if self._keep_compile is None:
-            self._compile_keep_variant(batch, controls)
+            self._compile_keep_variant(controls)
         self._keeping = [s for s in self._keeping if not s.released]
-        step = self._keep_step if self._keeping else self._step
-        self.state, metrics = step(self.state, batch, controls)
+        apply = self._keep_apply if self._keeping else self._apply
+        clipped, ok, metrics = self._judge(self.state, batch, controls)
+        self.state = apply(self.state, clipped, ok, controls)
         return metrics
 
-    def _compile_keep_variant(self, batch: jax.Array, controls: StepControls) -> None:
-        abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=getattr(a, "sharding", None)),
-                                (self.state, batch, controls))
+    def _compile_keep_variant(self, controls: StepControls) -> None:
+        def abstract(tree: Any) -> Any:
+            return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=getattr(a, "sharding", None)),
+                                tree)
+
+        # The clipped gradients have the parameters' shapes, dtypes and (replicated) sharding.
+        args = (abstract(self.state), abstract(self.state.params),
+                jax.ShapeDtypeStruct((), jnp.bool_, sharding=self.replicated), abstract(controls))
 
         def compile_it() -> None:
-            try:
-                self._keep_step = jax.jit(self._step_fn).lower(*abstract).compile()
+            try:  # donates the gradients only: the new state may take their buffer, the held one stays valid
+                self._keep_apply = jax.jit(self._apply_fn, out_shardings=self.replicated,
+                                           donate_argnums=1).lower(*args).compile()
             except Exception as e:  # noqa: BLE001 - without it, checkpoints copy before returning: slower, correct
                 log.warning("could not compile the non-donating step (checkpoints will copy in the foreground): "
                             "%s", e)
@@ -112,7 +125,7 @@ class InMemoryEngine:
         room on the device for a second copy of the state for a step or two."""
         if self._keep_compile is not None:
             self._keep_compile.join()  # long done on real runs (compiled since step 1); tiny test runs may wait
-        if self._keep_step is None:  # could not compile: the checkpoint copies in the foreground
+        if self._keep_apply is None:  # could not compile: the checkpoint copies in the foreground
             return False
         held = sum(_local(a).nbytes for a in jax.tree.leaves(self.state))
         # This process's first device: another process's device has no memory statistics here.

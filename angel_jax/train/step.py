@@ -1,7 +1,9 @@
 """The reference training step: a pure function of (state, batch, controls), jitted once.
 
 This is the arithmetic every other engine in angel_jax is measured against: the paged engine must reproduce its
-losses, checkpoints must resume it bit for bit.
+losses, checkpoints must resume it bit for bit. The in-memory engine runs the same arithmetic in two jitted
+phases (`make_step_phases`) so that it never holds a second copy of the training state; the two agree to float
+rounding (XLA contracts the fused in-place update's multiply-adds differently; tests/test_step_phases.py).
 
 `StepControls` are per-step scalars from the host: the update guard's bounds and a learning-rate multiplier
 (angel_jax/optim/guard.py, the one guard every engine uses). The loss is the model's (`StagedModel.loss`).
@@ -17,6 +19,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
+from angel_jax.optim.factory import SplitOptimizer, clip_with_norm
 from angel_jax.optim.guard import StepControls, update_ok
 
 
@@ -67,3 +70,61 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, sc
         return new_state, metrics
 
     return step
+
+
+@dataclass(frozen=True)
+class StepPhases:
+    """One training step as two pure functions, for an engine to jit apart (see `make_step_phases`):
+
+        clipped, ok, metrics = judge(state, batch, controls)   # reads the state, writes none of it
+        new_state = apply(state, clipped, ok, controls)        # in place over the donated state
+    """
+
+    judge: Callable[..., tuple[Any, jax.Array, dict]]
+    apply: Callable[..., TrainState]
+
+
+def make_step_phases(graphdef: nnx.GraphDef, opt: SplitOptimizer,
+                     loss: Callable[[jax.Array, jax.Array], jax.Array]) -> StepPhases:
+    """`make_train_step`'s arithmetic (with `opt.tx` as its transformation) in two phases, in the memory of an
+    unguarded step.
+
+    Why: whether an update is applied depends on its norm, so a single jitted step computes the whole new state
+    (parameters and optimizer state: 12 bytes per parameter with fp32 Adam) next to the old one before it knows
+    which to keep. Here `judge` computes the loss, the gradients clipped by their global norm, the update only into
+    its norm, and the verdict; `apply`, given the verdict, computes the same update again and writes it over the
+    donated state (or leaves the state as it is: a `cond`, not an element-wise select, so nothing forces a copy).
+    The update is computed twice: one more pass over the optimizer state, small next to forward and backward."""
+
+    def loss_fn(params: Any, batch: jax.Array) -> jax.Array:
+        logits = nnx.merge(graphdef, params)(batch[:, :-1])
+        return loss(logits, batch[:, 1:])
+
+    def update(clipped: Any, state: TrainState, controls: StepControls) -> tuple[Any, Any]:
+        updates, core = opt.core.update(clipped, opt.core_state(state.opt_state), state.params)
+        updates = jax.tree.map(lambda u: u * controls.lr_scale.astype(u.dtype), updates)
+        return updates, opt.with_core_state(state.opt_state, core)
+
+    def judge(state: TrainState, batch: jax.Array, controls: StepControls) -> tuple[Any, jax.Array, dict]:
+        value, grads = jax.value_and_grad(loss_fn)(state.params, batch)
+        grad_norm = optax.tree.norm(grads)
+        clipped = clip_with_norm(grads, grad_norm, opt.max_norm)
+        update_norm = optax.tree.norm(update(clipped, state, controls)[0])
+        ok = update_ok(value, grad_norm, update_norm, controls)
+        metrics = {
+            "loss": value,
+            "grad_norm": grad_norm,
+            "update_norm": update_norm,
+            "lr": opt.schedule(state.step) * controls.lr_scale,
+            "skipped": 1.0 - ok.astype(jnp.float32),
+        }
+        return clipped, ok, metrics
+
+    def apply(state: TrainState, clipped: Any, ok: jax.Array, controls: StepControls) -> TrainState:
+        def updated(state: TrainState) -> TrainState:
+            updates, opt_state = update(clipped, state, controls)
+            return TrainState(state.step + 1, optax.apply_updates(state.params, updates), opt_state)
+
+        return jax.lax.cond(ok, updated, lambda state: state, state)
+
+    return StepPhases(judge, apply)
