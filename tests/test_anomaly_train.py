@@ -46,7 +46,7 @@ def clean_without_window(tmp_path_factory, write_tiny_config, corrupted):
 def test_corrupted_batch_is_detected_and_rolled_back(corrupted):
     _, exact, events = corrupted
     anomalies = {e["detector"]: e for e in events if e["kind"] == "anomaly"}
-    assert {e["step"] for e in anomalies.values()} == {140}
+    assert {e["step"] for e in anomalies.values()} == {140}, anomalies
     assert anomalies["loss_spike"]["requested"] == "rollback"
     [rollback] = [e for e in events if e["kind"] == "rollback"]
     # back to the checkpoint of step 130; the batches of steps 131..140 (global 130..139) are never trained on

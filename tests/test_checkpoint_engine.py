@@ -366,6 +366,50 @@ def test_unusable_memory_tier_falls_back_to_direct_persistence(tmp_path: Path,
         assert_bitwise(restored.arrays, state)
 
 
+def test_a_lazy_state_is_copied_one_array_at_a_time_and_persisted_through_a_disk_staging_file(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Pages of a state larger than RAM come as `LazyArray`s: each is read when it is copied, never all at once.
+    Into the memory tier they go one by one; when the memory tier cannot take them, they are copied into a
+    staging file on the persistent directory's disk and persisted from it (plain orbax could not take lazy
+    arrays, and reading them all first would need the RAM that is missing), and the staging file goes."""
+    import weakref
+
+    from angel_jax.checkpoint.state import LazyArray
+
+    state = make_state(6)
+    alive, peak, reads = [0], [0], []
+
+    def reader(name: str):
+        def read() -> np.ndarray:
+            reads.append(name)
+            arr = np.array(state[name], copy=True)  # owns its memory: views of it keep it alive
+            alive[0] += 1
+            peak[0] = max(peak[0], alive[0])
+            weakref.finalize(arr, lambda: alive.__setitem__(0, alive[0] - 1))
+            return arr
+        return read
+
+    lazy = {k: LazyArray(v.shape, v.dtype, reader(k)) for k, v in state.items()}
+    nonempty = sorted(k for k, v in state.items() if v.nbytes)  # an empty array has nothing to read
+    with CheckpointEngine(options(tmp_path)) as engine:  # the memory tier takes them
+        engine.save(1, lazy, {"m": 1}).wait()
+        assert sorted(reads) == nonempty and peak[0] == 1, (reads, peak)
+        assert_bitwise(engine.restore(1).arrays, state)
+
+    reads.clear()
+    blocker = tmp_path / "file"
+    blocker.write_text("x")
+    caplog.set_level(logging.WARNING)
+    with CheckpointEngine(options(tmp_path, memory_dir=blocker / "shm")) as engine:  # it cannot: persisted directly
+        handle = engine.save(2, lazy, {"m": 2})
+        assert handle.state == "persisted" and "persisting directly" in caplog.text
+        assert sorted(reads) == nonempty and peak[0] == 1, (reads, peak)
+        assert not [p.name for p in (tmp_path / "persistent").iterdir() if p.name.startswith(".staging")]
+        restored = engine.restore(2)
+        assert restored.source == "persistent"
+        assert_bitwise(restored.arrays, state)
+
+
 @pytest.fixture
 def small_tmpfs(tmp_path: Path):
     """A 2 MiB tmpfs (needs root / CAP_SYS_ADMIN, as in the dev container); skipped where mounting is not allowed."""

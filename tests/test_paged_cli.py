@@ -70,3 +70,29 @@ def test_gpu_benchmark_smoke_runs_on_the_cpu(tmp_path):
     beyond = figures["beyond_hbm"]
     assert beyond["ok"] and beyond["layers"] == 2 * largest["reference"]["layers"] and beyond["tokens_per_s"] > 0
     assert not (REPO_ROOT / "experiments" / "results" / "paged_gpu_cpu.jsonl").exists(), "a smoke run saves nothing"
+
+
+def test_a_run_larger_than_the_machine_stops_at_once_with_one_line(tmp_path):
+    """A 26 B-parameter GPT on a 50 GB disk tier: refused from the page layouts' bytes in seconds, with one line
+    naming the bytes and the key, and without allocating the model (the process stays small)."""
+    config = REPO_ROOT / "experiments" / "gpt_tiny.yaml"
+    (tmp_path / "disk").mkdir()
+    overrides = ["model.d_model=4096", "model.n_heads=32", "model.n_layers=128", "model.seq_len=128",
+                 "train.batch_size=1", "memory.mode=paged",
+                 f"memory.disk_dir={tmp_path / 'disk'}", "memory.disk_budget=50000000000",
+                 "memory.device_budget=4000000000", "memory.host_budget=16000000000",
+                 f"train.run_dir={tmp_path / 'run'}", f"checkpoint.memory_dir={tmp_path / 'mem'}"]
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO_ROOT))
+    peak_file = tmp_path / "maxrss_kib"
+    run_cli = ("import resource, runpy, sys\n"
+               "try:\n    runpy.run_module('angel_jax.cli', run_name='__main__')\n"
+               f"finally:\n    open({str(peak_file)!r}, 'w').write(str(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss))")
+    proc = subprocess.run(["timeout", "-s", "KILL", "300", sys.executable, "-c", run_cli, "train", str(config),
+                           *overrides], env=env, capture_output=True, text=True)
+    peak_kib = int(peak_file.read_text())
+    assert proc.returncode not in (0, -9), proc.stderr[-2000:]
+    errors = [line for line in proc.stderr.splitlines() if "need the disk tier" in line]
+    assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert "give the disk tier more than 50,000,000,000 B" in errors[0], errors[0]
+    assert peak_kib < 2 * 1024 * 1024, f"peak RSS {peak_kib} KiB: the model was allocated"
+    assert not any((tmp_path / "disk").rglob("c.*")), "nothing may be written to the disk tier"

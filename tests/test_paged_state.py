@@ -110,7 +110,7 @@ def test_lock_free_state_is_read_after_pending_updates(tmp_path):
         assert counts == {5}, counts
         layout = engine.built.model.params_layout
         for stage, tree in (("head", params["head"]), ("embed", params["embed"])):
-            pages = tuple(arrays[f"params/{stage}/{k}"] for k in range(len(layout.stage(stage).pages)))
+            pages = tuple(np.asarray(arrays[f"params/{stage}/{k}"]) for k in range(len(layout.stage(stage).pages)))
             for a, b in zip(jax.tree.leaves(layout.stage(stage).unpack(pages)), jax.tree.leaves(tree)):
                 np.testing.assert_array_equal(a, b)
     finally:

@@ -48,9 +48,11 @@ from angel_jax.checkpoint.options import CheckpointOptions
 from angel_jax.checkpoint.peer import PeerTier
 from angel_jax.checkpoint.persist import OrbaxTier
 from angel_jax.checkpoint.records import CheckpointError, CheckpointInfo, CheckpointRef, Restored, TierState
-from angel_jax.checkpoint.state import StateSnapshot, as_snapshot
+from angel_jax.checkpoint.snapshot import remove_dir
+from angel_jax.checkpoint.state import StateSnapshot, as_snapshot, is_lazy
 from angel_jax.checkpoint.tiers import CheckpointTier, CopyTier
 from angel_jax.checkpoint.worker import Job, SaveHandle, SaveWorker
+from angel_jax.checkpoint.writer import SnapshotWriter
 
 log = logging.getLogger(__name__)
 
@@ -154,10 +156,13 @@ class CheckpointEngine:
             job.held = None
             job.handle.timings["ckpt/copy_s"] = self._clock() - t0
 
-    def _persist_directly(self, index: snap.SnapshotIndex, host: Mapping[str, np.ndarray], handle: SaveHandle) -> None:
+    def _persist_directly(self, index: snap.SnapshotIndex, host: Mapping[str, Any], handle: SaveHandle) -> None:
         t0 = self._clock()
         try:
-            self._persistent.save(snap.checksummed(index, host, self._pool()), host)
+            if any(is_lazy(x) for x in host.values()):
+                self._persist_staged(index, host)
+            else:
+                self._persistent.save(snap.checksummed(index, host, self._pool()), host)
         except Exception as e:  # noqa: BLE001 - every failure is surfaced, never swallowed
             self._record(handle, CheckpointError(f"checkpoint step {index.step}: persist failed (direct): {e}",
                                                  step=index.step, stage="persist"), cause=e)
@@ -166,6 +171,23 @@ class CheckpointEngine:
         handle.timings["ckpt/persist_s"] = self._clock() - t0
         handle._advance("persisted")
         self._retain(handle, index.step)
+
+    def _persist_staged(self, index: snap.SnapshotIndex, host: Mapping[str, Any]) -> None:
+        """Persist a lazy state (larger than RAM) that the memory tier could not take: copy it array by array into
+        a snapshot file beside the persistent directory (on its disk, not in RAM), checksum that copy and persist
+        it from read-only views of the file, then delete it. Memory holds one array at a time, plus what the page
+        cache keeps of the file."""
+        staging = Path(self.options.persistent_dir) / f".staging-{index.step}"
+        writer = SnapshotWriter(staging)
+        try:
+            tmp = writer.prepare(index.step, index, [])
+            writer.copy(tmp, index, host)
+            _, views = snap.map_data(tmp, index, private=False)
+            self._persistent.save(snap.checksummed(index, views, self._pool()), views)
+            del views
+        finally:
+            writer.close()
+            remove_dir(staging)
 
     # ------------------------------------------------------------------------------------------- background
 
@@ -332,9 +354,10 @@ class CheckpointEngine:
         self.close()
 
 
-def _to_host(arrays: Mapping[str, Any]) -> dict[str, np.ndarray]:
-    """numpy views of the caller's arrays; device arrays are fetched with all transfers started first."""
+def _to_host(arrays: Mapping[str, Any]) -> dict[str, Any]:
+    """numpy views of the caller's arrays; device arrays are fetched with all transfers started first. Lazy arrays
+    (`LazyArray`: pages of a state larger than RAM) stay lazy: each is read when it is copied."""
     for x in arrays.values():
         if isinstance(x, jax.Array):
             x.copy_to_host_async()
-    return {name: np.asarray(x) for name, x in arrays.items()}
+    return {name: x if is_lazy(x) else np.asarray(x) for name, x in arrays.items()}

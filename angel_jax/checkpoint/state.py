@@ -18,7 +18,9 @@ Whoever makes a held snapshot and does not pass it to a checkpoint must release 
 from __future__ import annotations
 
 import threading
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
+
+import numpy as np
 
 
 class StateSnapshot:
@@ -63,3 +65,37 @@ class StateSnapshot:
 def as_snapshot(state: "StateSnapshot | Mapping[str, Any]") -> StateSnapshot:
     """A plain mapping is a snapshot that is not held (its arrays may change once the caller goes on)."""
     return state if isinstance(state, StateSnapshot) else StateSnapshot(state)
+
+
+class LazyArray:
+    """An array read only when a checkpoint copies it (`np.asarray(lazy)`): a training state larger than RAM (pages
+    on disk) goes into a snapshot one array at a time instead of all at once. `shape`, `dtype` and `nbytes` are
+    known without reading."""
+
+    def __init__(self, shape: tuple[int, ...], dtype: Any, read: Callable[[], np.ndarray]):
+        self.shape, self.dtype, self._read = tuple(shape), np.dtype(dtype), read
+
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        out = np.asarray(self._read()).reshape(self.shape)
+        return out if dtype is None else out.astype(dtype, copy=False)
+
+    def __len__(self) -> int:
+        return self.shape[0]
+
+    def __getitem__(self, index: Any) -> np.ndarray:
+        return np.asarray(self)[index]
+
+    def __repr__(self) -> str:
+        return f"LazyArray({self.dtype}{list(self.shape)})"
+
+
+def is_lazy(x: Any) -> bool:
+    return isinstance(x, LazyArray)

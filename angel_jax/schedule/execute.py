@@ -124,13 +124,15 @@ class PagedExecutor:
             if k >= len(self._seq):
                 return
             i = self._seq[k][1]
+            if i in streamed and not refs.get(i):
+                # A fetch starts when its window slot frees on the device (the compute `prefetch` accesses back is
+                # done), not when the training thread, running ahead of the device, gets there: evicted pages
+                # stay allocated until the computations that read them ran, so a thread running ahead would hold
+                # as many stages as it got ahead (measured: 12 GB over the plan for 64 streamed 200 MB stages on
+                # the CPU). In lock-free mode this is also the moment that decides whether a stage's update is
+                # written, which keeps stale uses to the updates that are really late.
+                jax.block_until_ready(marks[k - plan.prefetch - 1] if k > plan.prefetch else self._last_mark)
             if i not in acquired:
-                if updater.staleness and i in streamed:
-                    # Lock-free: whether a stage's update is written is decided when its window slot frees on
-                    # the device (the compute `prefetch` accesses back is done), not when the training thread,
-                    # running ahead of the device, gets there: that is when the fetch would start on the copy
-                    # stream, and it keeps stale uses to the updates that are really late.
-                    jax.block_until_ready(marks[k - plan.prefetch - 1] if k > plan.prefetch else self._last_mark)
                 updater.acquire(i, step)
                 acquired.add(i)
             if i not in streamed:

@@ -33,7 +33,7 @@ from typing import Any, Mapping
 import jax
 import numpy as np
 
-from angel_jax.checkpoint.state import StateSnapshot
+from angel_jax.checkpoint.state import LazyArray, StateSnapshot
 from angel_jax.config import Config
 from angel_jax.optim.guard import StepControls
 from angel_jax.schedule.engine import PagedEngine, build_paged_engine, check_host_room
@@ -153,12 +153,16 @@ class PagedTrainEngine:
 
     def state_snapshot(self, may_hold: bool = True) -> StateSnapshot:
         """Never held: host and disk pages are updated in place by the next step, so a checkpoint copies them
-        before its save returns."""
+        before its save returns. Pages are `LazyArray`s, read one at a time as the checkpoint copies them: a state
+        larger than RAM (pages on disk) never has to be in memory whole."""
         updater_state = self.built.updater.state()  # lock-free mode: the last step's updates land first
         self.built.store.wait_all()
         store = self.built.store
         params, opt, small_names = self._names()
-        out: dict[str, Any] = {name: store.read(pid) for name, pid in params + opt}
+        out: dict[str, Any] = {}
+        for name, pid in params + opt:
+            (length,), dtype = self._page_spec(pid)
+            out[name] = LazyArray((length,), dtype, lambda pid=pid: store.read(pid))
         out.update({name: np.asarray(updater_state.opt_small[i][j]) for name, i, j in small_names})
         out["step"] = np.asarray(self.executor.step_count, np.int32)
         out["applied"] = np.asarray(updater_state.applied, np.int32)
