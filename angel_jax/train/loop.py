@@ -18,6 +18,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
+import psutil
 
 from angel_jax import config as config_lib
 from angel_jax import data as data_lib
@@ -75,7 +76,8 @@ class TrainResult:
     history: list[dict]
     """The metrics records written this run (every `log_every` steps, plus the first and the last)."""
     params: Any
-    """The final parameters (numpy, models.gpt structure)."""
+    """The final parameters (numpy, the model's structure); None when they would take more than half of the RAM
+    available (a paged model larger than memory: read them from its checkpoint instead)."""
 
 
 def data_dir_for(cfg: Config) -> Path:
@@ -212,7 +214,20 @@ def _run(t: Trainer) -> TrainResult:
     t.hooks.on_phase(Phase.TRAINING, steps)
     _report_checkpoint_errors(t)
     t.hooks.on_phase(Phase.DONE, steps)
-    return TrainResult(t.run_dir, steps, t.history, t.engine.params())
+    return TrainResult(t.run_dir, steps, t.history, _final_params(t))
+
+
+def _final_params(t: Trainer) -> Any:
+    """The engine's final parameters, unless gathering them would not fit in memory: a paged engine holds a model
+    larger than RAM page by page, never whole, and its parameters are in its checkpoints."""
+    m = t.cfg.model
+    nbytes = models.get(m).param_count["total"] * np.dtype(m.param_dtype).itemsize
+    room = psutil.virtual_memory().available // 2
+    if nbytes > room:
+        log.info("the final parameters (%s B) are not gathered in memory (%s B available); read them from the "
+                 "checkpoint", f"{nbytes:,}", f"{2 * room:,}")
+        return None
+    return t.engine.params()
 
 
 def _next_batch(t: Trainer, step: int) -> np.ndarray:
