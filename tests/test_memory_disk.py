@@ -253,3 +253,27 @@ def test_store_full_disk_leaves_other_tiers_intact(tmp_path):
         assert len(store.wait_all()) == len(failed)
         store.close()
     jax.clear_caches()
+
+
+def test_a_written_page_is_not_kept_in_memory(tmp_path):
+    """Once a write completed, the disk tier keeps nothing of the page's bytes (it once kept every page written,
+    through a callback its checksum future held, until the page was freed: a disk tier as large as RAM)."""
+    import gc
+    import weakref
+
+    tier = DiskTier(tmp_path)
+    alive = []
+    futures = []
+    for i in range(8):
+        data = np.full(1 << 16, i, np.float32)
+        alive.append(weakref.ref(data))
+        futures.append(tier.write(i, data))
+        del data
+    for f in futures:
+        f.result()
+    del futures
+    gc.collect()
+    assert [r() is None for r in alive] == [True] * 8, "written pages are still referenced"
+    out = np.empty(1 << 16, np.float32)
+    assert tier.read(3, into=out).result() is out and (out == 3).all()
+    tier.close()
