@@ -86,6 +86,7 @@ def paged(cfg: Config, data: list[jax.Array], on_access=None) -> tuple[list[floa
         out = engine.executor.params()
         disk = engine.store.tiers.get("disk")
         engine.disk_files = sorted(Path(disk.root).rglob("c.*")) if disk else []
+        engine.disk_bytes = sum(f.stat().st_size for f in engine.disk_files)
         engine.update_norms = [float(m["update_norm"]) for m in metrics]
     finally:
         engine.close()
@@ -183,6 +184,8 @@ def test_every_page_family_on_disk_matches_the_reference(tmp_path):
     for homes in (plan.home, plan.grad_home, plan.opt_home):
         assert sum(homes[i] == "disk" for i in blocks) >= len(blocks) - 2, homes
     assert len(engine.disk_files) >= 3 * len(blocks), "chunk files for parameters, gradients and optimizer state"
+    # One set of gradient pages (exact mode): the files on disk are what the plan counted.
+    assert engine.disk_bytes == plan.peak_bytes["disk"], (engine.disk_bytes, plan.peak_bytes["disk"])
     assert 0 < peak[0] <= host
     np.testing.assert_allclose(losses, reference_run("adamw")[0][:len(data)], rtol=1e-5)
 

@@ -84,8 +84,8 @@ class StageSlot:
     """'device', 'host' or 'disk': where its gradients wait for the update ('' = `where`): 'disk' means they are
     pages in the store (written there by the executor), else arrays handed over with `submit`."""
     grad_ids: tuple[tuple[int, ...], ...] = ()
-    """Disk-homed gradients: two sets of page ids, used by step parity (lock-free mode has two steps' gradients
-    of a stage at once)."""
+    """Disk-homed gradients: the page ids of even and of odd steps (two sets in lock-free mode, which has two
+    steps' gradients of a stage at once; the same ids twice otherwise)."""
 
     @property
     def opt_where(self) -> str:

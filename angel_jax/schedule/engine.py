@@ -232,7 +232,8 @@ def build_paged_engine(cfg: Config, params: Any, example_batch: jax.Array, *,
         raise
     # Pages are what the tier holds; the fixed part (activations, working set) is outside it.
     store.tiers["device"].budget = budgets.device - budgets.fixed_device
-    model = PagedModel(staged, bp.params_layout, bp.opt_layout, opt_offset=bp.params_layout.num_pages)
+    model = PagedModel(staged, bp.params_layout, bp.opt_layout, opt_offset=bp.params_layout.num_pages,
+                       grad_sets=1 + plan.staleness)
     tx, _ = make_optimizer(cfg.optimizer, cfg.train.steps, clip=False)
     where = placements(device, store.tiers["host"].sharding)
     whole = staged.split(params) if params is not None else None

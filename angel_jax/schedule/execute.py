@@ -56,16 +56,22 @@ class PagedModel:
     opt_layout: PageLayout
     """Optimizer-state pages; their page ids are offset by `opt_offset` in the store."""
     opt_offset: int
+    grad_sets: int = 1
+    """Sets of disk-homed gradient pages, used by step parity: 2 in lock-free mode (`staleness: 1`), where step
+    t+1's backward may write a stage's gradients while step t's update still reads them; 1 otherwise (the update
+    reads them before the next backward of the stage can run)."""
 
     @property
     def grad_offset(self) -> int:
-        """Disk-homed gradient pages: two sets (by step parity) of the parameter pages' shapes, ids from here."""
+        """Disk-homed gradient pages: `grad_sets` sets of the parameter pages' shapes, ids from here."""
         return self.opt_offset + self.opt_layout.num_pages
 
     def grad_ids(self, stage: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """The stage's gradient page ids of even and of odd steps (the same ids with one set)."""
         ids = self.param_ids(stage)
-        return tuple(p + self.grad_offset for p in ids), \
-            tuple(p + self.grad_offset + self.params_layout.num_pages for p in ids)
+        even = tuple(p + self.grad_offset for p in ids)
+        odd = tuple(p + self.grad_offset + self.params_layout.num_pages for p in ids) if self.grad_sets == 2 else even
+        return even, odd
 
     def param_ids(self, stage: int) -> tuple[int, ...]:
         return self.params_layout.stage(self.staged.stages[stage].name).page_ids

@@ -226,9 +226,10 @@ def host_bytes(costs: list[StageCost], homes: Homes, staleness: int) -> int:
     return homed + sum(staged[:OPT_STAGING]) + GRAD_SPILL * spill
 
 
-def disk_bytes(costs: list[StageCost], homes: Homes) -> int:
+def disk_bytes(costs: list[StageCost], homes: Homes, staleness: int = 0) -> int:
+    """Bytes on the disk tier: disk-homed gradients have a second set in lock-free mode (two steps' in flight)."""
     home, grad_home, opt_home = homes
-    return sum(c.param_bytes * ((h == "disk") + (g == "disk")) + c.opt_bytes * (o == "disk")
+    return sum(c.param_bytes * ((h == "disk") + (1 + staleness) * (g == "disk")) + c.opt_bytes * (o == "disk")
                for c, h, g, o in zip(costs, home, grad_home, opt_home))
 
 
@@ -262,7 +263,7 @@ def place_streamed(costs: list[StageCost], budgets: Budgets, streamed: list[int]
         family, i = moves.pop(0)
         homes[family][i] = "disk"
     placed = frozen()
-    disk_used = disk_bytes(costs, placed)
+    disk_used = disk_bytes(costs, placed, staleness)
     if budgets.disk is not None and disk_used > budgets.disk:
         on_disk = [costs[i].name for i in streamed if any(h[i] == "disk" for h in homes)]
         raise PlanError(f"host budget {budgets.host:,} B holds the streamed stages' pages only with {disk_used:,} B "
