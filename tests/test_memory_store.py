@@ -300,3 +300,33 @@ def test_stage_pages_through_the_store_into_a_jitted_stage(store):
     assert same_bits(back["w"], params["w"])
     assert all(store.where(pid) == ("disk",) for pid in stage.page_ids)
     assert os.path.isfile(store.tiers["disk"].chunk_path(stage.page_ids[0]))
+
+
+def test_finished_moves_leave_no_page_array_to_the_cyclic_collector(store):
+    """A page copy freed by a move is freed then, by reference counting: nothing of it waits in a reference cycle
+    for Python's collector (which runs rarely; with large pages, the garbage it waits for grows to gigabytes)."""
+    import gc
+
+    shape = (4099,)  # a length no other array in the process has, to tell the pages' arrays apart
+    for i in range(4):
+        store.add(i, bits(i, shape[0]), home="host")
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(2):
+            for i in range(4):  # host -> disk -> device (dropped) -> host, a new version there, written home
+                store.evict(i, "host").wait()
+                store.prefetch(i, "device").wait()
+                store.evict(i, "device").wait()
+                store.prefetch(i, "host").wait()
+                store.put(i, jax.device_put(bits(20 + i, shape[0]), store.tiers["host"].sharding), "host")
+        assert store.wait_all() == []
+        gc.set_debug(gc.DEBUG_SAVEALL)
+        gc.collect()
+        cyclic = [o for o in gc.garbage if isinstance(o, (jax.Array, np.ndarray)) and getattr(o, "shape", ()) == shape]
+    finally:
+        gc.set_debug(0)
+        gc.garbage.clear()
+        gc.enable()
+        gc.collect()
+    assert cyclic == [], f"{len(cyclic)} page arrays were left in reference cycles"

@@ -1,11 +1,11 @@
 """The future plumbing of page moves: `PageHandle` (what a move returns), reused staging buffers for disk reads,
-and two small helpers for `concurrent.futures`."""
+and small helpers for `concurrent.futures`."""
 
 from __future__ import annotations
 
 import concurrent.futures as cf
 import threading
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -77,6 +77,26 @@ class StagingBuffers:
     def clear(self) -> None:
         with self._lock:
             self._free.clear()
+
+
+def when_done(future: cf.Future, fn: Callable[[cf.Future], Any]) -> None:
+    """`future.add_done_callback(fn)`, with `fn` let go once it ran. A completed `concurrent.futures.Future` keeps
+    every callback it was given, so a callback whose closure reaches back to the future (a page copy's record
+    holds its future; the callback holds the record) would make a reference cycle, and the page arrays in it
+    would stay in memory until Python's cyclic collector happened to run: gigabytes, with large pages."""
+    future.add_done_callback(_Once(fn))
+
+
+class _Once:
+    __slots__ = ("fn",)
+
+    def __init__(self, fn: Callable[[cf.Future], Any]):
+        self.fn: Callable[[cf.Future], Any] | None = fn
+
+    def __call__(self, future: cf.Future) -> None:
+        fn, self.fn = self.fn, None
+        if fn is not None:
+            fn(future)
 
 
 def copy_result(src: cf.Future, dst: cf.Future) -> None:

@@ -46,7 +46,7 @@ import numpy as np
 
 from angel_jax.memory.disk_tier import DiskTier
 from angel_jax.memory.errors import PageStoreError
-from angel_jax.memory.handles import PageHandle, StagingBuffers, copy_result, resolved
+from angel_jax.memory.handles import PageHandle, StagingBuffers, copy_result, resolved, when_done
 from angel_jax.memory.page_table import ROLES, Blocked, Decision, Free, Installed, Move, PageTable, Present
 from angel_jax.memory.tiers import ArrayTier, DeviceTier, HostTier, Tier
 
@@ -298,7 +298,7 @@ class PageStore:
                 self._inflight.discard(data.settled)
                 self._carry_out(self._table.failed(action))
                 raise
-            data.future.add_done_callback(lambda f: self._finish(action, data, f))
+            when_done(data.future, lambda f: self._finish(action, data, f))
             return PageHandle(action.page, action.label, data.settled)
 
     def _carry_out(self, decision: Decision) -> None:
@@ -346,13 +346,12 @@ class PageStore:
             else:
                 self._reserve(tier, move)
                 dst.array = tier.put(move.page, value, reserved=True)
-            self._submit(self._ready, dst.array).add_done_callback(lambda f: copy_result(f, dst.future))
+            when_done(self._submit(self._ready, dst.array), lambda f: copy_result(f, dst.future))
         else:
             assert isinstance(tier, DiskTier)
             tier.open()
             self._reserve(tier, move)
-            tier.write(move.page, np.asarray(value), reserved=True).add_done_callback(
-                lambda f: copy_result(f, dst.future))
+            when_done(tier.write(move.page, np.asarray(value), reserved=True), lambda f: copy_result(f, dst.future))
 
     def _issue(self, move: Move) -> None:
         """Start copying `move.src_copy` to `move.dst` (under the lock; the destination's bytes are charged in
@@ -364,18 +363,18 @@ class PageStore:
         self._reserve(tier, move)
         if isinstance(tier, ArrayTier) and src.array is not None:
             dst.array = tier.put(pid, src.array, reserved=True)
-            self._submit(self._ready, dst.array).add_done_callback(lambda f: copy_result(f, dst.future))
+            when_done(self._submit(self._ready, dst.array), lambda f: copy_result(f, dst.future))
         elif isinstance(tier, ArrayTier):  # from disk, or from a copy still landing from disk
             staged, (dtype, length) = move.src == "disk", self._meta[pid]
             first = src.future
             if staged:
                 first = self._then(src.future, lambda _: self._read_staged(pid, dtype, length))
-            self._then(first, lambda value: self._land(pid, dst, tier, value, staged)).add_done_callback(
-                lambda f: copy_result(f, dst.future))
+            when_done(self._then(first, lambda value: self._land(pid, dst, tier, value, staged)),
+                      lambda f: copy_result(f, dst.future))
         else:
             assert isinstance(tier, DiskTier)
-            self._then(src.future, lambda arr: tier.write(pid, np.asarray(arr), reserved=True)
-                       ).add_done_callback(lambda f: copy_result(f, dst.future))
+            when_done(self._then(src.future, lambda arr: tier.write(pid, np.asarray(arr), reserved=True)),
+                      lambda f: copy_result(f, dst.future))
 
     def _reserve(self, tier: Tier, move: Move) -> None:
         """Count the destination's bytes in the tier object, as the table already does."""
@@ -384,7 +383,7 @@ class PageStore:
     def _read_staged(self, page_id: int, dtype: np.dtype, length: int) -> cf.Future:
         buf = self._staging.take(dtype, length)
         fut = self._disk().read(page_id, into=buf)
-        fut.add_done_callback(lambda f: self._staging.give(buf) if f.exception() is not None else None)
+        when_done(fut, lambda f: self._staging.give(buf) if f.exception() is not None else None)
         return fut
 
     def _land(self, page_id: int, dst: _Data, tier: ArrayTier, value: np.ndarray | jax.Array, staged: bool) -> Any:
@@ -443,7 +442,7 @@ class PageStore:
                 out.set_exception(e)
                 return
             if isinstance(res, cf.Future):
-                res.add_done_callback(lambda f: copy_result(f, out))
+                when_done(res, lambda f: copy_result(f, out))
             else:
                 out.set_result(res)
 
@@ -456,5 +455,5 @@ class PageStore:
             except BaseException as e:  # noqa: BLE001 - e.g. the store was closed: fail the move, never hang
                 out.set_exception(e)
 
-        fut.add_done_callback(start)
+        when_done(fut, start)
         return out

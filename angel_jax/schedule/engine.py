@@ -14,6 +14,7 @@ the result in the `TrainEngine` protocol the training loop drives; `angel-jax pl
 from __future__ import annotations
 
 import dataclasses
+import gc
 import json
 import logging
 import shutil
@@ -249,6 +250,7 @@ def build_paged_engine(cfg: Config, params: Any, example_batch: jax.Array, *,
             for pid, page in zip(model.param_ids(i), bp.params_layout.stage(stage.name).pack(stage_params)):
                 store.add(pid, page, home=plan.home[i])
             del stage_params
+            gc.collect()  # the stage's module graph (Flax NNX) has cycles: its arrays would wait for a collection
             big = [np.asarray(b) for b in big]
             for oid, page in zip(model.opt_ids(i), bp.opt_layout.stage(stage.name).pack(big)):
                 store.add(oid, page, home=plan.opt_home[i])
