@@ -330,3 +330,21 @@ def test_finished_moves_leave_no_page_array_to_the_cyclic_collector(store):
         gc.enable()
         gc.collect()
     assert cyclic == [], f"{len(cyclic)} page arrays were left in reference cycles"
+
+
+def test_discard_lets_go_of_a_clean_staging_copy_only(store):
+    """`discard` frees a staged copy whose bytes the home tier holds, and leaves alone a newer version installed
+    on that tier meanwhile (the next step's gradients in the pages the last update read)."""
+    host = store.tiers["host"].sharding
+    store.add(0, bits(0, 256), home="disk")
+    store.prefetch(0, "host").wait()
+    assert store.where(0) == ("host", "disk")
+    store.discard(0, "host").wait()
+    assert store.where(0) == ("disk",) and store.bytes_used()["host"] == 0
+    assert store.discard(0, "host") is None  # gone already
+    store.prefetch(0, "host").wait()
+    newer = bits(1, 256)
+    store.put(0, jax.device_put(newer, host), "host")  # a new version on the host; the disk copy is stale
+    assert store.discard(0, "host") is None and store.where(0) == ("host",)
+    store.evict(0, "host").wait()  # its owner writes it home
+    assert store.where(0) == ("disk",) and same_bits(store.read(0), newer)

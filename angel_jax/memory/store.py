@@ -157,6 +157,16 @@ class PageStore:
     def evict(self, page_id: int, frm: str = "device", to: str | None = None) -> PageHandle:
         return self._request(lambda: self._table.evict(page_id, frm, to))
 
+    def discard(self, page_id: int, tier: str) -> PageHandle | None:
+        """Let go of a staging copy: the current copy on `tier`, when that is not the home tier and the home copy
+        holds the same version (nothing is written). None, and nothing done, when there is no such copy: it
+        went already, or a newer version was installed there meanwhile (whoever installed it moves it)."""
+        with self._lock:
+            t = self._table
+            if t.current_copy(page_id, tier) is None or t.home(page_id) == tier or t.is_dirty(page_id):
+                return None
+            return self.evict(page_id, tier)
+
     def writeback(self, page_id: int) -> PageHandle:
         """Write the current version to the home tier (no-op when the home copy is current)."""
         return self._request(lambda: self._table.writeback(page_id))

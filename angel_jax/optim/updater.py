@@ -155,7 +155,9 @@ class _InFlight:
         """Drop the staged gradient copies once their update ran (with `wait`: wait for it, and for the writes)."""
         if self.drop and (wait or self.after is None or self.after.is_ready()):
             jax.block_until_ready(self.after)
-            self.writes += [store.evict(g, "host") for g in self.drop]
+            # `discard`: with one set of gradient pages (exact mode), the next step's backward may already have
+            # put its own gradients there, which are not this update's to drop.
+            self.writes += [h for g in self.drop if (h := store.discard(g, "host")) is not None]
             self.drop = ()
         if wait:
             for h in self.writes:
