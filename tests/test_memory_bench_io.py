@@ -27,6 +27,8 @@ def test_bench_io_smoke(tmp_path, capsys):
     for key in ("h2d_pinned", "d2h_pinned", "disk_write", "disk_read", "device_copy", "host_memcpy"):
         assert cal["bandwidth_Bps"][key] > 0
     assert cal["bandwidth_Bps"]["disk_read"] == figures["disk_tier_read"]["GBps"] * 1e9
+    for op in ("write", "read"):  # the tier's CPU time per byte (process time: never zero for real I/O)
+        assert cal["cpu_s_per_byte"][f"disk_{op}"] == figures[f"disk_tier_{op}"]["cpu_s_per_GB"] / 1e9 > 0
     recorded = [json.loads(ln) for ln in jsonl.read_text().splitlines()]
     assert len(recorded) == len(figures) and all("machine" in r for r in recorded)
     assert not any(p.name.startswith(("angel_jax_pages", "angel_jax_raw")) for p in tmp_path.iterdir())

@@ -4,6 +4,7 @@ file, and the derivative of page unpacking that every stage backward relies on."
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import jax
 import jax.numpy as jnp
@@ -132,7 +133,34 @@ def test_bandwidths_come_from_the_bench_io_calibration(tmp_path):
                                                   "disk_write": 2e9}}))
     bw = load_bandwidths(path)
     assert (bw.h2d, bw.d2h, bw.disk_read, bw.disk_write) == (2e10, 1.5e10, 3e9, 2e9) and bw.source == str(path)
+    assert (bw.disk_read_cpu, bw.disk_write_cpu) == (0.0, 0.0)  # an older calibration: no CPU figures
     assert load_bandwidths(tmp_path / "missing.json") == Bandwidths()
+    # CPU seconds per byte over the machine's cores: the share of the compute cores a transfer takes.
+    path.write_text(json.dumps({"format": "angel_jax.io_calibration/1", "machine": {"cpu_count": 4},
+                                "bandwidth_Bps": {"disk_read": 3e9, "disk_write": 2e9},
+                                "cpu_s_per_byte": {"disk_read": 8e-10, "disk_write": 2e-9}}))
+    bw = load_bandwidths(path)
+    assert (bw.disk_read_cpu, bw.disk_write_cpu) == (2e-10, 5e-10)
+
+
+def test_disk_cpu_work_takes_compute_time_on_shared_cores_only():
+    """On the CPU backend a disk transfer's CPU work (checksums, copies, the kernel's) delays compute by its
+    measured share, from the transfer's start; on an accelerator the cores it uses are not the device's."""
+    costs = _costs(4)
+    home, opt_home, grad_home = ("disk",) * 4, ("disk",) * 4, ("disk",) * 4
+    free = replace(BW, disk_read_cpu=0.0, disk_write_cpu=0.0)
+    costly = replace(BW, disk_read_cpu=2.0 / BW.disk_read, disk_write_cpu=2.0 / BW.disk_write)
+    base = simulate(costs, free, home, opt_home, 1, grad_home=grad_home, shared_cpu=True)
+    charged = simulate(costs, costly, home, opt_home, 1, grad_home=grad_home, shared_cpu=True)
+    io_cpu = [e for e in charged.events if e.stream == "io_cpu"]
+    disk = [e for e in charged.events if e.stream == "disk"]
+    assert len(io_cpu) == len(disk) > 0
+    for c, d in zip(io_cpu, disk):  # twice the transfer's time, never before it began
+        assert c.duration == pytest.approx(2 * d.duration) and c.start >= d.start - 1e-12
+    assert charged.step_time > base.step_time * 1.5
+    on_gpu = simulate(costs, costly, home, opt_home, 1, grad_home=grad_home, shared_cpu=False)
+    assert on_gpu.step_time == simulate(costs, free, home, opt_home, 1, grad_home=grad_home).step_time
+    assert not [e for e in on_gpu.events if e.stream == "io_cpu"]
 
 
 def test_io_per_step_counts_every_copy_of_the_plan():

@@ -26,6 +26,7 @@ Every refusal is a `PlanError` that says how many bytes are missing and which `m
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -54,9 +55,17 @@ def load_bandwidths(path: str | Path | None) -> Bandwidths:
         value = figures.get(key)
         return float(value) if isinstance(value, (int, float)) and value > 0 else default
 
+    cpu = raw.get("cpu_s_per_byte", {})
+    cores = max(1, int(raw.get("machine", {}).get("cpu_count") or os.cpu_count() or 1))
+
+    def cpu_share(key: str) -> float:  # CPU-seconds per byte over the cores: the compute time it takes
+        value = cpu.get(key)
+        return float(value) / cores if isinstance(value, (int, float)) and value > 0 else 0.0
+
     return Bandwidths(h2d=pick("h2d_pinned", Bandwidths.h2d), d2h=pick("d2h_pinned", Bandwidths.d2h),
                       disk_read=pick("disk_read", Bandwidths.disk_read),
-                      disk_write=pick("disk_write", Bandwidths.disk_write), source=str(path))
+                      disk_write=pick("disk_write", Bandwidths.disk_write), disk_read_cpu=cpu_share("disk_read"),
+                      disk_write_cpu=cpu_share("disk_write"), source=str(path))
 
 
 @dataclass(frozen=True)

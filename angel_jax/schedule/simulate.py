@@ -23,7 +23,10 @@ Rules (those of execute.py and optim/updater.py):
   updates are work for the same cores as compute: their streams share the compute stream's clock (they appear on
   their own rows in the picture, but never overlap compute). On the 2-core VM this lands within ~10% of measured
   steps either side (XLA's kernels leave part of the second core to the copies and updates at times); treating
-  the streams as independent there predicted 15-25% too fast.
+  the streams as independent there predicted 15-25% too fast. Disk transfers there also cost the cores CPU time
+  (`Bandwidths.disk_read_cpu`/`disk_write_cpu`, measured by `angel-jax bench io`), charged to the compute clock
+  (`io_cpu` row) from the transfer's start: without it, a step with every page family on disk was predicted
+  30% faster than measured (2 CPU-s per GB written on the 2-vCPU VM).
 
 The step time is the distance between the starts of the first forward of the last two simulated steps.
 """
@@ -60,12 +63,19 @@ class Bandwidths:
     d2h: float = 10e9
     disk_read: float = 1e9
     disk_write: float = 1e9
+    disk_read_cpu: float = 0.0
+    """Seconds of the compute cores' time each byte read from disk takes from compute where both share the cores
+    (the CPU backend): the process CPU time per byte `angel-jax bench io` measured (checksums, copies, the
+    kernel's work), over the cores."""
+    disk_write_cpu: float = 0.0
+    """The same for each byte written (new chunk files: temporary file, fsync, rename)."""
     source: str = "defaults"
     """Where the figures come from: 'defaults', a calibration file (`angel-jax bench io`), 'profiled'."""
 
 
 class _Clock:
-    """Per-stream free times; with `shared`, every stream but the disk runs on the compute stream's clock."""
+    """Per-stream free times; with `shared`, every stream but the disk runs on the compute stream's clock, and
+    each disk transfer also takes its CPU share from it (`io_cpu` events)."""
 
     def __init__(self, shared: bool, timeline: Timeline):
         self.shared, self.timeline = shared, timeline
@@ -77,6 +87,14 @@ class _Clock:
         self.free[key] = start + duration
         self.timeline.add(stream, label, start, start + duration)
         return start, start + duration
+
+    def disk(self, label: str, earliest: float, nbytes: int, bandwidth: float, cpu_per_byte: float
+             ) -> tuple[float, float]:
+        """A disk transfer; on shared cores its CPU work is done on the compute clock once it has begun."""
+        start, end = self.run("disk", label, earliest, nbytes / bandwidth)
+        if self.shared and cpu_per_byte > 0:
+            self.run("io_cpu", label, start, nbytes * cpu_per_byte)
+        return start, end
 
 
 def simulate(costs: list[StageCost], bw: Bandwidths, home: tuple[str, ...], opt_home: tuple[str, ...],
@@ -104,7 +122,7 @@ def simulate(costs: list[StageCost], bw: Bandwidths, home: tuple[str, ...], opt_
 
     def read(i: int, at: float, nbytes: int) -> None:
         if nbytes:
-            end = clock.run("disk", f"read {costs[i].name}", at, nbytes / bw.disk_read)[1]
+            end = clock.disk(f"read {costs[i].name}", at, nbytes, bw.disk_read, bw.disk_read_cpu)[1]
             read_done[i] = max(read_done.get(i, 0.0), end)
 
     for _ in range(steps):
@@ -124,7 +142,7 @@ def simulate(costs: list[StageCost], bw: Bandwidths, home: tuple[str, ...], opt_
                     ready = updated_before[i]  # runs one update behind rather than wait
                 at = max(gate, ready if first else 0.0)
                 if home[i] == "disk" and not (i in early and first):  # (an early-staged stage is on the host)
-                    at = clock.run("disk", f"read {costs[i].name}", at, costs[i].param_bytes / bw.disk_read)[1]
+                    at = clock.disk(f"read {costs[i].name}", at, costs[i].param_bytes, bw.disk_read, bw.disk_read_cpu)[1]
                 _, ready = clock.run("h2d", f"fetch {costs[i].name}", at, costs[i].param_bytes / bw.h2d)
                 fetched[i] = ready
             start, end = clock.run("compute", f"{op} {costs[i].name}", ready, dur)
@@ -137,8 +155,8 @@ def simulate(costs: list[StageCost], bw: Bandwidths, home: tuple[str, ...], opt_
                 else:
                     grads_home[i] = clock.run("d2h", f"grad {costs[i].name}", end, costs[i].param_bytes / bw.d2h)[1]
                     if grad_home[i] == "disk":
-                        grads_home[i] = clock.run("disk", f"spill {costs[i].name}", grads_home[i],
-                                                  costs[i].param_bytes / bw.disk_write)[1]
+                        grads_home[i] = clock.disk(f"spill {costs[i].name}", grads_home[i], costs[i].param_bytes,
+                                                   bw.disk_write, bw.disk_write_cpu)[1]
         norm_at = max(grads_home)
         for j in early:
             read(j, norm_at, grad_read[j])
@@ -153,7 +171,7 @@ def simulate(costs: list[StageCost], bw: Bandwidths, home: tuple[str, ...], opt_
             else:
                 updated[i] = clock.run("host", f"update {costs[i].name}", earliest, costs[i].update_host_s)[1]
             if written[i]:
-                clock.run("disk", f"write {costs[i].name}", updated[i], written[i] / bw.disk_write)
+                clock.disk(f"write {costs[i].name}", updated[i], written[i], bw.disk_write, bw.disk_write_cpu)
         reads_from = max(updated[i] for i in range(n))
     if steps > 1:
         tl.step_time = first_forward[-1] - first_forward[-2]

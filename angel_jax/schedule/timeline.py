@@ -17,7 +17,7 @@ from typing import Any
 
 import jax
 
-STREAMS = ("compute", "h2d", "d2h", "host", "disk")
+STREAMS = ("compute", "h2d", "d2h", "host", "disk", "io_cpu")
 
 
 @dataclass(frozen=True)
