@@ -20,7 +20,10 @@ import orbax.checkpoint as ocp
 import pytest
 
 from angel_jax.checkpoint import CheckpointEngine, CheckpointError, CheckpointOptions, StateSnapshot
+from angel_jax.checkpoint import persist
+from angel_jax.checkpoint.persist import OrbaxTier
 from angel_jax.checkpoint.snapshot import read_index, write_index
+from angel_jax.checkpoint.state import is_lazy
 
 
 def make_state(seed: int) -> dict[str, np.ndarray]:
@@ -143,7 +146,12 @@ def test_snapshot_is_a_copy_jax_arrays_donated(tmp_path: Path) -> None:
 # ----------------------------------------------------------------------------------------------- damage
 
 
-def test_damaged_persisted_array_falls_back_to_older_step(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+@pytest.mark.parametrize("streamed", [False, True], ids=["whole", "streamed"])
+def test_damaged_persisted_array_falls_back_to_older_step(tmp_path: Path, caplog: pytest.LogCaptureFixture,
+                                                          monkeypatch: pytest.MonkeyPatch, streamed: bool) -> None:
+    if streamed:  # a state over the streaming threshold: still checked whole before anything is handed over
+        monkeypatch.setattr(OrbaxTier, "stream_above", 0)
+        monkeypatch.setattr(persist, "CHUNK_BYTES", 4096)
     s1, s2 = make_state(11), make_state(12)
     with CheckpointEngine(options(tmp_path)) as engine:
         engine.save(1, s1, {"n": 1})
@@ -155,11 +163,41 @@ def test_damaged_persisted_array_falls_back_to_older_step(tmp_path: Path, caplog
         caplog.set_level(logging.WARNING)
         restored = engine.restore()
         assert (restored.step, restored.source, restored.meta) == (1, "persistent", {"n": 1})
-        assert_bitwise(restored.arrays, s1)
+        assert_bitwise({k: np.asarray(v) for k, v in restored.arrays.items()}, s1)
         warning = " ".join(r.getMessage() for r in caplog.records if r.levelno == logging.WARNING)
         assert "step 2" in warning and "persistent" in warning and "damaged" in warning
         assert engine.verify(2) and engine.verify(1) == []
         assert engine.latest_valid().step == 1
+
+
+def test_a_state_over_the_streaming_threshold_is_restored_group_by_group(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """A persistent checkpoint larger than half the RAM available is handed over as lazy arrays, read with orbax's
+    partial restore a group of about CHUNK_BYTES at a time: once to verify every checksum, once as consumed."""
+    rng = np.random.default_rng(21)
+    state = {**make_state(21), **{f"pages/{i}": rng.standard_normal(1000, dtype=np.float32) for i in range(6)}}
+    with CheckpointEngine(options(tmp_path)) as engine:
+        engine.save(4, state, {"k": 4})
+        engine.wait()
+    shutil.rmtree(tmp_path / "memory")
+    monkeypatch.setattr(OrbaxTier, "stream_above", 0)
+    monkeypatch.setattr(persist, "CHUNK_BYTES", 8192)
+    groups: list[int] = []
+    real = OrbaxTier._restore_some
+
+    def counted(self, path, group):
+        groups.append(sum(a.nbytes for a in group))
+        return real(self, path, group)
+
+    monkeypatch.setattr(OrbaxTier, "_restore_some", counted)
+    with CheckpointEngine(options(tmp_path)) as engine:
+        restored = engine.restore()
+    assert (restored.step, restored.source) == (4, "persistent")
+    assert {k for k, v in restored.arrays.items() if is_lazy(v)} == {k for k, v in state.items() if v.nbytes}
+    verified = len(groups)
+    assert verified >= 4 and all(b <= 8192 or b == 70000 for b in groups)  # one array may exceed a group alone
+    assert_bitwise({k: np.asarray(v) for k, v in restored.arrays.items()}, state)
+    assert len(groups) == 2 * verified  # in index order: each group read once more
 
 
 def test_damaged_memory_snapshot_uses_same_step_from_persistent(tmp_path: Path,

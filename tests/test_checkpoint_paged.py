@@ -16,6 +16,9 @@ import numpy as np
 import pytest
 
 from angel_jax.checkpoint import CheckpointEngine, CheckpointOptions
+from angel_jax.checkpoint import persist
+from angel_jax.checkpoint.persist import OrbaxTier
+from angel_jax.checkpoint.state import is_lazy
 from angel_jax.config import load_config
 from angel_jax.train import metrics as M
 from angel_jax.train.engines import build_engine
@@ -141,5 +144,17 @@ def test_checkpoint_holds_its_step_while_training_goes_on(tmp_path, write_tiny_c
         assert restored.arrays.keys() == copy_at_k.keys()
         for k, want in copy_at_k.items():
             assert restored.arrays[k].tobytes() == want.tobytes(), k
+        # A state over the streaming threshold (more than half the RAM available, forced here) comes back as lazy
+        # arrays read a group at a time, and the engine takes them page by page into the plan's homes.
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(OrbaxTier, "stream_above", 0)
+            mp.setattr(persist, "CHUNK_BYTES", 1 << 20)
+            with CheckpointEngine(opts) as ckpt:
+                streamed = ckpt.restore(3)
+            assert sum(is_lazy(v) for v in streamed.arrays.values()) > len(copy_at_k) // 2
+            engine.load_state(streamed.arrays, streamed.meta["engine"])
+        back = engine.state_snapshot().arrays
+        for k, want in copy_at_k.items():
+            assert np.asarray(back[k]).tobytes() == want.tobytes(), k
     finally:
         engine.close()

@@ -18,6 +18,12 @@ Reading it with nothing but orbax:
 Orbax refuses zero-size arrays, so empty arrays are not in `state`: their dtype and shape are in `meta.arrays`
 (nbytes 0), and restore rebuilds them. A step with only empty arrays has no `state` item.
 
+A state larger than half the RAM available (`OrbaxTier.stream_above`) is restored as it is consumed: `load`
+returns `LazyArray`s, and the arrays are read with orbax's partial restore in groups of about `CHUNK_BYTES`, in
+the order of the index (the order the engines load them), each group let go as its arrays are taken. With
+`verify`, every group is first read and checksummed once before `load` returns, so a damaged copy is still
+rejected before any of it reaches the engine (the reading costs twice the I/O, never the memory).
+
 Commit is orbax's: it writes `<step>.orbax-checkpoint-tmp*/` and renames it to `<step>/` when complete (POSIX
 file systems), with the meta (and so the checksums) in the same directory, so they commit together. A directory
 with the tmp suffix is never read and is removed after a failed save or by the next writer.
@@ -33,19 +39,25 @@ from concurrent.futures import Executor
 from pathlib import Path
 from typing import Mapping
 
+import dataclasses
+
 import jax
 import numpy as np
 import orbax.checkpoint as ocp
+import psutil
 
 from angel_jax.checkpoint.faults import Fault, no_fault
-from angel_jax.checkpoint.snapshot import (SnapshotDamaged, SnapshotIndex, decode_dtype, open_arrays, remove_dir,
-                                           verify_arrays)
+from angel_jax.checkpoint.snapshot import (ArrayEntry, SnapshotDamaged, SnapshotIndex, decode_dtype, open_arrays,
+                                           remove_dir, verify_arrays)
+from angel_jax.checkpoint.state import LazyArray
 from angel_jax.checkpoint.tiers import Committed, CopyTier
 
 STATE_ITEM = "state"
 META_ITEM = "meta"
 _STEP_RE = re.compile(r"^(\d+)$")
 _TMP_RE = re.compile(r"^(\d+)\.orbax-checkpoint-tmp.*$")
+CHUNK_BYTES = 1 << 30
+"""A streamed restore reads groups of arrays of about this many bytes per orbax call."""
 _DISCARD_WAIT_S = 10.0
 """At most this long to clear what a failed save left while its last writes drain."""
 
@@ -57,6 +69,9 @@ class OrbaxTier(CopyTier):
     committed_state = "persisted"
     stage = "persist"
     best_effort = False
+
+    stream_above: int | None = None
+    """States of more bytes than this are restored as they are consumed (None: half the RAM available)."""
 
     def __init__(self, root: Path, keep_last: int, keep_every: int | None = None, *, fault: Fault = no_fault):
         super().__init__(root, keep_last, keep_every)
@@ -169,6 +184,9 @@ class OrbaxTier(CopyTier):
         if not path.is_dir():
             raise SnapshotDamaged([f"{path}: missing"])
         index = self._read_index(path)
+        limit = self.stream_above if self.stream_above is not None else psutil.virtual_memory().available // 2
+        if sum(a.nbytes for a in index.arrays) > limit:
+            return index, self._load_streaming(path, index, verify, pool)
         items = {META_ITEM: ocp.args.JsonRestore()}
         if any(a.nbytes for a in index.arrays):
             items[STATE_ITEM] = ocp.args.StandardRestore()
@@ -189,6 +207,38 @@ class OrbaxTier(CopyTier):
             raise SnapshotDamaged(problems)
         return index, arrays
 
+    def _load_streaming(self, path: Path, index: SnapshotIndex, verify: bool,
+                        pool: Executor | None) -> dict[str, np.ndarray | LazyArray]:
+        reader = _GroupReader(self, path, index)
+        if verify:
+            for group in reader.groups:
+                arrays = reader.restore(group)
+                problems = verify_arrays(dataclasses.replace(index, arrays=group), arrays, pool, str(path))
+                if problems:
+                    raise SnapshotDamaged(problems)
+                del arrays
+        out: dict[str, np.ndarray | LazyArray] = {}
+        for a in index.arrays:
+            out[a.name] = np.zeros(a.shape, decode_dtype(a.dtype)) if a.nbytes == 0 else \
+                LazyArray(a.shape, decode_dtype(a.dtype), lambda name=a.name: reader.take(name))
+        return out
+
+    def _restore_some(self, path: Path, group: tuple[ArrayEntry, ...]) -> dict[str, np.ndarray]:
+        """Some of a committed step's arrays (orbax partial restore)."""
+        item = {a.name: np.zeros((), decode_dtype(a.dtype)) for a in group}
+        args = {a.name: ocp.RestoreArgs(restore_type=np.ndarray) for a in group}
+        try:
+            with self._lock:
+                restored = self._checkpointer(-1).restore(path, args=ocp.args.Composite(**{
+                    STATE_ITEM: ocp.args.PyTreeRestore(item=item, restore_args=args, partial_restore=True)}))
+        except Exception as e:  # noqa: BLE001 - as in `load`
+            raise SnapshotDamaged([f"{path}: orbax restore failed: {type(e).__name__}: {_short(e)}"]) from None
+        state = restored[STATE_ITEM]
+        missing = [a.name for a in group if a.name not in state]
+        if missing:
+            raise SnapshotDamaged([f"{path}: array {missing[0]!r} missing"])
+        return {a.name: np.asarray(state[a.name]).reshape(a.shape) for a in group}
+
     def check(self, step: int, pool: Executor | None) -> list[str]:
         try:
             self.load(step, verify=True, pool=pool)
@@ -208,6 +258,40 @@ class OrbaxTier(CopyTier):
             raise SnapshotDamaged([f"{meta_file}: missing"]) from None
         except (ValueError, KeyError, TypeError) as e:
             raise SnapshotDamaged([f"{meta_file}: unreadable ({e})"]) from None
+
+
+class _GroupReader:
+    """A committed step's arrays read on demand, a group of about CHUNK_BYTES at a time (in index order); an array
+    taken is let go, and the group with it once all of its arrays are taken."""
+
+    def __init__(self, tier: OrbaxTier, path: Path, index: SnapshotIndex):
+        self._tier, self._path = tier, path
+        groups: list[list[ArrayEntry]] = [[]]
+        size = 0
+        for a in index.arrays:
+            if a.nbytes == 0:
+                continue
+            if groups[-1] and size + a.nbytes > CHUNK_BYTES:
+                groups.append([])
+                size = 0
+            groups[-1].append(a)
+            size += a.nbytes
+        self.groups = [tuple(g) for g in groups if g]
+        self._group_of = {a.name: g for g in self.groups for a in g}
+        self._held: dict[str, np.ndarray] = {}
+        self._lock = threading.Lock()
+        self.restores = 0
+        """Orbax calls made (a figure for tests)."""
+
+    def restore(self, group: tuple[ArrayEntry, ...]) -> dict[str, np.ndarray]:
+        self.restores += 1
+        return self._tier._restore_some(self._path, group)
+
+    def take(self, name: str) -> np.ndarray:
+        with self._lock:
+            if name not in self._held:  # its group, read afresh (an array taken twice is read twice)
+                self._held = self.restore(self._group_of[name])
+            return self._held.pop(name)
 
 
 def _short(e: BaseException, limit: int = 300) -> str:

@@ -90,6 +90,12 @@ class LazyArray:
     def __len__(self) -> int:
         return self.shape[0]
 
+    def __int__(self) -> int:  # a scalar (a step counter) read from a lazily restored checkpoint
+        return int(np.asarray(self))
+
+    def __float__(self) -> float:
+        return float(np.asarray(self))
+
     def __getitem__(self, index: Any) -> np.ndarray:
         return np.asarray(self)[index]
 
