@@ -57,7 +57,7 @@ DRY_MODEL = ["model.d_model=128", "model.n_heads=4"]
 def overrides(runner: str, n_layers: int, scratch: Path, args: argparse.Namespace) -> list[str]:
     """The config overrides of one run (on experiments/gpt_tiny.yaml)."""
     out = MODEL + (DRY_MODEL if args.dry else []) + [
-        f"model.n_layers={n_layers}", "train.steps=2", f"train.run_dir={scratch / 'run'}", "train.progress=false",
+        f"model.n_layers={n_layers}", f"train.steps={args.steps}", f"train.run_dir={scratch / 'run'}", "train.progress=false",
         "train.resume=false", "checkpoint.every=0", "checkpoint.at_end=false",
         f"checkpoint.memory_dir={scratch / 'ckpt_mem'}", f"data.dir={ROOT / 'data' / 'stdlib-byte'}"]
     if runner == "paged":
@@ -157,7 +157,7 @@ def watch(proc: subprocess.Popen, cap: int, disk: Path, timeout_s: float, min_fr
 
 
 def run_plain(cfg) -> dict:
-    """Two steps of a minimal jitted adamw step, params and optimizer state donated."""
+    """train.steps steps of a minimal jitted adamw step, params and optimizer state donated."""
     import jax
     import numpy as np
     import optax
@@ -183,7 +183,7 @@ def run_plain(cfg) -> dict:
     rng = np.random.default_rng(0)
     batch = jax.numpy.asarray(rng.integers(0, 256, (cfg.train.batch_size, cfg.model.seq_len + 1), dtype=np.int32))
     times, losses = [], []
-    for _ in range(2):
+    for _ in range(cfg.train.steps):
         t0 = time.perf_counter()
         params, opt_state, loss = step(params, opt_state, batch)
         losses.append(float(loss))
@@ -210,6 +210,10 @@ def run_loop(cfg) -> dict:
         b = built[-1].built
         out["plan"] = {**b.plan.summary(), "io_per_step": b.plan.io_per_step(b.costs, b.bandwidths),
                        "table": b.plan.table(b.costs)}
+        # Profiled compute per step on these cores: every forward (not the head's), backward and update.
+        out["compute_s"] = sum(c.backward_s + (c.forward_s if i < len(b.costs) - 1 else 0.0)
+                               + (c.update_device_s if b.plan.home[i] == "device" else c.update_host_s)
+                               for i, c in enumerate(b.costs))
     return out
 
 
@@ -221,7 +225,7 @@ def child_main(args: argparse.Namespace) -> int:
 
         cfg = load_config(CONFIG, overrides(args.child, args.n_layers, scratch, args))
         out = run_plain(cfg) if args.child == "plain" else run_loop(cfg)
-        out["ok"] = len(out["step_s"]) == 2
+        out["ok"] = len(out["step_s"]) == args.steps
     except BaseException as e:  # noqa: BLE001 - report any failure (a refusal, an allocation failure) as data
         from angel_jax.errors import AngelError
 
@@ -246,6 +250,7 @@ def run_trial(runner: str, n_layers: int, args: argparse.Namespace) -> dict:
     # nice and prlimit exec the command: the child's pid is the Python process's.
     cmd = ["nice", "-n", "10", "prlimit", f"--as={backstop}", sys.executable, str(Path(__file__).resolve()),
            "--child", runner, "--n-layers", str(n_layers), "--scratch", str(scratch), "--child-out", str(result),
+           "--steps", str(args.steps),
            "--device-budget-gib", str(args.device_budget_gib), "--host-budget-gib", str(args.host_budget_gib),
            *(["--dry"] if args.dry else []), *[f"--set={kv}" for kv in args.set]]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")}
@@ -264,12 +269,16 @@ def run_trial(runner: str, n_layers: int, args: argparse.Namespace) -> dict:
         "peak_rss_bytes": max(peak_rss, (child or {}).get("child_maxrss", 0)),
         "peak_rss_polled_bytes": peak_rss, "peak_disk_bytes": peak_disk,
         "step2_s": round(child["step_s"][1], 4) if ok else None,
+        "step_s": [round(t, 4) for t in child["step_s"]] if ok else None,
+        # The last step's time leaves out its own updates (they drain after it): a steady step needs a next one.
+        "steady_step_s": round(child["step_s"][1], 4) if ok and args.steps >= 3 else None,
         "loss": child.get("loss") if child else None, "wall_s": round(time.perf_counter() - t0, 1),
         "cap_bytes": cap, "rlimit_as_bytes": backstop,
     }
     if runner == "paged" and child and "plan" in child:
         plan = child["plan"]
-        record.update(predicted_step_s=round(plan["predicted_step_s"], 4), io_per_step=plan["io_per_step"],
+        record.update(predicted_step_s=round(plan["predicted_step_s"], 4), compute_s=round(child["compute_s"], 4),
+                      io_per_step=plan["io_per_step"],
                       io_bound_s=round(plan["io_per_step"]["io_bound_s"], 4), plan=plan)
     if not args.keep_scratch:
         shutil.rmtree(scratch, ignore_errors=True)
@@ -301,6 +310,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--runners", default=",".join(RUNNERS), help="comma-separated subset of " + ",".join(RUNNERS))
     p.add_argument("--layers", default=None, help="run just these depths, e.g. 1,2 (no search)")
+    p.add_argument("--steps", type=int, default=2, help="training steps per run (>= 3 measures a steady step: "
+                   "the last step's time leaves out its own updates)")
     p.add_argument("--max-layers", type=int, default=64, help="largest n_layers the search tries")
     p.add_argument("--cap-gib", type=float, default=20.0, help="RSS cap per run (the watchdog kills above it)")
     p.add_argument("--as-margin-gib", type=float, default=4.0, help="RLIMIT_AS = cap + this (a backstop)")
