@@ -236,9 +236,11 @@ def test_sigstop_of_a_worker_is_a_hang(launches, reference):
     assert_same_as_reference(job, reference)
     (hang,) = job.events("hang")
     assert hang["rank"] == 1 and hang["heartbeat_lost"] is True and f"pid {pid})" in hang["message"]
-    assert hang["timeout_s"] == HANG_TIMEOUT
-    assert hang["time"] - stopped_at <= HANG_TIMEOUT + 2.0, "a hang is noticed within its timeout + 2 s"
-    assert hang["time"] - stopped_at >= HANG_TIMEOUT - 2.0, "not before the timeout (its last step came before)"
+    # The timeout is max(hang_timeout_min, hang_factor x p95 step time): on a loaded machine the steps' share wins.
+    timeout = hang["timeout_s"]
+    assert HANG_TIMEOUT <= timeout <= 2 * HANG_TIMEOUT
+    assert hang["time"] - stopped_at <= timeout + 2.0, "a hang is noticed within its timeout + 2 s"
+    assert hang["time"] - stopped_at >= timeout - 2.0, "not before the timeout (its last step came before)"
     assert any(e["rank"] == 1 and e["time"] > stopped_at for e in job.events("heartbeat_lost"))
 
 
