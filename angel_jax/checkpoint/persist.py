@@ -280,11 +280,8 @@ class _GroupReader:
         self._group_of = {a.name: g for g in self.groups for a in g}
         self._held: dict[str, np.ndarray] = {}
         self._lock = threading.Lock()
-        self.restores = 0
-        """Orbax calls made (a figure for tests)."""
 
     def restore(self, group: tuple[ArrayEntry, ...]) -> dict[str, np.ndarray]:
-        self.restores += 1
         return self._tier._restore_some(self._path, group)
 
     def take(self, name: str) -> np.ndarray:
