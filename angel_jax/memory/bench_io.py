@@ -35,7 +35,7 @@ calibration file `--out` (default `$ANGEL_JAX_CACHE_DIR/io_calibration.json`, el
 
 `disk_write`/`disk_read` are the disk tier's figures (what the page store gets), not the raw ones.
 `cpu_s_per_byte` is the process CPU time (every thread, user + system: checksums, copies, the file system's work
-in the kernel) per byte the tier wrote or read, median over rounds. Measured on a 2-vCPU VM: ~2 CPU-s per GB
+in the kernel) per byte the tier wrote or read, median over rounds. Measured on a 2-vCPU VM: 1.7-2.1 CPU-s per GB
 written (new chunk files each time: temporary file, fsync, rename) and ~0.8 per GB read. Where the model's compute
 runs on the same cores (the CPU backend), the cost model charges it to compute.
 """
