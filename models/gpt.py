@@ -46,15 +46,15 @@ class Embed(nnx.Module):
 class Block(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         cdt, pdt = _dtypes(cfg)
-        d, hidden = cfg.d_model, int(cfg.d_model * cfg.mlp_ratio)
+        d, hidden = cfg.d_model, cfg.hidden
         init = nnx.initializers.normal(_INIT_STD)
         # GPT-2: residual projections scaled by 1/sqrt(2 * depth) so the stream's variance does not grow with depth.
         out_init = nnx.initializers.normal(_INIT_STD / (2 * cfg.n_layers) ** 0.5)
         lin = dict(dtype=cdt, param_dtype=pdt, rngs=rngs)
-        self.ln_attn = nnx.LayerNorm(d, dtype=cdt, param_dtype=pdt, rngs=rngs)
+        self.ln_attn = nnx.LayerNorm(d, epsilon=cfg.norm_eps, dtype=cdt, param_dtype=pdt, rngs=rngs)
         self.qkv = nnx.Linear(d, 3 * d, kernel_init=init, **lin)
         self.attn_out = nnx.Linear(d, d, kernel_init=out_init, **lin)
-        self.ln_mlp = nnx.LayerNorm(d, dtype=cdt, param_dtype=pdt, rngs=rngs)
+        self.ln_mlp = nnx.LayerNorm(d, epsilon=cfg.norm_eps, dtype=cdt, param_dtype=pdt, rngs=rngs)
         self.mlp_in = nnx.Linear(d, hidden, kernel_init=init, **lin)
         self.mlp_out = nnx.Linear(hidden, d, kernel_init=out_init, **lin)
         self.n_heads = cfg.n_heads
@@ -70,7 +70,7 @@ class Block(nnx.Module):
 class Head(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         cdt, pdt = _dtypes(cfg)
-        self.ln = nnx.LayerNorm(cfg.d_model, dtype=cdt, param_dtype=pdt, rngs=rngs)
+        self.ln = nnx.LayerNorm(cfg.d_model, epsilon=cfg.norm_eps, dtype=cdt, param_dtype=pdt, rngs=rngs)
         self.unembed = nnx.Linear(cfg.d_model, cfg.vocab_size, use_bias=False, dtype=cdt, param_dtype=pdt,
                                   kernel_init=nnx.initializers.normal(_INIT_STD), rngs=rngs)
 
@@ -202,7 +202,7 @@ def staged(cfg: ModelConfig) -> StagedModel:
 
 def param_count(cfg: ModelConfig) -> dict[str, int]:
     """Parameter counts: total, and the part that enters matmuls (excludes embeddings and norms)."""
-    d, hidden, L, V = cfg.d_model, int(cfg.d_model * cfg.mlp_ratio), cfg.n_layers, cfg.vocab_size
+    d, hidden, L, V = cfg.d_model, cfg.hidden, cfg.n_layers, cfg.vocab_size
     per_block_matmul = d * 3 * d + d * d + d * hidden + hidden * d
     per_block_other = 3 * d + d + hidden + d + 4 * d  # biases and two LayerNorms
     embedding = V * d + cfg.seq_len * d

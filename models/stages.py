@@ -57,6 +57,13 @@ class StagedModel:
     """'total' parameters, and 'matmul': those that enter matrix products (for FLOP counts)."""
     flops_per_token: float
     """Training FLOPs per token (forward + backward) that MFU is stated against (the formula is the family's)."""
+    init_cache: Callable[[int, int], PyTree] | None = None
+    """(batch, max_len) -> an empty key/value cache for `decode`; None: the family cannot sample."""
+    decode: Callable[[PyTree, PyTree, jax.Array, jax.Array], tuple[jax.Array, PyTree]] | None = None
+    """(whole-model params, cache, tokens int32[B, T], position int32 scalar) -> (float32 logits [B, T, V], cache):
+    runs the tokens at positions pos .. pos+T-1, attending to the cache's keys and values of earlier positions and
+    adding their own. Prefill is one call with the prompt at position 0; each further token is one call with T = 1,
+    so a new token costs one position, not the whole sequence. Jittable, with `pos` traced."""
 
     def forward(self, stage_params: list[PyTree], tokens: jax.Array) -> jax.Array:
         """Run every stage in sequence: the meaning of the stage decomposition."""

@@ -38,7 +38,12 @@ class ModelConfig:
     d_model: int = doc(128, "Residual stream width.")
     n_layers: int = doc(4, "Number of transformer blocks.")
     n_heads: int = doc(4, "Attention heads; d_model must be divisible by it.")
-    mlp_ratio: float = doc(4.0, "MLP hidden width as a multiple of d_model.")
+    n_kv_heads: int = doc(0, "Key/value heads (grouped-query attention, Llama); 0 = n_heads. Must divide n_heads.")
+    mlp_ratio: float = doc(4.0, "MLP hidden width as a multiple of d_model (when mlp_hidden is 0).")
+    mlp_hidden: int = doc(0, "MLP hidden width exactly (Llama's intermediate_size); 0 = mlp_ratio x d_model.")
+    norm_eps: float = doc(1e-5, "Epsilon of the LayerNorm / RMSNorm layers.")
+    rope_theta: float = doc(10000.0, "Base of the rotary position embedding's frequencies (Llama).")
+    tie_embeddings: bool = doc(False, "Unembed with the token embedding's transpose instead of a separate matrix.")
     compute_dtype: Literal["bfloat16", "float32"] = doc("bfloat16", "Dtype of activations and matmuls.")
     param_dtype: Literal["float32", "bfloat16"] = doc("float32", "Dtype of the stored (master) parameters.")
     remat: bool = doc(False, "Recompute each block's activations in the backward pass (saves memory).")
@@ -51,11 +56,30 @@ class ModelConfig:
                 errs.append((key, "must be > 0"))
         if self.n_heads > 0 and self.d_model % self.n_heads:
             errs.append(("n_heads", f"d_model={self.d_model} is not divisible by n_heads={self.n_heads}"))
+        if self.n_kv_heads < 0 or (self.n_kv_heads and self.n_heads > 0 and self.n_heads % self.n_kv_heads):
+            errs.append(("n_kv_heads", f"must be 0 (= n_heads) or divide n_heads={self.n_heads}, "
+                                       f"got {self.n_kv_heads}"))
+        if self.mlp_hidden < 0 or self.mlp_hidden > 2**24:
+            errs.append(("mlp_hidden", f"must be 0 (= mlp_ratio x d_model) or at most 2**24, got {self.mlp_hidden}"))
         hidden = self.mlp_ratio * self.d_model
-        if self.mlp_ratio <= 0 or not 1 <= hidden <= 2**24:
+        if not self.mlp_hidden and (self.mlp_ratio <= 0 or not 1 <= hidden <= 2**24):
             errs.append(("mlp_ratio", f"must be > 0 and give an MLP hidden width (mlp_ratio x d_model) between 1 "
                                       f"and 2**24, got {self.mlp_ratio!r} x {self.d_model} = {hidden:.4g}"))
+        if not 0 < self.norm_eps < 1:
+            errs.append(("norm_eps", f"must be in (0, 1), got {self.norm_eps!r}"))
+        if not self.rope_theta > 0:
+            errs.append(("rope_theta", f"must be > 0, got {self.rope_theta!r}"))
         return errs
+
+    @property
+    def hidden(self) -> int:
+        """The MLP hidden width."""
+        return self.mlp_hidden or int(self.d_model * self.mlp_ratio)
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads (n_heads unless grouped-query attention)."""
+        return self.n_kv_heads or self.n_heads
 
 
 @dataclass

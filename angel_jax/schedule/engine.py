@@ -132,7 +132,7 @@ def fixed_device_bytes(cfg: Config, local_batch: int) -> int:
     tokens = local_batch * m.seq_len
     saved = (m.n_layers + 1) * tokens * m.d_model * itemsize
     head = 3 * tokens * m.vocab_size * 4
-    block = tokens * (3 * m.d_model + 2 * int(m.d_model * m.mlp_ratio)) * itemsize * 2 \
+    block = tokens * (3 * m.d_model + 2 * m.hidden) * itemsize * 2 \
         + local_batch * m.n_heads * m.seq_len * m.seq_len * 4
     return saved + max(head, block) + tokens * 8
 
