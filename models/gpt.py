@@ -17,6 +17,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from angel_jax.config import ModelConfig
+from models.attention import causal_attention
 from models.stages import Stage, StagedModel
 
 _INIT_STD = 0.02
@@ -62,7 +63,7 @@ class Block(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         b, t, d = x.shape
         q, k, v = jnp.split(self.qkv(self.ln_attn(x)).reshape(b, t, 3 * self.n_heads, d // self.n_heads), 3, axis=2)
-        attn = jax.nn.dot_product_attention(q, k, v, is_causal=True)
+        attn = causal_attention(q, k, v)
         x = x + self.attn_out(attn.reshape(b, t, d))
         return x + self.mlp_out(jax.nn.gelu(self.mlp_in(self.ln_mlp(x))))
 

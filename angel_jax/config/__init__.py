@@ -43,7 +43,6 @@ class ModelConfig:
     mlp_hidden: int = doc(0, "MLP hidden width exactly (Llama's intermediate_size); 0 = mlp_ratio x d_model.")
     norm_eps: float = doc(1e-5, "Epsilon of the LayerNorm / RMSNorm layers.")
     rope_theta: float = doc(10000.0, "Base of the rotary position embedding's frequencies (Llama).")
-    tie_embeddings: bool = doc(False, "Unembed with the token embedding's transpose instead of a separate matrix.")
     compute_dtype: Literal["bfloat16", "float32"] = doc("bfloat16", "Dtype of activations and matmuls.")
     param_dtype: Literal["float32", "bfloat16"] = doc("float32", "Dtype of the stored (master) parameters.")
     remat: bool = doc(False, "Recompute each block's activations in the backward pass (saves memory).")
