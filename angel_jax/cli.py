@@ -3,7 +3,7 @@
     angel-jax train CONFIG [key=value ...]     train (resumes from the run directory's newest checkpoint)
     angel-jax launch -n N CONFIG [key=value]   N workers under the watchdog (restarts on crash / hang)
     angel-jax worker CONFIG [key=value ...]    one worker of a multi-process job (launch, Slurm, Kubernetes)
-    angel-jax data prepare [--source S] ...    turn text files into token shards
+    angel-jax data prepare [--source S] ...    turn text, JSON Lines or Parquet files into token shards
     angel-jax plan CONFIG [key=value ...]      the paged engine's plan: page table, predicted step time and timeline
     angel-jax bench io                         measure H2D/D2H/disk/memcpy bandwidths (cost-model calibration)
     angel-jax ckpt ls|verify RUN_DIR [STEP]    list a run's checkpoints per tier / check their checksums
@@ -46,8 +46,10 @@ finished, 1 when it failed."""
 
 _DATA_HELP = """\
 Tokenize text files into memory-mapped token shards (uint16 .bin files) plus meta.json. `--source stdlib` (the
-default) uses this Python's standard-library sources, a corpus every machine has. Training prepares its data
-automatically when the shards are missing; this command does it ahead of time or for another corpus."""
+default) uses this Python's standard-library sources, a corpus every machine has. JSON Lines (*.jsonl,
+*.jsonl.gz) and Parquet (*.parquet) files hold one document per record, its text under --text-key; a directory
+may mix them with text files (one document per file). Training prepares its data automatically when the shards
+are missing; this command does it ahead of time or for another corpus."""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -84,6 +86,8 @@ def _parser() -> argparse.ArgumentParser:
     prep.add_argument("--tokenizer", choices=["byte", "bpe"], default="byte")
     prep.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary size")
     prep.add_argument("--max-bytes", type=int, default=0, help="read at most this much source text (0 = all)")
+    prep.add_argument("--text-key", default="text",
+                      help="JSON Lines key / Parquet column of each record's text (default text)")
 
     plan = sub.add_parser("plan", help="plan paged training without training (page table, predicted timeline)",
                           description="Print the paged engine's page table (bytes per family per tier), the "
@@ -153,11 +157,11 @@ def _data(args: argparse.Namespace) -> int:
     from angel_jax.train.loop import data_dir_for
 
     dcfg = DataConfig(source=args.source, tokenizer=args.tokenizer, bpe_vocab_size=args.vocab_size,
-                      max_bytes=args.max_bytes)
+                      max_bytes=args.max_bytes, text_key=args.text_key)
     out = args.out or data_dir_for(Config(data=dcfg))
     meta = data_lib.prepare(data_lib.resolve_sources(args.source), out, tokenizer=args.tokenizer,
                             vocab_size=args.vocab_size if args.tokenizer == "bpe" else 256,
-                            max_bytes=args.max_bytes or None)
+                            max_bytes=args.max_bytes or None, text_key=args.text_key)
     print(f"{out}: {meta['total_tokens']:,} tokens in {len(meta['shards'])} shard(s), vocabulary {meta['vocab_size']}")
     return 0
 

@@ -15,12 +15,10 @@ trained on the corpus itself, and the default corpus is this interpreter's own s
 from __future__ import annotations
 
 import fcntl
-import glob
 import hashlib
 import json
 import os
 import shutil
-import sysconfig
 import tempfile
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
@@ -30,19 +28,14 @@ from typing import Any
 
 import numpy as np
 
-from angel_jax.errors import AngelError
+# DataError and resolve_sources are also this module's API (callers name them through it).
+from angel_jax.data_sources import DataError, ReadStats, holds_records, read_documents, resolve_sources
 
 FORMAT = 1
 DTYPE = np.dtype("<u2")  # little-endian on every host, so shards are portable
 META = "meta.json"
 TOKENIZER_FILE = "tokenizer.json"
 EOT = "<|endoftext|>"
-_BLOCK = 64 * 2**20  # bytes read at a time from one source file
-_SNIFF = 8192  # bytes inspected to tell a text file from a binary one
-
-
-class DataError(AngelError, ValueError):
-    """A user-facing data problem; the message names the path or setting at fault."""
 
 
 # ----------------------------------------------------------------------------------------------- tokenizers
@@ -87,9 +80,10 @@ class BpeTokenizer:
         return int(self._tok.get_vocab_size())
 
     @classmethod
-    def train(cls, files: list[Path], vocab_size: int, *, max_bytes: int | None = None) -> BpeTokenizer:
-        texts = (block.decode("utf-8", errors="replace") for _, block, _ in _read_blocks(files, max_bytes))
-        return cls.train_from_texts(texts, vocab_size)
+    def train(cls, files: list[Path], vocab_size: int, *, max_bytes: int | None = None,
+              text_key: str = "text") -> BpeTokenizer:
+        blocks = read_documents(files, text_key=text_key, max_bytes=max_bytes)
+        return cls.train_from_texts((block.decode("utf-8", errors="replace") for _, block, _ in blocks), vocab_size)
 
     @classmethod
     def train_from_texts(cls, texts: Iterable[str], vocab_size: int) -> BpeTokenizer:
@@ -138,96 +132,6 @@ def load_tokenizer(data_dir: Path) -> ByteTokenizer | BpeTokenizer:
     if meta["tokenizer"] == "bpe":
         return BpeTokenizer.load(Path(data_dir) / TOKENIZER_FILE)
     raise DataError(f"{Path(data_dir) / META}: tokenizer {meta['tokenizer']!r} has no encoder")
-
-
-# --------------------------------------------------------------------------------------------------- sources
-
-
-def stdlib_corpus_files() -> list[Path]:
-    """This interpreter's standard library *.py files, sorted by relative path (same order on every host)."""
-    root = Path(sysconfig.get_paths()["stdlib"])
-    skip = {"site-packages", "dist-packages", "__pycache__"}
-    files = []
-    for dirpath, dirnames, filenames in os.walk(root):  # os.walk: several times faster than Path.rglob here
-        dirnames[:] = [d for d in dirnames if d not in skip]
-        files += [Path(dirpath, f) for f in filenames if f.endswith(".py")]
-    files = [p for p in files if p.is_file()]
-    if not files:
-        raise DataError(f"no standard library sources under {root} (a Python installed without its .py files?)")
-    return sorted(files, key=lambda p: p.relative_to(root).as_posix())
-
-
-def _looks_like_text(path: Path) -> bool:
-    # A NUL byte in the first block is the classic binary test (what git and grep use).
-    try:
-        with open(path, "rb") as f:
-            return b"\0" not in f.read(_SNIFF)
-    except OSError:
-        return False
-
-
-def resolve_sources(source: str) -> list[Path]:
-    """'stdlib', a file, a directory (recursive: every non-hidden text file) or a glob -> sorted file list."""
-    if source == "stdlib":
-        return stdlib_corpus_files()
-    path = Path(source).expanduser()
-    if path.is_file():
-        return [path]
-    if path.is_dir():
-        files = [p for p in path.rglob("*") if p.is_file()
-                 and not any(part.startswith(".") or part == "__pycache__" for part in p.relative_to(path).parts)]
-        files = sorted((p for p in files if _looks_like_text(p)), key=lambda p: p.relative_to(path).as_posix())
-        if not files:
-            raise DataError(f"source directory {path} holds no text files")
-        return files
-    if any(c in source for c in "*?["):
-        matches = glob.glob(os.path.expanduser(source), recursive=True)
-        files = sorted(Path(m) for m in matches if os.path.isfile(m))
-        if not files:
-            raise DataError(f"source glob {source!r} matches no files")
-        return files
-    raise DataError(f"data source {source!r} not found: expected 'stdlib', an existing file or directory, or a glob")
-
-
-@dataclass
-class _ReadStats:
-    files: int = 0
-    bytes: int = 0
-
-
-def _read_blocks(files: list[Path], max_bytes: int | None,
-                 stats: _ReadStats | None = None) -> Iterator[tuple[Path, bytes, bool]]:
-    """Yield (file, block, is_last_block_of_file), stopping after max_bytes (None or 0 = all) in total.
-
-    Files are read in blocks so one huge file never sits in RAM whole; blocks end at a newline where possible so a
-    BPE never sees a word (or a UTF-8 sequence) cut in two.
-    """
-    budget = max_bytes or None
-    stats = stats if stats is not None else _ReadStats()
-    for path in files:
-        if budget is not None and budget <= 0:
-            return
-        try:
-            f = open(path, "rb")
-        except OSError as e:
-            raise DataError(f"cannot read source file {path}: {e.strerror}") from e
-        stats.files += 1
-        with f:
-            carry = b""
-            while True:
-                want = _BLOCK if budget is None else min(_BLOCK, budget)
-                chunk = f.read(want) if want > 0 else b""
-                if budget is not None:
-                    budget -= len(chunk)
-                stats.bytes += len(chunk)
-                data = carry + chunk
-                if not chunk:  # end of file or of the byte budget
-                    yield path, data, True
-                    break
-                cut = data.rfind(b"\n") + 1 or len(data)
-                data, carry = data[:cut], data[cut:]
-                if data:
-                    yield path, data, False
 
 
 # ---------------------------------------------------------------------------------------------------- shards
@@ -301,9 +205,12 @@ def _fingerprint(files: list[Path]) -> str:
 
 
 def _spec(files: list[Path], tokenizer: str, vocab_size: int, max_bytes: int | None,
-          val_fraction: float | None) -> dict[str, Any]:
+          val_fraction: float | None, text_key: str) -> dict[str, Any]:
+    # The text key is part of the data only where there are records to read it from: a text corpus prepared before
+    # the key existed (its spec has none) is still reused, and changing the key does not prepare it again.
     return {"tokenizer": tokenizer, "vocab_size": 256 if tokenizer == "byte" else vocab_size,
-            "max_bytes": max_bytes or None, "val_fraction": val_fraction, "fingerprint": _fingerprint(files)}
+            "max_bytes": max_bytes or None, "val_fraction": val_fraction, "fingerprint": _fingerprint(files),
+            "text_key": text_key if holds_records(files) else None}
 
 
 def _publish(out_dir: Path, build: Callable[[Path], dict[str, Any]]) -> dict[str, Any]:
@@ -343,13 +250,15 @@ def _base_meta(tokenizer: str, vocab_size: int, train: list[dict[str, Any]],
 
 
 def prepare(sources: list[Path], out_dir: Path, *, tokenizer: str = "byte", vocab_size: int = 256,
-            shard_tokens: int = 16 * 2**20, max_bytes: int | None = None, val_fraction: float = 0.0) -> dict:
+            shard_tokens: int = 16 * 2**20, max_bytes: int | None = None, val_fraction: float = 0.0,
+            text_key: str = "text") -> dict:
     """Tokenize `sources` in order into uint16 shards under out_dir (replaced atomically); returns the meta dict.
 
-    Documents (files) are simply concatenated for the byte tokenizer: all 256 ids are real bytes, so a separator
-    would have to be a byte that also occurs in text, and source files already end in a newline. The BPE appends
-    its EOT id after every document. vocab_size only applies to the BPE. max_bytes (None or 0 = all) caps the
-    source bytes read; the last file read is cut to fit. val_fraction moves that share of the stream's tail to
+    A document is a text file, a JSON Lines record or a Parquet row (its text under `text_key`; see
+    data_sources). Documents are simply concatenated for the byte tokenizer: all 256 ids are real bytes, so a
+    separator would have to be a byte that also occurs in text, and source files already end in a newline. The BPE
+    appends its EOT id after every document. vocab_size only applies to the BPE. max_bytes (None or 0 = all) caps
+    the text read; the last document read is cut to fit. val_fraction moves that share of the stream's tail to
     val_*.bin.
     """
     sources = [Path(s) for s in sources]
@@ -363,23 +272,26 @@ def prepare(sources: list[Path], out_dir: Path, *, tokenizer: str = "byte", voca
     for p in sources:
         if not p.is_file():
             raise DataError(f"source file not found: {p}")
-    spec = _spec(sources, tokenizer, vocab_size, max_bytes, val_fraction)
+    spec = _spec(sources, tokenizer, vocab_size, max_bytes, val_fraction, text_key)
 
     def build(tmp: Path) -> dict[str, Any]:
-        stats = _ReadStats()
+        stats = ReadStats()
         writer = _ShardWriter(tmp, "train", shard_tokens)
+        documents = read_documents(sources, text_key=text_key, max_bytes=max_bytes, stats=stats)
         if tokenizer == "byte":
             tok: ByteTokenizer | BpeTokenizer = ByteTokenizer()
-            for _, block, _ in _read_blocks(sources, max_bytes, stats):
+            for _, block, _ in documents:
                 writer.append(np.frombuffer(block, dtype=np.uint8))
         else:
-            tok = BpeTokenizer.train(sources, vocab_size, max_bytes=max_bytes)
+            tok = BpeTokenizer.train(sources, vocab_size, max_bytes=max_bytes, text_key=text_key)
             tok.save(tmp / TOKENIZER_FILE)
-            _encode_bpe(tok, _read_blocks(sources, max_bytes, stats), writer)
+            _encode_bpe(tok, documents, writer)
         train = writer.close()
         total = sum(s["tokens"] for s in train)
         if total == 0:
-            raise DataError(f"the {len(sources)} source file(s) hold no text (first: {sources[0]})")
+            raise DataError(f"the {len(sources)} source file(s) hold no text (first: {sources[0]}"
+                            + (f"; records are read from their {text_key!r} key" if holds_records(sources) else "")
+                            + ")")
         n_val = int(round(total * val_fraction))
         if n_val >= total:
             raise DataError(f"val_fraction={val_fraction} leaves no training tokens out of {total}")
@@ -463,16 +375,17 @@ def _file_lock(path: Path) -> Iterator[None]:
 
 
 def ensure_prepared(data_dir: Path, source: str, *, tokenizer: str = "byte", vocab_size: int = 256,
-                    max_bytes: int | None = None, val_fraction: float | None = None) -> dict:
+                    max_bytes: int | None = None, val_fraction: float | None = None, text_key: str = "text") -> dict:
     """Reuse data_dir if it was prepared from the same sources and settings, else prepare it (once per host group).
 
-    "Same sources" means the same resolved file list with the same sizes and mtimes, so a directory made by
-    `angel-jax data prepare` is reused by training, and an edited corpus is prepared again. val_fraction=None
-    accepts whatever split exists (and prepares with none).
+    "Same sources" means the same resolved file list with the same sizes and mtimes (and, for JSON Lines and
+    Parquet sources, the same text key), so a directory made by `angel-jax data prepare` is reused by training,
+    and an edited corpus is prepared again. val_fraction=None accepts whatever split exists (and prepares with
+    none).
     """
     data_dir = Path(data_dir)
     files = resolve_sources(source)
-    want = _spec(files, tokenizer, vocab_size, max_bytes, val_fraction)
+    want = _spec(files, tokenizer, vocab_size, max_bytes, val_fraction, text_key)
     data_dir.parent.mkdir(parents=True, exist_ok=True)
     with _file_lock(data_dir.parent / f".{data_dir.name}.lock"):
         if (data_dir / META).is_file():
@@ -484,7 +397,7 @@ def ensure_prepared(data_dir: Path, source: str, *, tokenizer: str = "byte", voc
             if all(have.get(k) == v for k, v in want.items() if not (k == "val_fraction" and v is None)):
                 return meta
         return prepare(files, data_dir, tokenizer=tokenizer, vocab_size=vocab_size, max_bytes=max_bytes,
-                       val_fraction=val_fraction or 0.0)
+                       val_fraction=val_fraction or 0.0, text_key=text_key)
 
 
 # -------------------------------------------------------------------------------------------------- iterator

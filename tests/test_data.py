@@ -14,6 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from angel_jax import data as D
+from angel_jax import data_sources
 
 TEXTS = ["def f(x):\n    return x + 1\n", "héllo wörld — ☃ 𝄞\n", "import os\nprint(os.sep)\n"]
 
@@ -170,7 +171,7 @@ def test_damaged_shard_is_detected(tmp_path):
 
 
 def test_stdlib_corpus_files_are_sorted_python_sources():
-    a, b = D.stdlib_corpus_files(), D.stdlib_corpus_files()
+    a, b = data_sources.stdlib_corpus_files(), data_sources.stdlib_corpus_files()
     assert a == b and len(a) > 100
     assert all(p.suffix == ".py" and "site-packages" not in p.parts for p in a)
     assert any(p.name == "os.py" for p in a)

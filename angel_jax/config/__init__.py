@@ -83,7 +83,9 @@ class ModelConfig:
 
 @dataclass
 class DataConfig:
-    source: str = doc("stdlib", "Text to train on: 'stdlib' (this Python's standard library source), a file, a directory or a glob.")
+    source: str = doc("stdlib", "Text to train on: 'stdlib' (this Python's standard library source), a file, a "
+                                "directory or a glob; *.jsonl, *.jsonl.gz and *.parquet files are read as records.")
+    text_key: str = doc("text", "JSON Lines key / Parquet column holding each record's document text.")
     tokenizer: Literal["byte", "bpe"] = doc("byte", "'byte' (256 ids, nothing to download) or 'bpe' (trained locally).")
     bpe_vocab_size: int = doc(4096, "Vocabulary size when training a BPE tokenizer.")
     dir: str = doc("", "Where prepared token shards live; empty = data/<source>-<tokenizer> under the working directory.")
@@ -101,6 +103,8 @@ class DataConfig:
             errs.append(("max_bytes", "must be >= 0"))
         if self.tokenizer == "bpe" and self.bpe_vocab_size < 257:
             errs.append(("bpe_vocab_size", "must be > 256"))
+        if not self.text_key:
+            errs.append(("text_key", "must not be empty"))
         return errs
 
 

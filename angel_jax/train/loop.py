@@ -93,7 +93,7 @@ def _data(cfg: Config) -> data_lib.TokenIterator:
     vocab = cfg.data.bpe_vocab_size if cfg.data.tokenizer == "bpe" else 256
     data_dir = data_dir_for(cfg)
     data_lib.ensure_prepared(data_dir, cfg.data.source, tokenizer=cfg.data.tokenizer, vocab_size=vocab,
-                             max_bytes=cfg.data.max_bytes or None)
+                             max_bytes=cfg.data.max_bytes or None, text_key=cfg.data.text_key)
     data = data_lib.TokenIterator(data_dir, batch_size=cfg.train.batch_size, seq_len=cfg.model.seq_len,
                                   seed=cfg.data.seed, shard_index=jax.process_index(),
                                   shard_count=jax.process_count())
