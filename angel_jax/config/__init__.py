@@ -163,9 +163,19 @@ class TrainConfig:
 class LoggingConfig:
     tensorboard: bool = doc(False, "Also write TensorBoard event files to <run_dir>/tb.")
     jsonl: str = doc("metrics.jsonl", "Metrics file name inside the run directory (always written).")
+    wandb: bool = doc(False, "Also log to Weights & Biases, files in <run_dir>/wandb (pip install "
+                             "'angel-jax[wandb]').")
+    wandb_project: str = doc("angel-jax", "Weights & Biases project of the run.")
+    wandb_mode: Literal["online", "offline", "disabled"] = doc(
+        "offline", "W&B mode: offline (the default: a run never waits on a network or a login; `wandb sync` "
+                   "uploads it later), online, or disabled.")
 
     def validate(self) -> list[tuple[str, str]]:
-        return [] if self.jsonl else [("jsonl", "must not be empty")]
+        errs = [] if self.jsonl else [("jsonl", "must not be empty")]
+        if not self.wandb_project or re.search(r"[/\\#?%:]", self.wandb_project):
+            errs.append(("wandb_project", f"must be a non-empty name without / \\ # ? % :, "
+                                          f"got {self.wandb_project!r}"))
+        return errs
 
 
 @dataclass

@@ -107,6 +107,8 @@ def setup(cfg: Config, hooks: HookList) -> Trainer:
     run_dir = cfg.run_dir
     is_primary = jax.process_index() == 0
     hooks.on_phase(Phase.SETUP, 0)
+    if is_primary:
+        metrics_lib.import_wandb(cfg.logging)  # a missing optional package fails now, not after the model is built
     run_dir.mkdir(parents=True, exist_ok=True)
     devices = jax.devices()
     if cfg.train.batch_size % len(devices):
@@ -141,11 +143,7 @@ def setup(cfg: Config, hooks: HookList) -> Trainer:
 
     if is_primary:  # only now: a run refused above (another model, damaged checkpoints) leaves the old config
         (run_dir / "config.yaml").write_text(config_lib.dump_yaml(cfg))
-    sinks: list[metrics_lib.MetricsSink] = []
-    if is_primary:
-        sinks.append(metrics_lib.JsonlSink(run_dir / cfg.logging.jsonl, resume_step=start_step))
-        if cfg.logging.tensorboard:
-            sinks.append(metrics_lib.TensorBoardSink(run_dir / "tb"))
+    sinks = metrics_lib.open_sinks(cfg, run_dir, start_step=start_step) if is_primary else []
     return Trainer(cfg=cfg, run_dir=run_dir, mesh=mesh, engine=engine, data=data, checkpointer=checkpointer,
                    monitor=monitor, events=events, sinks=sinks, hooks=hooks, start_step=start_step,
                    flops_per_token=models.get(cfg.model).flops_per_token, peak=metrics_lib.device_peak(devices[0]),

@@ -1,4 +1,5 @@
-"""Metrics: sinks (JSONL always, TensorBoard when asked), and the throughput figures (tokens/s, TFLOP/s, MFU).
+"""Metrics: sinks (JSONL always, TensorBoard and Weights & Biases when asked), and the throughput figures
+(tokens/s, TFLOP/s, MFU).
 
 MFU = achieved model FLOP/s / peak FLOP/s of the devices, where
   achieved model FLOP/s = flops_per_token * tokens per step / step time,
@@ -13,13 +14,18 @@ from __future__ import annotations
 import json
 import math
 import re
+import secrets
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import jax
 import jax.numpy as jnp
+
+from angel_jax.config import Config, ConfigError, LoggingConfig, to_dict
+from angel_jax.errors import AngelError
 
 # Dense bf16 peak FLOP/s per device (vendor datasheets, without sparsity). A key matches a device_kind that contains
 # it as whole words ("L4" matches "NVIDIA L4" but not "NVIDIA L40"); the longest matching key wins.
@@ -150,6 +156,92 @@ class TensorBoardSink:
 
     def close(self) -> None:
         self._writer.close()
+
+
+WANDB_RUN_ID_FILE = ".wandb_run_id"
+"""In the run directory: the id of its Weights & Biases run, which a resumed run continues."""
+
+
+class TrackerError(AngelError):
+    """An experiment tracker (Weights & Biases) could not start; the message says why and what to change."""
+
+
+def import_wandb(logging_cfg: LoggingConfig) -> Any:
+    """The wandb module when `logging.wandb` asks for it (else None); a clear error when it is not installed.
+
+    Imported here, not at the top: runs without W&B do not pay its import time."""
+    if not logging_cfg.wandb:
+        return None
+    try:
+        import wandb
+    except ImportError as e:
+        raise ConfigError(f"'logging.wandb' is true but the wandb package is not installed ({e}): "
+                          "pip install 'angel-jax[wandb]'") from None
+    return wandb
+
+
+def wandb_run_id(run_dir: Path, *, resume: bool) -> str:
+    """The run directory's W&B run id: the stored one when resuming, else a new one, stored for later resumes."""
+    path = Path(run_dir) / WANDB_RUN_ID_FILE
+    stored = path.read_text().strip() if resume and path.is_file() else ""
+    if re.fullmatch(r"[0-9a-z]{1,64}", stored):
+        return stored
+    new = secrets.token_hex(8)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(new + "\n")
+    tmp.replace(path)
+    return new
+
+
+class WandbSink:
+    """Weights & Biases: every record the JSONL gets, run name = the run directory's name, the resolved config as
+    the W&B config, files under <run_dir>/wandb. A resumed run continues the W&B run whose id the run directory
+    keeps (a run started over with train.resume=false gets a new one).
+
+    W&B's own step (`_step`) may only grow, while the trainer's step goes back after a rollback or a resume from
+    an earlier checkpoint; so the trainer's step is logged as the metric `step`, the x axis of every other metric,
+    and recomputed steps are logged again after the old ones (as in TensorBoard)."""
+
+    def __init__(self, run_dir: Path, cfg: Config):
+        wandb = import_wandb(cfg.logging)
+        run_dir = Path(run_dir).absolute()
+        mode = cfg.logging.wandb_mode
+        try:
+            self._run = wandb.init(project=cfg.logging.wandb_project, name=run_dir.name, dir=str(run_dir),
+                                   id=wandb_run_id(run_dir, resume=cfg.train.resume), resume="allow", mode=mode,
+                                   config=to_dict(cfg), settings=wandb.Settings(console="off"))
+        except Exception as e:  # noqa: BLE001 - wandb raises its own types (no login, no network, timeouts)
+            hint = "; logging.wandb_mode=offline needs neither a network nor a login" if mode == "online" else ""
+            raise TrackerError(f"Weights & Biases could not start (logging.wandb_mode={mode!r}): "
+                               f"{type(e).__name__}: {str(e).rstrip('.')}{hint}") from e
+        self._run.define_metric("step")
+        self._run.define_metric("*", step_metric="step")
+
+    def write(self, step: int, metrics: dict[str, float]) -> None:
+        self._run.log({"step": step, **{k: v for k, v in metrics.items() if isinstance(v, (int, float))}})
+
+    def truncate_after(self, step: int) -> None:
+        """Nothing: W&B history is append-only; the recomputed steps are logged again after the old ones."""
+
+    def close(self) -> None:
+        # Closed from the trainer's `finally`: a run that ends by an exception is marked failed, not finished.
+        self._run.finish(exit_code=1 if sys.exc_info()[0] is not None else 0)
+
+
+def open_sinks(cfg: Config, run_dir: Path, *, start_step: int) -> list[MetricsSink]:
+    """Process 0's metric sinks: the JSONL file always (records after start_step dropped), TensorBoard and W&B
+    when the config asks for them."""
+    sinks: list[MetricsSink] = [JsonlSink(run_dir / cfg.logging.jsonl, resume_step=start_step)]
+    try:
+        if cfg.logging.tensorboard:
+            sinks.append(TensorBoardSink(run_dir / "tb"))
+        if cfg.logging.wandb:
+            sinks.append(WandbSink(run_dir, cfg))
+    except BaseException:
+        for sink in sinks:
+            sink.close()
+        raise
+    return sinks
 
 
 def read_jsonl(path: Path) -> list[dict]:
