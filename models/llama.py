@@ -303,6 +303,8 @@ def staged(cfg: ModelConfig) -> StagedModel:
         abstract=lambda: abstract_params(cfg),
         param_count=param_count(cfg),
         flops_per_token=flops_per_token(cfg),
+        # q, k, v; gate, up and their product (silu(gate) is fused into the product)
+        block_activation_width=(cfg.n_heads + 2 * cfg.kv_heads) * head_dim(cfg) + 3 * cfg.hidden,
         init_cache=lambda batch, max_len: init_cache(cfg, batch, max_len),
         decode=decode,
     )
