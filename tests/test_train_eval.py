@@ -18,9 +18,11 @@ import pytest
 from angel_jax import data as data_lib
 from angel_jax.config import (Config, ConfigError, DataConfig, MemoryConfig, ModelConfig, OptimizerConfig,
                               TrainConfig, load_config)
+from angel_jax.phases import Phase
 from angel_jax.schedule import execute
 from angel_jax.train import metrics as M
 from angel_jax.train.engines import InMemoryEngine
+from angel_jax.train.hooks import TrainHooks
 from angel_jax.train.evaluation import ValidationSet, eval_due, eval_metrics
 from angel_jax.train.loop import data_dir_for, train
 from angel_jax.train.paged import RECORDED_STEPS, WARMUP_STEPS, PagedTrainEngine
@@ -214,14 +216,24 @@ def _write(write_tiny_config, val_corpus, directory: Path, run: str, eval_every:
                              logging={"tensorboard": True})
 
 
-def _train(cfg_path: Path, overrides: list[str] = ()) -> dict[int, dict[str, float]]:
+class _Phases(TrainHooks):
+    def __init__(self) -> None:
+        self.seen: list[tuple[Phase, int]] = []
+
+    def on_phase(self, phase: Phase, step: int) -> None:
+        self.seen.append((phase, step))
+
+
+def _train(cfg_path: Path, overrides: list[str] = (), phases: _Phases | None = None) -> dict[int, dict[str, float]]:
     exact: dict[int, dict[str, float]] = {}
-    train(load_config(cfg_path, list(overrides)), on_step=lambda step, values: exact.__setitem__(step, values))
+    train(load_config(cfg_path, list(overrides)), hooks=[phases] if phases else [],
+          on_step=lambda step, values: exact.__setitem__(step, values))
     return exact
 
 
 @pytest.fixture(scope="module")
-def evaluated(tmp_path_factory, write_tiny_config, val_corpus) -> tuple[Path, dict[int, dict[str, float]]]:
+def evaluated(tmp_path_factory, write_tiny_config, val_corpus
+              ) -> tuple[Path, dict[int, dict[str, float]], list[tuple[Phase, int]]]:
     """12 steps evaluated every 4, each validation batch made slow (the loop must keep that out of step times)."""
     directory = tmp_path_factory.mktemp("evaluated")
     original = InMemoryEngine.eval_loss
@@ -230,10 +242,11 @@ def evaluated(tmp_path_factory, write_tiny_config, val_corpus) -> tuple[Path, di
         time.sleep(SLOW_EVAL_S)
         return original(self, batch)
 
+    phases = _Phases()
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(InMemoryEngine, "eval_loss", slow)
-        exact = _train(_write(write_tiny_config, val_corpus, directory, "evaluated"))
-    return directory / "evaluated", exact
+        exact = _train(_write(write_tiny_config, val_corpus, directory, "evaluated"), phases=phases)
+    return directory / "evaluated", exact, phases.seen
 
 
 def _tensorboard_scalars(log_dir: Path) -> dict[str, dict[int, float]]:
@@ -254,7 +267,7 @@ def _tensorboard_scalars(log_dir: Path) -> dict[str, dict[int, float]]:
 
 @pytest.mark.slow
 def test_evaluations_are_logged_and_change_no_training_step(evaluated, tmp_path, write_tiny_config, val_corpus):
-    run_dir, exact = evaluated
+    run_dir, exact, phases = evaluated
     plain = _train(_write(write_tiny_config, val_corpus, tmp_path, "plain", eval_every=0))
     assert sorted(plain) == sorted(exact) == list(range(1, STEPS + 1))
     for step in exact:
@@ -274,6 +287,9 @@ def test_evaluations_are_logged_and_change_no_training_step(evaluated, tmp_path,
     # The evaluation's time is its own: the step after it is timed from the evaluation's end.
     for s in (5, 9):
         assert records[s]["perf/step_time"] < SLOW_EVAL_S, records[s]
+    # The watchdog sees an evaluation as a phase without steps (its first compiles), then training again.
+    assert [s for p, s in phases if p == Phase.EVALUATING] == evals
+    assert all(phases[phases.index((Phase.EVALUATING, s)) + 1] == (Phase.TRAINING, s) for s in evals)
     tb = _tensorboard_scalars(run_dir / "tb")
     assert sorted(tb["eval/loss"]) == evals
     assert [tb["eval/loss"][s] for s in evals] == pytest.approx([exact[s]["eval/loss"] for s in evals], rel=1e-6)
@@ -283,7 +299,7 @@ def test_evaluations_are_logged_and_change_no_training_step(evaluated, tmp_path,
 def test_evaluations_after_a_resume_equal_the_uninterrupted_runs(evaluated, tmp_path, write_tiny_config, val_corpus):
     """6 steps (evaluated at 4 and at its last step, 6), then the same run directory resumed to 12: the evaluations
     of steps 4, 8 and 12 are the uninterrupted run's, bit for bit."""
-    _, straight = evaluated
+    _, straight, _ = evaluated
     cfg_path = _write(write_tiny_config, val_corpus, tmp_path, "resumed")
     first = _train(cfg_path, [f"train.steps={STEPS // 2}"])
     second = _train(cfg_path)

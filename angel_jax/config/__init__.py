@@ -228,8 +228,8 @@ class ResilienceConfig:
     max_restarts: int = doc(5, "Restarts allowed before the job ends in 'failed'.")
     hang_factor: float = doc(10.0, "While training, a hang is max(hang_timeout_min, this x the p95 observed step time) "
                                    "without step progress.")
-    slow_phase_timeout: float = doc(1800.0, "Hang timeout (s) while starting, compiling, restoring, checkpointing or "
-                                            "finishing: phases with no step progress by nature.")
+    slow_phase_timeout: float = doc(1800.0, "Hang timeout (s) while starting, compiling, restoring, checkpointing, "
+                                            "evaluating or finishing: phases with no step progress by nature.")
     heartbeat_lost_after: float = doc(10.0, "Seconds without any message from a worker before a heartbeat_lost "
                                             "event (a warning: hangs are judged by step progress).")
     stop_grace: float = doc(10.0, "Seconds between SIGTERM and SIGKILL when the group is stopped.")

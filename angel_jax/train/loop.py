@@ -364,7 +364,7 @@ def _finish(t: Trainer, pending: tuple[int, dict], last_done: float,
         return done, verdict
     cfg = t.cfg
     if evaluate:
-        values.update(_evaluate(t))
+        values.update(_evaluate(t, step))
         t.last_eval_loss = values["eval/loss"]
     t.hooks.on_step(step, values)
     if t.is_primary and (step % cfg.train.log_every == 0 or step == t.start_step + 1 or step == cfg.train.steps
@@ -387,9 +387,14 @@ def _finish(t: Trainer, pending: tuple[int, dict], last_done: float,
     return done, verdict
 
 
-def _evaluate(t: Trainer) -> dict[str, float]:
+def _evaluate(t: Trainer, step: int) -> dict[str, float]:
     assert t.validation is not None, "evaluation asked for without validation batches"
-    return evaluate(t.engine, t.validation, tokenizer=t.cfg.data.tokenizer)
+    # A phase without step progress for the watchdog: the first evaluation compiles, which on a large model
+    # takes longer than the hang timeout of a training step.
+    t.hooks.on_phase(Phase.EVALUATING, step)
+    values = evaluate(t.engine, t.validation, tokenizer=t.cfg.data.tokenizer)
+    t.hooks.on_phase(Phase.TRAINING, step)
+    return values
 
 
 def _close(t: Trainer) -> None:
