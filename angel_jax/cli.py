@@ -37,8 +37,8 @@ _LAUNCH_HELP = """\
 Train CONFIG with N worker processes that form one data-parallel job (jax.distributed; gloo collectives on the
 CPU), watched by a coordinator: heartbeats (step, loss, phase) over loopback, authenticated with a per-job token.
 A worker that exits non-zero or dies, a hang (no step progress within resilience.hang_timeout_min or
-resilience.hang_factor x the p95 step time; resilience.slow_phase_timeout while compiling, restoring or
-checkpointing), or an anomaly asking for a restart stops the whole group (SIGTERM, resilience.stop_grace, SIGKILL)
+resilience.hang_factor x the p95 step time; resilience.slow_phase_timeout while compiling, restoring,
+checkpointing or evaluating), or an anomaly asking for a restart stops the whole group (SIGTERM, resilience.stop_grace, SIGKILL)
 and restarts it from the newest valid checkpoint, up to resilience.max_restarts times and
 resilience.no_progress_limit restarts without progress. The run directory receives events.jsonl (every decision),
 watchdog.json (state, worker pids), logs/attempt<A>-rank<R>.log and goodput.json. Exit status 0 when the job

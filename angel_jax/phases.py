@@ -6,8 +6,8 @@ the watchdog and the anomaly detectors.
     phase in SLOW_PHASES                           # the watchdog: no step progress expected here
     suite.update({"step": s, "step_time": t, "phase": Phase.TRAINING})   # only training steps judge step time
 
-A worker goes INIT -> SETUP -> RESTORING -> COMPILING -> TRAINING (<-> CHECKPOINTING, and RESTORING on a
-rollback) -> DONE. STARTING is the watchdog's name for a worker it spawned but has not heard from yet; a worker
+A worker goes INIT -> SETUP -> RESTORING -> COMPILING -> TRAINING (<-> CHECKPOINTING, <-> EVALUATING, and RESTORING
+on a rollback) -> DONE. STARTING is the watchdog's name for a worker it spawned but has not heard from yet; a worker
 never sends it.
 """
 
@@ -24,11 +24,12 @@ class Phase(enum.StrEnum):
     COMPILING = "compiling"  # the first step of the run or of a restart (it includes compilation)
     TRAINING = "training"  # steps
     CHECKPOINTING = "checkpointing"  # the blocking part of a save
+    EVALUATING = "evaluating"  # the validation loss between two steps (the first one compiles its forward pass)
     DONE = "done"  # after the last step and the final save
 
 
 TRAINER_PHASES: tuple[Phase, ...] = (Phase.SETUP, Phase.RESTORING, Phase.COMPILING, Phase.TRAINING,
-                                     Phase.CHECKPOINTING, Phase.DONE)
+                                     Phase.CHECKPOINTING, Phase.EVALUATING, Phase.DONE)
 """The phases the training loop enters (TrainHooks.on_phase)."""
 
 WORKER_PHASES: tuple[Phase, ...] = (Phase.INIT, *TRAINER_PHASES)

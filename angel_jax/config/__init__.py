@@ -91,6 +91,9 @@ class DataConfig:
     dir: str = doc("", "Where prepared token shards live; empty = data/<source>-<tokenizer> under the working directory.")
     max_bytes: int = doc(0, "Read at most this many bytes of source text (0 = all).")
     seed: int = doc(0, "Seed of the data order (independent of the model seed).")
+    val_fraction: float = doc(0.0, "Share of the token stream's tail held out as the validation split (read by "
+                                   "train.eval_every); 0 = a prepared directory's split as it is (none when training "
+                                   "prepares it).")
     skip_batches: list = doc([], "Global batch index ranges [first, last] (0-based, inclusive) never trained on, "
                                  "e.g. [[120, 129]]; rollbacks record the windows they skip the same way.")
 
@@ -101,6 +104,8 @@ class DataConfig:
                 errs.append(("skip_batches", f"each entry must be [first, last] with 0 <= first <= last, got {r!r}"))
         if self.max_bytes < 0:
             errs.append(("max_bytes", "must be >= 0"))
+        if not 0.0 <= self.val_fraction < 1.0:
+            errs.append(("val_fraction", f"must be in [0, 1), got {self.val_fraction!r}"))
         if self.tokenizer == "bpe" and self.bpe_vocab_size < 257:
             errs.append(("bpe_vocab_size", "must be > 256"))
         if not self.text_key:
@@ -150,12 +155,20 @@ class TrainConfig:
     log_every: int = doc(10, "Write metrics every this many steps (step 1 is always logged).")
     progress: bool = doc(True, "Show a progress bar on process 0.")
     resume: bool = doc(True, "Resume from the newest checkpoint in the run directory if there is one.")
+    eval_every: int = doc(0, "Evaluate the validation loss every this many steps, and after the last (0 = off).")
+    eval_batches: int = doc(4, "Validation batches of batch_size sequences per evaluation: the same first ones of "
+                               "the val split every time.")
 
     def validate(self) -> list[tuple[str, str]]:
         errs = []
         for key in ("steps", "batch_size", "log_every"):
             if getattr(self, key) <= 0:
                 errs.append((key, "must be > 0"))
+        for key in ("eval_every", "eval_batches"):
+            if getattr(self, key) < 0:
+                errs.append((key, f"must be >= 0, got {getattr(self, key)}"))
+        if self.eval_every > 0 and self.eval_batches == 0:
+            errs.append(("eval_batches", f"must be > 0 when eval_every={self.eval_every} asks for evaluation"))
         return errs
 
 
@@ -229,8 +242,8 @@ class ResilienceConfig:
     max_restarts: int = doc(5, "Restarts allowed before the job ends in 'failed'.")
     hang_factor: float = doc(10.0, "While training, a hang is max(hang_timeout_min, this x the p95 observed step time) "
                                    "without step progress.")
-    slow_phase_timeout: float = doc(1800.0, "Hang timeout (s) while starting, compiling, restoring, checkpointing or "
-                                            "finishing: phases with no step progress by nature.")
+    slow_phase_timeout: float = doc(1800.0, "Hang timeout (s) while starting, compiling, restoring, checkpointing, "
+                                            "evaluating or finishing: phases with no step progress by nature.")
     heartbeat_lost_after: float = doc(10.0, "Seconds without any message from a worker before a heartbeat_lost "
                                             "event (a warning: hangs are judged by step progress).")
     stop_grace: float = doc(10.0, "Seconds between SIGTERM and SIGKILL when the group is stopped.")

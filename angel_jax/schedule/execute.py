@@ -11,6 +11,9 @@ says. One step follows the trace (trace.py):
     update   by the PageUpdater (angel_jax/optim/updater.py) on its own thread, after the global norm: on the
              device for resident stages, on the host for streamed ones
 
+An evaluation (`eval_loss`) runs the forward stages and the head's loss alone, fetching and evicting streamed stages
+the same way, once the updates in flight have landed; it changes nothing of the training state.
+
 A streamed stage's pages are prefetched `plan.prefetch` accesses ahead (`jax.device_put` is asynchronous and runs
 on the copy streams, so the fetch overlaps the computation dispatched before it) and evicted once no access in the
 window needs them. Everything is dispatched asynchronously: the training thread waits only where the updater says a
@@ -95,6 +98,7 @@ class PagedExecutor:
         self._seq = compute_sequence(self._n)
         self._last_use = {i: max(k for k, (_, j) in enumerate(self._seq) if j == i) for i in range(self._n)}
         self._recording: tuple[Recorder, int, Any] | None = None  # (recorder, steps left, last update norm)
+        self._record_steps = 0  # steps the recording in progress was asked for
         self._last_mark: Any = None  # the previous step's last computation (see `issue`)
         self._spilling: list[list] = []  # per stage, the write handles of gradients on their way to disk
         self._grad_pages: set[int] = set()  # disk-homed gradient pages already in the store
@@ -238,11 +242,63 @@ class PagedExecutor:
         self._spilling.append(handles)
         return None
 
+    # ------------------------------------------------------------------------------------------------ evaluation
+    def eval_loss(self, batch: jax.Array) -> jax.Array:
+        """The mean next-token loss of `batch` (int32[B, T+1]) under the parameters of every step taken so far, all
+        their updates applied: a forward pass that streams the stages through the device as a step does (a streamed
+        stage's parameter pages are fetched from where they live, `plan.prefetch` stages ahead within the same
+        device window, and evicted after its call), so the model is never gathered. Nothing of the training state
+        changes: no gradients, no update, no step count; the page homes and the tiers' bytes are as before."""
+        # Waits for the updates in flight, in exact and lock-free mode alike: the loss is that of the parameters
+        # after the last step (what the in-memory engine evaluates), not of the one-step-old parameters a stale stage
+        # could run with next. In lock-free mode the next step then finds every stage up to date, as it would after
+        # any pause: which stages run stale depends on timing there in any case.
+        self.updater.drain()
+        self._restart_recording()
+        plan, store, fns, staged = self.plan, self.store, self.fns, self.model.staged
+        streamed = set(plan.streamed)
+        tokens, targets = batch[:, :-1], batch[:, 1:]
+        marks: list[jax.Array] = []  # per stage, its output: ready when its computation is done
+
+        def fetch(i: int) -> None:
+            if i >= self._n or i not in streamed:
+                return
+            # As in `step`: a fetch starts when its window slot frees on the device, not when this thread gets here.
+            jax.block_until_ready(marks[i - plan.prefetch - 1] if i > plan.prefetch else self._last_mark)
+            for pid in self.model.param_ids(i):
+                store.prefetch(pid, "device", keep_source=True)
+
+        for i in range(plan.prefetch + 1):
+            fetch(i)
+        x: jax.Array = tokens
+        for i, stage in enumerate(staged.stages):
+            pages = tuple(store.get(p, "device") for p in self.model.param_ids(i))
+            x = fns.head_loss(pages, x, targets) if i == self._n - 1 else fns.forward[stage.kind](pages, x)
+            marks.append(x)
+            del pages
+            if i in streamed:
+                for pid in self.model.param_ids(i):
+                    store.evict(pid, "device")
+            fetch(i + plan.prefetch + 1)
+        self._last_mark = x  # the next step's first fetches wait for this pass's pages to be done with
+        return x
+
+    def _restart_recording(self) -> None:
+        """A timeline recording that has recorded part of its steps would measure the evaluation as part of the
+        step around it (`_poll_recording` takes the step time between consecutive steps' starts): it starts over
+        with the next step. Called with no update in flight, so the old recorder gets no more events."""
+        self._poll_recording()  # a recording whose steps are all done is complete: it stays
+        if self._recording is None or self._recording[1] == self._record_steps:
+            return
+        self._recording[0].finish()  # its waiter threads end
+        self._recording = (Recorder(), self._record_steps, None)
+
     # ------------------------------------------------------------------------------------------------ timelines
     def record_steps(self, steps: int = 2) -> None:
         """Record the measured timeline of the next `steps` steps, their updates included; `last_timeline` holds
         it once complete (checked at each step, or by `finish_recording`)."""
         self._recording = (Recorder(), steps, None)
+        self._record_steps = steps
 
     def _poll_recording(self, wait: bool = False) -> None:
         if self._recording is None:

@@ -1,4 +1,5 @@
-"""Stage functions over pages: one jitted forward and backward per stage *kind*, and the pure optimizer update.
+"""Stage functions over pages: one jitted forward and backward per stage *kind*, the head's loss alone (for
+evaluation), and the pure optimizer update.
 
 A stage function takes the stage's parameter pages (a tuple of flat arrays) and unpacks them inside jit, so XLA
 fuses the slicing into the stage. Every block has the same page structure relative to its first page, so the
@@ -44,6 +45,8 @@ class StageFunctions:
         """kind -> pure update (`make_stage_update`); jitted where it runs by `StageUpdates`."""
         self.update_norm: dict[str, Callable] = {}
         """kind -> pure first pass of a guarded update (`make_stage_update_norm`)."""
+        self.head_loss: Callable
+        """(head pages, head input, targets) -> the mean loss, no gradients: the last stage of an evaluation."""
         last_kind, first_kind = staged.stages[-1].kind, staged.stages[0].kind
         for kind in kinds:
             apply, r = staged.apply[kind], rep[kind]
@@ -54,6 +57,8 @@ class StageFunctions:
             self.forward[kind] = jax.jit(fwd)
             if kind == last_kind:
                 self.backward[kind] = jax.jit(self._head_backward(apply, r))
+                self.head_loss = jax.jit(
+                    lambda pages, x, targets, apply=apply, r=r: staged.loss(apply(r.unpack(pages), x), targets))
             elif kind == first_kind:
                 def bwd_first(pages: Pages, x: jax.Array, dy: jax.Array, apply=apply, r=r) -> tuple:
                     _, vjp = jax.vjp(lambda p: apply(p, x), r.unpack(pages))  # token ids have no gradient

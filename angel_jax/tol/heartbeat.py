@@ -9,7 +9,7 @@ before the watchdog sees it. A connection whose MAC is wrong is closed.
 Body fields (every message):
     v 1, kind heartbeat|checkpoint|anomaly|exit, rank, attempt, seq (per sender, increasing), time (sender's
     clock), pid, node, step (last completed step), phase (init, setup, restoring, compiling, training,
-    checkpointing, done)
+    checkpointing, evaluating, done)
     heartbeat: loss, step_time (the newest step's, or null), busy ([[step, seconds], ...]: each step's time outside
                waiting for the device, which tells a straggling rank in synchronous data parallelism, where every
                rank's step time is the same), times ([[step, seconds], ...] since the last

@@ -2,6 +2,7 @@
 
     engine = build_engine(cfg, mesh)                  # in_memory or paged, by memory.mode
     metrics = engine.step(batch)                      # device scalars: loss, grad_norm, update_norm, lr
+    loss = engine.eval_loss(batch)                    # forward only, the training state unchanged
     snapshot, meta = engine.state_snapshot(), engine.state_meta()   # what a checkpoint holds
     engine.load_state(snapshot.arrays, meta)          # back to that step, bit for bit
 
@@ -31,7 +32,7 @@ from angel_jax.errors import AngelError
 from angel_jax.optim import split_optimizer
 from angel_jax.train.paged import PagedTrainEngine
 from angel_jax.train.protocol import StateMismatch, TrainEngine, check_arrays, named_leaves, path_name  # noqa: F401
-from angel_jax.train.step import StepControls, TrainState, init_state, make_step_phases
+from angel_jax.train.step import StepControls, TrainState, init_state, make_loss_fn, make_step_phases
 from angel_jax.units import device_free_bytes
 import models
 
@@ -79,6 +80,8 @@ class InMemoryEngine:
         self._keeping: list[StateSnapshot] = []  # held snapshots not yet released: no donation while any is
         self._keep_apply: Any = None  # the apply that does not donate the state, compiled ahead
         self._keep_compile: threading.Thread | None = None
+        # Reads the parameters and donates nothing: the state a held snapshot keeps stays valid.
+        self._eval = jax.jit(make_loss_fn(graphdef, model.loss), out_shardings=self.replicated)
 
     def step(self, batch: jax.Array, controls: StepControls | None = None) -> dict[str, jax.Array]:
         # numpy scalars: jit treats host values as replicated inputs, in multi-process runs too.
@@ -90,6 +93,9 @@ class InMemoryEngine:
         clipped, ok, metrics = self._judge(self.state, batch, controls)
         self.state = apply(self.state, clipped, ok, controls)
         return metrics
+
+    def eval_loss(self, batch: jax.Array) -> jax.Array:
+        return self._eval(self.state.params, batch)
 
     def _compile_keep_variant(self, controls: StepControls) -> None:
         def abstract(tree: Any) -> Any:

@@ -9,7 +9,10 @@ The loop calls, in order, on process 0 and every other process alike:
                                             replace it (fault injection, data filters)
     on_controls(step, controls) -> controls each step's guard bounds and lr multiplier; may replace them
     on_phase("training", step)              once the first step is done
-    on_step(step, values)                   after each step's metrics are read (values: loss, grad_norm, perf/...)
+    on_phase("evaluating", step) ...        around an evaluation (every train.eval_every steps) ...
+    on_phase("training", step)              ... and after it
+    on_step(step, values)                   after each step's metrics are read (values: loss, grad_norm, perf/...,
+                                            eval/... at evaluated steps)
     on_phase("checkpointing", step)         around the blocking part of a save ...
     on_phase("training", step)              ... and after it
     on_checkpoint(step, info)               when a save's blocking part is done (info: stall_s, state)

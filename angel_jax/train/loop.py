@@ -6,6 +6,8 @@ its rows of the global batch. Metrics are fetched one step late (step t's number
 dispatched) so the host never stalls the device just to log. Checkpoints go through the checkpoint engine: the
 loop blocks only for handing the state over. Every step's figures go through the anomaly monitor (anomaly.py),
 whose guard drops bad updates on the device and whose verdict may roll the run back to its last checkpoint.
+Every `train.eval_every` steps (and after the last) the engine evaluates the loss of a fixed set of validation
+batches (evaluation.py); that time is reported as perf/eval_s and kept out of the steps' times.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ from angel_jax.train import metrics as metrics_lib
 from angel_jax.train.anomaly import AnomalyMonitor, RestartRequested, TrainingDiverged, Verdict
 from angel_jax.train.checkpointing import TrainCheckpointer, check_same_model
 from angel_jax.train.engines import TrainEngine, build_engine
+from angel_jax.train.evaluation import ValidationSet, eval_due, evaluate
 from angel_jax.train.hooks import HookList, OnStep, TrainHooks
 from angel_jax.train.report import memory_report
 from angel_jax.train.rundir import lock_run_dir
@@ -59,6 +62,8 @@ class Trainer:
     flops_per_token: float
     peak: metrics_lib.Peak
     is_primary: bool
+    validation: ValidationSet | None = None
+    """The fixed validation batches (train.eval_every > 0)."""
     skips: list[list[int]] = field(default_factory=list)
     """Global batch index ranges [first, last] this run will never train on (config + rollbacks)."""
     trail: dict[int, tuple[int, dict]] = field(default_factory=dict)
@@ -67,6 +72,8 @@ class Trainer:
     carry: dict[str, float] = field(default_factory=dict)
     """Figures measured between steps (checkpoint stalls), written with the next logged record."""
     progress: Any = None
+    last_eval_loss: float | None = None
+    """The latest evaluation's loss, shown in the progress bar until the next."""
 
 
 @dataclass(frozen=True)
@@ -85,22 +92,27 @@ def data_dir_for(cfg: Config) -> Path:
         return Path(cfg.data.dir)
     source = "stdlib" if cfg.data.source == "stdlib" else Path(cfg.data.source).name.replace("*", "_")
     suffix = f"-{cfg.data.max_bytes}" if cfg.data.max_bytes else ""
+    # Another split is other training data: its own directory, so configs with and without one never re-prepare
+    # each other's.
+    suffix += f"-val{cfg.data.val_fraction:g}" if cfg.data.val_fraction else ""
     return Path("data") / f"{source}-{cfg.data.tokenizer}{suffix}"
 
 
-def _data(cfg: Config) -> data_lib.TokenIterator:
+def _data(cfg: Config) -> tuple[data_lib.TokenIterator, ValidationSet | None]:
     # Every process prepares nothing twice (a file lock inside), then reads its rows of each global batch.
     vocab = cfg.data.bpe_vocab_size if cfg.data.tokenizer == "bpe" else 256
     data_dir = data_dir_for(cfg)
     data_lib.ensure_prepared(data_dir, cfg.data.source, tokenizer=cfg.data.tokenizer, vocab_size=vocab,
-                             max_bytes=cfg.data.max_bytes or None, text_key=cfg.data.text_key)
+                             max_bytes=cfg.data.max_bytes or None, val_fraction=cfg.data.val_fraction or None,
+                             text_key=cfg.data.text_key)
+    shard = {"shard_index": jax.process_index(), "shard_count": jax.process_count()}
     data = data_lib.TokenIterator(data_dir, batch_size=cfg.train.batch_size, seq_len=cfg.model.seq_len,
-                                  seed=cfg.data.seed, shard_index=jax.process_index(),
-                                  shard_count=jax.process_count())
+                                  seed=cfg.data.seed, **shard)
     if data.vocab_size > cfg.model.vocab_size:
         raise config_lib.ConfigError(
             f"'model.vocab_size'={cfg.model.vocab_size} is smaller than the tokenizer's {data.vocab_size}")
-    return data
+    validation = ValidationSet.load(cfg, data_dir, **shard) if cfg.train.eval_every else None
+    return data, validation
 
 
 def setup(cfg: Config, hooks: HookList) -> Trainer:
@@ -114,7 +126,7 @@ def setup(cfg: Config, hooks: HookList) -> Trainer:
     if cfg.train.batch_size % len(devices):
         raise config_lib.ConfigError(
             f"'train.batch_size'={cfg.train.batch_size} must be divisible by the number of devices ({len(devices)})")
-    data = _data(cfg)
+    data, validation = _data(cfg)
     # Auto axes: XLA's partitioner places the replicated-parameter / sharded-batch computation.
     mesh = jax.make_mesh((len(devices),), ("data",), devices=devices, axis_types=(jax.sharding.AxisType.Auto,))
     engine = build_engine(cfg, mesh)
@@ -147,7 +159,7 @@ def setup(cfg: Config, hooks: HookList) -> Trainer:
     return Trainer(cfg=cfg, run_dir=run_dir, mesh=mesh, engine=engine, data=data, checkpointer=checkpointer,
                    monitor=monitor, events=events, sinks=sinks, hooks=hooks, start_step=start_step,
                    flops_per_token=models.get(cfg.model).flops_per_token, peak=metrics_lib.device_peak(devices[0]),
-                   is_primary=is_primary, skips=skips)
+                   is_primary=is_primary, validation=validation, skips=skips)
 
 
 def train(cfg: Config, *, hooks: Sequence[TrainHooks] = (),
@@ -197,14 +209,16 @@ def _run(t: Trainer) -> TrainResult:
                 pending, last_done = None, time.perf_counter()
                 continue
         pending = dispatched
-        if pending is not None and _checkpoint_due(cfg, pending[0]):
-            last_done, verdict = _finish(t, pending, last_done)  # never checkpoint a state with an anomaly
+        # A checkpoint or an evaluation of step s waits for it before step s+1 is dispatched: both need the state
+        # of step s (and never one with an anomaly).
+        if pending is not None and (_checkpoint_due(cfg, pending[0]) or eval_due(cfg, pending[0])):
+            last_done, verdict = _finish(t, pending, last_done, evaluate=eval_due(cfg, pending[0]))
             pending = None
             if verdict.action is not None:
                 step = _act(t, step, verdict)
-            else:
+            elif _checkpoint_due(cfg, step):
                 _save(t, step)
-            last_done = time.perf_counter()  # the save's blocking part is not a training step
+            last_done = time.perf_counter()  # neither the save's blocking part nor an evaluation is a training step
     if t.progress is not None:
         t.progress.close()
     t.hooks.on_phase(Phase.CHECKPOINTING, steps)  # the final checkpoint is committed before train() returns
@@ -319,8 +333,10 @@ def _report_checkpoint_errors(t: Trainer) -> None:
             t.events.write("checkpoint_failed", step=error.step, stage=error.stage, message=str(error))
 
 
-def _finish(t: Trainer, pending: tuple[int, dict], last_done: float) -> tuple[float, Verdict]:
-    """Wait for a dispatched step, judge it, log it. Returns the time it completed and the monitor's verdict."""
+def _finish(t: Trainer, pending: tuple[int, dict], last_done: float,
+            evaluate: bool = False) -> tuple[float, Verdict]:
+    """Wait for a dispatched step, judge it, (with `evaluate`, and no step dispatched after it) evaluate the
+    validation loss, log it. Returns the time the step completed (before any evaluation) and the verdict."""
     step, device_metrics = pending
     waiting = time.perf_counter()
     values = {k: float(v) for k, v in jax.device_get(device_metrics).items()}
@@ -345,10 +361,13 @@ def _finish(t: Trainer, pending: tuple[int, dict], last_done: float) -> tuple[fl
     _report_checkpoint_errors(t)
     if verdict.action is not None:  # this step's state is abandoned: not logged as a training step
         return done, verdict
-    t.hooks.on_step(step, values)
     cfg = t.cfg
+    if evaluate:
+        values.update(_evaluate(t, step))
+        t.last_eval_loss = values["eval/loss"]
+    t.hooks.on_step(step, values)
     if t.is_primary and (step % cfg.train.log_every == 0 or step == t.start_step + 1 or step == cfg.train.steps
-                         or verdict.events):
+                         or verdict.events or evaluate):
         values.update(t.carry)
         t.carry.clear()
         record = {k: round(v, 6) if isinstance(v, float) else v for k, v in values.items()}
@@ -360,9 +379,21 @@ def _finish(t: Trainer, pending: tuple[int, dict], last_done: float) -> tuple[fl
         if "perf/tokens_per_s" in values:
             postfix["tok/s"] = f"{values['perf/tokens_per_s']:.0f}"
             postfix["mfu"] = f"{values['perf/mfu']:.1%}" + ("~" if t.peak.is_estimate else "")
+        if t.last_eval_loss is not None:
+            postfix["eval"] = f"{t.last_eval_loss:.3f}"
         t.progress.set_postfix(postfix, refresh=False)
         t.progress.update(1)
     return done, verdict
+
+
+def _evaluate(t: Trainer, step: int) -> dict[str, float]:
+    assert t.validation is not None, "evaluation asked for without validation batches"
+    # A phase without step progress for the watchdog: the first evaluation compiles, which on a large model
+    # takes longer than the hang timeout of a training step.
+    t.hooks.on_phase(Phase.EVALUATING, step)
+    values = evaluate(t.engine, t.validation, tokenizer=t.cfg.data.tokenizer)
+    t.hooks.on_phase(Phase.TRAINING, step)
+    return values
 
 
 def _close(t: Trainer) -> None:

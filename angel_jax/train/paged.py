@@ -2,6 +2,7 @@
 
     engine = PagedTrainEngine(cfg, mesh)          # one device, one process
     metrics = engine.step(batch, controls)        # loss, grad_norm, update_norm, lr, skipped (may be computing)
+    loss = engine.eval_loss(batch)                # forward only, streamed like a step; nothing changes
     snapshot, meta = engine.state_snapshot(), engine.state_meta()   # not held: pages change in place
     engine.load_state(snapshot.arrays, meta)      # back to that step, bit for bit
 
@@ -111,6 +112,10 @@ class PagedTrainEngine:
         if ex.last_timeline is not None and self._timelines_due["measured"]:
             self._write_timeline("measured", ex.last_timeline)
         return metrics
+
+    def eval_loss(self, batch: jax.Array) -> jax.Array:
+        """Forward only, stage by stage through the device (`PagedExecutor.eval_loss`): never the whole model."""
+        return self.executor.eval_loss(batch)
 
     @property
     def stale_uses(self) -> int:

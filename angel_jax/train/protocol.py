@@ -36,6 +36,11 @@ class TrainEngine(Protocol):
         computing (the loop reads them one step late). `controls`: the guard's bounds and the lr multiplier
         (train/step.py); None = no bounds beyond finiteness."""
 
+    def eval_loss(self, batch: jax.Array) -> jax.Array:
+        """The mean next-token loss of a global batch int32[B, T+1] under the parameters of the last step taken
+        (all of its update applied): a forward pass, no gradients, nothing of the training state, the data or the
+        step count changes. A scalar that may still be computing."""
+
     def state_snapshot(self, may_hold: bool = True) -> StateSnapshot:
         """Every array of the training state after the last step, by stable name (numpy or jax arrays), and
         how long they stay valid. Not held: unchanged only until the next `step` call (a checkpoint copies them

@@ -38,15 +38,24 @@ def init_state(params: Any, tx: optax.GradientTransformation) -> TrainState:
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
 
 
+def make_loss_fn(graphdef: nnx.GraphDef, loss: Callable[[jax.Array, jax.Array], jax.Array]
+                 ) -> Callable[[Any, jax.Array], jax.Array]:
+    """loss_fn(params, batch[int32, B x (T+1)]) -> the mean next-token loss: what a step differentiates, and what
+    an evaluation computes alone (`InMemoryEngine.eval_loss`)."""
+
+    def loss_fn(params: Any, batch: jax.Array) -> jax.Array:
+        logits = nnx.merge(graphdef, params)(batch[:, :-1])
+        return loss(logits, batch[:, 1:])
+
+    return loss_fn
+
+
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, schedule: optax.Schedule,
                     loss: Callable[[jax.Array, jax.Array], jax.Array]) -> Callable[..., tuple[TrainState, dict]]:
     """step(state, batch[int32, B x (T+1)], controls=None) -> (new state, metrics). The gradient norm is the one
     before clipping; metrics["skipped"] is 1.0 when the guard dropped the update (a non-finite loss or norm is
     always dropped; without controls there are no other bounds)."""
-
-    def loss_fn(params: Any, batch: jax.Array) -> jax.Array:
-        logits = nnx.merge(graphdef, params)(batch[:, :-1])
-        return loss(logits, batch[:, 1:])
+    loss_fn = make_loss_fn(graphdef, loss)
 
     def step(state: TrainState, batch: jax.Array, controls: StepControls | None = None) -> tuple[TrainState, dict]:
         if controls is None:
@@ -95,10 +104,7 @@ def make_step_phases(graphdef: nnx.GraphDef, opt: SplitOptimizer,
     its norm, and the verdict; `apply`, given the verdict, computes the same update again and writes it over the
     donated state (or leaves the state as it is: a `cond`, not an element-wise select, so nothing forces a copy).
     The update is computed twice: one more pass over the optimizer state, small next to forward and backward."""
-
-    def loss_fn(params: Any, batch: jax.Array) -> jax.Array:
-        logits = nnx.merge(graphdef, params)(batch[:, :-1])
-        return loss(logits, batch[:, 1:])
+    loss_fn = make_loss_fn(graphdef, loss)
 
     def update(clipped: Any, state: TrainState, controls: StepControls) -> tuple[Any, Any]:
         updates, core = opt.core.update(clipped, opt.core_state(state.opt_state), state.params)
