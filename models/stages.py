@@ -57,6 +57,9 @@ class StagedModel:
     """'total' parameters, and 'matmul': those that enter matrix products (for FLOP counts)."""
     flops_per_token: float
     """Training FLOPs per token (forward + backward) that MFU is stated against (the formula is the family's)."""
+    init_reads_files: bool = False
+    """True when `init` and `init_stage` read the parameters from files (model.init_from) and return numpy arrays:
+    call them outside jit (inside, the arrays would become constants of the compiled program) and place them."""
     init_cache: Callable[[int, int], PyTree] | None = None
     """(batch, max_len) -> an empty key/value cache for `decode`; None: the family cannot sample."""
     decode: Callable[[PyTree, PyTree, jax.Array, jax.Array], tuple[jax.Array, PyTree]] | None = None
