@@ -126,14 +126,14 @@ def budgets_for(cfg: Config, device: jax.Device, local_batch: int) -> Budgets:
 def fixed_device_bytes(cfg: Config, local_batch: int) -> int:
     """Device bytes every step needs whatever the placement: the saved input of every stage, and the working set
     of the largest stage call (logits and their gradient for the head; attention and MLP intermediates for a
-    block), estimated from shapes."""
+    block), estimated from shapes; the block's intermediates are the family's (`StagedModel.block_activation_width`)."""
     m = cfg.model
     itemsize = jnp.dtype(m.compute_dtype).itemsize
     tokens = local_batch * m.seq_len
     saved = (m.n_layers + 1) * tokens * m.d_model * itemsize
     head = 3 * tokens * m.vocab_size * 4
-    block = tokens * (3 * m.d_model + 2 * m.hidden) * itemsize * 2 \
-        + local_batch * m.n_heads * m.seq_len * m.seq_len * 4
+    width = models.get(m).block_activation_width or 3 * m.d_model + 2 * m.hidden
+    block = tokens * width * itemsize * 2 + local_batch * m.n_heads * m.seq_len * m.seq_len * 4
     return saved + max(head, block) + tokens * 8
 
 

@@ -2,7 +2,8 @@
 
 MFU = achieved model FLOP/s / peak FLOP/s of the devices, where
   achieved model FLOP/s = flops_per_token * tokens per step / step time,
-  flops_per_token       = 6 * N_matmul + 12 * n_layers * d_model * seq_len  (PaLM, appendix B; see models/gpt.py),
+  flops_per_token       = 6 * N_matmul + 12 * n_layers * d_model * seq_len  (PaLM, appendix B; N_matmul is the
+                          family's, stated with its `flops_per_token` in models/),
   peak                  = dense bf16 peak per device from `PEAK_FLOPS` * number of devices.
 Devices missing from the table (CPUs included) get a peak measured at start-up with a large float32 matmul, and
 their MFU is reported with `perf/mfu_is_estimate = 1`.

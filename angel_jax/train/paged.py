@@ -122,7 +122,8 @@ class PagedTrainEngine:
         if jax.process_index() != 0:
             return
         b = self.built
-        summary = plan_summary(b.plan, b.costs, b.budgets, b.bandwidths, f"profiled; bandwidths: {b.bandwidths.source}")
+        summary = plan_summary(b.plan, b.costs, b.budgets, b.bandwidths, f"profiled; bandwidths: {b.bandwidths.source}",
+                               b.model.staged.param_count)
         try:
             Path(self.cfg.run_dir).mkdir(parents=True, exist_ok=True)
             (Path(self.cfg.run_dir) / "plan.json").write_text(json.dumps(summary, indent=1))

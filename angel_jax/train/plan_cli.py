@@ -23,6 +23,8 @@ from angel_jax.memory.bench_io import default_calibration_path
 from angel_jax.schedule.engine import Blueprint, blueprint, device_budget, fixed_device_bytes, make_store, plan_for
 from angel_jax.schedule.plan import Bandwidths, Budgets, Plan, StageCost, load_bandwidths, make_plan
 from angel_jax.units import human_bytes
+import models
+
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="angel-jax plan", description=__doc__,
@@ -39,17 +41,20 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def estimate_costs(cfg: Config, bp: Blueprint, peak_flops: float, device_bw: float, host_bw: float) -> list[StageCost]:
-    """Stage times from model FLOPs at the device's peak (forward: 2 FLOPs per weight per token plus attention;
-    backward: recompute + 2x forward) and optimizer updates from the bytes they touch (parameters and gradients
-    read, optimizer state read and written, parameters written) at memory bandwidth."""
+    """Stage times from model FLOPs at the device's peak (forward: 2 FLOPs per weight of the stage per token, plus
+    attention's QK^T and AV for a block; backward: recompute + 2x forward) and optimizer updates from the bytes they
+    touch (parameters and gradients read, optimizer state read and written, parameters written) at memory
+    bandwidth. The weights are counted from the stage's page layout, so the family's shapes (grouped-query
+    attention, a gated MLP) count as they are; norms and biases, a fraction of a percent, are counted as weights."""
     m = cfg.model
     tokens = cfg.train.batch_size * m.seq_len
     costs = []
     for stage in bp.staged.stages:
+        weights = sum(slot.size for slot in bp.params_layout.stage(stage.name).slots)
         if stage.kind == "block":
-            fwd = 2 * tokens * 12 * m.d_model ** 2 + 4 * tokens * m.seq_len * m.d_model
+            fwd = 2 * tokens * weights + 4 * tokens * m.seq_len * m.d_model
         elif stage.kind == "head":
-            fwd = 2 * tokens * m.d_model * m.vocab_size
+            fwd = 2 * tokens * weights
         else:
             fwd = tokens * m.d_model  # an embedding lookup
         p_bytes = bp.params_layout.stage(stage.name).nbytes
@@ -95,8 +100,9 @@ def _profiled_plan(cfg: Config, bp: Blueprint, _: float | None
 def report(cfg: Config, plan: Plan, costs: list[StageCost], budgets: Budgets, bw: Bandwidths,
            source: str) -> list[str]:
     """The lines `angel-jax plan` prints."""
-    lines = [f"plan for {cfg.name}: {len(costs)} stages, page size {human_bytes(cfg.memory.page_size)}, "
-             f"staleness {plan.staleness}",
+    counts = models.get(cfg.model).param_count
+    lines = [f"plan for {cfg.name}: {counts['total'] / 1e9:.2f} B parameters ({counts['total']:,}), {len(costs)} "
+             f"stages, page size {human_bytes(cfg.memory.page_size)}, staleness {plan.staleness}",
              f"  {len(plan.resident)} resident, {len(plan.streamed)} streamed (prefetch {plan.prefetch}); on disk: "
              f"parameters of {plan.home.count('disk')} stages, gradients of {plan.grad_home.count('disk')}, "
              f"optimizer state of {plan.opt_home.count('disk')}",
@@ -119,9 +125,11 @@ def report(cfg: Config, plan: Plan, costs: list[StageCost], budgets: Budgets, bw
     return lines
 
 
-def plan_summary(plan: Plan, costs: list[StageCost], budgets: Budgets, bw: Bandwidths, source: str) -> dict:
-    """What plan.json holds: the plan's summary, each stage's homes per family, bytes per tier, I/O, budgets."""
-    return {**plan.summary(), "source": source, "table": plan.table(costs),
+def plan_summary(plan: Plan, costs: list[StageCost], budgets: Budgets, bw: Bandwidths, source: str,
+                 param_count: dict[str, int]) -> dict:
+    """What plan.json holds: the plan's summary, the model's parameter counts, each stage's homes per family,
+    bytes per tier, I/O, budgets."""
+    return {**plan.summary(), "source": source, "param_count": dict(param_count), "table": plan.table(costs),
             "homes": {"params": list(plan.home), "gradients": list(plan.grad_home),
                       "optimizer": list(plan.opt_home)},
             "io_per_step": plan.io_per_step(costs, bw),
@@ -142,6 +150,7 @@ def main(args: list[str] | argparse.Namespace | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     plan.predicted.save_json(out / "timeline_predicted.json")
     plan.predicted.save_png(out / "timeline_predicted.png", f"{cfg.name}: predicted timeline")
-    (out / "plan.json").write_text(json.dumps(plan_summary(plan, costs, budgets, bw, source), indent=1))
+    (out / "plan.json").write_text(json.dumps(plan_summary(plan, costs, budgets, bw, source, bp.staged.param_count),
+                                                      indent=1))
     print(f"  wrote {out / 'timeline_predicted.png'}, timeline_predicted.json and plan.json")
     return 0

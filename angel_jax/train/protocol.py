@@ -51,7 +51,7 @@ class TrainEngine(Protocol):
         """Replace the training state with a checkpoint's; raises StateMismatch naming what does not fit."""
 
     def params(self) -> Any:
-        """The whole model's parameters as numpy arrays, in `models.gpt`'s structure."""
+        """The whole model's parameters as numpy arrays, in the structure of its family's `StagedModel.init`."""
 
     def memory_report(self) -> list[str]:
         """Lines for the start-up memory report: where the state lives."""
