@@ -104,4 +104,5 @@ def write(path: str | Path, tensors: dict[str, np.ndarray]) -> None:
     path = Path(path)
     tmp = path.with_name(path.name + ".tmp")
     save_file({k: np.ascontiguousarray(v) for k, v in tensors.items()}, str(tmp), metadata={"format": "pt"})
+    os.chmod(tmp, 0o644)  # safetensors creates the file private (0600); an export is an ordinary file to share
     os.replace(tmp, path)
