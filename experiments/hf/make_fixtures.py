@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import platform
 import socket
 import sys
@@ -109,15 +110,31 @@ def _versions() -> dict:
     return out
 
 
+def _cpu() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return f"{line.split(':', 1)[1].strip()} ({os.cpu_count()} cores)"
+    except OSError:
+        pass
+    return platform.machine()
+
+
 def check(dirs: list[Path], results: Path, tol: float) -> int:
     worst = 0.0
     lines = []
-    for d in dirs:
+    exports = [d for d in dirs if (d / "config.json").is_file() and (d / "angel_logits.npz").is_file()]
+    for d in sorted(set(dirs) - set(exports)):
+        print(f"{d}: skipped (no config.json + angel_logits.npz)", file=sys.stderr)
+    if not exports:
+        print("no export to check", file=sys.stderr)
+        return 1
+    for d in exports:
         ref = np.load(d / "angel_logits.npz", allow_pickle=False)
         meta = json.loads((d / "angel_meta.json").read_text()) if (d / "angel_meta.json").is_file() else {}
         model, info = transformers.AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32,
                                                                          output_loading_info=True)
-        problems = {k: v for k, v in info.items() if v and k != "error_msgs" or (k == "error_msgs" and v)}
+        problems = {k: v for k, v in info.items() if v}  # missing, unexpected or mismatched tensors, errors
         if problems:
             print(f"{d}: loading info not clean: {problems}", file=sys.stderr)
             return 1
@@ -128,8 +145,7 @@ def check(dirs: list[Path], results: Path, tol: float) -> int:
                   "logit_scale": float(np.abs(logits).max()), "tokens": list(ref["tokens"].shape),
                   "versions": {**_versions(), **meta.get("versions", {})},
                   "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-                  "machine": {"host": socket.gethostname(), "platform": platform.platform(),
-                              "cpu": platform.processor() or platform.machine()},
+                  "machine": {"host": socket.gethostname(), "platform": platform.platform(), "cpu": _cpu()},
                   "source": meta.get("source", "")}
         lines.append(json.dumps(record))
         print(lines[-1])
