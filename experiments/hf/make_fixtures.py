@@ -11,7 +11,8 @@ Two modes:
     /work/hfgen/bin/python experiments/hf/make_fixtures.py make [--out tests/fixtures/hf]
 
 builds a tiny, randomly initialised (fixed seed) `GPT2LMHeadModel` and `LlamaForCausalLM` (vocabulary 256, so
-the byte tokenizer fits), saves each with `save_pretrained` (safetensors) into `<out>/<name>/` and the float32
+the byte tokenizer fits), saves each with `save_pretrained` (safetensors: config.json + model.safetensors) into
+`<out>/<name>/` and the float32
 logits of fixed token ids beside it (`<out>/<name>/logits.npz`: `tokens` int32 [B, T], `logits` float32
 [B, T, V]). Every tensor is perturbed after HF's initialisation (norm scales around 1, biases non-zero), so a
 mapping that swaps two tensors of the same shape, or drops a bias, cannot go unnoticed.
@@ -31,6 +32,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import inspect
 import json
 import os
 import platform
@@ -91,7 +93,10 @@ def make(out: Path) -> None:
         tokens = np.random.default_rng(SEED).integers(0, kwargs["vocab_size"], TOKENS_SHAPE).astype(np.int32)
         target = out / name
         target.mkdir(parents=True, exist_ok=True)
-        model.save_pretrained(target)  # safetensors (the only format transformers 5 writes)
+        # safetensors: the only format transformers 5 writes; 4.x needs safe_serialization=True.
+        safe = {"safe_serialization": True} if "safe_serialization" in inspect.signature(
+            model.save_pretrained).parameters else {}
+        model.save_pretrained(target, **safe)
         if not (target / "model.safetensors").is_file():
             raise SystemExit(f"{target}: save_pretrained wrote no model.safetensors")
         (target / "generation_config.json").unlink(missing_ok=True)  # not needed; keeps the fixture minimal
