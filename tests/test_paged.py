@@ -17,6 +17,7 @@ from angel_jax.memory import PageStore
 from angel_jax.optim import make_optimizer
 from angel_jax.schedule.engine import build_paged_engine
 from angel_jax.train.step import init_state, make_train_step
+import models
 from models import gpt
 
 # Deep and narrow, with short sequences: model state large next to activations, so that one eighth of the state
@@ -31,15 +32,15 @@ LR = {"adamw": 1e-3, "lion": 3e-4, "sgd": 0.1}
 STATE_COPIES = {"adamw": 3, "lion": 2, "sgd": 2}  # fp32 params + optimizer buffers per parameter
 
 
-def _cfg(optimizer: str = "adamw", steps: int = STEPS, **memory) -> Config:
-    return Config(model=MODEL, optimizer=OptimizerConfig(name=optimizer, lr=LR[optimizer], warmup_steps=2),
+def _cfg(optimizer: str = "adamw", steps: int = STEPS, model: ModelConfig = MODEL, **memory) -> Config:
+    return Config(model=model, optimizer=OptimizerConfig(name=optimizer, lr=LR[optimizer], warmup_steps=2),
                   train=TrainConfig(steps=steps, batch_size=BATCH),
                   memory=MemoryConfig(mode="paged", page_size=PAGE, **memory))
 
 
 def state_bytes(cfg: Config) -> int:
     """fp32 parameters + optimizer state, the quantity the device budget is a fraction of."""
-    return STATE_COPIES[cfg.optimizer.name] * 4 * gpt.param_count(cfg.model)["total"]
+    return STATE_COPIES[cfg.optimizer.name] * 4 * models.get(cfg.model).param_count["total"]
 
 
 @functools.lru_cache(maxsize=1)
@@ -62,10 +63,11 @@ def batches(n: int = STEPS, model: ModelConfig = MODEL, batch: int = BATCH) -> l
 
 
 def reference(cfg: Config, data: list[jax.Array]) -> tuple[list[float], dict]:
-    """The reference trainer's losses and final parameters."""
-    graphdef, params = gpt.init(cfg.model, 0)
+    """The reference trainer's losses and final parameters (any model family: the config's)."""
+    staged = models.get(cfg.model)
+    graphdef, params = staged.init(0)
     tx, schedule = make_optimizer(cfg.optimizer, cfg.train.steps)
-    step = jax.jit(make_train_step(graphdef, tx, schedule, gpt.cross_entropy))
+    step = jax.jit(make_train_step(graphdef, tx, schedule, staged.loss))
     state = init_state(params, tx)
     losses = []
     for b in data:
@@ -76,7 +78,7 @@ def reference(cfg: Config, data: list[jax.Array]) -> tuple[list[float], dict]:
 
 def paged(cfg: Config, data: list[jax.Array], on_access=None) -> tuple[list[float], dict, object]:
     # The initial model on the host, as the engine's (np.array: np.asarray of a CPU array would alias its buffer).
-    params = jax.tree.map(np.array, gpt.init(cfg.model, 0)[1])
+    params = jax.tree.map(np.array, models.get(cfg.model).init(0)[1])
     gc.collect()  # Flax's module graph has cycles: its device arrays would stay alive until a collection
     engine = build_paged_engine(cfg, params, data[0])
     engine.executor.on_access = on_access

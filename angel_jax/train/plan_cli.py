@@ -101,8 +101,9 @@ def report(cfg: Config, plan: Plan, costs: list[StageCost], budgets: Budgets, bw
            source: str) -> list[str]:
     """The lines `angel-jax plan` prints."""
     counts = models.get(cfg.model).param_count
-    lines = [f"plan for {cfg.name}: {counts['total'] / 1e9:.2f} B parameters ({counts['total']:,}), {len(costs)} "
-             f"stages, page size {human_bytes(cfg.memory.page_size)}, staleness {plan.staleness}",
+    size = f"{counts['total'] / 1e9:.2f} B" if counts["total"] >= 1e9 else f"{counts['total'] / 1e6:.2f} M"
+    lines = [f"plan for {cfg.name}: {size} parameters ({counts['total']:,}), {len(costs)} stages, page size "
+             f"{human_bytes(cfg.memory.page_size)}, staleness {plan.staleness}",
              f"  {len(plan.resident)} resident, {len(plan.streamed)} streamed (prefetch {plan.prefetch}); on disk: "
              f"parameters of {plan.home.count('disk')} stages, gradients of {plan.grad_home.count('disk')}, "
              f"optimizer state of {plan.opt_home.count('disk')}",
