@@ -28,7 +28,7 @@ import numpy as np
 
 from angel_jax.config import ConfigError, ModelConfig
 from models.hf.mapping import TensorSource, stage_from_hf, stage_to_hf
-from models.hf.safetensors_io import SINGLE_FILE, CheckpointFileError, CheckpointTensors, write
+from models.hf.safetensors_io import INDEX_FILE, SINGLE_FILE, CheckpointFileError, CheckpointTensors, write
 from models.stages import StagedModel
 
 Params = dict
@@ -171,10 +171,12 @@ def export(cfg: ModelConfig, stage_params: list[Params], out_dir: str | Path, *,
     dtype = dtype or str(jax.tree.leaves(stage_params)[0].dtype)
     if dtype not in EXPORT_DTYPES:
         raise ConfigError(f"export dtype {dtype!r}: one of {', '.join(EXPORT_DTYPES)}")
-    existing = [p.name for p in (out_dir / "config.json", out_dir / SINGLE_FILE) if p.exists()]
+    existing = [p.name for p in (out_dir / "config.json", out_dir / SINGLE_FILE, out_dir / INDEX_FILE) if p.exists()]
     if existing and not overwrite:
         raise CheckpointFileError(f"{out_dir} already holds {' and '.join(existing)}: choose another directory "
-                                  "(or overwrite it on purpose)")
+                                  "(or replace that checkpoint: angel-jax export --overwrite)")
+    if overwrite and (out_dir / INDEX_FILE).exists():
+        (out_dir / INDEX_FILE).unlink()  # transformers would read the old shards it names
     out_dir.mkdir(parents=True, exist_ok=True)
     tensors: dict[str, np.ndarray] = {}
     for i, params in enumerate(stage_params):
