@@ -7,6 +7,8 @@
     angel-jax plan CONFIG [key=value ...]      the paged engine's plan: page table, predicted step time and timeline
     angel-jax bench io                         measure H2D/D2H/disk/memcpy bandwidths (cost-model calibration)
     angel-jax ckpt ls|verify RUN_DIR [STEP]    list a run's checkpoints per tier / check their checksums
+    angel-jax import HF_DIR --config OUT.yaml  a training config that starts from a Hugging Face checkpoint
+    angel-jax export RUN_DIR --hf OUT_DIR      a run's weights as a Hugging Face checkpoint
     angel-jax config [CONFIG]                  list every config key with its type, default and meaning
 """
 
@@ -43,6 +45,17 @@ and restarts it from the newest valid checkpoint, up to resilience.max_restarts 
 resilience.no_progress_limit restarts without progress. The run directory receives events.jsonl (every decision),
 watchdog.json (state, worker pids), logs/attempt<A>-rank<R>.log and goodput.json. Exit status 0 when the job
 finished, 1 when it failed."""
+
+_IMPORT_HELP = """\
+Write a training config (OUT.yaml) that starts from a Hugging Face checkpoint directory (config.json +
+model.safetensors; GPT-2 and Llama): the base config (--base, default: every key's default) with the model
+section's architecture keys taken from config.json and model.init_from = HF_DIR, then the key=value overrides.
+Nothing but config.json is read; training reads the weights (stage by stage in the paged engine)."""
+
+_EXPORT_HELP = """\
+Write the parameters of a run's newest valid checkpoint (or --step N), of either engine, as a Hugging Face
+checkpoint: OUT_DIR/config.json + OUT_DIR/model.safetensors (GPT -> GPT2LMHeadModel, Llama -> LlamaForCausalLM,
+head untied), which transformers' AutoModelForCausalLM.from_pretrained loads."""
 
 _DATA_HELP = """\
 Tokenize text files into memory-mapped token shards (uint16 .bin files) plus meta.json. `--source stdlib` (the
@@ -111,6 +124,22 @@ def _parser() -> argparse.ArgumentParser:
     verify = ckpt_sub.add_parser("verify", help="read every copy and check its checksums", description=_CKPT_HELP)
     verify.add_argument("run_dir", type=Path, help="the run directory (e.g. runs/gpt_tiny)")
     verify.add_argument("step", type=int, nargs="?", help="only this step (default: every committed step)")
+
+    imp = sub.add_parser("import", help="a training config starting from a Hugging Face checkpoint",
+                         description=_IMPORT_HELP)
+    imp.add_argument("hf_dir", type=Path, help="the checkpoint directory (config.json + model.safetensors)")
+    imp.add_argument("--config", type=Path, required=True, help="the training config to write (YAML)")
+    imp.add_argument("--base", type=Path, default=None, help="the config whose other sections to use "
+                     "(e.g. experiments/gpt_tiny.yaml)")
+    imp.add_argument("overrides", nargs="*", help="dotted key=value overrides")
+
+    export = sub.add_parser("export", help="a run's weights as a Hugging Face checkpoint", description=_EXPORT_HELP)
+    export.add_argument("run_dir", type=Path, help="the run directory (e.g. runs/gpt_tiny)")
+    export.add_argument("--hf", type=Path, required=True, metavar="OUT_DIR", help="where to write the checkpoint")
+    export.add_argument("--step", type=int, default=None, help="this step's checkpoint (default: the newest valid)")
+    export.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
+                        help="dtype of the written tensors (default: the parameters' own)")
+    export.add_argument("--overwrite", action="store_true", help="replace an export already in OUT_DIR")
 
     cfg = sub.add_parser("config", help="list every config key with type, default and meaning")
     cfg.add_argument("config", type=Path, nargs="?", help="show this file's resolved values instead")
@@ -189,6 +218,18 @@ def _ckpt(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def _import(args: argparse.Namespace) -> int:
+    from angel_jax.train import hf_cli
+
+    return hf_cli.import_main(args)
+
+
+def _export(args: argparse.Namespace) -> int:
+    from angel_jax.train import hf_cli
+
+    return hf_cli.export_main(args)
+
+
 def _config(args: argparse.Namespace) -> int:
     if args.config is None:
         print("\n".join(describe()))
@@ -211,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     for noisy in ("absl", "jax._src", "orbax"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     handlers = {"train": _train, "launch": _launch, "worker": _worker, "data": _data, "plan": _plan,
-                "bench": _bench, "ckpt": _ckpt, "config": _config}
+                "bench": _bench, "ckpt": _ckpt, "import": _import, "export": _export, "config": _config}
     try:
         return handlers[args.command](args)
     except ConfigError as e:

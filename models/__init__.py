@@ -29,7 +29,22 @@ def get(cfg: ModelConfig) -> StagedModel:
 @functools.lru_cache(maxsize=16)
 def _get(key: tuple) -> StagedModel:  # a StagedModel is immutable: one per config serves every caller
     cfg = ModelConfig(*key)
-    return importlib.import_module(FAMILIES[cfg.name]).staged(cfg)
+    staged = importlib.import_module(FAMILIES[cfg.name]).staged(cfg)
+    if cfg.init_from:  # parameters from a Hugging Face checkpoint instead of the random init
+        from models import hf
+
+        staged = hf.from_pretrained(staged, cfg)
+    return staged
 
 
-__all__ = ["FAMILIES", "Stage", "StagedModel", "get"]
+def check_init_from(cfg: ModelConfig) -> None:
+    """With model.init_from: refuse, before anything is built, a checkpoint directory that is missing, lacks its
+    files or holds another architecture than `cfg` (ConfigError naming the first key that differs)."""
+    if cfg.init_from:
+        from models import hf
+
+        hf.check_matches(cfg, cfg.init_from)
+        hf.CheckpointTensors(cfg.init_from)  # reads the headers: a missing or unreadable weights file fails here
+
+
+__all__ = ["FAMILIES", "Stage", "StagedModel", "check_init_from", "get"]

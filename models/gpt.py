@@ -8,6 +8,10 @@ running the stages in sequence gives the whole model's logits.
 Random keys: stage i (0 = embed, 1 + j = block j, n_layers + 1 = head) draws its parameters from
 `fold_in(key(seed), i)` alone, so one stage can be initialised by itself (`init_stage`, for models larger than host
 RAM) with exactly the values the whole model gets; `tests/test_model_init.py` checks the two bit for bit.
+
+Sampling (`decode`, `init_cache`): a key/value cache stacked like the blocks, [n_layers, B, S, n_heads, head_dim]
+for keys and for values, so one scan runs every block on its own slice of the cache. `tests/test_decode.py` checks
+that a prefill and single-token steps give the logits of the whole-sequence forward.
 """
 
 from __future__ import annotations
@@ -17,7 +21,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from angel_jax.config import ModelConfig
-from models.attention import causal_attention
+from models.attention import cached_attention, causal_attention
 from models.stages import Stage, StagedModel
 
 _INIT_STD = 0.02
@@ -43,6 +47,12 @@ class Embed(nnx.Module):
         pos = self.positions[...][: tokens.shape[-1]]
         return self.tokens(tokens) + pos.astype(self.compute_dtype)
 
+    def at(self, tokens: jax.Array, start: jax.Array) -> jax.Array:
+        """Tokens [B, T] at positions start .. start+T-1 (`start` may be traced; the caller keeps start+T within
+        seq_len: a dynamic slice would silently clamp it)."""
+        pos = jax.lax.dynamic_slice_in_dim(self.positions[...], start, tokens.shape[-1])
+        return self.tokens(tokens) + pos.astype(self.compute_dtype)
+
 
 class Block(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
@@ -61,9 +71,24 @@ class Block(nnx.Module):
         self.n_heads = cfg.n_heads
 
     def __call__(self, x: jax.Array) -> jax.Array:
+        q, k, v = self._qkv(x)
+        return self._residual(x, causal_attention(q, k, v))
+
+    def decode(self, x: jax.Array, cache_k: jax.Array, cache_v: jax.Array,
+               pos: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """The block on tokens at positions pos .. pos+T-1, attending to this block's cache [B, S, H, D] of the
+        positions before them; returns the output and the cache with their keys and values added."""
+        q, k, v = self._qkv(x)
+        attn, cache_k, cache_v = cached_attention(q, k, v, cache_k, cache_v, pos)
+        return self._residual(x, attn), cache_k, cache_v
+
+    def _qkv(self, x: jax.Array) -> list[jax.Array]:
         b, t, d = x.shape
-        q, k, v = jnp.split(self.qkv(self.ln_attn(x)).reshape(b, t, 3 * self.n_heads, d // self.n_heads), 3, axis=2)
-        attn = causal_attention(q, k, v)
+        return jnp.split(self.qkv(self.ln_attn(x)).reshape(b, t, 3 * self.n_heads, d // self.n_heads), 3, axis=2)
+
+    def _residual(self, x: jax.Array, attn: jax.Array) -> jax.Array:
+        """Attention's projection and the MLP, each added to the residual stream."""
+        b, t, d = x.shape
         x = x + self.attn_out(attn.reshape(b, t, d))
         return x + self.mlp_out(jax.nn.gelu(self.mlp_in(self.ln_mlp(x))))
 
@@ -181,6 +206,24 @@ def staged(cfg: ModelConfig) -> StagedModel:
         stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *blocks)
         return {"embed": embed, "blocks": stacked, "head": head}
 
+    def init_cache(batch: int, max_len: int) -> Params:
+        if not 0 < max_len <= cfg.seq_len:  # learned positions exist for 0 .. seq_len-1 only
+            raise ValueError(f"a key/value cache of {max_len} positions: must be between 1 and the model's "
+                             f"context, model.seq_len={cfg.seq_len}")
+        shape = (cfg.n_layers, batch, max_len, cfg.n_heads, cfg.d_model // cfg.n_heads)
+        return {"k": jnp.zeros(shape, cfg.compute_dtype), "v": jnp.zeros(shape, cfg.compute_dtype)}
+
+    def decode(params: Params, cache: Params, tokens: jax.Array, pos: jax.Array) -> tuple[jax.Array, Params]:
+        x = nnx.merge(embed_def, params["embed"]).at(tokens, pos)
+
+        def body(h: jax.Array, layer: tuple) -> tuple[jax.Array, tuple[jax.Array, jax.Array]]:
+            block, cache_k, cache_v = layer
+            h, cache_k, cache_v = nnx.merge(block_def, block).decode(h, cache_k, cache_v, pos)
+            return h, (cache_k, cache_v)
+
+        x, (k, v) = jax.lax.scan(body, x, (params["blocks"], cache["k"], cache["v"]))
+        return nnx.merge(head_def, params["head"])(x), {"k": k, "v": v}
+
     stages = (Stage("embed", "embed"),) + tuple(Stage(f"block.{i}", "block") for i in range(cfg.n_layers)) \
         + (Stage("head", "head"),)
     return StagedModel(
@@ -198,6 +241,8 @@ def staged(cfg: ModelConfig) -> StagedModel:
         abstract=lambda: abstract_params(cfg),
         param_count=param_count(cfg),
         flops_per_token=flops_per_token(cfg),
+        init_cache=init_cache,
+        decode=decode,
     )
 
 

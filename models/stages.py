@@ -57,6 +57,9 @@ class StagedModel:
     """'total' parameters, and 'matmul': those that enter matrix products (for FLOP counts)."""
     flops_per_token: float
     """Training FLOPs per token (forward + backward) that MFU is stated against (the formula is the family's)."""
+    init_reads_files: bool = False
+    """True when `init` and `init_stage` read the parameters from files (model.init_from) and return numpy arrays:
+    call them outside jit (inside, the arrays would become constants of the compiled program) and place them."""
     block_activation_width: int = 0
     """Values per token that one block call holds at its peak besides attention's T x T scores (its q, k and v,
     its MLP's hidden activations), for the scheduling pass's device-memory estimate; 0 = 3 x d_model + 2 x hidden

@@ -219,6 +219,41 @@ def test_damaged_memory_snapshot_uses_same_step_from_persistent(tmp_path: Path,
         assert len(problems) == 1 and problems[0].startswith("memory:") and "opt/count" in problems[0]
 
 
+def test_a_partial_restore_reads_and_verifies_only_the_selected_arrays(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    """restore(select=...) from each tier: the selected arrays bit for bit and nothing else; damage outside the
+    selection does not disqualify a copy (it is never read), damage inside it does."""
+    state = make_state(41)
+    params = lambda name: name.startswith("stage0/params/")  # noqa: E731
+    wanted = {k: v for k, v in state.items() if params(k)}
+    with CheckpointEngine(options(tmp_path)) as engine:
+        engine.save(2, state, {"k": 2})
+        engine.wait()
+        index = read_index(tmp_path / "memory" / "step_2")
+        offset = {a.name: a.offset for a in index.arrays}
+        flip_byte(tmp_path / "memory" / "step_2" / "data.bin", offset["opt/count"] + 5)
+        restored = engine.restore(select=params)
+        assert (restored.step, restored.source, restored.meta) == (2, "memory", {"k": 2})
+        assert_bitwise(restored.arrays, wanted)
+        assert engine.restore().source == "persistent"  # the whole state: the damaged copy is skipped
+        flip_byte(tmp_path / "memory" / "step_2" / "data.bin", offset["stage0/params/w"] + 5)
+        assert engine.restore(select=params).source == "persistent"
+    shutil.rmtree(tmp_path / "memory")
+    groups: list[list[str]] = []
+    real = OrbaxTier._restore_some
+
+    def recorded(self, path, group):
+        groups.append([a.name for a in group])
+        return real(self, path, group)
+
+    monkeypatch.setattr(OrbaxTier, "_restore_some", recorded)
+    with CheckpointEngine(options(tmp_path)) as engine:
+        restored = engine.restore(select=params)
+    assert restored.source == "persistent"
+    assert_bitwise(restored.arrays, wanted)
+    assert sorted(n for g in groups for n in g) == sorted(wanted)  # orbax read nothing else
+
+
 def test_memory_tier_deleted_restores_from_persistent(tmp_path: Path) -> None:
     state = make_state(5)
     with CheckpointEngine(options(tmp_path)) as engine:

@@ -286,16 +286,19 @@ class CheckpointEngine:
             steps = [s for s in steps if s == step]
         return [(s, t, committed[t.name][s]) for s in steps for t in self._tiers if s in committed[t.name]]
 
-    def restore(self, step: int | None = None) -> Restored:
+    def restore(self, step: int | None = None, *, select: snap.Select | None = None) -> Restored:
         """The newest valid checkpoint (or `step`), from memory, else peer, else persistent.
 
         A damaged copy (bad checksum, missing or truncated file, unreadable index) is skipped with a warning naming
         the problem, and the next copy or older step is tried. Raises CheckpointError if none is usable.
+        `select` (array name -> bool) restores part of the state, e.g. the parameters without the optimizer state:
+        only those arrays are read and verified, and a copy is valid when they are.
         """
         tried: list[str] = []
         for s, tier, path in self._candidates(step):
             try:
-                index, arrays = tier.load(s, verify=self.options.verify_on_restore, pool=self._pool())
+                index, arrays = tier.load(s, verify=self.options.verify_on_restore, pool=self._pool(),
+                                          select=select)
             except snap.SnapshotDamaged as e:
                 log.warning("checkpoint step %d in the %s tier is damaged, skipping it: %s", s, tier.name, e)
                 tried.extend(f"{tier.name} step {s}: {p}" for p in e.problems)

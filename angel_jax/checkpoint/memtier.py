@@ -85,10 +85,10 @@ class MemoryTier(SnapshotDirectories, CheckpointTier):
 
     # ------------------------------------------------------------------------------------------- reading
 
-    def load(self, step: int, *, verify: bool,
-             pool: Executor | None) -> tuple[snap.SnapshotIndex, dict[str, np.ndarray]]:
+    def load(self, step: int, *, verify: bool, pool: Executor | None,
+             select: snap.Select | None = None) -> tuple[snap.SnapshotIndex, dict[str, np.ndarray]]:
         path = self._path(step)
-        index, arrays = snap.load(path, verify=verify, pool=pool)
+        index, arrays = snap.load(path, verify=verify, pool=pool, select=select)
         self._snapshot_writer().mark_exported(path)  # its bytes back these arrays: never overwrite in place
         return index, arrays
 

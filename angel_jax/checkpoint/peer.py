@@ -32,9 +32,9 @@ class PeerTier(SnapshotDirectories, CopyTier):
         super().__init__(root, keep_last)
         self._fault = fault
 
-    def load(self, step: int, *, verify: bool,
-             pool: Executor | None) -> tuple[snap.SnapshotIndex, dict[str, np.ndarray]]:
-        return snap.load(self._path(step), verify=verify, pool=pool)
+    def load(self, step: int, *, verify: bool, pool: Executor | None,
+             select: snap.Select | None = None) -> tuple[snap.SnapshotIndex, dict[str, np.ndarray]]:
+        return snap.load(self._path(step), verify=verify, pool=pool, select=select)
 
     def delete(self, step: int) -> None:
         for path in (p for s, p in self.scan()[0].items() if s == step):

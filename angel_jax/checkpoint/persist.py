@@ -47,8 +47,8 @@ import orbax.checkpoint as ocp
 import psutil
 
 from angel_jax.checkpoint.faults import Fault, no_fault
-from angel_jax.checkpoint.snapshot import (ArrayEntry, SnapshotDamaged, SnapshotIndex, decode_dtype, open_arrays,
-                                           remove_dir, verify_arrays)
+from angel_jax.checkpoint.snapshot import (ArrayEntry, Select, SnapshotDamaged, SnapshotIndex, decode_dtype,
+                                           open_arrays, remove_dir, selected, verify_arrays)
 from angel_jax.checkpoint.state import LazyArray
 from angel_jax.checkpoint.tiers import Committed, CopyTier
 
@@ -178,15 +178,20 @@ class OrbaxTier(CopyTier):
 
     # ------------------------------------------------------------------------------------------- reading
 
-    def load(self, step: int, *, verify: bool, pool: Executor | None) -> tuple[SnapshotIndex, dict[str, np.ndarray]]:
-        """The arrays and index of a committed step; raises SnapshotDamaged naming what is wrong."""
+    def load(self, step: int, *, verify: bool, pool: Executor | None,
+             select: Select | None = None) -> tuple[SnapshotIndex, dict[str, np.ndarray]]:
+        """The arrays and index of a committed step (the arrays `select` keeps: the others are neither read nor
+        verified, through orbax's partial restore); raises SnapshotDamaged naming what is wrong."""
         path = self.root / str(step)
         if not path.is_dir():
             raise SnapshotDamaged([f"{path}: missing"])
         index = self._read_index(path)
+        chosen = selected(index, select)
         limit = self.stream_above if self.stream_above is not None else psutil.virtual_memory().available // 2
-        if sum(a.nbytes for a in index.arrays) > limit:
-            return index, self._load_streaming(path, index, verify, pool)
+        if sum(a.nbytes for a in chosen.arrays) > limit:
+            return index, self._load_streaming(path, chosen, verify, pool)
+        if select is not None:
+            return index, self._load_some(path, chosen, verify, pool)
         items = {META_ITEM: ocp.args.JsonRestore()}
         if any(a.nbytes for a in index.arrays):
             items[STATE_ITEM] = ocp.args.StandardRestore()
@@ -222,6 +227,17 @@ class OrbaxTier(CopyTier):
             out[a.name] = np.zeros(a.shape, decode_dtype(a.dtype)) if a.nbytes == 0 else \
                 LazyArray(a.shape, decode_dtype(a.dtype), lambda name=a.name: reader.take(name))
         return out
+
+    def _load_some(self, path: Path, chosen: SnapshotIndex, verify: bool,
+                   pool: Executor | None) -> dict[str, np.ndarray]:
+        """The arrays of `chosen` (part of a step), read a group at a time with orbax's partial restore."""
+        arrays = {a.name: np.zeros(a.shape, decode_dtype(a.dtype)) for a in chosen.arrays if a.nbytes == 0}
+        for group in _GroupReader(self, path, chosen).groups:
+            arrays.update(self._restore_some(path, group))
+        problems = verify_arrays(chosen, arrays, pool, str(path)) if verify else []
+        if problems:
+            raise SnapshotDamaged(problems)
+        return arrays
 
     def _restore_some(self, path: Path, group: tuple[ArrayEntry, ...]) -> dict[str, np.ndarray]:
         """Some of a committed step's arrays (orbax partial restore)."""

@@ -60,6 +60,7 @@ class Restored:
 
     step: int
     arrays: dict[str, np.ndarray]
+    """By name; a partial restore (`restore(select=...)`) holds only the arrays it selected."""
     meta: dict[str, Any]
     source: Tier
     path: Path

@@ -30,7 +30,7 @@ import shutil
 from concurrent.futures import Executor
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import ml_dtypes
 import numpy as np
@@ -307,10 +307,25 @@ def verify_arrays(index: SnapshotIndex, arrays: Mapping[str, np.ndarray], pool: 
     return problems
 
 
-def load(directory: Path, *, verify: bool, pool: Executor | None) -> tuple[SnapshotIndex, dict[str, np.ndarray]]:
-    """A committed snapshot as private (copy-on-write) arrays; raises SnapshotDamaged naming every problem."""
+Select = Callable[[str], bool]
+"""Which arrays a partial restore takes, by name (e.g. the parameters of a training state, not its optimizer
+state); None = all of them."""
+
+
+def selected(index: SnapshotIndex, select: Select | None) -> SnapshotIndex:
+    """The index restricted to the arrays `select` keeps: what a partial restore reads and verifies."""
+    return index if select is None else replace(index, arrays=tuple(a for a in index.arrays if select(a.name)))
+
+
+def load(directory: Path, *, verify: bool, pool: Executor | None,
+         select: Select | None = None) -> tuple[SnapshotIndex, dict[str, np.ndarray]]:
+    """A committed snapshot as private (copy-on-write) arrays, those `select` keeps (all by default); raises
+    SnapshotDamaged naming every problem. The arrays are views of the mapped file: with `select`, the bytes of
+    the others are never read, nor checksummed."""
     index, arrays = open_arrays(directory, private=True)
-    problems = verify_arrays(index, arrays, pool, str(directory)) if verify else []
+    chosen = selected(index, select)
+    arrays = {a.name: arrays[a.name] for a in chosen.arrays if a.name in arrays}
+    problems = verify_arrays(chosen, arrays, pool, str(directory)) if verify else []
     if problems:
         raise SnapshotDamaged(problems)
     return index, arrays

@@ -61,9 +61,10 @@ class CheckpointTier(ABC):
         """(committed, partial) step directories; a missing root is an empty tier."""
 
     @abstractmethod
-    def load(self, step: int, *, verify: bool,
-             pool: Executor | None) -> tuple[SnapshotIndex, dict[str, np.ndarray]]:
-        """A committed step's index and arrays; raises snapshot.SnapshotDamaged naming every problem."""
+    def load(self, step: int, *, verify: bool, pool: Executor | None,
+             select: snap.Select | None = None) -> tuple[SnapshotIndex, dict[str, np.ndarray]]:
+        """A committed step's index and arrays (those `select` keeps: only they are read and verified); raises
+        snapshot.SnapshotDamaged naming every problem."""
 
     @abstractmethod
     def check(self, step: int, pool: Executor | None) -> list[str]:

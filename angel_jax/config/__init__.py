@@ -47,6 +47,8 @@ class ModelConfig:
     param_dtype: Literal["float32", "bfloat16"] = doc("float32", "Dtype of the stored (master) parameters.")
     remat: bool = doc(False, "Recompute each block's activations in the backward pass (saves memory).")
     scan_blocks: bool = doc(True, "Run the blocks with one scanned body (compile time independent of depth).")
+    init_from: str = doc("", "A Hugging Face checkpoint directory (config.json + model.safetensors) to start from; "
+                             "its architecture must match the keys above. Empty = random init from train.seed.")
 
     def validate(self) -> list[tuple[str, str]]:
         errs = []

@@ -166,10 +166,23 @@ _BLUEPRINTS_KEEP = 4
 _BLUEPRINTS_LOCK = threading.Lock()
 
 
+def _stage_shapes(staged: StagedModel) -> list[Any]:
+    """Each stage's parameters as jax.ShapeDtypeStruct, in stage order."""
+    _, abstract = staged.abstract()
+    return jax.eval_shape(staged.split, abstract)
+
+
+def params_layout(cfg: Config) -> PageLayout:
+    """The page layout of the model's parameters (the pages `params/<stage>/<k>` of a paged checkpoint), from
+    shapes alone: nothing is allocated or compiled, so a checkpoint's pages can be read without building an
+    engine."""
+    staged = models.get(cfg.model)
+    return PageLayout.build(zip([s.name for s in staged.stages], _stage_shapes(staged)), cfg.memory.page_size)
+
+
 def _blueprint(cfg: Config) -> Blueprint:
     staged = models.get(cfg.model)
-    _, abstract = staged.abstract()
-    stage_params = jax.eval_shape(staged.split, abstract)
+    stage_params = _stage_shapes(staged)
     tx, schedule = make_optimizer(cfg.optimizer, cfg.train.steps, clip=False)
     names = [s.name for s in staged.stages]
     params_layout = PageLayout.build(zip(names, stage_params), cfg.memory.page_size)

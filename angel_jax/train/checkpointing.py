@@ -132,8 +132,9 @@ def _plain_file(path: Path) -> bool:
 
 ALL_DAMAGED = -2
 """restore_latest's choice when the run has committed checkpoints and none of them verifies."""
-RESUMABLE_MODEL_CHANGES = ("remat",)
-"""Model settings a run may change on resume: they change how the function is computed, not which function."""
+RESUMABLE_MODEL_CHANGES = ("remat", "init_from")
+"""Model settings a run may change on resume: they change how the function is computed, not which function
+(init_from only chooses the parameters of step 0, which a resume replaces with the checkpoint's)."""
 
 
 def check_same_model(saved_config: dict | None, cfg: Config, step: int) -> None:

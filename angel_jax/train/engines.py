@@ -69,7 +69,10 @@ class InMemoryEngine:
         # Created directly with their final (replicated) sharding: no host copy of the initial parameters. The
         # parameters first, then the optimizer state from them: one jitted function making both would hold the
         # parameter initialisers' temporaries next to the whole optimizer state.
-        params = jax.jit(lambda: model.init(cfg.train.seed)[1], out_shardings=self.replicated)()
+        if model.init_reads_files:  # read from a checkpoint on the host (inside jit they would be constants)
+            params = jax.tree.map(lambda a: _replicate(np.asarray(a), self.replicated), model.init(cfg.train.seed)[1])
+        else:
+            params = jax.jit(lambda: model.init(cfg.train.seed)[1], out_shardings=self.replicated)()
         self.state: TrainState = jax.jit(lambda p: init_state(p, opt.tx), out_shardings=self.replicated,
                                          donate_argnums=0)(params)
         del params

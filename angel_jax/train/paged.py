@@ -37,6 +37,7 @@ import numpy as np
 from angel_jax.checkpoint.state import LazyArray, StateSnapshot
 from angel_jax.config import Config
 from angel_jax.optim.guard import StepControls
+from angel_jax.memory import PageLayout
 from angel_jax.schedule.engine import PagedEngine, build_paged_engine, check_host_room
 from angel_jax.schedule.timeline import Timeline
 from angel_jax.train.plan_cli import plan_summary
@@ -49,26 +50,33 @@ WARMUP_STEPS = 3
 RECORDED_STEPS = 2
 
 
+def pages_fingerprint(layout: PageLayout, stage: str) -> list[list]:
+    """[dtype, length] of each of a stage's pages."""
+    return [[p.dtype.name, p.length] for p in layout.stage(stage).pages]
+
+
 def layout_fingerprint(built: PagedEngine) -> dict[str, Any]:
     """Per stage: [dtype, length] of each parameter and optimizer page, [dtype, shape] of each small leaf."""
     model, small = built.model, built.updater.small_specs
     out = {}
     for i, stage in enumerate(model.staged.stages):
         out[stage.name] = {
-            "params": [[p.dtype.name, p.length] for p in model.params_layout.stage(stage.name).pages],
-            "opt": [[p.dtype.name, p.length] for p in model.opt_layout.stage(stage.name).pages],
+            "params": pages_fingerprint(model.params_layout, stage.name),
+            "opt": pages_fingerprint(model.opt_layout, stage.name),
             "opt_small": [[np.dtype(dtype).name, list(shape)] for shape, dtype in small[i]],
         }
     return out
 
 
-def _first_difference(mine: dict, theirs: Any) -> str | None:
+def first_layout_difference(mine: dict, theirs: Any,
+                            families: tuple[str, ...] = ("params", "opt", "opt_small")) -> str | None:
+    """The first difference between two layout fingerprints in the page families named, or None."""
     if not isinstance(theirs, dict):
         return "the checkpoint has no page layout"
     for name in mine:
         if name not in theirs:
             return f"stage {name!r} is missing from the checkpoint (its stages: {', '.join(theirs)})"
-        for family in ("params", "opt", "opt_small"):
+        for family in families:
             a, b = mine[name][family], theirs[name].get(family)
             if a != b:
                 return (f"stage {name!r}, {family} pages: this run has {len(a)} x {a[:2]}..., the checkpoint "
@@ -185,7 +193,7 @@ class PagedTrainEngine:
         if meta.get("page_size") != self.cfg.memory.page_size:
             raise StateMismatch(f"the checkpoint's pages are {meta.get('page_size')} B, this run's "
                                 f"memory.page_size is {self.cfg.memory.page_size} B; resume with the same page size")
-        problem = _first_difference(layout_fingerprint(self.built), meta.get("layout"))
+        problem = first_layout_difference(layout_fingerprint(self.built), meta.get("layout"))
         if problem:
             raise StateMismatch(f"paged engine: the checkpoint's page layout differs from this run's: {problem} "
                                 "(another model or optimizer config?)")

@@ -1,0 +1,123 @@
+"""A trained model's parameters, read from a run directory's checkpoints, whichever engine wrote them.
+
+    weights = load_params(Path("runs/gpt_tiny"))          # the newest valid checkpoint (or step=N)
+    weights.cfg, weights.step                             # the run's resolved config, the step
+    weights.params                                        # numpy, in the family's `init` structure
+
+What `TrainEngine.params()` returns at that step, from the checkpoint alone: no engine is built and nothing of
+the optimizer state is read. The checkpoint engine's restore is used as training uses it (memory tier -> peer ->
+persistent, a damaged copy skipped for the next), restricted to the parameter arrays, so only their bytes are read
+and checksummed. The two engines name them differently (train/protocol.py, train/paged.py):
+
+    in_memory   params/<path in the params tree>   one array per leaf, e.g. params/blocks/qkv/kernel
+    paged       params/<stage>/<k>                 the k-th page of a stage, unpacked with the page layout that
+                                                   the paged engine builds from the model config and page size
+                                                   (rebuilt here from shapes; checked against the checkpoint's
+                                                   layout fingerprint)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import jax
+import numpy as np
+
+from angel_jax.checkpoint import CheckpointEngine, CheckpointError
+from angel_jax.config import Config, ConfigError, load_recorded_config
+from angel_jax.schedule.engine import params_layout
+from angel_jax.train.checkpointing import check_same_model, checkpoint_options
+from angel_jax.train.paged import first_layout_difference, pages_fingerprint
+from angel_jax.train.protocol import StateMismatch, check_arrays, path_name
+import models
+
+PARAMS_PREFIX = "params/"
+"""Both engines name their parameter arrays under this prefix; everything else (optimizer state, counters) is
+left unread."""
+
+
+@dataclass(frozen=True)
+class LoadedWeights:
+    cfg: Config
+    """The run's resolved config (its config.yaml)."""
+    params: Any
+    """The whole model's parameters as numpy arrays, in the family's `init` structure."""
+    step: int
+    """The training step the checkpoint holds."""
+
+
+def load_params(run_dir: Path, step: int | None = None) -> LoadedWeights:
+    """The parameters of the newest valid checkpoint of `run_dir` (or of `step`), from any engine.
+
+    Raises CheckpointError naming the directory when it is not a run directory, holds no checkpoint (or not
+    `step`), or holds only damaged ones; StateMismatch when the checkpoint does not fit the recorded config."""
+    run_dir = Path(run_dir)
+    cfg = _run_config(run_dir)
+    with CheckpointEngine(checkpoint_options(cfg, run_dir)) as engine:
+        committed = sorted(info.step for info in engine.list() if info.committed)
+        if not committed:
+            raise CheckpointError(f"run directory {run_dir} has no checkpoint (looked in {engine._tier_roots()}): "
+                                  "train it first, with checkpoint.every > 0 or to its last step")
+        if step is not None and step not in committed:
+            raise CheckpointError(f"run directory {run_dir} has no checkpoint of step {step} (its steps: "
+                                  f"{', '.join(map(str, committed))})", step=step)
+        try:
+            restored = engine.restore(step, select=lambda name: name.startswith(PARAMS_PREFIX))
+        except CheckpointError as e:
+            raise CheckpointError(f"run directory {run_dir}: {e}", step=step, stage="restore") from e
+    meta = restored.meta
+    check_same_model(meta.get("config"), cfg, restored.step)
+    engine_meta = meta.get("engine") or {}
+    where = f"{run_dir} step {restored.step}"
+    if engine_meta.get("engine", "in_memory") == "paged":
+        params = _unpack_pages(cfg, restored.arrays, engine_meta, where)
+    else:
+        params = _from_leaves(cfg, restored.arrays, where)
+    return LoadedWeights(cfg=cfg, params=params, step=restored.step)
+
+
+def _run_config(run_dir: Path) -> Config:
+    if not run_dir.is_dir():
+        raise CheckpointError(f"run directory {run_dir} does not exist")
+    config_file = run_dir / "config.yaml"
+    if not config_file.is_file():
+        raise CheckpointError(f"{run_dir} is not a run directory: it has no config.yaml (the resolved config "
+                              "every `angel-jax train` run writes)")
+    try:
+        return load_recorded_config(config_file)
+    except ConfigError as e:
+        raise CheckpointError(f"run directory {run_dir}: {e}") from e
+
+
+def _from_leaves(cfg: Config, arrays: Mapping[str, Any], where: str) -> Any:
+    """The in-memory engine's checkpoint: one array per leaf of the parameter tree."""
+    _, abstract = models.get(cfg.model).abstract()
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract)
+    names = [PARAMS_PREFIX + path_name(path) for path, _ in leaves]
+    check_arrays({n: (leaf.shape, leaf.dtype) for n, (_, leaf) in zip(names, leaves)}, arrays,
+                 f"the parameters in {where}")
+    return jax.tree_util.tree_unflatten(treedef, [np.array(arrays[n]) for n in names])
+
+
+def _unpack_pages(cfg: Config, arrays: Mapping[str, Any], engine_meta: Mapping[str, Any], where: str) -> Any:
+    """The paged engine's checkpoint: pages `params/<stage>/<k>`, unpacked stage by stage with the layout the
+    engine built from the config (checked against the checkpoint's fingerprint first)."""
+    if engine_meta.get("page_size") != cfg.memory.page_size:
+        raise StateMismatch(f"{where}: the checkpoint's pages are {engine_meta.get('page_size')} B, the run's "
+                            f"config says memory.page_size={cfg.memory.page_size}")
+    layout = params_layout(cfg)
+    mine = {s.name: {"params": pages_fingerprint(layout, s.name)} for s in layout.stages}
+    problem = first_layout_difference(mine, engine_meta.get("layout"), families=("params",))
+    if problem:
+        raise StateMismatch(f"{where}: the page layout rebuilt from the run's config differs from the "
+                            f"checkpoint's: {problem}")
+    expected = {f"{PARAMS_PREFIX}{s.name}/{k}": ((p.length,), p.dtype)
+                for s in layout.stages for k, p in enumerate(s.pages)}
+    check_arrays(expected, arrays, f"the parameter pages in {where}")
+    staged = models.get(cfg.model)
+    stage_params = [layout.stage(s.name).unpack(tuple(np.asarray(arrays[f"{PARAMS_PREFIX}{s.name}/{k}"])
+                                                      for k in range(len(layout.stage(s.name).pages))))
+                    for s in staged.stages]
+    return jax.tree.map(np.asarray, staged.merge(stage_params))

@@ -1,0 +1,200 @@
+"""Hugging Face checkpoints in and out: a directory with config.json + model.safetensors <-> our models.
+
+    fields = hf.model_fields("ckpt/")                  # ModelConfig's architecture fields from config.json
+    hf.check_matches(cfg.model, "ckpt/")               # ConfigError naming the first model.* key that differs
+    params = hf.load_stage(cfg.model, "ckpt/", 3, abstract_stage)   # one stage, read from the file alone
+    hf.export(cfg.model, staged.split(params), "out/") # config.json + model.safetensors, loadable by transformers
+    staged = hf.from_pretrained(staged, cfg.model)     # model.init_from: init / init_stage read the checkpoint
+
+Each supported HF architecture has a mapping module here (gpt2.py, llama.py): pure functions from config.json to
+our ModelConfig fields and back, and per-stage tensor tables (mapping.py) that convert in both directions. Import
+is lazy per stage: `load_stage` reads only that stage's tensors, so the paged engine initialises a model larger
+than RAM straight from the file, one stage at a time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import json
+import os
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from angel_jax.config import ConfigError, ModelConfig
+from models.hf.mapping import TensorSource, stage_from_hf, stage_to_hf
+from models.hf.safetensors_io import INDEX_FILE, SINGLE_FILE, CheckpointFileError, CheckpointTensors, write
+from models.stages import StagedModel
+
+Params = dict
+
+MAPPINGS = {"gpt2": "models.hf.gpt2", "llama": "models.hf.llama"}
+"""HF model_type -> the module that maps it."""
+BY_FAMILY = {"gpt": "gpt2", "llama": "llama"}
+"""Our model.name -> the HF model_type it is exported as."""
+
+ARCHITECTURE_KEYS = ("name", "vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "n_kv_heads",
+                     "mlp_hidden", "norm_eps", "rope_theta")
+"""The model.* keys a checkpoint fixes (in the order they are compared); the rest (dtypes, remat, scan) are ours."""
+
+SPECIAL_TOKENS = ("bos_token_id", "eos_token_id", "pad_token_id")
+"""config.json keys that describe the tokenizer, not the model: carried from an imported checkpoint to exports."""
+
+EXPORT_DTYPES = ("float32", "bfloat16", "float16")
+
+__all__ = ["ARCHITECTURE_KEYS", "CheckpointFileError", "CheckpointTensors", "EXPORT_DTYPES", "check_matches", "export",
+           "from_pretrained", "load_stage", "model_fields", "read_config"]
+
+
+def read_config(hf_dir: str | Path) -> dict[str, Any]:
+    """The checkpoint's config.json as a dict (a missing directory or file, or bad JSON, is a clear error)."""
+    hf_dir = Path(hf_dir)
+    path = hf_dir / "config.json"
+    if not hf_dir.is_dir():
+        raise CheckpointFileError(f"{hf_dir}: no such directory (expected a Hugging Face checkpoint: config.json "
+                                  f"+ {SINGLE_FILE})")
+    if not path.is_file():
+        raise CheckpointFileError(f"{hf_dir}: no config.json (a Hugging Face checkpoint directory has config.json "
+                                  f"+ {SINGLE_FILE})")
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:
+        raise ConfigError(f"{path}: not a readable JSON file: {e}") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"{path}: expected a JSON object, got {type(raw).__name__}")
+    return raw
+
+
+def mapping_of(raw: dict[str, Any], where: str) -> ModuleType:
+    """The mapping module of a config.json's model_type."""
+    model_type = raw.get("model_type")
+    if model_type not in MAPPINGS:
+        raise ConfigError(f"{where}: model_type={model_type!r} is not supported (supported: "
+                          f"{', '.join(sorted(MAPPINGS))})")
+    return importlib.import_module(MAPPINGS[model_type])
+
+
+def mapping_for(cfg: ModelConfig) -> ModuleType:
+    """The mapping module our model family is exported with."""
+    if cfg.name not in BY_FAMILY:
+        raise ConfigError(f"'model.name'={cfg.name!r} has no Hugging Face mapping (mapped: "
+                          f"{', '.join(sorted(BY_FAMILY))})")
+    return importlib.import_module(MAPPINGS[BY_FAMILY[cfg.name]])
+
+
+def model_fields(hf_dir: str | Path) -> dict[str, Any]:
+    """Our ModelConfig's architecture fields (a subset of ARCHITECTURE_KEYS) from the checkpoint's config.json."""
+    where = str(Path(hf_dir) / "config.json")
+    raw = read_config(hf_dir)
+    return mapping_of(raw, where).model_fields(raw, where)
+
+
+def _effective(cfg: ModelConfig, key: str) -> Any:
+    # What the model computes with: mlp_hidden 0 means mlp_ratio x d_model, n_kv_heads 0 means n_heads.
+    return {"mlp_hidden": cfg.hidden, "n_kv_heads": cfg.kv_heads}.get(key, getattr(cfg, key))
+
+
+def check_matches(cfg: ModelConfig, hf_dir: str | Path) -> None:
+    """Refuse a model config whose architecture differs from the checkpoint's, naming the first key that does."""
+    where = str(Path(hf_dir) / "config.json")
+    raw = read_config(hf_dir)
+    mapping = mapping_of(raw, where)
+    fields = mapping.model_fields(raw, where)
+    for key in ARCHITECTURE_KEYS:
+        if key not in fields:
+            continue  # not part of this architecture (GPT-2 has no rotary embedding)
+        want = fields[key]
+        if key == "n_kv_heads":
+            want = want or fields["n_heads"]
+        if _effective(cfg, key) != want:
+            hf_key = "model_type" if key == "name" else mapping.HF_KEYS[key]
+            shown = f"{raw.get(hf_key)!r} -> {want!r}" if key == "name" else repr(want)
+            raise ConfigError(f"'model.{key}'={_effective(cfg, key)!r} differs from {hf_key}={shown} in {where} "
+                              f"(model.init_from): the config's architecture must be the checkpoint's "
+                              f"(`angel-jax import {hf_dir} --config OUT.yaml` writes a matching config)")
+
+
+def load_stage(cfg: ModelConfig, files: CheckpointTensors, stage: int, abstract: Params) -> Params:
+    """Stage `stage`'s params (numpy, model.param_dtype) from the checkpoint's tensors; `abstract` gives the
+    stage's structure and shapes (e.g. `jax.eval_shape` of the family's init_stage)."""
+    mapping = mapping_for(cfg)
+    source = TensorSource(files, mapping.PREFIX)
+    return stage_from_hf(mapping.tensor_table(cfg, stage), source, abstract, jnp.dtype(cfg.param_dtype))
+
+
+def from_pretrained(staged: StagedModel, cfg: ModelConfig) -> StagedModel:
+    """`staged` with `init` and `init_stage` reading the checkpoint at model.init_from (the seed is unused):
+    init_stage reads one stage's tensors alone; init reads them all and stacks the blocks (`staged.merge`).
+    Both first check that the config's architecture is the checkpoint's."""
+    hf_dir = Path(cfg.init_from)
+    family_init_stage = staged.init_stage
+    shapes: dict[str, Params] = {}
+
+    def abstract_stage(i: int) -> Params:  # stages of one kind share their shapes
+        kind = staged.stages[i].kind
+        if kind not in shapes:
+            shapes[kind] = jax.eval_shape(lambda: family_init_stage(0, i))
+        return shapes[kind]
+
+    def open_checked() -> CheckpointTensors:
+        check_matches(cfg, hf_dir)
+        return CheckpointTensors(hf_dir)
+
+    def init_stage(seed: int, i: int) -> Params:
+        if not 0 <= i < len(staged.stages):
+            raise IndexError(f"stage {i} out of range: the model has {len(staged.stages)} stages")
+        return load_stage(cfg, open_checked(), i, abstract_stage(i))
+
+    def init(seed: int) -> tuple[Any, Params]:
+        files = open_checked()
+        stages = [load_stage(cfg, files, i, abstract_stage(i)) for i in range(len(staged.stages))]
+        with jax.default_device(jax.devices("cpu")[0]):  # stacked on the host; the engine places them
+            params = jax.tree.map(np.asarray, staged.merge(stages))
+        return staged.abstract()[0], params
+
+    return dataclasses.replace(staged, init=init, init_stage=init_stage, init_reads_files=True)
+
+
+def export(cfg: ModelConfig, stage_params: list[Params], out_dir: str | Path, *, dtype: str | None = None,
+           carry: dict[str, Any] | None = None, overwrite: bool = False) -> Path:
+    """Write our model's params, one pytree per stage (`StagedModel.split`), as a Hugging Face checkpoint:
+    model.safetensors (tensors in `dtype`, default the params' own) and config.json (our architecture as the HF
+    model_type, untied head). `carry`: extra config.json keys (the special token ids of the checkpoint a run
+    started from). An existing config.json or model.safetensors in `out_dir` is refused unless `overwrite`."""
+    out_dir = Path(out_dir)
+    mapping = mapping_for(cfg)
+    dtype = dtype or str(jax.tree.leaves(stage_params)[0].dtype)
+    if dtype not in EXPORT_DTYPES:
+        raise ConfigError(f"export dtype {dtype!r}: one of {', '.join(EXPORT_DTYPES)}")
+    existing = [p.name for p in (out_dir / "config.json", out_dir / SINGLE_FILE, out_dir / INDEX_FILE) if p.exists()]
+    if existing and not overwrite:
+        raise CheckpointFileError(f"{out_dir} already holds {' and '.join(existing)}: choose another directory "
+                                  "(or replace that checkpoint: angel-jax export --overwrite)")
+    if overwrite and (out_dir / INDEX_FILE).exists():
+        (out_dir / INDEX_FILE).unlink()  # transformers would read the old shards it names
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tensors: dict[str, np.ndarray] = {}
+    for i, params in enumerate(stage_params):
+        tensors.update(stage_to_hf(mapping.tensor_table(cfg, i), params, jnp.dtype(dtype)))
+    write(out_dir / SINGLE_FILE, tensors)
+    del tensors
+    config = {**mapping.hf_config(cfg), **{k: None for k in SPECIAL_TOKENS}, **(carry or {}),
+              "torch_dtype": dtype, "dtype": dtype}
+    tmp = out_dir / "config.json.tmp"
+    tmp.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    os.replace(tmp, out_dir / "config.json")  # last: a directory with config.json has its weights
+    return out_dir
+
+
+def special_tokens(hf_dir: str | Path) -> dict[str, Any]:
+    """The special token ids of a checkpoint's config.json ({} when it cannot be read: they are optional)."""
+    try:
+        raw = read_config(hf_dir)
+    except (CheckpointFileError, ConfigError):
+        return {}
+    return {k: raw[k] for k in SPECIAL_TOKENS if k in raw}

@@ -1,0 +1,69 @@
+"""Key/value-cache decoding (`StagedModel.init_cache` / `decode`) against the whole-sequence forward, for every
+family that can sample: a prefill and single-token steps (each attending to the cache) give the logits the
+stage-by-stage forward gives over the whole sequence at once. A family that gains `decode` needs one line in
+DECODING."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import models
+from angel_jax.config import ModelConfig
+
+DECODING = {
+    "gpt": ModelConfig(name="gpt", vocab_size=64, seq_len=16, d_model=32, n_layers=2, n_heads=4,
+                       compute_dtype="float32"),
+}
+"""family -> a tiny float32 config of it."""
+
+
+def _perturbed(params, seed: int):
+    """Parameters far from their initial values (std 0.02 weights make attention nearly uniform, so a wrong
+    position or a wrong cache slot would hardly show): every leaf gets noise of std 0.3."""
+    leaves, treedef = jax.tree.flatten(params)
+    keys = jax.random.split(jax.random.key(seed), len(leaves))
+    return jax.tree.unflatten(treedef, [a + 0.3 * jax.random.normal(k, a.shape, a.dtype) for a, k in zip(leaves, keys)])
+
+
+@pytest.fixture(scope="module", params=sorted(DECODING))
+def family(request):
+    cfg = DECODING[request.param]
+    staged = models.get(cfg)
+    _, params = staged.init(0)
+    return cfg, staged, _perturbed(params, 1)
+
+
+def test_every_decoding_family_is_listed():
+    can = sorted(name for name in models.FAMILIES
+                 if models.get(ModelConfig(name=name, n_kv_heads=0)).decode is not None)
+    assert can == sorted(DECODING)
+
+
+@pytest.mark.parametrize("prompt_len", [1, 5])
+def test_prefill_and_single_token_steps_give_the_whole_sequence_logits(family, prompt_len):
+    cfg, staged, params = family
+    batch, total = 2, cfg.seq_len  # to the last position the model has
+    tokens = jax.random.randint(jax.random.key(2), (batch, total), 0, cfg.vocab_size, jnp.int32)
+    whole = np.asarray(staged.forward(staged.split(params), tokens))
+
+    step = jax.jit(staged.decode)
+    cache = staged.init_cache(batch, cfg.seq_len)
+    logits, cache = step(params, cache, tokens[:, :prompt_len], jnp.int32(0))
+    got = [np.asarray(logits)]
+    for pos in range(prompt_len, total):
+        logits, cache = step(params, cache, tokens[:, pos:pos + 1], jnp.int32(pos))
+        got.append(np.asarray(logits))
+    cached = np.concatenate(got, axis=1)
+    assert cached.shape == whole.shape == (batch, total, cfg.vocab_size)
+    assert whole.std() > 0.5  # the perturbed model's logits vary: agreement below is not agreement on zeros
+    np.testing.assert_allclose(cached, whole, rtol=1e-5, atol=1e-5)
+    assert step._cache_size() == (1 if prompt_len == 1 else 2)  # one program per length: pos is traced
+
+
+def test_a_cache_past_the_context_is_refused(family):
+    cfg, staged, _ = family
+    with pytest.raises(ValueError, match=f"model.seq_len={cfg.seq_len}"):
+        staged.init_cache(1, cfg.seq_len + 1)

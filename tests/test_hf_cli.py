@@ -1,0 +1,105 @@
+"""Hugging Face checkpoints in training: `angel-jax import` writes a config that starts from one, a run with
+model.init_from trains alike in the in-memory and the paged engine from the checkpoint's parameters (its first
+loss is our model's loss with those parameters), and `angel-jax export` writes a run's checkpoint back out."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+import models
+from angel_jax import cli
+from angel_jax import data as data_lib
+from angel_jax.config import load_config
+from angel_jax.train.weights import load_params
+from models import hf
+
+FIXTURES = Path(__file__).parent / "fixtures" / "hf"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_import_writes_a_config_that_starts_from_the_checkpoint(tmp_path, capsys):
+    out = tmp_path / "configs" / "gpt2.yaml"
+    base = ROOT / "experiments" / "gpt_tiny.yaml"
+    assert cli.main(["import", str(FIXTURES / "gpt2"), "--config", str(out), "--base", str(base),
+                     "train.steps=5"]) == 0
+    assert f"angel-jax train {out}" in capsys.readouterr().out
+    cfg = load_config(out)
+    assert {k: getattr(cfg.model, k) for k in hf.model_fields(FIXTURES / "gpt2")} == hf.model_fields(FIXTURES / "gpt2")
+    assert cfg.model.init_from == str((FIXTURES / "gpt2").resolve())
+    base_cfg = load_config(base)
+    assert cfg.model.compute_dtype == base_cfg.model.compute_dtype == "float32"  # the base's own model keys stay
+    assert cfg.optimizer == base_cfg.optimizer and cfg.train.steps == 5 and cfg.name == "gpt2"
+    models.check_init_from(cfg.model)
+
+    # Refused: an override that changes the architecture, an existing file, an unsupported checkpoint.
+    assert cli.main(["import", str(FIXTURES / "gpt2"), "--config", str(tmp_path / "x.yaml"), "model.d_model=32"]) == 2
+    assert "'model.d_model'=32 differs from n_embd=48" in capsys.readouterr().err
+    assert cli.main(["import", str(FIXTURES / "llama"), "--config", str(out)]) == 2
+    assert f"{out} exists" in capsys.readouterr().err
+    assert cli.main(["import", str(tmp_path), "--config", str(tmp_path / "y.yaml")]) == 1
+    assert "no config.json" in capsys.readouterr().err
+    assert not (tmp_path / "x.yaml").exists() and not (tmp_path / "y.yaml").exists()
+
+
+def _assert_equal_trees(got, want) -> None:
+    assert jax.tree.structure(got) == jax.tree.structure(want)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.slow
+def test_a_run_from_a_checkpoint_trains_alike_in_both_engines_and_exports(tmp_path, write_tiny_config, toy_corpus):
+    src = FIXTURES / "llama"
+    model = {**hf.model_fields(src), "init_from": str(src)}
+    sections = dict(model=model, train={"steps": 3, "batch_size": 4}, checkpoint={"every": 3})
+    paged = {"mode": "paged", "page_size": 65536, "device_budget": 3_000_000}
+    runs = {"in_memory": write_tiny_config(tmp_path, "in_memory", **sections),
+            "paged": write_tiny_config(tmp_path, "paged", memory=paged, **sections)}
+    from angel_jax.train.loop import train
+
+    results = {name: train(load_config(path)) for name, path in runs.items()}
+    losses = {name: [r["loss"] for r in result.history] for name, result in results.items()}
+    assert len(losses["paged"]) == 3
+    np.testing.assert_allclose(losses["paged"], losses["in_memory"], rtol=1e-6)
+
+    # Step 1's loss is our model's loss, with the checkpoint's parameters, on the first batch.
+    cfg = load_config(runs["in_memory"])
+    staged = models.get(cfg.model)
+    imported = staged.init(0)[1]
+    batch = next(data_lib.TokenIterator(toy_corpus[1], batch_size=4, seq_len=cfg.model.seq_len, seed=cfg.data.seed))
+    logits = jax.jit(staged.forward)(staged.split(imported), batch[:, :-1])
+    np.testing.assert_allclose(losses["in_memory"][0], float(staged.loss(logits, batch[:, 1:])), rtol=1e-6)
+
+    # Exported from either engine's checkpoint, imported again: the trained parameters bit for bit.
+    for name, result in results.items():
+        out = tmp_path / f"{name}-hf"
+        assert cli.main(["export", str(tmp_path / name), "--hf", str(out)]) == 0
+        assert load_params(tmp_path / name).step == 3
+        back = models.get(dataclasses.replace(cfg.model, init_from=str(out))).init(0)[1]
+        _assert_equal_trees(back, result.params)
+        assert not np.array_equal(back["blocks"]["q"]["kernel"], imported["blocks"]["q"]["kernel"])
+        assert hf.special_tokens(out) == hf.special_tokens(src)  # carried from the checkpoint the run started from
+    assert cli.main(["export", str(tmp_path / "paged"), "--hf", str(tmp_path / "paged-hf")]) == 1  # not over it
+
+
+def test_init_from_may_change_on_resume():
+    """init_from only chooses step 0's parameters: a resume may drop it (the directory moved) or come from a
+    checkpoint written before the key existed; another architecture is still refused."""
+    from angel_jax.checkpoint import CheckpointError
+    from angel_jax.config import to_dict
+    from angel_jax.train.checkpointing import check_same_model
+
+    cfg = load_config(None, ["model.init_from=/moved/away"])
+    saved = to_dict(load_config(None))
+    check_same_model(saved, cfg, 3)
+    del saved["model"]["init_from"]
+    check_same_model(saved, cfg, 3)
+    saved["model"]["d_model"] = 64
+    with pytest.raises(CheckpointError, match="model.d_model=128"):
+        check_same_model(saved, cfg, 3)
