@@ -7,17 +7,21 @@
     angel-jax plan CONFIG [key=value ...]      the paged engine's plan: page table, predicted step time and timeline
     angel-jax bench io                         measure H2D/D2H/disk/memcpy bandwidths (cost-model calibration)
     angel-jax ckpt ls|verify RUN_DIR [STEP]    list a run's checkpoints per tier / check their checksums
+    angel-jax sample RUN_DIR --prompt TEXT     continue TEXT with a trained run's model (key/value cache)
     angel-jax config [CONFIG]                  list every config key with its type, default and meaning
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
+import typing
 from pathlib import Path
 
 from angel_jax.config import ConfigError, describe, dump_yaml, load_config
+from angel_jax.config.sampling import SamplingOptions, flag
 from angel_jax.errors import AngelError
 
 _TRAIN_HELP = """\
@@ -43,6 +47,15 @@ and restarts it from the newest valid checkpoint, up to resilience.max_restarts 
 resilience.no_progress_limit restarts without progress. The run directory receives events.jsonl (every decision),
 watchdog.json (state, worker pids), logs/attempt<A>-rank<R>.log and goodput.json. Exit status 0 when the job
 finished, 1 when it failed."""
+
+_SAMPLE_HELP = """\
+Continue --prompt with the model of a trained run, read from the run directory's newest valid checkpoint (or
+--step) of either engine, and print the prompt and the continuation (streamed as it is generated when there is one
+sample). The prompt is encoded with the run's tokenizer (bytes, or the BPE in the run's data directory); the prompt
+goes through the model once and each new token is one step over a key/value cache. --temperature 0 is greedy;
+otherwise tokens are drawn from the top-k, then top-p (nucleus) filtered distribution, and the same --seed gives
+the same text. Generation stops at --max-tokens, at the end-of-text token (BPE), or when the model's context
+(model.seq_len) is full: a prompt plus --max-tokens longer than the context generates fewer tokens, with a note."""
 
 _DATA_HELP = """\
 Tokenize text files into memory-mapped token shards (uint16 .bin files) plus meta.json. `--source stdlib` (the
@@ -107,6 +120,19 @@ def _parser() -> argparse.ArgumentParser:
     verify = ckpt_sub.add_parser("verify", help="read every copy and check its checksums", description=_CKPT_HELP)
     verify.add_argument("run_dir", type=Path, help="the run directory (e.g. runs/gpt_tiny)")
     verify.add_argument("step", type=int, nargs="?", help="only this step (default: every committed step)")
+
+    sample = sub.add_parser("sample", help="text from a trained run (its newest valid checkpoint)",
+                            description=_SAMPLE_HELP)
+    sample.add_argument("run_dir", type=Path, help="the run directory (e.g. runs/gpt_tiny)")
+    sample.add_argument("--prompt", required=True, help="the text to continue")
+    types = typing.get_type_hints(SamplingOptions)
+    for option in dataclasses.fields(SamplingOptions):
+        sample.add_argument(f"--{flag(option.name)}", dest=option.name, type=types[option.name],
+                            default=option.default, help=f"{option.metadata['doc']} (default {option.default})")
+    sample.add_argument("--step", type=int, default=None, help="the checkpoint's step (default: the newest valid)")
+    sample.add_argument("--data-dir", type=Path, default=None,
+                        help="the run's prepared data directory, which holds a BPE tokenizer (default: the run's "
+                             "data.dir, else data/<source>-<tokenizer> under the working directory)")
 
     cfg = sub.add_parser("config", help="list every config key with type, default and meaning")
     cfg.add_argument("config", type=Path, nargs="?", help="show this file's resolved values instead")
@@ -185,6 +211,12 @@ def _ckpt(args: argparse.Namespace) -> int:
     return 0 if ok else 1
 
 
+def _sample(args: argparse.Namespace) -> int:
+    from angel_jax.train import sample_cli
+
+    return sample_cli.main(args)
+
+
 def _config(args: argparse.Namespace) -> int:
     if args.config is None:
         print("\n".join(describe()))
@@ -207,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
     for noisy in ("absl", "jax._src", "orbax"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     handlers = {"train": _train, "launch": _launch, "worker": _worker, "data": _data, "plan": _plan,
-                "bench": _bench, "ckpt": _ckpt, "config": _config}
+                "bench": _bench, "ckpt": _ckpt, "sample": _sample, "config": _config}
     try:
         return handlers[args.command](args)
     except ConfigError as e:

@@ -20,20 +20,23 @@ DECODING = {
 """family -> a tiny float32 config of it."""
 
 
-def _perturbed(params, seed: int):
-    """Parameters far from their initial values (std 0.02 weights make attention nearly uniform, so a wrong
-    position or a wrong cache slot would hardly show): every leaf gets noise of std 0.3."""
-    leaves, treedef = jax.tree.flatten(params)
+def random_params(staged, seed: int):
+    """Parameters of the model's shapes drawn at random, far from a fresh initialisation (std 0.02 weights make
+    attention nearly uniform, so a wrong position or a wrong cache slot would hardly show): std 0.3 around 0, and
+    around 1 for norm scales. Made from the shapes alone: no initialiser to compile."""
+    _, abstract = staged.abstract()
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract)
     keys = jax.random.split(jax.random.key(seed), len(leaves))
-    return jax.tree.unflatten(treedef, [a + 0.3 * jax.random.normal(k, a.shape, a.dtype) for a, k in zip(leaves, keys)])
+    return jax.tree_util.tree_unflatten(treedef, [
+        float(getattr(path[-1], "key", None) == "scale") + 0.3 * jax.random.normal(k, leaf.shape, leaf.dtype)
+        for (path, leaf), k in zip(leaves, keys)])
 
 
 @pytest.fixture(scope="module", params=sorted(DECODING))
 def family(request):
     cfg = DECODING[request.param]
     staged = models.get(cfg)
-    _, params = staged.init(0)
-    return cfg, staged, _perturbed(params, 1)
+    return cfg, staged, random_params(staged, 1)
 
 
 def test_every_decoding_family_is_listed():
