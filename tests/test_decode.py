@@ -66,7 +66,9 @@ def test_prefill_and_single_token_steps_give_the_whole_sequence_logits(family, p
     assert step._cache_size() == (1 if prompt_len == 1 else 2)  # one program per length: pos is traced
 
 
-def test_a_cache_past_the_context_is_refused(family):
-    cfg, staged, _ = family
+def test_the_gpt_refuses_a_cache_past_its_learned_positions():
+    cfg = DECODING["gpt"]  # positions 0 .. seq_len-1 have embeddings, no others (rotary families have no limit)
+    staged = models.get(cfg)
+    assert staged.init_cache(1, cfg.seq_len)["k"].shape == (2, 1, 16, 4, 8)
     with pytest.raises(ValueError, match=f"model.seq_len={cfg.seq_len}"):
         staged.init_cache(1, cfg.seq_len + 1)
