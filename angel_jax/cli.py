@@ -9,17 +9,21 @@
     angel-jax ckpt ls|verify RUN_DIR [STEP]    list a run's checkpoints per tier / check their checksums
     angel-jax import HF_DIR --config OUT.yaml  a training config that starts from a Hugging Face checkpoint
     angel-jax export RUN_DIR --hf OUT_DIR      a run's weights as a Hugging Face checkpoint
+    angel-jax sample RUN_DIR --prompt TEXT     continue TEXT with a trained run's model (key/value cache)
     angel-jax config [CONFIG]                  list every config key with its type, default and meaning
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import sys
+import typing
 from pathlib import Path
 
 from angel_jax.config import ConfigError, describe, dump_yaml, load_config
+from angel_jax.config.sampling import SamplingOptions, flag
 from angel_jax.errors import AngelError
 
 _TRAIN_HELP = """\
@@ -56,6 +60,14 @@ _EXPORT_HELP = """\
 Write the parameters of a run's newest valid checkpoint (or --step N), of either engine, as a Hugging Face
 checkpoint: OUT_DIR/config.json + OUT_DIR/model.safetensors (GPT -> GPT2LMHeadModel, Llama -> LlamaForCausalLM,
 head untied), which transformers' AutoModelForCausalLM.from_pretrained loads."""
+_SAMPLE_HELP = """\
+Continue --prompt with the model of a trained run, read from the run directory's newest valid checkpoint (or
+--step) of either engine, and print the prompt and the continuation (streamed as it is generated when there is one
+sample). The prompt is encoded with the run's tokenizer (bytes, or the BPE in the run's data directory); the prompt
+goes through the model once and each new token is one step over a key/value cache. --temperature 0 is greedy;
+otherwise tokens are drawn from the top-k, then top-p (nucleus) filtered distribution, and the same --seed gives
+the same text. Generation stops at --max-tokens, at the end-of-text token (BPE), or when the model's context
+(model.seq_len) is full: a prompt plus --max-tokens longer than the context generates fewer tokens, with a note."""
 
 _DATA_HELP = """\
 Tokenize text files into memory-mapped token shards (uint16 .bin files) plus meta.json. `--source stdlib` (the
@@ -140,6 +152,18 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                         help="dtype of the written tensors (default: the parameters' own)")
     export.add_argument("--overwrite", action="store_true", help="replace an export already in OUT_DIR")
+    sample = sub.add_parser("sample", help="text from a trained run (its newest valid checkpoint)",
+                            description=_SAMPLE_HELP)
+    sample.add_argument("run_dir", type=Path, help="the run directory (e.g. runs/gpt_tiny)")
+    sample.add_argument("--prompt", required=True, help="the text to continue")
+    types = typing.get_type_hints(SamplingOptions)
+    for option in dataclasses.fields(SamplingOptions):
+        sample.add_argument(f"--{flag(option.name)}", dest=option.name, type=types[option.name],
+                            default=option.default, help=f"{option.metadata['doc']} (default {option.default})")
+    sample.add_argument("--step", type=int, default=None, help="the checkpoint's step (default: the newest valid)")
+    sample.add_argument("--data-dir", type=Path, default=None,
+                        help="the run's prepared data directory, which holds a BPE tokenizer (default: the run's "
+                             "data.dir, else data/<source>-<tokenizer> under the working directory)")
 
     cfg = sub.add_parser("config", help="list every config key with type, default and meaning")
     cfg.add_argument("config", type=Path, nargs="?", help="show this file's resolved values instead")
@@ -228,6 +252,10 @@ def _export(args: argparse.Namespace) -> int:
     from angel_jax.train import hf_cli
 
     return hf_cli.export_main(args)
+def _sample(args: argparse.Namespace) -> int:
+    from angel_jax.train import sample_cli
+
+    return sample_cli.main(args)
 
 
 def _config(args: argparse.Namespace) -> int:
@@ -252,7 +280,8 @@ def main(argv: list[str] | None = None) -> int:
     for noisy in ("absl", "jax._src", "orbax"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
     handlers = {"train": _train, "launch": _launch, "worker": _worker, "data": _data, "plan": _plan,
-                "bench": _bench, "ckpt": _ckpt, "import": _import, "export": _export, "config": _config}
+                "bench": _bench, "ckpt": _ckpt, "import": _import, "export": _export, "sample": _sample,
+                "config": _config}
     try:
         return handlers[args.command](args)
     except ConfigError as e:

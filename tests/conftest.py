@@ -93,3 +93,28 @@ def write_tiny_config(toy_corpus: tuple[Path, Path]):
         return path
 
     return write
+
+
+@pytest.fixture(scope="session")
+def trained_tiny_run(tmp_path_factory: pytest.TempPathFactory, write_tiny_config):
+    """Factory: trained_tiny_run(mode) -> (run directory, {step: the engine's parameters after it}) for a tiny run
+    of 4 steps with memory.mode `mode` ('in_memory' or 'paged') and a checkpoint every 2 steps; the parameters are
+    the engine's own (`TrainResult.params`). The in-memory run stops at step 2 and resumes to 4, so it has both
+    steps' parameters; the paged one runs straight (step 4 only). Trained once per session and mode."""
+    from angel_jax.config import load_config
+    from angel_jax.train.loop import train
+
+    memory = {"in_memory": {"mode": "in_memory"},
+              "paged": {"mode": "paged", "page_size": 16384, "device_budget": 700_000}}
+    runs: dict[str, tuple[Path, dict]] = {}
+
+    def get(mode: str) -> tuple[Path, dict]:
+        if mode not in runs:
+            directory = tmp_path_factory.mktemp(f"trained-{mode}")
+            config = write_tiny_config(directory, mode, memory=memory[mode], checkpoint={"every": 2, "keep": 2})
+            at = {2: train(load_config(config, ["train.steps=2"])).params} if mode == "in_memory" else {}
+            at[4] = train(load_config(config, ["train.steps=4"])).params
+            runs[mode] = (directory / mode, at)
+        return runs[mode]
+
+    return get

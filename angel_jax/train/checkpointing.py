@@ -99,6 +99,16 @@ def claim_memory_tier(run_dir: Path, memory_root: Path) -> bool:
     return bool(stale)
 
 
+def owns_memory_tier(run_dir: Path, memory_root: Path) -> bool:
+    """Whether the memory tier holds the snapshots of this run directory (its token is the run's; see
+    claim_memory_tier). For readers of a run, which change nothing: a tier of another run (a deleted run at the
+    same path, or a checkpoint.memory_dir shared by two runs) is not to be read as this run's."""
+    token_file, owner_file = Path(run_dir) / RUN_TOKEN_FILE, Path(memory_root) / OWNER_FILE
+    if not (_plain_file(token_file) and _plain_file(owner_file)):
+        return False
+    return token_file.read_text().strip() == owner_file.read_text().strip()
+
+
 def _refuse_unless_private(memory_root: Path) -> None:
     """A memory tier another user owns or may write to could hold snapshots planted there (a forged step with
     chosen weights would be resumed like any other): refuse it, and a parent others may replace it in."""

@@ -18,6 +18,8 @@ and checksummed. The two engines name them differently (train/protocol.py, train
 
 from __future__ import annotations
 
+import dataclasses
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
@@ -25,13 +27,15 @@ from typing import Any, Mapping
 import jax
 import numpy as np
 
-from angel_jax.checkpoint import CheckpointEngine, CheckpointError
+from angel_jax.checkpoint import CheckpointEngine, CheckpointError, CheckpointOptions
 from angel_jax.config import Config, ConfigError, load_recorded_config
 from angel_jax.schedule.engine import params_layout
-from angel_jax.train.checkpointing import check_same_model, checkpoint_options
+from angel_jax.train.checkpointing import check_same_model, checkpoint_options, owns_memory_tier
 from angel_jax.train.paged import first_layout_difference, pages_fingerprint
 from angel_jax.train.protocol import StateMismatch, check_arrays, path_name
 import models
+
+log = logging.getLogger(__name__)
 
 PARAMS_PREFIX = "params/"
 """Both engines name their parameter arrays under this prefix; everything else (optimizer state, counters) is
@@ -54,8 +58,8 @@ def load_params(run_dir: Path, step: int | None = None) -> LoadedWeights:
     Raises CheckpointError naming the directory when it is not a run directory, holds no checkpoint (or not
     `step`), or holds only damaged ones; StateMismatch when the checkpoint does not fit the recorded config."""
     run_dir = Path(run_dir)
-    cfg = _run_config(run_dir)
-    with CheckpointEngine(checkpoint_options(cfg, run_dir)) as engine:
+    cfg = run_config(run_dir)
+    with CheckpointEngine(_read_options(cfg, run_dir)) as engine:
         committed = sorted(info.step for info in engine.list() if info.committed)
         if not committed:
             raise CheckpointError(f"run directory {run_dir} has no checkpoint (looked in {engine._tier_roots()}): "
@@ -78,7 +82,23 @@ def load_params(run_dir: Path, step: int | None = None) -> LoadedWeights:
     return LoadedWeights(cfg=cfg, params=params, step=restored.step)
 
 
-def _run_config(run_dir: Path) -> Config:
+def _read_options(cfg: Config, run_dir: Path) -> CheckpointOptions:
+    """The run's checkpoint tiers, without a memory tier that holds another run's snapshots (a memory tier outlives
+    its run directory; training removes a stale one when it starts, a reader must skip it)."""
+    options = checkpoint_options(cfg, run_dir)
+    memory = options.resolved_memory_dir()
+    if memory.is_dir() and not owns_memory_tier(run_dir, memory):
+        log.warning("the memory tier %s holds snapshots of another run than %s: reading the other tiers only",
+                    memory, run_dir)
+        # A directory that does not exist is an empty tier (nothing is created by reading).
+        options = dataclasses.replace(options, memory_dir=run_dir / ".no-memory-tier")
+    return options
+
+
+def run_config(run_dir: Path) -> Config:
+    """The resolved config a run recorded (<run_dir>/config.yaml); CheckpointError naming the directory when it is
+    not a run directory."""
+    run_dir = Path(run_dir)
     if not run_dir.is_dir():
         raise CheckpointError(f"run directory {run_dir} does not exist")
     config_file = run_dir / "config.yaml"
