@@ -241,6 +241,7 @@ def staged(cfg: ModelConfig) -> StagedModel:
         abstract=lambda: abstract_params(cfg),
         param_count=param_count(cfg),
         flops_per_token=flops_per_token(cfg),
+        block_activation_width=3 * cfg.d_model + 2 * cfg.hidden,  # qkv, the MLP in and out
         init_cache=init_cache,
         decode=decode,
     )

@@ -62,8 +62,8 @@ class StagedModel:
     call them outside jit (inside, the arrays would become constants of the compiled program) and place them."""
     block_activation_width: int = 0
     """Values per token that one block call holds at its peak besides attention's T x T scores (its q, k and v,
-    its MLP's hidden activations), for the scheduling pass's device-memory estimate; 0 = 3 x d_model + 2 x hidden
-    (q, k, v of d_model each, an MLP's hidden activation before and after its nonlinearity)."""
+    its MLP's hidden activations), for the scheduling pass's device-memory estimate. Every family sets it (the GPT:
+    3 x d_model + 2 x hidden); it has a default only because it follows fields that have one."""
     init_cache: Callable[[int, int], PyTree] | None = None
     """(batch, max_len) -> an empty key/value cache for `decode`; None: the family cannot sample."""
     decode: Callable[[PyTree, PyTree, jax.Array, jax.Array], tuple[jax.Array, PyTree]] | None = None

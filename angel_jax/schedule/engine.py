@@ -132,7 +132,8 @@ def fixed_device_bytes(cfg: Config, local_batch: int) -> int:
     tokens = local_batch * m.seq_len
     saved = (m.n_layers + 1) * tokens * m.d_model * itemsize
     head = 3 * tokens * m.vocab_size * 4
-    width = models.get(m).block_activation_width or 3 * m.d_model + 2 * m.hidden
+    width = models.get(m).block_activation_width
+    assert width > 0, f"model family {m.name!r} does not state its block_activation_width"
     block = tokens * width * itemsize * 2 + local_batch * m.n_heads * m.seq_len * m.seq_len * 4
     return saved + max(head, block) + tokens * 8
 
