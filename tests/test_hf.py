@@ -65,6 +65,17 @@ def _copy_with(tmp: Path, name: str, config: dict | None = None, tensors: dict |
 # --------------------------------------------------------------------------------------------- import parity
 
 
+def test_a_llama_checkpoint_trains_at_a_shorter_context_with_the_same_logits():
+    # Rotary embeddings have no position table: a shorter model.seq_len is the same model on a shorter window, so
+    # its logits are the checkpoint's on the first positions (causal attention: later tokens change nothing).
+    ref = np.load(FIXTURES / "llama" / "logits.npz")
+    cfg = fixture_cfg("llama", seq_len=16)
+    models.check_init_from(cfg)
+    graphdef, params = models.get(cfg).init(0)
+    logits = np.asarray(jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))(params, ref["tokens"][:, :16]))
+    np.testing.assert_allclose(logits, ref["logits"][:, :16], rtol=0, atol=1e-4)
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_imported_model_gives_the_transformers_logits(name):
     ref = np.load(FIXTURES / name / "logits.npz")
@@ -227,6 +238,7 @@ def test_unsupported_hf_settings_are_refused_by_key(name, change, named, tmp_pat
     ("llama", {"norm_eps": 1e-5}, "'model.norm_eps'=1e-05 differs from rms_norm_eps=1e-06"),
     ("llama", {"rope_theta": 10000.0}, "'model.rope_theta'=10000.0 differs from rope_theta=50000.0"),
     ("llama", {"name": "gpt"}, "'model.name'='gpt' differs from model_type='llama' -> 'llama'"),
+    ("llama", {"seq_len": 128}, "'model.seq_len'=128 exceeds max_position_embeddings=64"),
 ])
 def test_an_architecture_that_differs_from_the_checkpoint_is_refused_naming_the_key(name, change, named):
     cfg = fixture_cfg(name, **change)

@@ -111,10 +111,12 @@ def check_matches(cfg: ModelConfig, hf_dir: str | Path) -> None:
         want = fields[key]
         if key == "n_kv_heads":
             want = want or fields["n_heads"]
-        if _effective(cfg, key) != want:
+        shorter_ok = key in getattr(mapping, "AT_MOST", ())  # e.g. a rotary model's context
+        if _effective(cfg, key) > want if shorter_ok else _effective(cfg, key) != want:
             hf_key = "model_type" if key == "name" else mapping.HF_KEYS[key]
             shown = f"{raw.get(hf_key)!r} -> {want!r}" if key == "name" else repr(want)
-            raise ConfigError(f"'model.{key}'={_effective(cfg, key)!r} differs from {hf_key}={shown} in {where} "
+            differs = "exceeds" if shorter_ok else "differs from"
+            raise ConfigError(f"'model.{key}'={_effective(cfg, key)!r} {differs} {hf_key}={shown} in {where} "
                               f"(model.init_from): the config's architecture must be the checkpoint's "
                               f"(`angel-jax import {hf_dir} --config OUT.yaml` writes a matching config)")
 

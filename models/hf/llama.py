@@ -32,6 +32,10 @@ HF_KEYS = {"vocab_size": "vocab_size", "seq_len": "max_position_embeddings", "d_
            "mlp_hidden": "intermediate_size", "norm_eps": "rms_norm_eps", "rope_theta": "rope_theta"}
 """Our model.* key -> the config.json key it comes from."""
 
+AT_MOST = ("seq_len",)
+"""Keys a config may set below the checkpoint's value: rotary embeddings have no table of positions, so the same
+weights train and sample at a shorter context (e.g. Llama-2 7B, 4096 positions, fine-tuned at 1024)."""
+
 
 def _rope(raw: dict, hf: HFConfig, where: str) -> float:
     """The RoPE base; scaled or partial rotary embeddings are refused."""
