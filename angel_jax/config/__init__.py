@@ -152,6 +152,8 @@ class OptimizerConfig:
 class TrainConfig:
     steps: int = doc(1000, "Optimizer steps to train for.")
     batch_size: int = doc(16, "Global batch size in sequences.")
+    micro_batch_size: int = doc(0, "Sequences per micro-batch on each data-parallel rank (gradient accumulation); "
+                                   "0 = the whole local batch in one go.")
     seed: int = doc(0, "Seed of parameter initialisation.")
     run_dir: str = doc("", "Run directory (config, metrics, checkpoints); empty = runs/<config name>.")
     log_every: int = doc(10, "Write metrics every this many steps (step 1 is always logged).")
@@ -171,7 +173,25 @@ class TrainConfig:
                 errs.append((key, f"must be >= 0, got {getattr(self, key)}"))
         if self.eval_every > 0 and self.eval_batches == 0:
             errs.append(("eval_batches", f"must be > 0 when eval_every={self.eval_every} asks for evaluation"))
+        if self.micro_batch_size < 0:
+            errs.append(("micro_batch_size", f"must be >= 0 (0 = the whole batch in one go), got "
+                                             f"{self.micro_batch_size}"))
+        elif self.micro_batch_size and self.batch_size > 0 and self.batch_size % self.micro_batch_size:
+            errs.append(("micro_batch_size", f"train.batch_size={self.batch_size} is not a multiple of "
+                                             f"train.micro_batch_size={self.micro_batch_size}"))
         return errs
+
+    def micro_batches(self, ranks: int = 1) -> int:
+        """Micro-batches per step: batch_size = micro-batches x micro_batch_size x `ranks` (data-parallel ranks:
+        processes x devices); 1 when micro_batch_size is 0. A batch that does not split so is a ConfigError
+        naming both keys."""
+        if not self.micro_batch_size:
+            return 1
+        if self.batch_size % (self.micro_batch_size * ranks):
+            raise ConfigError(f"'train.batch_size'={self.batch_size} must be a multiple of 'train.micro_batch_size'"
+                              f"={self.micro_batch_size} x {ranks} data-parallel ranks (devices) = "
+                              f"{self.micro_batch_size * ranks}")
+        return self.batch_size // (self.micro_batch_size * ranks)
 
 
 @dataclass

@@ -27,7 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 import psutil
 
-from angel_jax.config import Config
+from angel_jax.config import Config, ConfigError
 from angel_jax.memory import DeviceTier, DiskTier, HostTier, PageLayout, PageStore
 from angel_jax.memory.bench_io import default_calibration_path
 from angel_jax.memory.malloc import return_large_frees_to_the_os
@@ -114,7 +114,8 @@ def check_host_room(cfg: Config, device: jax.Device) -> None:
     bp = blueprint(cfg)
     costs = [StageCost(s.name, bp.params_layout.stage(s.name).nbytes, bp.opt_layout.stage(s.name).nbytes,
                        0.0, 0.0, 0.0, 0.0) for s in bp.staged.stages]
-    make_plan(costs, Bandwidths(), budgets_for(cfg, device, cfg.train.batch_size), staleness=cfg.memory.staleness)
+    make_plan(costs, Bandwidths(), budgets_for(cfg, device, cfg.train.batch_size), staleness=cfg.memory.staleness,
+              micro_batches=micro_batching(cfg, cfg.train.batch_size)[0])
 
 
 def budgets_for(cfg: Config, device: jax.Device, local_batch: int) -> Budgets:
@@ -123,19 +124,35 @@ def budgets_for(cfg: Config, device: jax.Device, local_batch: int) -> Budgets:
                    fixed_device=fixed_device_bytes(cfg, local_batch))
 
 
+def micro_batching(cfg: Config, local_batch: int) -> tuple[int, int]:
+    """(micro-batches per step, rows per micro-batch) of a local batch of `local_batch` rows under
+    train.micro_batch_size (0: one micro-batch of the whole batch); a batch that does not split is a ConfigError."""
+    size = cfg.train.micro_batch_size or local_batch
+    if local_batch % size:
+        raise ConfigError(f"'train.batch_size': the local batch of {local_batch} rows is not a multiple of "
+                          f"'train.micro_batch_size'={size}")
+    return local_batch // size, size
+
+
 def fixed_device_bytes(cfg: Config, local_batch: int) -> int:
-    """Device bytes every step needs whatever the placement: the saved input of every stage, and the working set
-    of the largest stage call (logits and their gradient for the head; attention and MLP intermediates for a
-    block), estimated from shapes; the block's intermediates are the family's (`StagedModel.block_activation_width`)."""
+    """Device bytes every step needs whatever the placement: the saved input of every stage (for the whole local
+    batch: every micro-batch's), the working set of the largest stage call (logits and their gradient for the
+    head; attention and MLP intermediates for a block) for one micro-batch, estimated from shapes (the block's
+    intermediates are the family's, `StagedModel.block_activation_width`), and with several micro-batches the
+    float32 gradient sums of the largest stage."""
     m = cfg.model
+    micro_batches, size = micro_batching(cfg, local_batch)
     itemsize = jnp.dtype(m.compute_dtype).itemsize
-    tokens = local_batch * m.seq_len
+    tokens, call_tokens = local_batch * m.seq_len, size * m.seq_len
     saved = (m.n_layers + 1) * tokens * m.d_model * itemsize
-    head = 3 * tokens * m.vocab_size * 4
+    head = 3 * call_tokens * m.vocab_size * 4
     width = models.get(m).block_activation_width
     assert width > 0, f"model family {m.name!r} does not state its block_activation_width"
-    block = tokens * width * itemsize * 2 + local_batch * m.n_heads * m.seq_len * m.seq_len * 4
-    return saved + max(head, block) + tokens * 8
+    block = call_tokens * width * itemsize * 2 + size * m.n_heads * m.seq_len * m.seq_len * 4
+    sums = 0
+    if micro_batches > 1:
+        sums = max(sum(p.length for p in s.pages) for s in params_layout(cfg).stages) * 4
+    return saved + max(head, block) + tokens * 8 + sums
 
 
 def placements(device: jax.Device, host_sharding: jax.sharding.Sharding) -> dict[str, Placement]:
@@ -218,15 +235,18 @@ def make_store(cfg: Config, device: jax.Device) -> PageStore:
 
 def plan_for(cfg: Config, bp: Blueprint, store: PageStore, example_batch: jax.Array,
              device: jax.Device) -> tuple[Plan, list[StageCost], Bandwidths, Budgets]:
-    """Profile the stage functions and transfers, then plan under the config's budgets."""
+    """Profile the stage functions (on one micro-batch: the shape every call has) and transfers, then plan under
+    the config's budgets for `example_batch`'s rows."""
     device_sharding = store.tiers["device"].sharding
     host_sharding = store.tiers["host"].sharding
+    micro_batches, size = micro_batching(cfg, example_batch.shape[0])
     costs = profile_costs(bp.fns, bp.updates, bp.params_layout, bp.opt_layout, bp.opt_small,
-                          jax.device_put(example_batch, device_sharding), placements(device, host_sharding))
+                          jax.device_put(example_batch[:size], device_sharding), placements(device, host_sharding))
     bw = profile_transfers(bp.params_layout, device_sharding, host_sharding,
                            load_bandwidths(default_calibration_path()))
     budgets = dataclasses.replace(budgets_for(cfg, device, example_batch.shape[0]), host=store.tiers["host"].budget)
-    plan = make_plan(costs, bw, budgets, staleness=cfg.memory.staleness, shared_cpu=device.platform == "cpu")
+    plan = make_plan(costs, bw, budgets, staleness=cfg.memory.staleness, shared_cpu=device.platform == "cpu",
+                     micro_batches=micro_batches)
     return plan, costs, bw, budgets
 
 
@@ -281,7 +301,8 @@ def build_paged_engine(cfg: Config, params: Any, example_batch: jax.Array, *,
         raise
     del whole
     updater = PageUpdater(store, slots, bp.updates, small, where, bp.schedule, staleness=cfg.memory.staleness)
-    executor = PagedExecutor(model, bp.fns, plan, store, updater)
+    executor = PagedExecutor(model, bp.fns, plan, store, updater,
+                             micro_batch_size=micro_batching(cfg, example_batch.shape[0])[1])
     log.info("paged engine: %d stages, %d resident, prefetch %d, predicted step %.3f s",
              len(staged.stages), len(plan.resident), plan.prefetch, plan.predicted.step_time)
     return PagedEngine(executor, plan, costs, bw, budgets, model, store, updater)

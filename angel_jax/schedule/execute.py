@@ -11,6 +11,14 @@ says. One step follows the trace (trace.py):
     update   by the PageUpdater (angel_jax/optim/updater.py) on its own thread, after the global norm: on the
              device for resident stages, on the host for streamed ones
 
+With M micro-batches per step (`micro_batch_size`; gradient accumulation) the order is layer-major: each access
+runs its stage on every micro-batch before the stage is released, so a streamed stage is fetched once per access as
+with one micro-batch, and page traffic per step does not grow with M. The forward saves each micro-batch's stage
+input; the head gives each micro-batch's loss and gradients; a backward adds its micro-batches' gradient pages
+into float32 sums (`StageFunctions.accumulate`, in place), scales them by 1/M once and takes the sum of squares of
+the result (`mean_grads`), which goes to the updater as a single micro-batch's gradients would. The loss is the
+mean of the micro-batches' losses: with equal micro-batches, the whole batch's loss and gradient.
+
 An evaluation (`eval_loss`) runs the forward stages and the head's loss alone, fetching and evicting streamed stages
 the same way, once the updates in flight have landed; it changes nothing of the training state.
 
@@ -32,6 +40,7 @@ the step is recorded), and reads the answers from the deferred results.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -46,7 +55,7 @@ from angel_jax.optim.updater import GRAD_SPILL, Guard, PageUpdater, StepOrder
 from angel_jax.schedule.plan import Plan
 from angel_jax.schedule.stagefns import StageFunctions
 from angel_jax.schedule.timeline import Recorder, Timeline
-from angel_jax.schedule.trace import compute_sequence
+from angel_jax.schedule.trace import compute_sequence, split_batch
 from models.stages import StagedModel
 
 
@@ -87,8 +96,11 @@ class PagedExecutor:
     """One training step at a time. Every field is the training thread's: it alone calls the methods; others
     change the executor only through them (`set_step` after a checkpoint is loaded, `record_steps`)."""
 
-    def __init__(self, model: PagedModel, fns: StageFunctions, plan: Plan, store: PageStore, updater: PageUpdater):
+    def __init__(self, model: PagedModel, fns: StageFunctions, plan: Plan, store: PageStore, updater: PageUpdater,
+                 micro_batch_size: int = 0):
         self.model, self.fns, self.plan, self.store, self.updater = model, fns, plan, store, updater
+        self.micro_batch_size = micro_batch_size
+        """Rows per micro-batch (0: the whole batch in one go); a batch is split into batch rows / this many."""
         self._steps_taken = 0
         self.on_access: Callable[[str, int], None] | None = None
         """Test hook, called after each access is dispatched (e.g. to sample live device memory)."""
@@ -124,7 +136,8 @@ class PagedExecutor:
         self._poll_recording()
         rec = self._recording[0] if self._recording and self._recording[1] > 0 else None
         step = self._steps_taken
-        tokens, targets = batch[:, :-1], batch[:, 1:]
+        tokens, targets = self._micro_batches(batch)
+        micro = len(tokens)
         streamed = set(plan.streamed)
         refs: dict[int, int] = {}
         acquired: set[int] = set()
@@ -170,23 +183,33 @@ class PagedExecutor:
         marks: list[Any] = []  # per access, a small output that is ready when the access's computation is done
         for k in range(plan.prefetch + 1):
             issue(k)
-        saved: list[jax.Array | None] = [None] * self._n
+        saved: list[list[jax.Array] | None] = [None] * self._n  # per stage, its input of every micro-batch
         sqsums: list[jax.Array | None] = [None] * self._n
-        x: jax.Array = tokens
+        xs: list[jax.Array] = tokens  # per micro-batch, the activation (forward) or its gradient (backward)
         loss = None
         for k, (op, i) in enumerate(self._seq):
             kind = staged.stages[i].kind
             pages = tuple(store.get(p, "device") for p in self.model.param_ids(i))
             if op == "forward":
-                saved[i] = x
-                x = out = fns.forward[kind](pages, x)
-            elif op == "head":
-                dpages, x, sqsums[i], loss = fns.backward[kind](pages, x, targets)
-                out = dpages
-            else:
-                dpages, x, sqsums[i] = fns.backward[kind](pages, saved[i], x)
+                saved[i] = xs
+                xs = out = [fns.forward[kind](pages, x) for x in xs]
+            else:  # every micro-batch's gradients, summed into float32 pages (one micro-batch: as they are)
+                acc = None
+                for m in range(micro):
+                    if op == "head":
+                        dpages, xs[m], sq, loss_m = fns.backward[kind](pages, xs[m], targets[m])
+                        loss = loss_m if loss is None else loss + loss_m
+                    else:
+                        dpages, xs[m], sq = fns.backward[kind](pages, saved[i][m], xs[m])
+                    acc = dpages if micro == 1 else fns.accumulate(acc, dpages)
+                    del dpages
+                if micro == 1:
+                    dpages, sqsums[i] = acc, sq
+                else:
+                    dpages, sqsums[i] = fns.mean_grads(acc, micro, self._grad_dtypes[i])
+                del acc, sq
                 saved[i], out = None, dpages
-            marks.append(x if op != "backward" else sqsums[i])
+            marks.append(xs[-1] if op == "forward" else sqsums[i])
             if rec:
                 rec.record("compute", f"{op} {staged.stages[i].name}", out)
             del pages, out
@@ -199,6 +222,8 @@ class PagedExecutor:
                 self.on_access(op, i)
 
         self._last_mark = marks[-1]
+        if micro > 1:
+            loss = loss * np.float32(1 / micro)
         norm = global_norm(sqsums)
         c = controls or StepControls()
         # The guard's verdict on what is known now (the update norm's comes in the updater), on the device.
@@ -211,6 +236,23 @@ class PagedExecutor:
             recorder, left, _ = self._recording
             self._recording = (recorder, left - 1, deferred["update_norm"])
         return {"loss": loss, "grad_norm": norm, **deferred}
+
+    def _micro_batches(self, batch: jax.Array) -> tuple[list[jax.Array], list[jax.Array]]:
+        """The inputs and targets of each micro-batch of `batch` (int32[B, T+1]; `split_batch`)."""
+        rows = batch.shape[0]
+        size = self.micro_batch_size or rows
+        if rows % size:
+            raise ValueError(f"a batch of {rows} rows does not split into micro-batches of {size} "
+                             "(train.micro_batch_size)")
+        if size == rows:
+            return [batch[:, :-1]], [batch[:, 1:]]
+        tokens, targets = _split(batch, rows // size)
+        return list(tokens), list(targets)
+
+    @functools.cached_property
+    def _grad_dtypes(self) -> list[tuple]:
+        """Per stage, the dtypes of its gradient (= parameter) pages."""
+        return [tuple(p.dtype for p in self.model.params_layout.stage(s.name).pages) for s in self.model.staged.stages]
 
     def _grads_home(self, step: int, i: int, dpages: tuple, streamed: set[int],
                     rec: Recorder | None) -> tuple | None:
@@ -257,8 +299,9 @@ class PagedExecutor:
         self._restart_recording()
         plan, store, fns, staged = self.plan, self.store, self.fns, self.model.staged
         streamed = set(plan.streamed)
-        tokens, targets = batch[:, :-1], batch[:, 1:]
-        marks: list[jax.Array] = []  # per stage, its output: ready when its computation is done
+        # By micro-batches as a step, layer-major: the working set of a call is a micro-batch's, as planned.
+        xs, targets = self._micro_batches(batch)
+        marks: list[jax.Array] = []  # per stage, its (last micro-batch's) output: ready when its computation is done
 
         def fetch(i: int) -> None:
             if i >= self._n or i not in streamed:
@@ -270,18 +313,25 @@ class PagedExecutor:
 
         for i in range(plan.prefetch + 1):
             fetch(i)
-        x: jax.Array = tokens
         for i, stage in enumerate(staged.stages):
             pages = tuple(store.get(p, "device") for p in self.model.param_ids(i))
-            x = fns.head_loss(pages, x, targets) if i == self._n - 1 else fns.forward[stage.kind](pages, x)
-            marks.append(x)
+            if i == self._n - 1:
+                xs = [fns.head_loss(pages, x, t) for x, t in zip(xs, targets)]
+            else:
+                xs = [fns.forward[stage.kind](pages, x) for x in xs]
+            marks.append(xs[-1])
             del pages
             if i in streamed:
                 for pid in self.model.param_ids(i):
                     store.evict(pid, "device")
             fetch(i + plan.prefetch + 1)
-        self._last_mark = x  # the next step's first fetches wait for this pass's pages to be done with
-        return x
+        self._last_mark = xs[-1]  # the next step's first fetches wait for this pass's pages to be done with
+        if len(xs) == 1:
+            return xs[0]
+        loss = xs[0]
+        for x in xs[1:]:  # in micro-batch order, as a step sums them
+            loss = loss + x
+        return loss * np.float32(1 / len(xs))
 
     def _restart_recording(self) -> None:
         """A timeline recording that has recorded part of its steps would measure the evaluation as part of the
@@ -343,3 +393,9 @@ class PagedExecutor:
         big = list(self.model.opt_layout.stage(name).unpack(tuple(self.store.read(o) for o in self.model.opt_ids(i))))
         small = [np.asarray(s) for s in self.updater.state().opt_small[i]]
         return join_opt_state(big, small, self.fns.opt_structure[self.model.staged.stages[i].kind])
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _split(batch: jax.Array, micro_batches: int) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
+    micro = split_batch(batch, micro_batches)
+    return tuple(m[:, :-1] for m in micro), tuple(m[:, 1:] for m in micro)

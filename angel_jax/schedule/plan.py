@@ -1,7 +1,8 @@
 """Plan: where every page family lives, what streams, how far ahead to prefetch, where updates run, and the
 predicted timeline of a step.
 
-Policy (Angel-PTM's unified scheduling, simplified to one micro-batch and whole stages as the unit of movement):
+Policy (Angel-PTM's unified scheduling, with whole stages as the unit of movement; micro-batches run layer-major,
+so each access of a stage costs the compute of every micro-batch and the transfers of one):
 1. Device memory first holds what every step needs regardless of placement (`Budgets.fixed_device`: saved stage
    inputs and the largest stage's working set) and a streaming window of `prefetch + 1` stages of parameter pages
    plus one stage of gradients on their way to the host.
@@ -97,6 +98,8 @@ class Plan:
     """Predicted peak bytes per tier."""
     staleness: int
     predicted: Timeline = field(compare=False)
+    micro_batches: int = 1
+    """Micro-batches per step, run layer-major (each stage access runs every one)."""
 
     @property
     def streamed(self) -> tuple[int, ...]:
@@ -126,6 +129,7 @@ class Plan:
         return {"resident": len(self.resident), "streamed": len(self.streamed), "prefetch": self.prefetch,
                 "params_on_disk": self.home.count("disk"), "grads_on_disk": self.grad_home.count("disk"),
                 "opt_on_disk": self.opt_home.count("disk"), "staleness": self.staleness,
+                "micro_batches": self.micro_batches,
                 "predicted_step_s": self.predicted.step_time, "peak_bytes": dict(self.peak_bytes)}
 
 
@@ -166,11 +170,13 @@ def minimum_device_bytes(costs: list[StageCost], budgets: Budgets) -> int:
 
 
 def make_plan(costs: list[StageCost], bw: Bandwidths, budgets: Budgets, *, staleness: int = 0,
-              shared_cpu: bool = False, max_prefetch: int = 3) -> Plan:
+              shared_cpu: bool = False, max_prefetch: int = 3, micro_batches: int = 1) -> Plan:
+    """`costs`: per stage, the times of one call (one micro-batch); a step runs `micro_batches` calls per
+    access."""
     n = len(costs)
     best: Plan | None = None
     for prefetch in range(1, max_prefetch + 1):
-        plan = _plan_for(costs, bw, budgets, prefetch, n, staleness, shared_cpu)
+        plan = _plan_for(costs, bw, budgets, prefetch, n, staleness, shared_cpu, micro_batches)
         if plan is None:
             continue
         # A deeper prefetch only pays if it is predicted faster by more than noise.
@@ -190,7 +196,7 @@ def _resident_bytes(c: StageCost) -> int:
 
 
 def _plan_for(costs: list[StageCost], bw: Bandwidths, budgets: Budgets, prefetch: int, n: int, staleness: int,
-              shared_cpu: bool) -> Plan | None:
+              shared_cpu: bool, micro_batches: int) -> Plan | None:
     resident: list[int] = []
     free = budgets.device - budgets.fixed_device
     # Prefer keeping the stages whose streaming costs most per unit of compute that could hide it.
@@ -211,9 +217,10 @@ def _plan_for(costs: list[StageCost], bw: Bandwidths, budgets: Budgets, prefetch
         return None
     home, grad_home, opt_home, host_used, disk_used = place_streamed(costs, budgets, streamed, staleness)
     predicted = simulate(costs, bw, home, opt_home, prefetch, grad_home=grad_home, staleness=staleness,
-                         shared_cpu=shared_cpu)
+                         shared_cpu=shared_cpu, micro_batches=micro_batches)
     peak = {"device": budgets.fixed_device + used, "host": host_used, "disk": disk_used}
-    return Plan(tuple(sorted(resident)), home, grad_home, opt_home, prefetch, window, peak, staleness, predicted)
+    return Plan(tuple(sorted(resident)), home, grad_home, opt_home, prefetch, window, peak, staleness, predicted,
+                micro_batches)
 
 
 Homes = tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]

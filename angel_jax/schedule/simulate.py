@@ -4,6 +4,8 @@
     timeline.step_time   # steady-state seconds per step
 
 Rules (those of execute.py and optim/updater.py):
+- Micro-batches run layer-major: a stage access computes for `micro_batches` calls of the stage's profiled (one
+  micro-batch) time; its transfers are those of one access.
 - One compute stream, one h2d and one d2h copy stream, one host stream (optimizer updates on the CPU) and one disk
   stream; work within a stream is serial, in the executor's order.
 - A streamed stage's fetch for access k may start once access k - prefetch has started computing (the window frees
@@ -49,8 +51,9 @@ class StageCost:
     opt_bytes: int
     """Bytes of the stage's optimizer-state pages."""
     forward_s: float
+    """Seconds of one call (one micro-batch)."""
     backward_s: float
-    """Recompute + vjp (for the head: loss and gradients)."""
+    """Recompute + vjp (for the head: loss and gradients), one call."""
     update_device_s: float
     update_host_s: float
 
@@ -99,7 +102,7 @@ class _Clock:
 
 def simulate(costs: list[StageCost], bw: Bandwidths, home: tuple[str, ...], opt_home: tuple[str, ...],
              prefetch: int, *, grad_home: tuple[str, ...] | None = None, staleness: int = 0, shared_cpu: bool = False,
-             steps: int = 3) -> Timeline:
+             steps: int = 3, micro_batches: int = 1) -> Timeline:
     """`home`: per stage 'device', 'host' or 'disk' (parameters); `grad_home` defaults to 'device' for resident
     stages and 'host' for streamed ones."""
     n = len(costs)
@@ -133,7 +136,7 @@ def simulate(costs: list[StageCost], bw: Bandwidths, home: tuple[str, ...], opt_
             if j not in read_done:
                 read(j, reads_from, state_read[j])
         for k, (op, i) in enumerate(seq):
-            dur = costs[i].forward_s if op == "forward" else costs[i].backward_s
+            dur = micro_batches * (costs[i].forward_s if op == "forward" else costs[i].backward_s)
             ready = updated[i]
             if home[i] != "device":
                 gate = starts[k - prefetch] if k >= prefetch else (starts[0] if starts else clock.free["compute"])

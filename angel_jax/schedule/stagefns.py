@@ -12,6 +12,11 @@ through `unpack` instead would build each page from one zero-padded page per lea
 block), so they leave the call page shaped, padding zero, ready for the host; each backward also returns the sum of
 squares of its gradient pages, from which the global norm for clipping is formed without another pass.
 The optimizer update per kind is `angel_jax.optim.paged.make_stage_update`, jitted where it runs by the updater.
+
+Micro-batches (gradient accumulation) call forward and backward once per micro-batch, compiled for its shape;
+`accumulate` adds a micro-batch's gradient pages into float32 sums in place (the sums donated), and `mean_grads`
+scales the sums by 1/micro-batches once, back to the pages' dtype, with their sum of squares: the global norm is
+that of the step's gradients, not of each micro-batch's.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 import optax
 
 from angel_jax.memory.layout import PageLayout, StageLayout
@@ -78,6 +84,23 @@ class StageFunctions:
             self.update[kind] = make_stage_update(tx, r, opt_rep[kind], self.opt_structure[kind], grad_clip)
             self.update_norm[kind] = make_stage_update_norm(tx, r, opt_rep[kind], self.opt_structure[kind], grad_clip)
 
+    @staticmethod
+    def accumulate(acc: Pages | None, dpages: Pages) -> Pages:
+        """Float32 sums of gradient pages: `dpages` as float32 for the first micro-batch (acc None), else
+        `acc + dpages`, written over `acc` (donated)."""
+        if acc is None:
+            return tuple(d if d.dtype == jnp.float32 else d.astype(jnp.float32) for d in dpages)
+        return _add(acc, dpages)
+
+    @staticmethod
+    def mean_grads(acc: Pages, micro_batches: int, dtypes: tuple) -> tuple[Pages, jax.Array]:
+        """(sums x 1/micro_batches in the pages' `dtypes`, their sum of squares); float32 sums are donated."""
+        scale = jnp.float32(1 / micro_batches)
+        dtypes = tuple(jnp.dtype(d).name for d in dtypes)
+        if all(d == "float32" for d in dtypes):
+            return _mean_in_place(acc, scale, dtypes)
+        return _mean(acc, scale, dtypes)
+
     def _head_backward(self, apply: Callable, rep: StageLayout) -> Callable:
         loss_fn = self.staged.loss
 
@@ -91,3 +114,17 @@ class StageFunctions:
 
         return head
 
+
+
+def _add_pages(acc: Pages, dpages: Pages) -> Pages:
+    return tuple(a + d.astype(a.dtype) for a, d in zip(acc, dpages))
+
+
+def _mean_pages(acc: Pages, scale: jax.Array, dtypes: tuple[str, ...]) -> tuple[Pages, jax.Array]:
+    out = tuple((a * scale).astype(d) for a, d in zip(acc, dtypes))
+    return out, sqsum(out)
+
+
+_add = jax.jit(_add_pages, donate_argnums=0)
+_mean_in_place = jax.jit(_mean_pages, static_argnums=2, donate_argnums=0)
+_mean = jax.jit(_mean_pages, static_argnums=2)  # other dtypes: the float32 sums cannot hold the result

@@ -32,7 +32,7 @@ from angel_jax.errors import AngelError
 from angel_jax.optim import split_optimizer
 from angel_jax.train.paged import PagedTrainEngine
 from angel_jax.train.protocol import StateMismatch, TrainEngine, check_arrays, named_leaves, path_name  # noqa: F401
-from angel_jax.train.step import StepControls, TrainState, init_state, make_loss_fn, make_step_phases
+from angel_jax.train.step import StepControls, TrainState, init_state, make_micro_loss_fn, make_step_phases
 from angel_jax.units import device_free_bytes
 import models
 
@@ -76,15 +76,18 @@ class InMemoryEngine:
         self.state: TrainState = jax.jit(lambda p: init_state(p, opt.tx), out_shardings=self.replicated,
                                          donate_argnums=0)(params)
         del params
-        phases = make_step_phases(graphdef, opt, model.loss)
+        # Gradient accumulation (train.micro_batch_size): micro-batches of the batch one after another inside judge.
+        micro_batches = cfg.train.micro_batches(mesh.devices.size)
+        phases = make_step_phases(graphdef, opt, model.loss, micro_batches)
         self._judge = jax.jit(phases.judge, out_shardings=self.replicated)
         self._apply_fn = phases.apply
         self._apply = jax.jit(phases.apply, out_shardings=self.replicated, donate_argnums=0)
         self._keeping: list[StateSnapshot] = []  # held snapshots not yet released: no donation while any is
         self._keep_apply: Any = None  # the apply that does not donate the state, compiled ahead
         self._keep_compile: threading.Thread | None = None
-        # Reads the parameters and donates nothing: the state a held snapshot keeps stays valid.
-        self._eval = jax.jit(make_loss_fn(graphdef, model.loss), out_shardings=self.replicated)
+        # Reads the parameters and donates nothing: the state a held snapshot keeps stays valid. By micro-batches
+        # as a step: the activations a step holds are those of one micro-batch.
+        self._eval = jax.jit(make_micro_loss_fn(graphdef, model.loss, micro_batches), out_shardings=self.replicated)
 
     def step(self, batch: jax.Array, controls: StepControls | None = None) -> dict[str, jax.Array]:
         # numpy scalars: jit treats host values as replicated inputs, in multi-process runs too.

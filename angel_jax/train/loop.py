@@ -126,6 +126,7 @@ def setup(cfg: Config, hooks: HookList) -> Trainer:
     if cfg.train.batch_size % len(devices):
         raise config_lib.ConfigError(
             f"'train.batch_size'={cfg.train.batch_size} must be divisible by the number of devices ({len(devices)})")
+    cfg.train.micro_batches(len(devices))  # a batch that does not split into micro-batches per device is refused
     models.check_init_from(cfg.model)  # a wrong model.init_from fails before the data is prepared
     data, validation = _data(cfg)
     # Auto axes: XLA's partitioner places the replicated-parameter / sharded-batch computation.

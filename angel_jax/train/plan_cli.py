@@ -20,7 +20,8 @@ import numpy as np
 
 from angel_jax.config import Config, load_config
 from angel_jax.memory.bench_io import default_calibration_path
-from angel_jax.schedule.engine import Blueprint, blueprint, device_budget, fixed_device_bytes, make_store, plan_for
+from angel_jax.schedule.engine import (Blueprint, blueprint, device_budget, fixed_device_bytes, make_store,
+                                       micro_batching, plan_for)
 from angel_jax.schedule.plan import Bandwidths, Budgets, Plan, StageCost, load_bandwidths, make_plan
 from angel_jax.units import human_bytes
 import models
@@ -41,13 +42,14 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def estimate_costs(cfg: Config, bp: Blueprint, peak_flops: float, device_bw: float, host_bw: float) -> list[StageCost]:
-    """Stage times from model FLOPs at the device's peak (forward: 2 FLOPs per weight of the stage per token, plus
+    """Times of one stage call (one micro-batch of train.micro_batch_size rows, or the whole batch) from model
+    FLOPs at the device's peak (forward: 2 FLOPs per weight of the stage per token, plus
     attention's QK^T and AV for a block; backward: recompute + 2x forward) and optimizer updates from the bytes they
     touch (parameters and gradients read, optimizer state read and written, parameters written) at memory
     bandwidth. The weights are counted from the stage's page layout, so the family's shapes (grouped-query
     attention, a gated MLP) count as they are; norms and biases, a fraction of a percent, are counted as weights."""
     m = cfg.model
-    tokens = cfg.train.batch_size * m.seq_len
+    tokens = micro_batching(cfg, cfg.train.batch_size)[1] * m.seq_len
     costs = []
     for stage in bp.staged.stages:
         weights = sum(slot.size for slot in bp.params_layout.stage(stage.name).slots)
@@ -80,7 +82,8 @@ def _estimated_plan(cfg: Config, bp: Blueprint, peak_tflops: float | None
     budgets = Budgets(device=device_budget(cfg, device), host=cfg.memory.host_budget or None,
                       disk=(cfg.memory.disk_budget or None) if cfg.memory.disk_dir else 0,
                       fixed_device=fixed_device_bytes(cfg, cfg.train.batch_size))
-    plan = make_plan(costs, bw, budgets, staleness=cfg.memory.staleness, shared_cpu=device.platform == "cpu")
+    plan = make_plan(costs, bw, budgets, staleness=cfg.memory.staleness, shared_cpu=device.platform == "cpu",
+                     micro_batches=micro_batching(cfg, cfg.train.batch_size)[0])
     return plan, costs, budgets, bw, f"estimated from FLOPs at {peak.flops_per_device / 1e12:.1f} TFLOP/s " \
                                  f"({peak.source}); bandwidths: {bw.source}"
 
@@ -104,6 +107,10 @@ def report(cfg: Config, plan: Plan, costs: list[StageCost], budgets: Budgets, bw
     size = f"{counts['total'] / 1e9:.2f} B" if counts["total"] >= 1e9 else f"{counts['total'] / 1e6:.2f} M"
     lines = [f"plan for {cfg.name}: {size} parameters ({counts['total']:,}), {len(costs)} stages, page size "
              f"{human_bytes(cfg.memory.page_size)}, staleness {plan.staleness}",
+             f"  batch {cfg.train.batch_size}: {plan.micro_batches} micro-batch"
+             f"{'es' if plan.micro_batches > 1 else ''} of {cfg.train.batch_size // plan.micro_batches} "
+             f"(train.micro_batch_size={cfg.train.micro_batch_size}), layer-major: each stage fetched once per "
+             "access and run on every micro-batch",
              f"  {len(plan.resident)} resident, {len(plan.streamed)} streamed (prefetch {plan.prefetch}); on disk: "
              f"parameters of {plan.home.count('disk')} stages, gradients of {plan.grad_home.count('disk')}, "
              f"optimizer state of {plan.opt_home.count('disk')}",

@@ -21,6 +21,7 @@ from flax import nnx
 
 from angel_jax.optim.factory import SplitOptimizer, clip_with_norm
 from angel_jax.optim.guard import StepControls, update_ok
+from angel_jax.schedule.trace import split_batch
 
 
 @jax.tree_util.register_dataclass
@@ -48,6 +49,49 @@ def make_loss_fn(graphdef: nnx.GraphDef, loss: Callable[[jax.Array, jax.Array], 
         return loss(logits, batch[:, 1:])
 
     return loss_fn
+
+
+def make_micro_loss_fn(graphdef: nnx.GraphDef, loss: Callable[[jax.Array, jax.Array], jax.Array],
+                       micro_batches: int = 1) -> Callable[[Any, jax.Array], jax.Array]:
+    """`make_loss_fn`'s loss taken over `micro_batches` equal micro-batches one after another (`split_batch`; a
+    `scan`: the activations of one micro-batch at a time), their mean: the whole batch's mean loss."""
+    loss_fn = make_loss_fn(graphdef, loss)
+    if micro_batches == 1:
+        return loss_fn
+
+    def micro_loss(params: Any, batch: jax.Array) -> jax.Array:
+        def body(total: jax.Array, micro: jax.Array) -> tuple[jax.Array, None]:
+            return total + loss_fn(params, micro).astype(jnp.float32), None
+
+        total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), split_batch(batch, micro_batches))
+        return total * jnp.float32(1 / micro_batches)
+
+    return micro_loss
+
+
+def make_value_and_grad(graphdef: nnx.GraphDef, loss: Callable[[jax.Array, jax.Array], jax.Array],
+                        micro_batches: int = 1) -> Callable[[Any, jax.Array], tuple[jax.Array, Any]]:
+    """(params, batch) -> (mean loss, its gradients). With several micro-batches (gradient accumulation): a `scan`
+    over them (`split_batch`) adding each one's loss and gradients into float32 sums, which are scaled by
+    1/micro_batches once at the end: the gradient of the whole batch's mean loss (equal-size micro-batches), with
+    the activations of one micro-batch at a time."""
+    loss_fn = make_loss_fn(graphdef, loss)
+    if micro_batches == 1:
+        return jax.value_and_grad(loss_fn)
+
+    def value_and_grad(params: Any, batch: jax.Array) -> tuple[jax.Array, Any]:
+        def body(carry: tuple, micro: jax.Array) -> tuple[tuple, None]:
+            total, acc = carry
+            value, grads = jax.value_and_grad(loss_fn)(params, micro)
+            acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads)
+            return (total + value.astype(jnp.float32), acc), None
+
+        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+        (total, acc), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros), split_batch(batch, micro_batches))
+        scale = jnp.float32(1 / micro_batches)
+        return total * scale, jax.tree.map(lambda a, p: (a * scale).astype(p.dtype), acc, params)
+
+    return value_and_grad
 
 
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, schedule: optax.Schedule,
@@ -94,7 +138,7 @@ class StepPhases:
 
 
 def make_step_phases(graphdef: nnx.GraphDef, opt: SplitOptimizer,
-                     loss: Callable[[jax.Array, jax.Array], jax.Array]) -> StepPhases:
+                     loss: Callable[[jax.Array, jax.Array], jax.Array], micro_batches: int = 1) -> StepPhases:
     """`make_train_step`'s arithmetic (with `opt.tx` as its transformation) in two phases, in the memory of an
     unguarded step.
 
@@ -103,8 +147,11 @@ def make_step_phases(graphdef: nnx.GraphDef, opt: SplitOptimizer,
     which to keep. Here `judge` computes the loss, the gradients clipped by their global norm, the update only into
     its norm, and the verdict; `apply`, given the verdict, computes the same update again and writes it over the
     donated state (or leaves the state as it is: a `cond`, not an element-wise select, so nothing forces a copy).
-    The update is computed twice: one more pass over the optimizer state, small next to forward and backward."""
-    loss_fn = make_loss_fn(graphdef, loss)
+    The update is computed twice: one more pass over the optimizer state, small next to forward and backward.
+
+    `micro_batches` > 1: `judge` accumulates the loss and gradients over that many micro-batches of the batch
+    (`make_value_and_grad`); the rest is as with one."""
+    value_and_grad = make_value_and_grad(graphdef, loss, micro_batches)
 
     def update(clipped: Any, state: TrainState, controls: StepControls) -> tuple[Any, Any]:
         updates, core = opt.core.update(clipped, opt.core_state(state.opt_state), state.params)
@@ -112,7 +159,7 @@ def make_step_phases(graphdef: nnx.GraphDef, opt: SplitOptimizer,
         return updates, opt.with_core_state(state.opt_state, core)
 
     def judge(state: TrainState, batch: jax.Array, controls: StepControls) -> tuple[Any, jax.Array, dict]:
-        value, grads = jax.value_and_grad(loss_fn)(state.params, batch)
+        value, grads = value_and_grad(state.params, batch)
         grad_norm = optax.tree.norm(grads)
         clipped = clip_with_norm(grads, grad_norm, opt.max_norm)
         update_norm = optax.tree.norm(update(clipped, state, controls)[0])

@@ -1,0 +1,206 @@
+"""Gradient accumulation (`train.micro_batch_size`): a step over M micro-batches gives the whole batch's loss and
+gradient in both engines; the paged engine runs them layer-major (a streamed stage is fetched once per access and
+runs every micro-batch), so its page traffic per step does not grow with M; the planner charges M calls of the
+micro-batch's time per access; bad sizes are refused by key."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import functools
+import gc
+from collections import Counter
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from angel_jax.config import Config, ConfigError, MemoryConfig, ModelConfig, OptimizerConfig, TrainConfig, \
+    config_from_dict
+import angel_jax.schedule.engine as engine_lib
+from angel_jax.schedule.costs import profile_costs
+from angel_jax.schedule.engine import build_paged_engine, fixed_device_bytes
+from angel_jax.schedule.simulate import StageCost, Bandwidths, simulate
+from angel_jax.schedule.trace import split_batch
+from angel_jax.train.engines import InMemoryEngine
+from angel_jax.train.plan_cli import report
+import models
+from test_paged import batches
+
+# Narrow and deep enough that a small device budget streams most stages (as in test_paged.py). SGD with clipping:
+# a gradient off by a factor (a missing 1/M) or a norm taken per micro-batch changes the trajectory; Adam would
+# normalise a scale away.
+MODEL = ModelConfig(d_model=64, n_layers=6, n_heads=2, seq_len=16, compute_dtype="float32")
+PAGE = 49 * 4096  # one page per block
+BATCH, MICRO, STEPS = 8, 2, 4
+STREAMING_BUDGET = 1_900_000  # bytes: activations, a window of streamed stages, two or three resident stages
+
+
+def _cfg(micro: int = 0, mode: str = "in_memory", budget: int = 0) -> Config:
+    return Config(model=MODEL, optimizer=OptimizerConfig(name="sgd", lr=0.3, warmup_steps=1, grad_clip=0.5),
+                  train=TrainConfig(steps=STEPS, batch_size=BATCH, micro_batch_size=micro),
+                  memory=MemoryConfig(mode=mode, page_size=PAGE, device_budget=budget))
+
+
+def _data() -> list[jax.Array]:
+    return batches(STEPS, MODEL, BATCH)
+
+
+def _mesh() -> jax.sharding.Mesh:
+    return jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
+
+
+@functools.lru_cache(maxsize=2)
+def _in_memory(micro: int) -> tuple[list[dict], float]:
+    engine = InMemoryEngine(_cfg(micro), _mesh())
+    try:
+        metrics = [{k: float(v) for k, v in engine.step(b).items()} for b in _data()]
+        return metrics, float(engine.eval_loss(_data()[0]))
+    finally:
+        engine.close()
+
+
+class _Counting:
+    """The executor's stage functions, counting calls per (op, kind); the shared compiled ones stay untouched."""
+
+    def __init__(self, fns):
+        self.calls: Counter = Counter()
+        wrapped = copy.copy(fns)
+        wrapped.forward = {k: self._count("forward", k, f) for k, f in fns.forward.items()}
+        wrapped.backward = {k: self._count("backward", k, f) for k, f in fns.backward.items()}
+        self.fns = wrapped
+
+    def _count(self, op, kind, fn):
+        def call(*args):
+            self.calls[op, kind] += 1
+            return fn(*args)
+        return call
+
+
+def _paged(micro: int, monkeypatch) -> tuple[list[dict], float, object, Counter, Counter, list]:
+    """Metrics, an evaluation's loss, the engine, stage calls and parameter-page fetches of the last step, and the
+    batch shapes profiling timed."""
+    profiled = []
+
+    def profile(fns, updates, pl, ol, small, tokens, where):
+        profiled.append(tuple(tokens.shape))
+        return profile_costs(fns, updates, pl, ol, small, tokens, where)
+
+    monkeypatch.setattr(engine_lib, "profile_costs", profile)
+    cfg = _cfg(micro, "paged", STREAMING_BUDGET)
+    params = jax.tree.map(np.array, models.get(cfg.model).init(0)[1])
+    gc.collect()
+    data = _data()
+    engine = build_paged_engine(cfg, params, data[0])
+    counting = _Counting(engine.executor.fns)
+    engine.executor.fns = counting.fns
+    fetches: Counter = Counter()
+    prefetch = engine.store.prefetch
+    params_pages = engine.model.params_layout.num_pages
+
+    def counted_prefetch(pid, to="device", keep_source=False):
+        if to == "device" and pid < params_pages:
+            fetches[pid] += 1
+        return prefetch(pid, to, keep_source)
+
+    engine.store.prefetch = counted_prefetch
+    try:
+        metrics = []
+        for n, b in enumerate(data):
+            if n == len(data) - 1:  # the last step, every function compiled: its calls and fetches alone
+                counting.calls.clear()
+                fetches.clear()
+            metrics.append(engine.executor.step(b))
+        calls, step_fetches = Counter(counting.calls), Counter(fetches)
+        metrics = [{k: float(v.result() if hasattr(v, "result") else v) for k, v in m.items()} for m in metrics]
+        loss = float(engine.executor.eval_loss(data[0]))
+    finally:
+        engine.close()
+    return metrics, loss, engine, calls, step_fetches, profiled
+
+
+def _column(metrics: list[dict], key: str) -> list[float]:
+    return [m[key] for m in metrics]
+
+
+def test_split_batch_keeps_each_micro_batch_on_the_ranks_of_its_rows():
+    batch = jnp.arange(8 * 3).reshape(8, 3)
+    micro = split_batch(batch, 4)
+    assert micro.shape == (4, 2, 3)
+    np.testing.assert_array_equal(micro[1], batch[1::4])  # rows 1 and 5: one in each half (rank) of the batch
+    with pytest.raises(ValueError):
+        split_batch(batch, 3)
+
+
+def test_in_memory_micro_batches_give_the_whole_batch_step():
+    whole, whole_eval = _in_memory(0)
+    micro, micro_eval = _in_memory(MICRO)
+    assert whole[-1]["loss"] < whole[0]["loss"] - 0.2, "the toy stream must be learnable"
+    for key in ("loss", "grad_norm", "update_norm"):  # the same sums, in another order
+        np.testing.assert_allclose(_column(micro, key), _column(whole, key), rtol=1e-5, err_msg=key)
+    np.testing.assert_allclose(micro_eval, whole_eval, rtol=1e-5)
+
+
+def test_paged_micro_batches_stream_layer_major_and_match_both_references(monkeypatch):
+    ref, ref_eval = _in_memory(MICRO)
+    whole, whole_eval, e1, calls1, fetches1, profiled1 = _paged(0, monkeypatch)
+    micro, micro_eval, e4, calls4, fetches4, profiled4 = _paged(MICRO, monkeypatch)
+    m = BATCH // MICRO
+    assert e4.plan.micro_batches == m and e1.plan.micro_batches == 1
+    assert len(e4.plan.streamed) >= len(e4.plan.home) - 3, "most stages must stream"
+    # == the in-memory engine with the same micro-batches (per-stage programs against the whole-model program)
+    for key in ("loss", "grad_norm", "update_norm"):
+        np.testing.assert_allclose(_column(micro, key), _column(ref, key), rtol=1e-5, err_msg=key)
+    np.testing.assert_allclose(micro_eval, ref_eval, rtol=1e-5)
+    # == the paged engine with the whole batch in one go (the same arithmetic summed in another order)
+    for key in ("loss", "grad_norm", "update_norm"):
+        np.testing.assert_allclose(_column(micro, key), _column(whole, key), rtol=1e-5, err_msg=key)
+    np.testing.assert_allclose(micro_eval, whole_eval, rtol=1e-5)
+    # Layer-major: a streamed stage's parameter pages are fetched once per access (forward and backward; the head
+    # once), as with one micro-batch; every stage function is called M times as often.
+    for e, fetches in ((e1, fetches1), (e4, fetches4)):
+        head = len(e.plan.home) - 1
+        assert fetches == {p: 1 if i == head else 2 for i in e.plan.streamed for p in e.model.param_ids(i)}
+    assert calls1 and calls4 == Counter({k: m * n for k, n in calls1.items()})
+    # Profiling timed the shape every call has: one micro-batch.
+    assert profiled1 == [(BATCH, MODEL.seq_len + 1)] and profiled4 == [(MICRO, MODEL.seq_len + 1)]
+
+
+def test_plan_charges_each_access_the_calls_of_every_micro_batch():
+    costs = [StageCost(f"s{i}", 1000, 2000, 0.01, 0.03, 0.001, 0.002) for i in range(4)]
+    home = ("device",) * 4
+    one = simulate(costs, Bandwidths(), home, home, 1)
+    four = simulate(costs, Bandwidths(), home, home, 1, micro_batches=4)
+    compute = lambda tl: sum(e.end - e.start for e in tl.events if e.stream == "compute"  # noqa: E731
+                             and not e.label.startswith("update"))
+    np.testing.assert_allclose(compute(four), 4 * compute(one))
+    # Device bytes: the saved stage inputs of the whole batch, the working set of one micro-batch, float32 sums.
+    whole, micro = fixed_device_bytes(_cfg(0), BATCH), fixed_device_bytes(_cfg(MICRO), BATCH)
+    assert micro < whole
+    tokens = BATCH * MODEL.seq_len
+    saved = (MODEL.n_layers + 1) * tokens * MODEL.d_model * 4
+    assert micro > saved + PAGE  # at least the saved inputs and a block's float32 gradient sums
+
+
+def test_plan_report_prints_the_micro_batches(monkeypatch):
+    cfg = _cfg(MICRO, "paged", STREAMING_BUDGET)
+    bp = engine_lib.blueprint(cfg)
+    from angel_jax.train.plan_cli import _estimated_plan
+    plan, costs, budgets, bw, source = _estimated_plan(cfg, bp, 100.0)
+    assert plan.micro_batches == BATCH // MICRO
+    text = "\n".join(report(cfg, plan, costs, budgets, bw, source))
+    assert "4 micro-batches of 2 (train.micro_batch_size=2)" in text
+    assert plan.summary()["micro_batches"] == 4
+
+
+def test_bad_micro_batch_sizes_are_refused_by_key():
+    base = {"train": {"batch_size": 8}}
+    for micro, words in [(-1, "must be >= 0"), (3, "not a multiple")]:
+        with pytest.raises(ConfigError, match=r"'train\.micro_batch_size'.*" + words):
+            config_from_dict({"train": {**base["train"], "micro_batch_size": micro}})
+    train = config_from_dict({"train": {"batch_size": 8, "micro_batch_size": 2}}).train
+    assert train.micro_batches() == 4 and train.micro_batches(2) == 2 and train.micro_batches(4) == 1
+    with pytest.raises(ConfigError, match=r"'train\.batch_size'=8 .* 'train\.micro_batch_size'=2 x 8"):
+        train.micro_batches(8)  # 8 ranks: 16 sequences per micro-batch step, more than the batch
+    assert dataclasses.replace(train, micro_batch_size=0).micro_batches(8) == 1
