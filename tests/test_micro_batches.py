@@ -23,7 +23,9 @@ from angel_jax.schedule.costs import profile_costs
 from angel_jax.schedule.engine import build_paged_engine, fixed_device_bytes
 from angel_jax.schedule.simulate import StageCost, Bandwidths, simulate
 from angel_jax.schedule.trace import split_batch
+from angel_jax.optim import make_optimizer
 from angel_jax.train.engines import InMemoryEngine
+from angel_jax.train.step import make_loss_fn, make_train_step
 from angel_jax.train.plan_cli import report
 import models
 from test_paged import batches
@@ -51,14 +53,30 @@ def _mesh() -> jax.sharding.Mesh:
     return jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Auto,))
 
 
-@functools.lru_cache(maxsize=2)
-def _in_memory(micro: int) -> tuple[list[dict], float]:
-    engine = InMemoryEngine(_cfg(micro), _mesh())
+@functools.lru_cache(maxsize=1)
+def _in_memory() -> tuple[list[dict], float, object]:
+    """The in-memory engine with micro-batches: metrics of every step, an evaluation's loss, the initial state."""
+    engine = InMemoryEngine(_cfg(MICRO), _mesh())
+    initial = jax.tree.map(jnp.array, engine.state)  # a copy: the engine donates its state
     try:
         metrics = [{k: float(v) for k, v in engine.step(b).items()} for b in _data()]
-        return metrics, float(engine.eval_loss(_data()[0]))
+        return metrics, float(engine.eval_loss(_data()[0])), initial
     finally:
         engine.close()
+
+
+def _reference(state) -> tuple[list[dict], float]:
+    """The reference step (train/step.py, one jitted function) on the whole batch in one go, from `state`."""
+    cfg = _cfg()
+    staged = models.get(cfg.model)
+    graphdef, _ = staged.abstract()
+    tx, schedule = make_optimizer(cfg.optimizer, cfg.train.steps)
+    step = jax.jit(make_train_step(graphdef, tx, schedule, staged.loss))
+    metrics = []
+    for b in _data():
+        state, m = step(state, b)
+        metrics.append({k: float(v) for k, v in m.items()})
+    return metrics, float(jax.jit(make_loss_fn(graphdef, staged.loss))(state.params, _data()[0]))
 
 
 class _Counting:
@@ -134,8 +152,8 @@ def test_split_batch_keeps_each_micro_batch_on_the_ranks_of_its_rows():
 
 
 def test_in_memory_micro_batches_give_the_whole_batch_step():
-    whole, whole_eval = _in_memory(0)
-    micro, micro_eval = _in_memory(MICRO)
+    micro, micro_eval, initial = _in_memory()
+    whole, whole_eval = _reference(initial)
     assert whole[-1]["loss"] < whole[0]["loss"] - 0.2, "the toy stream must be learnable"
     for key in ("loss", "grad_norm", "update_norm"):  # the same sums, in another order
         np.testing.assert_allclose(_column(micro, key), _column(whole, key), rtol=1e-5, err_msg=key)
@@ -143,7 +161,7 @@ def test_in_memory_micro_batches_give_the_whole_batch_step():
 
 
 def test_paged_micro_batches_stream_layer_major_and_match_both_references(monkeypatch):
-    ref, ref_eval = _in_memory(MICRO)
+    ref, ref_eval, _ = _in_memory()
     whole, whole_eval, e1, calls1, fetches1, profiled1 = _paged(0, monkeypatch)
     micro, micro_eval, e4, calls4, fetches4, profiled4 = _paged(MICRO, monkeypatch)
     m = BATCH // MICRO

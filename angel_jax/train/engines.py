@@ -8,7 +8,8 @@
 
 Two implementations, no `if paged` branches in the loop:
 - `InMemoryEngine` (here): the reference trainer. The whole train state is a replicated pytree of jax arrays on
-  every device, one jitted step over the mesh's data axis.
+  every device, one jitted step over the mesh's data axis (with `train.micro_batch_size`, a scan over the
+  micro-batches inside it: gradient accumulation).
 - `PagedTrainEngine` (`angel_jax/train/paged.py`): model state in pages across device, host and disk
   under a plan (Angel-PTM).
 

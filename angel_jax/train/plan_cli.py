@@ -109,8 +109,7 @@ def report(cfg: Config, plan: Plan, costs: list[StageCost], budgets: Budgets, bw
              f"{human_bytes(cfg.memory.page_size)}, staleness {plan.staleness}",
              f"  batch {cfg.train.batch_size}: {plan.micro_batches} micro-batch"
              f"{'es' if plan.micro_batches > 1 else ''} of {cfg.train.batch_size // plan.micro_batches} "
-             f"(train.micro_batch_size={cfg.train.micro_batch_size}), layer-major: each stage fetched once per "
-             "access and run on every micro-batch",
+             f"(train.micro_batch_size={cfg.train.micro_batch_size}), layer-major",
              f"  {len(plan.resident)} resident, {len(plan.streamed)} streamed (prefetch {plan.prefetch}); on disk: "
              f"parameters of {plan.home.count('disk')} stages, gradients of {plan.grad_home.count('disk')}, "
              f"optimizer state of {plan.opt_home.count('disk')}",

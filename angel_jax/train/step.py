@@ -5,6 +5,10 @@ losses, checkpoints must resume it bit for bit. The in-memory engine runs the sa
 phases (`make_step_phases`) so that it never holds a second copy of the training state; the two agree to float
 rounding (XLA contracts the fused in-place update's multiply-adds differently; tests/test_step_phases.py).
 
+Gradient accumulation (`train.micro_batch_size`): `make_value_and_grad` takes the loss and gradients of M
+micro-batches one after another in a `scan` (float32 sums, scaled by 1/M once): the whole batch's mean loss and its
+gradient, with the activations of one micro-batch at a time.
+
 `StepControls` are per-step scalars from the host: the update guard's bounds and a learning-rate multiplier
 (angel_jax/optim/guard.py, the one guard every engine uses). The loss is the model's (`StagedModel.loss`).
 """
