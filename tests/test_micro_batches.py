@@ -107,8 +107,7 @@ def _paged(micro: int, monkeypatch) -> tuple[list[dict], float, object, Counter,
 
     monkeypatch.setattr(engine_lib, "profile_costs", profile)
     cfg = _cfg(micro, "paged", STREAMING_BUDGET)
-    params = jax.tree.map(np.array, models.get(cfg.model).init(0)[1])
-    gc.collect()
+    params = jax.tree.map(np.array, _in_memory()[2].params)  # the in-memory engine's initial parameters
     data = _data()
     engine = build_paged_engine(cfg, params, data[0])
     counting = _Counting(engine.executor.fns)
@@ -123,6 +122,15 @@ def _paged(micro: int, monkeypatch) -> tuple[list[dict], float, object, Counter,
         return prefetch(pid, to, keep_source)
 
     engine.store.prefetch = counted_prefetch
+    peak = [0]
+
+    def sample(op, stage):
+        jax.effects_barrier()
+        peak[0] = max(peak[0], _device_bytes() - baseline)
+
+    gc.collect()
+    baseline = _device_bytes()
+    engine.executor.on_access = sample
     try:
         metrics = []
         for n, b in enumerate(data):
@@ -135,7 +143,12 @@ def _paged(micro: int, monkeypatch) -> tuple[list[dict], float, object, Counter,
         loss = float(engine.executor.eval_loss(data[0]))
     finally:
         engine.close()
+    engine.peak_device_bytes = peak[0]
     return metrics, loss, engine, calls, step_fetches, profiled
+
+
+def _device_bytes() -> int:
+    return sum(a.nbytes for a in jax.live_arrays() if a.sharding.memory_kind == "device" and not a.is_deleted())
 
 
 def _column(metrics: list[dict], key: str) -> list[float]:
@@ -181,6 +194,9 @@ def test_paged_micro_batches_stream_layer_major_and_match_both_references(monkey
         head = len(e.plan.home) - 1
         assert fetches == {p: 1 if i == head else 2 for i in e.plan.streamed for p in e.model.param_ids(i)}
     assert calls1 and calls4 == Counter({k: m * n for k, n in calls1.items()})
+    # What is live on the device between accesses (streamed pages in flight, saved inputs, gradient sums) fits.
+    for e in (e1, e4):
+        assert 2 * max(c.param_bytes for c in e.costs) < e.peak_device_bytes <= STREAMING_BUDGET
     # Profiling timed the shape every call has: one micro-batch.
     assert profiled1 == [(BATCH, MODEL.seq_len + 1)] and profiled4 == [(MICRO, MODEL.seq_len + 1)]
 
