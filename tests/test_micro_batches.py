@@ -9,7 +9,11 @@ import copy
 import dataclasses
 import functools
 import gc
+import json
+import subprocess
+import sys
 from collections import Counter
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -238,3 +242,15 @@ def test_bad_micro_batch_sizes_are_refused_by_key():
     with pytest.raises(ConfigError, match=r"'train\.batch_size'=8 .* 'train\.micro_batch_size'=2 x 8"):
         train.micro_batches(8)  # 8 ranks: 16 sequences per micro-batch step, more than the batch
     assert dataclasses.replace(train, micro_batch_size=0).micro_batches(8) == 1
+
+
+@pytest.mark.slow
+def test_data_parallel_micro_batches_reduce_the_gradients_once_per_step():
+    """Two devices: every micro-batch split over both ranks, per-rank sums, one gradient reduction per step."""
+    script = Path(__file__).with_name("micro_dp_check.py")
+    run = subprocess.run(["timeout", "-s", "KILL", "300", sys.executable, str(script)], capture_output=True,
+                         text=True, cwd=Path(__file__).resolve().parents[1])
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert out["all_reduce"] >= 1 and out["all_reduce_in_loop"] == 0, out
+    np.testing.assert_allclose(out["losses"][str(MICRO)], out["losses"]["0"], rtol=1e-5)

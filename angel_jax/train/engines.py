@@ -78,8 +78,11 @@ class InMemoryEngine:
                                          donate_argnums=0)(params)
         del params
         # Gradient accumulation (train.micro_batch_size): micro-batches of the batch one after another inside judge.
+        # Per-rank float32 sums laid out over 'data': the gradients are reduced over the ranks once per step.
         micro_batches = cfg.train.micro_batches(mesh.devices.size)
-        phases = make_step_phases(graphdef, opt, model.loss, micro_batches)
+        by_rank = NamedSharding(mesh, P("data"))
+        phases = make_step_phases(graphdef, opt, model.loss, micro_batches, mesh.devices.size,
+                                  lambda tree: jax.lax.with_sharding_constraint(tree, by_rank))
         self._judge = jax.jit(phases.judge, out_shardings=self.replicated)
         self._apply_fn = phases.apply
         self._apply = jax.jit(phases.apply, out_shardings=self.replicated, donate_argnums=0)

@@ -74,25 +74,42 @@ def make_micro_loss_fn(graphdef: nnx.GraphDef, loss: Callable[[jax.Array, jax.Ar
 
 
 def make_value_and_grad(graphdef: nnx.GraphDef, loss: Callable[[jax.Array, jax.Array], jax.Array],
-                        micro_batches: int = 1) -> Callable[[Any, jax.Array], tuple[jax.Array, Any]]:
+                        micro_batches: int = 1, ranks: int = 1,
+                        on_ranks: Callable[[Any], Any] | None = None
+                        ) -> Callable[[Any, jax.Array], tuple[jax.Array, Any]]:
     """(params, batch) -> (mean loss, its gradients). With several micro-batches (gradient accumulation): a `scan`
     over them (`split_batch`) adding each one's loss and gradients into float32 sums, which are scaled by
     1/micro_batches once at the end: the gradient of the whole batch's mean loss (equal-size micro-batches), with
-    the activations of one micro-batch at a time."""
+    the activations of one micro-batch at a time.
+
+    `ranks` > 1 (data parallel; the batch's rows sharded over them in order): each rank's rows of a micro-batch are
+    differentiated apart (a `vmap` over ranks) into per-rank float32 sums, laid out over the ranks by `on_ranks`
+    (a sharding constraint on the leading axis), and summed over the ranks once at the end: one gradient
+    reduction per step, not one per micro-batch."""
     loss_fn = make_loss_fn(graphdef, loss)
     if micro_batches == 1:
         return jax.value_and_grad(loss_fn)
+    per_rank = ranks > 1
+    grad_fn = jax.vmap(jax.value_and_grad(loss_fn), in_axes=(None, 0)) if per_rank else jax.value_and_grad(loss_fn)
+    lay_out = on_ranks if per_rank and on_ranks is not None else (lambda tree: tree)
 
     def value_and_grad(params: Any, batch: jax.Array) -> tuple[jax.Array, Any]:
         def body(carry: tuple, micro: jax.Array) -> tuple[tuple, None]:
             total, acc = carry
-            value, grads = jax.value_and_grad(loss_fn)(params, micro)
-            acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads)
+            value, grads = grad_fn(params, micro)
+            acc = lay_out(jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads))
             return (total + value.astype(jnp.float32), acc), None
 
-        zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
-        (total, acc), _ = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros), split_batch(batch, micro_batches))
-        scale = jnp.float32(1 / micro_batches)
+        micro = split_batch(batch, micro_batches)
+        lead: tuple[int, ...] = ()
+        if per_rank:  # [M, ranks, rows of a rank, T+1]: a micro-batch's rows on each rank (see split_batch)
+            micro = micro.reshape(micro_batches, ranks, micro.shape[1] // ranks, *micro.shape[2:])
+            lead = (ranks,)
+        zeros = lay_out(jax.tree.map(lambda p: jnp.zeros(lead + p.shape, jnp.float32), params))
+        (total, acc), _ = jax.lax.scan(body, (jnp.zeros(lead, jnp.float32), zeros), micro)
+        if per_rank:  # the one reduction over the ranks
+            total, acc = jnp.sum(total), jax.tree.map(lambda a: jnp.sum(a, axis=0), acc)
+        scale = jnp.float32(1 / (micro_batches * ranks if per_rank else micro_batches))
         return total * scale, jax.tree.map(lambda a, p: (a * scale).astype(p.dtype), acc, params)
 
     return value_and_grad
@@ -142,7 +159,8 @@ class StepPhases:
 
 
 def make_step_phases(graphdef: nnx.GraphDef, opt: SplitOptimizer,
-                     loss: Callable[[jax.Array, jax.Array], jax.Array], micro_batches: int = 1) -> StepPhases:
+                     loss: Callable[[jax.Array, jax.Array], jax.Array], micro_batches: int = 1, ranks: int = 1,
+                     on_ranks: Callable[[Any], Any] | None = None) -> StepPhases:
     """`make_train_step`'s arithmetic (with `opt.tx` as its transformation) in two phases, in the memory of an
     unguarded step.
 
@@ -154,8 +172,8 @@ def make_step_phases(graphdef: nnx.GraphDef, opt: SplitOptimizer,
     The update is computed twice: one more pass over the optimizer state, small next to forward and backward.
 
     `micro_batches` > 1: `judge` accumulates the loss and gradients over that many micro-batches of the batch
-    (`make_value_and_grad`); the rest is as with one."""
-    value_and_grad = make_value_and_grad(graphdef, loss, micro_batches)
+    (`make_value_and_grad`, with `ranks` and `on_ranks`); the rest is as with one."""
+    value_and_grad = make_value_and_grad(graphdef, loss, micro_batches, ranks, on_ranks)
 
     def update(clipped: Any, state: TrainState, controls: StepControls) -> tuple[Any, Any]:
         updates, core = opt.core.update(clipped, opt.core_state(state.opt_state), state.params)
