@@ -235,8 +235,8 @@ class PagedTrainEngine:
         built, plan = self.built, self.built.plan
         lines = [f"  placement          paged: {len(plan.resident)} of {len(plan.home)} stages resident on "
                  f"{self.device}, {len(plan.streamed)} streamed (prefetch {plan.prefetch}), "
-                 f"page size {human_bytes(self.cfg.memory.page_size)}, staleness {plan.staleness}, "
-                 f"{plan.micro_batches} micro-batch{'es' if plan.micro_batches > 1 else ''} per step (layer-major)"]
+                 f"page size {human_bytes(self.cfg.memory.page_size)}, staleness {plan.staleness}"
+                 + (f", {plan.micro_batches} micro-batches per step (layer-major)" if plan.micro_batches > 1 else "")]
         for row in plan.table(built.costs):
             lines.append(f"  {row['tier']:<7} pages    params {human_bytes(row['params'])}, gradients "
                          f"{human_bytes(row['gradients'])}, optimizer {human_bytes(row['optimizer'])}")
