@@ -24,7 +24,7 @@ from angel_jax.train import metrics as M
 from angel_jax.train.engines import build_engine
 
 ROOT = Path(__file__).resolve().parent.parent
-STEPS = 16
+STEPS, EVERY = 8, 2  # the victim is killed halfway, once it has committed its second checkpoint
 # Stages resident, streamed with optimizer state on host, and streamed with optimizer state on disk (see
 # test_paged_state._mixed): every page family on every tier.
 MODEL = {"d_model": 64, "n_layers": 8, "n_heads": 2, "seq_len": 16}
@@ -47,7 +47,7 @@ def _memory(disk: Path, budgets: str = "mixed") -> dict:
 
 def _write(write_tiny_config, directory: Path, name: str, budgets: str = "mixed") -> Path:
     return write_tiny_config(directory, name, model=MODEL, memory=_memory(directory / f"{name}-disk", budgets),
-                             train={"steps": STEPS, "batch_size": 2}, checkpoint={"every": 4, "keep": 2})
+                             train={"steps": STEPS, "batch_size": 2}, checkpoint={"every": EVERY, "keep": 2})
 
 
 def _final_arrays(run_dir: Path) -> dict[str, np.ndarray]:
@@ -86,7 +86,7 @@ def test_paged_run_killed_and_resumed_is_bitwise_the_uninterrupted_run(tmp_path,
     with open(tmp_path / "victim.log", "w") as log:
         victim = subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     deadline = time.monotonic() + 300
-    while not [s for s in _committed(run_dir) if s >= 8]:
+    while not [s for s in _committed(run_dir) if s >= 2 * EVERY]:
         assert victim.poll() is None, (tmp_path / "victim.log").read_text()[-3000:]
         assert time.monotonic() < deadline
         time.sleep(0.01)

@@ -18,12 +18,14 @@ from test_paged import PAGE
 
 MODEL = ModelConfig(d_model=64, n_layers=8, n_heads=2, seq_len=32, compute_dtype="float32")
 BATCH = 8
-STEPS = 200
+STEPS = 120
 BUDGET = 3_200_000  # the step's minimum (activations + a window of 3 blocks), no room for a resident stage
 # With nearly every stage one update behind (what this CPU gives: host updates share its two cores with the next
-# step's compute), lock-free training is delayed-gradient Adam. How much a one-step delay costs after 200 steps
-# grows with the learning rate: ~1% here at 5e-4, ~3% at 1e-3, ~12% at 3e-3 (the same figures as a whole-model
-# delayed-gradient run, so they measure the algorithm, not the engine). 5e-4 is the regime the check is about.
+# step's compute), lock-free training is delayed-gradient Adam. How much a one-step delay costs after 120 steps
+# grows with the learning rate: ~1% here at 5e-4, ~3% at 1e-3, ~10% at 3e-3 (measured; after 200 steps the same:
+# ~1%, ~3%, ~12%, the figures of a whole-model delayed-gradient run, so they measure the algorithm, not the
+# engine). 5e-4 is the regime the check is about. In 120 steps exact mode goes from 5.56 (the first batch) to
+# 3.22 on held-out text, where the check asks for 2.0 less.
 LR = 5e-4
 
 
@@ -72,7 +74,7 @@ def test_lock_free_training_runs_stale_and_converges_like_exact_mode():
     assert e1.updater.stale_uses > STEPS, e1.updater.stale_uses
     assert e1.updater.max_lag == 1
     assert lock_free[0] == exact[0] and lock_free[1:] != exact[1:]
-    # The loss after 200 steps, on held-out text (single training batches are too noisy to compare at 2%).
+    # The loss after 120 steps, on held-out text (single training batches are too noisy to compare at 2%).
     final_exact, final_lock_free = _eval_loss(exact_params, held_out), _eval_loss(lock_free_params, held_out)
     assert final_exact < exact[0] - 2.0, "the model must learn"
     assert abs(final_lock_free - final_exact) <= 0.02 * final_exact, (final_lock_free, final_exact)
