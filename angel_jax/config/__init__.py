@@ -223,6 +223,9 @@ class MemoryConfig:
     disk_dir: str = doc("", "Directory of the disk tier (empty = no disk tier).")
     disk_budget: int = doc(0, "Bytes the disk tier may hold (0 = no limit beyond the file system's).")
     staleness: int = doc(0, "Paged engine: 0 = exact updates, 1 = lock-free (a stage may use one-step-old parameters).")
+    passes: int = doc(0, "Paged engine: accumulation passes per step, each running its share of the micro-batches "
+                         "layer-major (fewer saved activations, streamed stages fetched once per pass); 0 = the "
+                         "planner chooses.")
 
     def validate(self) -> list[tuple[str, str]]:
         errs = []
@@ -230,6 +233,8 @@ class MemoryConfig:
             errs.append(("page_size", "must be >= 4096 bytes"))
         if self.staleness not in (0, 1):
             errs.append(("staleness", "must be 0 (exact) or 1 (lock-free)"))
+        if self.passes < 0:
+            errs.append(("passes", "must be >= 0 (0 = the planner chooses)"))
         for key in ("device_budget", "host_budget", "disk_budget"):
             if getattr(self, key) < 0:
                 errs.append((key, "must be >= 0"))

@@ -116,13 +116,13 @@ def check_host_room(cfg: Config, device: jax.Device) -> None:
     costs = [StageCost(s.name, bp.params_layout.stage(s.name).nbytes, bp.opt_layout.stage(s.name).nbytes,
                        0.0, 0.0, 0.0, 0.0) for s in bp.staged.stages]
     make_plan(costs, Bandwidths(), budgets_for(cfg, device, cfg.train.batch_size), staleness=cfg.memory.staleness,
-              micro_batches=micro_batching(cfg, cfg.train.batch_size)[0])
+              micro_batches=micro_batching(cfg, cfg.train.batch_size)[0], passes=cfg.memory.passes or 1)
 
 
 def budgets_for(cfg: Config, device: jax.Device, local_batch: int) -> Budgets:
     return Budgets(device=device_budget(cfg, device), host=host_budget(cfg, device),
                    disk=disk_budget(cfg) if cfg.memory.disk_dir else 0,
-                   fixed_device=fixed_device_bytes(cfg, local_batch))
+                   fixed_device=fixed_device_bytes(cfg, local_batch), saved_device=saved_input_bytes(cfg, local_batch))
 
 
 def micro_batching(cfg: Config, local_batch: int) -> tuple[int, int]:
@@ -135,6 +135,13 @@ def micro_batching(cfg: Config, local_batch: int) -> tuple[int, int]:
     return local_batch // size, size
 
 
+def saved_input_bytes(cfg: Config, local_batch: int) -> int:
+    """Device bytes of every stage's saved input for the whole local batch (a plan of P accumulation passes holds
+    1/P of them)."""
+    m = cfg.model
+    return (m.n_layers + 1) * local_batch * m.seq_len * m.d_model * jnp.dtype(m.compute_dtype).itemsize
+
+
 def fixed_device_bytes(cfg: Config, local_batch: int) -> int:
     """Device bytes every step needs whatever the placement: the saved input of every stage (for the whole local
     batch: every micro-batch's), the working set of the largest stage call (logits and their gradient for the
@@ -145,7 +152,7 @@ def fixed_device_bytes(cfg: Config, local_batch: int) -> int:
     micro_batches, size = micro_batching(cfg, local_batch)
     itemsize = jnp.dtype(m.compute_dtype).itemsize
     tokens, call_tokens = local_batch * m.seq_len, size * m.seq_len
-    saved = (m.n_layers + 1) * tokens * m.d_model * itemsize
+    saved = saved_input_bytes(cfg, local_batch)
     head = 3 * call_tokens * m.vocab_size * 4
     width = models.get(m).block_activation_width
     assert width > 0, f"model family {m.name!r} does not state its block_activation_width"
@@ -247,7 +254,7 @@ def plan_for(cfg: Config, bp: Blueprint, store: PageStore, example_batch: jax.Ar
                            load_bandwidths(default_calibration_path()))
     budgets = dataclasses.replace(budgets_for(cfg, device, example_batch.shape[0]), host=store.tiers["host"].budget)
     plan = make_plan(costs, bw, budgets, staleness=cfg.memory.staleness, shared_cpu=device.platform == "cpu",
-                     micro_batches=micro_batches)
+                     micro_batches=micro_batches, passes=cfg.memory.passes or 1)
     return plan, costs, bw, budgets
 
 
@@ -284,7 +291,7 @@ def build_paged_engine(cfg: Config, params: Any, example_batch: jax.Array, *,
         store.close()
         raise
     # Pages are what the tier holds; the fixed part (activations, working set) is outside it.
-    store.tiers["device"].budget = budgets.device - budgets.fixed_device
+    store.tiers["device"].budget = budgets.device - plan.fixed_device
     model = PagedModel(staged, bp.params_layout, bp.opt_layout, opt_offset=bp.params_layout.num_pages,
                        grad_sets=1 + plan.staleness)
     tx, _ = make_optimizer(cfg.optimizer, cfg.train.steps, clip=False)

@@ -78,6 +78,13 @@ class Budgets:
     """None: no limit; 0: no disk tier."""
     fixed_device: int
     """Device bytes the step needs whatever the placement: saved activations and the working set."""
+    saved_device: int = 0
+    """Of `fixed_device`, the saved stage inputs of the whole local batch: a plan of P accumulation passes holds
+    one pass's, 1/P of them."""
+
+    def fixed_for(self, passes: int) -> int:
+        """`fixed_device` with the step run in `passes` accumulation passes."""
+        return self.fixed_device - self.saved_device + -(-self.saved_device // passes)
 
 
 @dataclass(frozen=True)
@@ -99,7 +106,13 @@ class Plan:
     staleness: int
     predicted: Timeline = field(compare=False)
     micro_batches: int = 1
-    """Micro-batches per step, run layer-major (each stage access runs every one)."""
+    """Micro-batches per step, run layer-major (each stage access runs every one of its pass)."""
+    passes: int = 1
+    """Accumulation passes per step: each runs the forward and backward of `micro_batches / passes` micro-batches
+    layer-major, so the device holds one pass's saved stage inputs, and streamed stages are fetched in every pass
+    (their gradients summed on the host between passes)."""
+    fixed_device: int = 0
+    """Device bytes of activations and working set under this plan's passes."""
 
     @property
     def streamed(self) -> tuple[int, ...]:
@@ -123,25 +136,26 @@ class Plan:
         gradients come back once. Disk-homed parameters are read for every access and once more for their update,
         and written after it; disk-homed gradients are written once and read once; disk-homed optimizer state is
         read and written once per update. `io_bound_s` is the slowest path's time: no step can be shorter."""
-        return io_per_step(costs, bandwidths, self.home, self.grad_home, self.opt_home)
+        return io_per_step(costs, bandwidths, self.home, self.grad_home, self.opt_home, self.passes)
 
     def summary(self) -> dict:
         return {"resident": len(self.resident), "streamed": len(self.streamed), "prefetch": self.prefetch,
                 "params_on_disk": self.home.count("disk"), "grads_on_disk": self.grad_home.count("disk"),
                 "opt_on_disk": self.opt_home.count("disk"), "staleness": self.staleness,
-                "micro_batches": self.micro_batches,
+                "micro_batches": self.micro_batches, "passes": self.passes,
                 "predicted_step_s": self.predicted.step_time, "peak_bytes": dict(self.peak_bytes)}
 
 
 def io_per_step(costs: list[StageCost], bandwidths: Bandwidths, home: tuple[str, ...], grad_home: tuple[str, ...],
-                opt_home: tuple[str, ...]) -> dict[str, float]:
-    """See `Plan.io_per_step`."""
+                opt_home: tuple[str, ...], passes: int = 1) -> dict[str, float]:
+    """See `Plan.io_per_step`; with several passes, every pass fetches the streamed stages and sends their gradients
+    to the host."""
     accesses = [0] * len(costs)
     for _, i in compute_sequence(len(costs)):
-        accesses[i] += 1
+        accesses[i] += passes
     streamed = [i for i, h in enumerate(home) if h != "device"]
     h2d = sum(accesses[i] * costs[i].param_bytes for i in streamed)
-    d2h = sum(costs[i].param_bytes for i in streamed)
+    d2h = passes * sum(costs[i].param_bytes for i in streamed)
     read = sum((accesses[i] + 1) * costs[i].param_bytes for i in streamed if home[i] == "disk") \
         + sum(costs[i].param_bytes for i in streamed if grad_home[i] == "disk") \
         + sum(c.opt_bytes for c, h in zip(costs, opt_home) if h == "disk")
@@ -164,30 +178,42 @@ def window_bytes(costs: list[StageCost], streamed: list[int], prefetch: int) -> 
     return (prefetch + 1) * biggest + biggest
 
 
-def minimum_device_bytes(costs: list[StageCost], budgets: Budgets) -> int:
-    """The smallest device budget any plan fits: everything streamed, prefetch 1."""
-    return budgets.fixed_device + window_bytes(costs, list(range(len(costs))), 1)
+def minimum_device_bytes(costs: list[StageCost], budgets: Budgets, passes: int = 1) -> int:
+    """The smallest device budget any plan of `passes` passes fits: everything streamed, prefetch 1."""
+    return budgets.fixed_for(passes) + window_bytes(costs, list(range(len(costs))), 1)
+
+
+def pass_options(micro_batches: int) -> list[int]:
+    """The accumulation passes a step of `micro_batches` micro-batches can run in: the divisors, fewest first."""
+    return [p for p in range(1, micro_batches + 1) if micro_batches % p == 0]
 
 
 def make_plan(costs: list[StageCost], bw: Bandwidths, budgets: Budgets, *, staleness: int = 0,
-              shared_cpu: bool = False, max_prefetch: int = 3, micro_batches: int = 1) -> Plan:
+              shared_cpu: bool = False, max_prefetch: int = 3, micro_batches: int = 1,
+              passes: int | None = None) -> Plan:
     """`costs`: per stage, the times of one call (one micro-batch); a step runs `micro_batches` calls per
-    access."""
+    access, in `passes` accumulation passes (None: the planner chooses among `pass_options`). The plan predicted
+    fastest wins; more passes or a deeper prefetch only when predicted faster by more than noise (2%)."""
     n = len(costs)
+    if passes is not None and (passes < 1 or micro_batches % passes):
+        raise PlanError(f"memory.passes={passes} does not divide the step's {micro_batches} micro-batches: use one "
+                        f"of {pass_options(micro_batches)}, or 0 to let the planner choose")
     best: Plan | None = None
-    for prefetch in range(1, max_prefetch + 1):
-        plan = _plan_for(costs, bw, budgets, prefetch, n, staleness, shared_cpu, micro_batches)
-        if plan is None:
-            continue
-        # A deeper prefetch only pays if it is predicted faster by more than noise.
-        if best is None or plan.predicted.step_time < best.predicted.step_time * 0.98:
-            best = plan
+    for p in ([passes] if passes else pass_options(micro_batches)):
+        for prefetch in range(1, max_prefetch + 1):
+            plan = _plan_for(costs, bw, budgets, prefetch, n, staleness, shared_cpu, micro_batches, p)
+            if plan is None:
+                continue
+            if best is None or plan.predicted.step_time < best.predicted.step_time * 0.98:
+                best = plan
     if best is None:
-        need = minimum_device_bytes(costs, budgets)
+        most = passes or micro_batches  # the fewest activations any plan holds
+        need = minimum_device_bytes(costs, budgets, most)
         raise PlanError(f"device budget {budgets.device:,} B cannot hold the step's minimum {need:,} B "
-                        f"(activations and working set {budgets.fixed_device:,} B + a streaming window of "
-                        f"{need - budgets.fixed_device:,} B): {need - budgets.device:,} B missing; raise "
-                        "memory.device_budget, or lower train.batch_size / model.seq_len")
+                        f"(activations and working set {budgets.fixed_for(most):,} B in {most} accumulation "
+                        f"pass{'es' if most > 1 else ''} + a streaming window of "
+                        f"{need - budgets.fixed_for(most):,} B): {need - budgets.device:,} B missing; raise "
+                        "memory.device_budget, or lower train.micro_batch_size / model.seq_len")
     return best
 
 
@@ -196,9 +222,10 @@ def _resident_bytes(c: StageCost) -> int:
 
 
 def _plan_for(costs: list[StageCost], bw: Bandwidths, budgets: Budgets, prefetch: int, n: int, staleness: int,
-              shared_cpu: bool, micro_batches: int) -> Plan | None:
+              shared_cpu: bool, micro_batches: int, passes: int) -> Plan | None:
     resident: list[int] = []
-    free = budgets.device - budgets.fixed_device
+    fixed = budgets.fixed_for(passes)
+    free = budgets.device - fixed
     # Prefer keeping the stages whose streaming costs most per unit of compute that could hide it.
     order = sorted(range(n), key=lambda i: -(costs[i].param_bytes / max(costs[i].forward_s + costs[i].backward_s,
                                                                           1e-12)))
@@ -215,12 +242,17 @@ def _plan_for(costs: list[StageCost], bw: Bandwidths, budgets: Budgets, prefetch
     used = sum(_resident_bytes(costs[j]) for j in resident) + window
     if used > free:
         return None
-    home, grad_home, opt_home, host_used, disk_used = place_streamed(costs, budgets, streamed, staleness)
+    try:
+        home, grad_home, opt_home, host_used, disk_used = place_streamed(costs, budgets, streamed, staleness, passes)
+    except PlanError:
+        if passes == 1:
+            raise
+        return None  # (gradients summed over passes stay on the host: more passes may not fit where one does)
     predicted = simulate(costs, bw, home, opt_home, prefetch, grad_home=grad_home, staleness=staleness,
-                         shared_cpu=shared_cpu, micro_batches=micro_batches)
-    peak = {"device": budgets.fixed_device + used, "host": host_used, "disk": disk_used}
+                         shared_cpu=shared_cpu, micro_batches=micro_batches, passes=passes)
+    peak = {"device": fixed + used, "host": host_used, "disk": disk_used}
     return Plan(tuple(sorted(resident)), home, grad_home, opt_home, prefetch, window, peak, staleness, predicted,
-                micro_batches)
+                micro_batches, passes, fixed)
 
 
 Homes = tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]
@@ -249,10 +281,11 @@ def disk_bytes(costs: list[StageCost], homes: Homes, staleness: int = 0) -> int:
                for c, h, g, o in zip(costs, home, grad_home, opt_home))
 
 
-def place_streamed(costs: list[StageCost], budgets: Budgets, streamed: list[int],
-                   staleness: int) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...], int, int]:
+def place_streamed(costs: list[StageCost], budgets: Budgets, streamed: list[int], staleness: int,
+                   passes: int = 1) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...], int, int]:
     """Homes of the streamed stages' page families: the host while the host budget lasts, then the disk, cheapest
-    family first (optimizer state, gradients, parameters; within a family the last stages first). Returns
+    family first (optimizer state, gradients, parameters; within a family the last stages first). With several
+    accumulation passes gradients stay on the host, where each pass adds into them. Returns
     (param homes, gradient homes, optimizer homes, host bytes, disk bytes); resident stages are 'device'."""
     n = len(costs)
     homes = [["device" if i not in streamed else "host" for i in range(n)] for _ in range(3)]  # params, grads, opt
@@ -263,9 +296,11 @@ def place_streamed(costs: list[StageCost], budgets: Budgets, streamed: list[int]
     # The least host memory any placement needs: everything streamed on disk (or, with no disk tier, on the host).
     # A refusal names this figure, not only the first shortfall, which would be refused again further on.
     all_disk = [["disk" if i in streamed else "device" for i in range(n)] for _ in range(3)]
+    if passes > 1:
+        all_disk[1] = list(homes[1])
     least = host_bytes(costs, frozen(), staleness) if budgets.disk == 0 else \
         host_bytes(costs, (tuple(all_disk[0]), tuple(all_disk[1]), tuple(all_disk[2])), staleness)
-    moves = [(family, i) for family in (2, 1, 0) for i in reversed(streamed)]
+    moves = [(family, i) for family in ((2, 0) if passes > 1 else (2, 1, 0)) for i in reversed(streamed)]
     while budgets.host is not None and host_bytes(costs, frozen(), staleness) > budgets.host:
         if budgets.disk == 0:
             raise PlanError(f"host budget {budgets.host:,} B cannot hold the streamed stages' parameters, gradients "

@@ -4,8 +4,12 @@
     timeline.step_time   # steady-state seconds per step
 
 Rules (those of execute.py and optim/updater.py):
-- Micro-batches run layer-major: a stage access computes for `micro_batches` calls of the stage's profiled (one
-  micro-batch) time; its transfers are those of one access.
+- Micro-batches run layer-major: a stage access computes for `micro_batches / passes` calls of the stage's profiled
+  (one micro-batch) time; its transfers are those of one access.
+- With `passes` accumulation passes the step runs the whole forward and backward sequence once per pass, each over
+  its share of the micro-batches: a streamed stage is fetched for every access of every pass, its gradients go to
+  the host after every pass's backward, and from the second pass on they are added there into the stage's sum
+  (`host_add_s`, on the host stream). A stage's first fetch in a step waits for its update; later passes do not.
 - One compute stream, one h2d and one d2h copy stream, one host stream (optimizer updates on the CPU) and one disk
   stream; work within a stream is serial, in the executor's order.
 - A streamed stage's fetch for access k may start once access k - prefetch has started computing (the window frees
@@ -56,6 +60,9 @@ class StageCost:
     """Recompute + vjp (for the head: loss and gradients), one call."""
     update_device_s: float
     update_host_s: float
+    host_add_s: float = 0.0
+    """Seconds of one float32 add of the stage's gradient pages on the host: with several accumulation passes,
+    each pass after the first adds its gradients into the stage's sum there (streamed stages)."""
 
 
 @dataclass(frozen=True)
@@ -102,7 +109,7 @@ class _Clock:
 
 def simulate(costs: list[StageCost], bw: Bandwidths, home: tuple[str, ...], opt_home: tuple[str, ...],
              prefetch: int, *, grad_home: tuple[str, ...] | None = None, staleness: int = 0, shared_cpu: bool = False,
-             steps: int = 3, micro_batches: int = 1) -> Timeline:
+             steps: int = 3, micro_batches: int = 1, passes: int = 1) -> Timeline:
     """`home`: per stage 'device', 'host' or 'disk' (parameters); `grad_home` defaults to 'device' for resident
     stages and 'host' for streamed ones."""
     n = len(costs)
@@ -110,7 +117,9 @@ def simulate(costs: list[StageCost], bw: Bandwidths, home: tuple[str, ...], opt_
         grad_home = tuple("device" if h == "device" else "host" for h in home)
     tl = Timeline()
     clock = _Clock(shared_cpu, tl)
-    seq = compute_sequence(n)
+    seq = compute_sequence(n) * passes  # one forward-backward sequence per accumulation pass
+    per_pass = len(seq) // passes
+    calls = micro_batches // passes  # stage calls per access
     order = list(range(n))
     # Bytes staged from disk around each update: what is read before the backward (state) and after it (grads).
     state_read = [c.param_bytes * (h == "disk") + c.opt_bytes * (o == "disk") for c, h, o in zip(costs, home, opt_home)]
@@ -130,17 +139,21 @@ def simulate(costs: list[StageCost], bw: Bandwidths, home: tuple[str, ...], opt_
 
     for _ in range(steps):
         starts: list[float] = []
-        fetched: dict[int, float] = {}
+        fetched: dict[int, float] = {}  # per stage, when its pages of the current pass reached the device
         grads_home = [0.0] * n
+        fetched_passes: set[int] = set()
         for j in early:
             if j not in read_done:
                 read(j, reads_from, state_read[j])
         for k, (op, i) in enumerate(seq):
-            dur = micro_batches * (costs[i].forward_s if op == "forward" else costs[i].backward_s)
+            dur = calls * (costs[i].forward_s if op == "forward" else costs[i].backward_s)
             ready = updated[i]
+            if k % per_pass == 0:  # a new pass fetches every streamed stage again
+                fetched_passes.update(fetched)
+                fetched = {}
             if home[i] != "device":
                 gate = starts[k - prefetch] if k >= prefetch else (starts[0] if starts else clock.free["compute"])
-                first = i not in fetched
+                first = i not in fetched and i not in fetched_passes
                 if first and staleness and home[i] == "host" and updated[i] > gate:
                     ready = updated_before[i]  # runs one update behind rather than wait
                 at = max(gate, ready if first else 0.0)
@@ -157,6 +170,9 @@ def simulate(costs: list[StageCost], bw: Bandwidths, home: tuple[str, ...], opt_
                     grads_home[i] = end
                 else:
                     grads_home[i] = clock.run("d2h", f"grad {costs[i].name}", end, costs[i].param_bytes / bw.d2h)[1]
+                    if k >= per_pass:  # a later pass: added into the stage's sum on the host
+                        grads_home[i] = clock.run("host", f"add {costs[i].name}", grads_home[i],
+                                                  costs[i].host_add_s)[1]
                     if grad_home[i] == "disk":
                         grads_home[i] = clock.disk(f"spill {costs[i].name}", grads_home[i], costs[i].param_bytes,
                                                    bw.disk_write, bw.disk_write_cpu)[1]

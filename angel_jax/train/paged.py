@@ -236,14 +236,16 @@ class PagedTrainEngine:
         lines = [f"  placement          paged: {len(plan.resident)} of {len(plan.home)} stages resident on "
                  f"{self.device}, {len(plan.streamed)} streamed (prefetch {plan.prefetch}), "
                  f"page size {human_bytes(self.cfg.memory.page_size)}, staleness {plan.staleness}"
-                 + (f", {plan.micro_batches} micro-batches per step (layer-major)" if plan.micro_batches > 1 else "")]
+                 + (f", {plan.micro_batches} micro-batches per step (layer-major"
+                    + (f", in {plan.passes} accumulation passes)" if plan.passes > 1 else ")")
+                    if plan.micro_batches > 1 else "")]
         for row in plan.table(built.costs):
             lines.append(f"  {row['tier']:<7} pages    params {human_bytes(row['params'])}, gradients "
                          f"{human_bytes(row['gradients'])}, optimizer {human_bytes(row['optimizer'])}")
         peak = plan.peak_bytes
         lines.append(f"  predicted peak     device {human_bytes(peak['device'])} of "
                      f"{human_bytes(built.budgets.device)} budget (activations and working set "
-                     f"{human_bytes(built.budgets.fixed_device)}), host {human_bytes(peak['host'])}, "
+                     f"{human_bytes(built.plan.fixed_device)}), host {human_bytes(peak['host'])}, "
                      f"disk {human_bytes(peak['disk'])}")
         lines.append(f"  predicted step     {plan.predicted.step_time:.3f} s (bandwidths: {built.bandwidths.source})")
         return lines
