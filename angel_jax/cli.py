@@ -77,6 +77,28 @@ may mix them with text files (one document per file). Training prepares its data
 are missing; this command does it ahead of time or for another corpus."""
 
 
+def add_plan_arguments(p: argparse.ArgumentParser) -> None:
+    """`angel-jax plan`'s arguments (shared by this module's parser and the `angel-jax` command's)."""
+    p.add_argument("config", type=Path, help="YAML config file")
+    p.add_argument("overrides", nargs="*", help="dotted key=value overrides")
+    p.add_argument("--out", type=Path, default=None, help="where to write the timeline (default: the run directory)")
+    p.add_argument("--estimate", action="store_true",
+                   help="estimate stage times from FLOPs and the device's peak instead of profiling them")
+    p.add_argument("--peak-tflops", type=float, default=None,
+                   help="with --estimate: the target device's peak (default: this device's, from the device table "
+                        "or a measured matmul)")
+    target = p.add_argument_group("the target machine's links, with --estimate (default: this machine's "
+                                  "calibration from `angel-jax bench io`, else built-in defaults)")
+    target.add_argument("--h2d-gbps", type=float, default=None, help="host -> device copies, GB/s (pinned)")
+    target.add_argument("--d2h-gbps", type=float, default=None, help="device -> host copies, GB/s (default: h2d)")
+    target.add_argument("--disk-read-gbps", type=float, default=None, help="disk tier reads, GB/s")
+    target.add_argument("--disk-write-gbps", type=float, default=None, help="disk tier writes, GB/s")
+    target.add_argument("--host-gbps", type=float, default=None,
+                        help="host memory traffic (bytes read + written per second) the host optimizer and "
+                             "gradient sums reach, GB/s")
+
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="angel-jax", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
@@ -118,12 +140,7 @@ def _parser() -> argparse.ArgumentParser:
                           description="Print the paged engine's page table (bytes per family per tier), the "
                           "predicted step time and peak bytes per tier, and write the predicted timeline (PNG and "
                           "JSON) to the run directory or --out.")
-    plan.add_argument("config", type=Path, help="YAML config file")
-    plan.add_argument("overrides", nargs="*", help="dotted key=value overrides")
-    plan.add_argument("--out", type=Path, default=None, help="output directory (default: the run directory)")
-    plan.add_argument("--estimate", action="store_true",
-                      help="estimate stage times from FLOPs and the device peak instead of profiling them")
-    plan.add_argument("--peak-tflops", type=float, default=None, help="with --estimate: the target device's peak")
+    add_plan_arguments(plan)
 
     bench = sub.add_parser("bench", help="measure this machine (bench io: bandwidths for the cost model)")
     bench.add_argument("what", choices=["io"], help="io: H2D/D2H, device copy, disk tier, memcpy")

@@ -224,12 +224,37 @@ def test_plan_charges_each_access_the_calls_of_every_micro_batch():
 def test_plan_report_prints_the_micro_batches(monkeypatch):
     cfg = _cfg(MICRO, "paged", STREAMING_BUDGET)
     bp = engine_lib.blueprint(cfg)
-    from angel_jax.train.plan_cli import _estimated_plan
-    plan, costs, budgets, bw, source = _estimated_plan(cfg, bp, 100.0)
+    from angel_jax.train.plan_cli import _estimated_plan, _parser
+    args = _parser().parse_args(["unused.yaml", "--estimate", "--peak-tflops", "100"])
+    cfg, plan, costs, budgets, bw, source = _estimated_plan(cfg, bp, args)
     assert plan.micro_batches == BATCH // MICRO
     text = "\n".join(report(cfg, plan, costs, budgets, bw, source))
     assert "4 micro-batches of 2 (train.micro_batch_size=2)" in text
     assert plan.summary()["micro_batches"] == 4
+
+
+def test_estimated_plans_choose_the_micro_batch_size_and_state_mfu_and_bound():
+    """With train.micro_batch_size 0 the estimate tries the batch and its halvings; a device budget that holds
+    no pass of the whole batch's working set gets a smaller micro-batch. The report states the predicted MFU
+    (the training loop's formula over the predicted step) and the busiest stream."""
+    from angel_jax.train.plan_cli import _estimated_plan, _parser, predicted_mfu
+
+    args = _parser().parse_args(["unused.yaml", "--estimate", "--peak-tflops", "100", "--h2d-gbps", "5"])
+    roomy = _cfg(0, "paged", 10**9)
+    cfg, plan, costs, budgets, bw, source = _estimated_plan(roomy, engine_lib.blueprint(roomy), args)
+    assert cfg.train.micro_batch_size == BATCH and plan.micro_batches == 1 and "chosen by the planner" in source
+    assert bw.h2d == bw.d2h == 5e9 and "h2d 5 GB/s" in bw.source
+    whole = engine_lib.fixed_device_bytes(dataclasses.replace(roomy, train=dataclasses.replace(roomy.train,
+                                                                                              micro_batch_size=8)), 8)
+    tight = _cfg(0, "paged", whole)  # the whole batch's working set alone fills it
+    cfg, plan, costs, budgets, bw, source = _estimated_plan(tight, engine_lib.blueprint(tight), args)
+    assert cfg.train.micro_batch_size < BATCH and plan.peak_bytes["device"] <= whole
+    text = "\n".join(report(cfg, plan, costs, budgets, bw, source, 100e12))
+    mfu = models.get(cfg.model).flops_per_token * BATCH * cfg.model.seq_len / (plan.predicted.step_time * 100e12)
+    assert predicted_mfu(cfg, plan, 100e12) == pytest.approx(mfu)
+    assert f"predicted MFU         {mfu:.1%}" in text
+    bound, shares = plan.bound(costs[0].name)
+    assert f"bound by              {bound}" in text and shares[bound] == max(shares.values()) > 0
 
 
 def test_bad_micro_batch_sizes_are_refused_by_key():

@@ -187,3 +187,47 @@ def test_io_per_step_counts_every_copy_of_the_plan():
     io = on_disk.io_per_step(costs, bw)
     assert (io["disk_read_bytes"], io["disk_write_bytes"]) == (3 * 200 + 200 + 20, 200 + 200 + 20)
     assert io["io_bound_s"] == (820 / 10 + 420 / 5)
+
+
+def test_accumulation_passes_trade_saved_activations_for_fetches():
+    """A step whose saved stage inputs do not fit the device runs in passes: each pass holds 1/P of them and
+    fetches every streamed stage again; the planner takes the fewest passes that fit unless more are faster."""
+    costs = _costs()
+    saved = 64 * MB
+    budgets = Budgets(0, None, 0, fixed_device=saved + 4 * MB, saved_device=saved)
+    assert [budgets.fixed_for(p) for p in (1, 2, 4)] == [68 * MB, 36 * MB, 20 * MB]
+    tight = replace(budgets, device=minimum_device_bytes(costs, budgets, 4))
+    plan = make_plan(costs, BW, tight, micro_batches=8)  # one pass cannot hold the activations: four can
+    assert plan.passes == 4 and plan.fixed_device == 20 * MB and plan.peak_bytes["device"] <= tight.device
+    one = make_plan(costs, BW, replace(budgets, device=10**12), micro_batches=8)
+    assert one.passes == 1  # everything fits: more passes would only cost fetches
+    forced = make_plan(costs, BW, tight, micro_batches=8, passes=4)
+    assert forced.passes == 4
+    io1 = make_plan(costs, BW, replace(tight, device=minimum_device_bytes(costs, budgets, 1)), micro_batches=8,
+                    passes=1).io_per_step(costs, BW)
+    io4 = forced.io_per_step(costs, BW)
+    assert io4["h2d_bytes"] == 4 * io1["h2d_bytes"] and io4["d2h_bytes"] == 4 * io1["d2h_bytes"]
+    # Gradients summed over passes stay on the host, whatever the host budget: other families go to disk first.
+    on_disk = make_plan(costs, BW, replace(tight, host=80 * MB, disk=None), micro_batches=8, passes=4)
+    assert "disk" not in on_disk.grad_home and "disk" in on_disk.opt_home
+    with pytest.raises(PlanError, match=r"memory\.passes=3 does not divide the step's 8 micro-batches"):
+        make_plan(costs, BW, tight, micro_batches=8, passes=3)
+    with pytest.raises(PlanError, match="in 8 accumulation passes"):  # even the most passes do not fit
+        make_plan(costs, BW, replace(tight, device=budgets.fixed_for(8)), micro_batches=8)
+
+
+def test_simulated_passes_fetch_per_pass_and_step_once():
+    """Each pass computes its share of the micro-batches and fetches every streamed stage; the step time spans
+    all passes (it is measured between first forwards of pass 1), and later passes' gradients are added on the
+    host."""
+    costs = [replace(c, host_add_s=0.002) for c in _costs(4)]
+    home = ("host",) * 4
+    one = simulate(costs, BW, home, home, 1, micro_batches=4, passes=1)
+    two = simulate(costs, BW, home, home, 1, micro_batches=4, passes=2)
+    per_step = lambda tl, label: sum(1 for e in tl.events if e.label.startswith(label)) / 3  # 3 simulated steps
+    assert per_step(two, "fetch") == 2 * per_step(one, "fetch")
+    assert per_step(two, "add") == 4 and per_step(one, "add") == 0
+    compute = lambda tl: sum(e.duration for e in tl.events if e.stream == "compute" and "update" not in e.label)
+    assert compute(two) == pytest.approx(compute(one))  # the same stage calls, split over passes
+    assert two.step_time >= compute(two) / 3 and one.step_time >= compute(one) / 3
+    assert any(e.label == "forward s0 (pass 2)" for e in two.events)

@@ -20,6 +20,12 @@ so each access of a stage costs the compute of every micro-batch and the transfe
    (`staleness: 1`) keeps one more copy of host-homed parameters: the version in use while the next is written.
 4. The prefetch distance is the smallest that hides the transfers the cost model predicts (a deeper one only costs
    window memory), chosen by simulating the step for each candidate (simulate.py).
+5. Accumulation passes: a step's micro-batches may run in P passes (P divides them), each layer-major over its
+   share, so the device holds one pass's saved stage inputs (`Budgets.fixed_for`) and streamed stages are fetched
+   once per access per pass, their gradients summed on the host between passes (never on disk: each pass adds into
+   them). Fewer activations leave room for resident stages; more passes cost fetches. Every P is planned with every
+   prefetch distance and the predicted fastest wins (more passes or a deeper prefetch only when predicted faster by
+   more than 2%); `memory.passes` fixes P.
 
 Every refusal is a `PlanError` that says how many bytes are missing and which `memory.*` key to raise.
 """
@@ -137,6 +143,28 @@ class Plan:
         and written after it; disk-homed gradients are written once and read once; disk-homed optimizer state is
         read and written once per update. `io_bound_s` is the slowest path's time: no step can be shorter."""
         return io_per_step(costs, bandwidths, self.home, self.grad_home, self.opt_home, self.passes)
+
+    def stream_seconds(self, first_stage: str) -> dict[str, float]:
+        """Seconds each stream of the predicted timeline works in one steady-state step: the events between the
+        starts of the last two simulated steps' first forward (of stage `first_stage`), clipped to that window."""
+        starts = sorted(e.start for e in self.predicted.events if e.label == f"forward {first_stage}")
+        if len(starts) < 2:
+            return {}
+        lo, hi = starts[-2], starts[-1]
+        busy: dict[str, float] = {}
+        for e in self.predicted.events:
+            overlap = min(e.end, hi) - max(e.start, lo)
+            if overlap > 0:
+                busy[e.stream] = busy.get(e.stream, 0.0) + overlap
+        return busy
+
+    def bound(self, first_stage: str) -> tuple[str, dict[str, float]]:
+        """What bounds the predicted step: the busiest stream ('compute', 'h2d', 'd2h', 'host' or 'disk'), and
+        each stream's share of the step time."""
+        busy = self.stream_seconds(first_stage)
+        step = self.predicted.step_time or 1.0
+        shares = {s: busy.get(s, 0.0) / step for s in ("compute", "h2d", "d2h", "host", "disk")}
+        return max(shares, key=shares.get), shares
 
     def summary(self) -> dict:
         return {"resident": len(self.resident), "streamed": len(self.streamed), "prefetch": self.prefetch,

@@ -10,6 +10,8 @@ Rules (those of execute.py and optim/updater.py):
   its share of the micro-batches: a streamed stage is fetched for every access of every pass, its gradients go to
   the host after every pass's backward, and from the second pass on they are added there into the stage's sum
   (`host_add_s`, on the host stream). A stage's first fetch in a step waits for its update; later passes do not.
+  Computations of later passes are labelled with their pass ("forward embed (pass 2)"), so the label of the
+  first stage's forward marks the start of a step, as in the measured timeline.
 - One compute stream, one h2d and one d2h copy stream, one host stream (optimizer updates on the CPU) and one disk
   stream; work within a stream is serial, in the executor's order.
 - A streamed stage's fetch for access k may start once access k - prefetch has started computing (the window frees
@@ -161,9 +163,10 @@ def simulate(costs: list[StageCost], bw: Bandwidths, home: tuple[str, ...], opt_
                     at = clock.disk(f"read {costs[i].name}", at, costs[i].param_bytes, bw.disk_read, bw.disk_read_cpu)[1]
                 _, ready = clock.run("h2d", f"fetch {costs[i].name}", at, costs[i].param_bytes / bw.h2d)
                 fetched[i] = ready
-            start, end = clock.run("compute", f"{op} {costs[i].name}", ready, dur)
+            label = f"{op} {costs[i].name}" + (f" (pass {k // per_pass + 1})" if k >= per_pass else "")
+            start, end = clock.run("compute", label, ready, dur)
             starts.append(start)
-            if op == "forward" and i == 0:
+            if op == "forward" and i == 0 and k < per_pass:
                 first_forward.append(start)
             if op != "forward":
                 if home[i] == "device":

@@ -11,18 +11,20 @@ run on a machine without that GPU: pass the budgets the GPU machine will have, e
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 
 import jax
 import numpy as np
 
+from angel_jax.cli import add_plan_arguments
 from angel_jax.config import Config, load_config
 from angel_jax.memory.bench_io import default_calibration_path
 from angel_jax.schedule.engine import (Blueprint, blueprint, device_budget, fixed_device_bytes, make_store,
-                                       micro_batching, plan_for)
-from angel_jax.schedule.plan import Bandwidths, Budgets, Plan, StageCost, load_bandwidths, make_plan
+                                       micro_batching, plan_for, saved_input_bytes)
+from angel_jax.schedule.plan import Bandwidths, Budgets, Plan, PlanError, StageCost, load_bandwidths, make_plan
 from angel_jax.units import human_bytes
 import models
 
@@ -30,14 +32,7 @@ import models
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="angel-jax plan", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("config", type=Path, help="YAML config file")
-    p.add_argument("overrides", nargs="*", help="dotted key=value overrides")
-    p.add_argument("--out", type=Path, default=None, help="where to write the timeline (default: the run directory)")
-    p.add_argument("--estimate", action="store_true",
-                   help="estimate stage times from FLOPs and the device's peak instead of profiling them")
-    p.add_argument("--peak-tflops", type=float, default=None,
-                   help="with --estimate: the target device's peak (default: this device's, from the device table "
-                        "or a measured matmul)")
+    add_plan_arguments(p)
     return p
 
 
@@ -64,32 +59,75 @@ def estimate_costs(cfg: Config, bp: Blueprint, peak_flops: float, device_bw: flo
         touched = 3 * p_bytes + 2 * o_bytes
         fwd_s = fwd / peak_flops
         costs.append(StageCost(stage.name, p_bytes, o_bytes, 0.0 if stage.kind == "head" else fwd_s, 3 * fwd_s,
-                               touched / device_bw, touched / host_bw))
+                               touched / device_bw, touched / host_bw, host_add_s=3 * p_bytes / host_bw))
     return costs
 
 
-def _estimated_plan(cfg: Config, bp: Blueprint, peak_tflops: float | None
-                    ) -> tuple[Plan, list[StageCost], Budgets, Bandwidths, str]:
-    from angel_jax.train.metrics import Peak, device_peak
-
-    device = jax.devices()[0]
-    peak = Peak(peak_tflops * 1e12, "--peak-tflops") if peak_tflops else device_peak(device)
+def target_bandwidths(args: argparse.Namespace) -> tuple[Bandwidths, float, float]:
+    """(copy and disk bandwidths, device memory bandwidth, host memory bandwidth) of the machine a plan is
+    estimated for: the command line's figures where given, else this machine's calibration, else defaults."""
     bw = load_bandwidths(default_calibration_path())
     figures = json.loads(Path(default_calibration_path()).read_text()).get("bandwidth_Bps", {}) \
         if Path(default_calibration_path()).is_file() else {}
-    costs = estimate_costs(cfg, bp, peak.flops_per_device, figures.get("device_copy", 1e12),
-                           figures.get("host_memcpy", 10e9))
-    budgets = Budgets(device=device_budget(cfg, device), host=cfg.memory.host_budget or None,
-                      disk=(cfg.memory.disk_budget or None) if cfg.memory.disk_dir else 0,
-                      fixed_device=fixed_device_bytes(cfg, cfg.train.batch_size))
-    plan = make_plan(costs, bw, budgets, staleness=cfg.memory.staleness, shared_cpu=device.platform == "cpu",
-                     micro_batches=micro_batching(cfg, cfg.train.batch_size)[0])
-    return plan, costs, budgets, bw, f"estimated from FLOPs at {peak.flops_per_device / 1e12:.1f} TFLOP/s " \
-                                 f"({peak.source}); bandwidths: {bw.source}"
+    given = {key: getattr(args, f"{key}_gbps", None) for key in ("h2d", "d2h", "disk_read", "disk_write", "host")}
+    if given["h2d"] and not given["d2h"]:
+        given["d2h"] = given["h2d"]
+    changes = {key: value * 1e9 for key, value in given.items() if value and key != "host"}
+    if changes:
+        named = ", ".join(f"{k.replace('_', '-')} {v:g} GB/s" for k, v in given.items() if v)
+        bw = replace(bw, **changes, disk_read_cpu=0.0, disk_write_cpu=0.0, source=f"given: {named}; "
+                     f"otherwise {bw.source}")
+    host_bw = given["host"] * 1e9 if given["host"] else figures.get("host_memcpy", 10e9)
+    return bw, figures.get("device_copy", 1e12), host_bw
 
 
-def _profiled_plan(cfg: Config, bp: Blueprint, _: float | None
-                   ) -> tuple[Plan, list[StageCost], Budgets, Bandwidths, str]:
+def micro_sizes(cfg: Config) -> list[int]:
+    """The micro-batch sizes a plan is estimated for: train.micro_batch_size, or with 0 (the planner chooses)
+    the batch and its exact halvings, largest first."""
+    if cfg.train.micro_batch_size:
+        return [cfg.train.micro_batch_size]
+    sizes = [cfg.train.batch_size]
+    while sizes[-1] % 2 == 0:
+        sizes.append(sizes[-1] // 2)
+    return sizes
+
+
+def _estimated_plan(cfg: Config, bp: Blueprint, args: argparse.Namespace
+                    ) -> tuple[Config, Plan, list[StageCost], Budgets, Bandwidths, str]:
+    from angel_jax.train.metrics import Peak, device_peak
+
+    device = jax.devices()[0]
+    peak = Peak(args.peak_tflops * 1e12, "--peak-tflops") if args.peak_tflops else device_peak(device)
+    bw, device_bw, host_bw = target_bandwidths(args)
+    best = None
+    errors = []
+    for size in micro_sizes(cfg):  # largest first: a smaller one only when predicted faster by more than noise
+        trial = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batch_size=size))
+        costs = estimate_costs(trial, bp, peak.flops_per_device, device_bw, host_bw)
+        budgets = Budgets(device=device_budget(trial, device), host=trial.memory.host_budget or None,
+                          disk=(trial.memory.disk_budget or None) if trial.memory.disk_dir else 0,
+                          fixed_device=fixed_device_bytes(trial, trial.train.batch_size),
+                          saved_device=saved_input_bytes(trial, trial.train.batch_size))
+        try:
+            plan = make_plan(costs, bw, budgets, staleness=trial.memory.staleness,
+                             shared_cpu=device.platform == "cpu",
+                             micro_batches=micro_batching(trial, trial.train.batch_size)[0],
+                             passes=trial.memory.passes or None)
+        except PlanError as e:
+            errors.append(e)
+            continue
+        if best is None or plan.predicted.step_time < best[1].predicted.step_time * 0.98:
+            best = (trial, plan, costs, budgets)
+    if best is None:
+        raise errors[-1]
+    trial, plan, costs, budgets = best
+    chosen = " (micro-batch size chosen by the planner)" if not cfg.train.micro_batch_size else ""
+    return trial, plan, costs, budgets, bw, f"estimated from FLOPs at {peak.flops_per_device / 1e12:.1f} " \
+                                            f"TFLOP/s ({peak.source}); bandwidths: {bw.source}{chosen}"
+
+
+def _profiled_plan(cfg: Config, bp: Blueprint, _: argparse.Namespace
+                   ) -> tuple[Config, Plan, list[StageCost], Budgets, Bandwidths, str]:
     device = jax.devices()[0]
     store = make_store(cfg, device)
     try:
@@ -97,11 +135,18 @@ def _profiled_plan(cfg: Config, bp: Blueprint, _: float | None
         plan, costs, bw, budgets = plan_for(cfg, bp, store, example, device)
     finally:
         store.close()
-    return plan, costs, budgets, bw, f"profiled on {device.device_kind}; bandwidths: {bw.source}"
+    return cfg, plan, costs, budgets, bw, f"profiled on {device.device_kind}; bandwidths: {bw.source}"
+
+
+def predicted_mfu(cfg: Config, plan: Plan, peak_flops: float) -> float:
+    """Model FLOPs of a step (the training loop's perf/mfu formula: `flops_per_token` x tokens, no recompute)
+    over the predicted step time at `peak_flops`."""
+    tokens = cfg.train.batch_size * cfg.model.seq_len
+    return models.get(cfg.model).flops_per_token * tokens / (plan.predicted.step_time * peak_flops)
 
 
 def report(cfg: Config, plan: Plan, costs: list[StageCost], budgets: Budgets, bw: Bandwidths,
-           source: str) -> list[str]:
+           source: str, peak_flops: float | None = None) -> list[str]:
     """The lines `angel-jax plan` prints."""
     counts = models.get(cfg.model).param_count
     size = f"{counts['total'] / 1e9:.2f} B" if counts["total"] >= 1e9 else f"{counts['total'] / 1e6:.2f} M"
@@ -109,7 +154,9 @@ def report(cfg: Config, plan: Plan, costs: list[StageCost], budgets: Budgets, bw
              f"{human_bytes(cfg.memory.page_size)}, staleness {plan.staleness}",
              f"  batch {cfg.train.batch_size}: {plan.micro_batches} micro-batch"
              f"{'es' if plan.micro_batches > 1 else ''} of {cfg.train.batch_size // plan.micro_batches} "
-             f"(train.micro_batch_size={cfg.train.micro_batch_size}), layer-major",
+             f"(train.micro_batch_size={cfg.train.micro_batch_size}), layer-major"
+             + (f" in {plan.passes} accumulation passes of {plan.micro_batches // plan.passes}" if plan.passes > 1
+                else ""),
              f"  {len(plan.resident)} resident, {len(plan.streamed)} streamed (prefetch {plan.prefetch}); on disk: "
              f"parameters of {plan.home.count('disk')} stages, gradients of {plan.grad_home.count('disk')}, "
              f"optimizer state of {plan.opt_home.count('disk')}",
@@ -123,25 +170,38 @@ def report(cfg: Config, plan: Plan, costs: list[StageCost], budgets: Budgets, bw
     peak = plan.peak_bytes
     lines += ["", f"  predicted step time   {plan.predicted.step_time:.4f} s ({source})",
               f"  predicted peak bytes  device {human_bytes(peak['device'])} (of which activations and working set "
-              f"{human_bytes(budgets.fixed_device)}, streaming window {human_bytes(plan.window_bytes)}), "
+              f"{human_bytes(plan.fixed_device)}, streaming window {human_bytes(plan.window_bytes)}), "
               f"host {human_bytes(peak['host'])}, disk {human_bytes(peak['disk'])}"]
     io = plan.io_per_step(costs, bw)
     lines += [f"  I/O per step          h2d {human_bytes(io['h2d_bytes'])}, d2h {human_bytes(io['d2h_bytes'])}, "
               f"disk read {human_bytes(io['disk_read_bytes'])}, disk write {human_bytes(io['disk_write_bytes'])}; "
               f"no step can be shorter than the slowest path: {io['io_bound_s']:.4f} s"]
+    bound, shares = plan.bound(costs[0].name)
+    busy = ", ".join(f"{s} {v:.0%}" for s, v in shares.items())
+    lines.append(f"  bound by              {bound} (each stream's busy share of the step: {busy})")
+    if peak_flops:
+        lines.append(f"  predicted MFU         {predicted_mfu(cfg, plan, peak_flops):.1%} (model FLOPs per step, "
+                     f"6N + attention per token, over step time x {peak_flops / 1e12:.1f} TFLOP/s)")
     return lines
 
 
 def plan_summary(plan: Plan, costs: list[StageCost], budgets: Budgets, bw: Bandwidths, source: str,
-                 param_count: dict[str, int]) -> dict:
+                 param_count: dict[str, int], cfg: Config | None = None, peak_flops: float | None = None) -> dict:
     """What plan.json holds: the plan's summary, the model's parameter counts, each stage's homes per family,
-    bytes per tier, I/O, budgets."""
-    return {**plan.summary(), "source": source, "param_count": dict(param_count), "table": plan.table(costs),
+    bytes per tier, I/O, budgets, what bounds the step and (with a peak) the predicted MFU."""
+    bound, shares = plan.bound(costs[0].name)
+    extra = {"bound": bound, "stream_shares": shares}
+    if cfg is not None:
+        extra["micro_batch_size"] = cfg.train.micro_batch_size or cfg.train.batch_size
+        extra["batch_size"] = cfg.train.batch_size
+    if cfg is not None and peak_flops:
+        extra.update(predicted_mfu=predicted_mfu(cfg, plan, peak_flops), peak_flops=peak_flops)
+    return {**plan.summary(), **extra, "source": source, "param_count": dict(param_count), "table": plan.table(costs),
             "homes": {"params": list(plan.home), "gradients": list(plan.grad_home),
                       "optimizer": list(plan.opt_home)},
             "io_per_step": plan.io_per_step(costs, bw),
             "budgets": {"device": budgets.device, "host": budgets.host, "disk": budgets.disk,
-                        "fixed_device": budgets.fixed_device},
+                        "fixed_device": plan.fixed_device},
             "stages": [asdict(c) for c in costs]}
 
 
@@ -150,14 +210,17 @@ def main(args: list[str] | argparse.Namespace | None = None) -> int:
         args = _parser().parse_args(args)
     cfg = load_config(args.config, list(args.overrides))
     bp = blueprint(cfg)
-    plan, costs, budgets, bw, source = (_estimated_plan if args.estimate else _profiled_plan)(cfg, bp,
-                                                                                            args.peak_tflops)
-    print("\n".join(report(cfg, plan, costs, budgets, bw, source)))
+    cfg, plan, costs, budgets, bw, source = (_estimated_plan if args.estimate else _profiled_plan)(cfg, bp, args)
+    from angel_jax.train.metrics import device_peak
+
+    peak = args.peak_tflops * 1e12 if args.estimate and args.peak_tflops else \
+        device_peak(jax.devices()[0]).flops_per_device
+    print("\n".join(report(cfg, plan, costs, budgets, bw, source, peak)))
     out = Path(args.out) if args.out else cfg.run_dir
     out.mkdir(parents=True, exist_ok=True)
     plan.predicted.save_json(out / "timeline_predicted.json")
     plan.predicted.save_png(out / "timeline_predicted.png", f"{cfg.name}: predicted timeline")
-    (out / "plan.json").write_text(json.dumps(plan_summary(plan, costs, budgets, bw, source, bp.staged.param_count),
-                                                      indent=1))
+    (out / "plan.json").write_text(json.dumps(plan_summary(plan, costs, budgets, bw, source, bp.staged.param_count,
+                                                           cfg, peak), indent=1))
     print(f"  wrote {out / 'timeline_predicted.png'}, timeline_predicted.json and plan.json")
     return 0
