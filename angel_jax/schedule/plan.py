@@ -159,12 +159,16 @@ class Plan:
         return busy
 
     def bound(self, first_stage: str) -> tuple[str, dict[str, float]]:
-        """What bounds the predicted step: the busiest stream ('compute', 'h2d', 'd2h', 'host' or 'disk'), and
-        each stream's share of the step time."""
+        """What bounds the predicted step, and each stream's busy share of it: 'compute' when the compute stream
+        works at least 90% of the step (or on shared cores, where waits are not told apart), else what the compute
+        waited for longest ('h2d', 'disk' or 'host': `Timeline.waits`)."""
         busy = self.stream_seconds(first_stage)
         step = self.predicted.step_time or 1.0
         shares = {s: busy.get(s, 0.0) / step for s in ("compute", "h2d", "d2h", "host", "disk")}
-        return max(shares, key=shares.get), shares
+        waits = self.predicted.waits
+        if not waits or shares["compute"] >= 0.9:
+            return "compute", shares
+        return max(waits, key=waits.get), shares
 
     def summary(self) -> dict:
         return {"resident": len(self.resident), "streamed": len(self.streamed), "prefetch": self.prefetch,

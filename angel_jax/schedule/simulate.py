@@ -37,6 +37,10 @@ Rules (those of execute.py and optim/updater.py):
   30% faster than measured (2 CPU-s per GB written on the 2-vCPU VM).
 
 The step time is the distance between the starts of the first forward of the last two simulated steps.
+`Timeline.waits` holds the last step's idle compute time by what the compute waited for: 'h2d' (a fetch, its
+transfer or the copy stream's queue), 'disk' (a read of parameters, or an update that waited for its disk reads),
+'host' (an update on the host: its queue, its gradients, the global norm); on shared cores (the CPU backend),
+where every stream runs on the compute clock, nothing is recorded.
 """
 
 from __future__ import annotations
@@ -139,7 +143,10 @@ def simulate(costs: list[StageCost], bw: Bandwidths, home: tuple[str, ...], opt_
             end = clock.disk(f"read {costs[i].name}", at, nbytes, bw.disk_read, bw.disk_read_cpu)[1]
             read_done[i] = max(read_done.get(i, 0.0), end)
 
+    update_cause = ["host"] * n  # per stage, what its latest update waited for last: 'disk' (its reads) or 'host'
+    waits: dict[str, float] = {}
     for _ in range(steps):
+        waits = {}  # compute idle time of this step (the last one's is kept), by what the compute waited for
         starts: list[float] = []
         fetched: dict[int, float] = {}  # per stage, when its pages of the current pass reached the device
         grads_home = [0.0] * n
@@ -150,6 +157,7 @@ def simulate(costs: list[StageCost], bw: Bandwidths, home: tuple[str, ...], opt_
         for k, (op, i) in enumerate(seq):
             dur = calls * (costs[i].forward_s if op == "forward" else costs[i].backward_s)
             ready = updated[i]
+            cause = update_cause[i] if home[i] != "device" else "compute"
             if k % per_pass == 0:  # a new pass fetches every streamed stage again
                 fetched_passes.update(fetched)
                 fetched = {}
@@ -159,11 +167,17 @@ def simulate(costs: list[StageCost], bw: Bandwidths, home: tuple[str, ...], opt_
                 if first and staleness and home[i] == "host" and updated[i] > gate:
                     ready = updated_before[i]  # runs one update behind rather than wait
                 at = max(gate, ready if first else 0.0)
+                if not (first and ready > gate):
+                    cause = "h2d"
                 if home[i] == "disk" and not (i in early and first):  # (an early-staged stage is on the host)
                     at = clock.disk(f"read {costs[i].name}", at, costs[i].param_bytes, bw.disk_read, bw.disk_read_cpu)[1]
+                    cause = "disk"
                 _, ready = clock.run("h2d", f"fetch {costs[i].name}", at, costs[i].param_bytes / bw.h2d)
                 fetched[i] = ready
             label = f"{op} {costs[i].name}" + (f" (pass {k // per_pass + 1})" if k >= per_pass else "")
+            idle = ready - clock.free["compute"]
+            if idle > 0 and not shared_cpu:
+                waits[cause] = waits.get(cause, 0.0) + idle
             start, end = clock.run("compute", label, ready, dur)
             starts.append(start)
             if op == "forward" and i == 0 and k < per_pass:
@@ -186,7 +200,10 @@ def simulate(costs: list[StageCost], bw: Bandwidths, home: tuple[str, ...], opt_
             if pos + OPT_STAGING < len(order) and order[pos + OPT_STAGING] not in early:
                 j = order[pos + OPT_STAGING]
                 read(j, max(norm_at, grads_home[i]), state_read[j] + grad_read[j])
-            earliest = max(norm_at, grads_home[i], read_done.pop(i, 0.0))
+            staged = read_done.pop(i, 0.0)
+            earliest = max(norm_at, grads_home[i], staged)
+            update_cause[i] = "disk" if staged and staged >= max(norm_at, grads_home[i], clock.free["host"]) \
+                else "host"
             updated_before[i] = updated[i]
             if home[i] == "device":
                 updated[i] = clock.run("compute", f"update {costs[i].name}", earliest, costs[i].update_device_s)[1]
@@ -201,4 +218,5 @@ def simulate(costs: list[StageCost], bw: Bandwidths, home: tuple[str, ...], opt_
         tl.step_time = max(e.end for e in tl.events) - min(e.start for e in tl.events)
     if not math.isfinite(tl.step_time):
         tl.step_time = float("inf")
+    tl.waits = waits
     return tl

@@ -37,6 +37,8 @@ class Timeline:
     events: list[Event] = field(default_factory=list)
     step_time: float = 0.0
     """Steady-state time of one training step (seconds)."""
+    waits: dict[str, float] = field(default_factory=dict)
+    """Predicted timelines: seconds of one step the compute stream sat idle, by what it waited for."""
 
     def add(self, stream: str, label: str, start: float, end: float) -> None:
         self.events.append(Event(stream, label, start, end))

@@ -99,6 +99,11 @@ def _estimated_plan(cfg: Config, bp: Blueprint, args: argparse.Namespace
     device = jax.devices()[0]
     peak = Peak(args.peak_tflops * 1e12, "--peak-tflops") if args.peak_tflops else device_peak(device)
     bw, device_bw, host_bw = target_bandwidths(args)
+    # A target named by its peak or links is another machine, an accelerator with streams of its own; without
+    # them the plan is for this machine, whose CPU backend computes, copies and updates on the same cores.
+    target = args.peak_tflops or any(getattr(args, f"{k}_gbps", None)
+                                     for k in ("h2d", "d2h", "disk_read", "disk_write", "host"))
+    shared_cpu = device.platform == "cpu" and not target
     best = None
     errors = []
     for size in micro_sizes(cfg):  # largest first: a smaller one only when predicted faster by more than noise
@@ -109,8 +114,7 @@ def _estimated_plan(cfg: Config, bp: Blueprint, args: argparse.Namespace
                           fixed_device=fixed_device_bytes(trial, trial.train.batch_size),
                           saved_device=saved_input_bytes(trial, trial.train.batch_size))
         try:
-            plan = make_plan(costs, bw, budgets, staleness=trial.memory.staleness,
-                             shared_cpu=device.platform == "cpu",
+            plan = make_plan(costs, bw, budgets, staleness=trial.memory.staleness, shared_cpu=shared_cpu,
                              micro_batches=micro_batching(trial, trial.train.batch_size)[0],
                              passes=trial.memory.passes or None)
         except PlanError as e:
@@ -178,7 +182,10 @@ def report(cfg: Config, plan: Plan, costs: list[StageCost], budgets: Budgets, bw
               f"no step can be shorter than the slowest path: {io['io_bound_s']:.4f} s"]
     bound, shares = plan.bound(costs[0].name)
     busy = ", ".join(f"{s} {v:.0%}" for s, v in shares.items())
-    lines.append(f"  bound by              {bound} (each stream's busy share of the step: {busy})")
+    waits = plan.predicted.waits
+    idle = (f"; the compute waits {sum(waits.values()):.4g} s per step for: "
+            + ", ".join(f"{k} {v:.4g} s" for k, v in sorted(waits.items(), key=lambda kv: -kv[1]))) if waits else ""
+    lines.append(f"  bound by              {bound} (streams busy: {busy}{idle})")
     if peak_flops:
         lines.append(f"  predicted MFU         {predicted_mfu(cfg, plan, peak_flops):.1%} (model FLOPs per step, "
                      f"6N + attention per token, over step time x {peak_flops / 1e12:.1f} TFLOP/s)")
@@ -190,7 +197,7 @@ def plan_summary(plan: Plan, costs: list[StageCost], budgets: Budgets, bw: Bandw
     """What plan.json holds: the plan's summary, the model's parameter counts, each stage's homes per family,
     bytes per tier, I/O, budgets, what bounds the step and (with a peak) the predicted MFU."""
     bound, shares = plan.bound(costs[0].name)
-    extra = {"bound": bound, "stream_shares": shares}
+    extra = {"bound": bound, "stream_shares": shares, "compute_waits_s": dict(plan.predicted.waits)}
     if cfg is not None:
         extra["micro_batch_size"] = cfg.train.micro_batch_size or cfg.train.batch_size
         extra["batch_size"] = cfg.train.batch_size
