@@ -53,7 +53,7 @@ CASES = {
 
 def run_case(name: str, config: str, overrides: list[str], links: str, disk_dir: str, out: Path) -> dict:
     args = [config, *BUDGETS, f"memory.disk_dir={disk_dir}", *overrides, *PEAK, *LINKS[links]]
-    command = ["angel-jax", "plan", *args, "--out", str(out)]
+    command = ["angel-jax", "plan", *args, "--out", "OUT"]
     done = subprocess.run([sys.executable, "-m", "angel_jax.cli", "plan", *args, "--out", str(out)], cwd=ROOT,
                           capture_output=True, text=True)
     if done.returncode:
