@@ -39,6 +39,7 @@ CASES = {
     # The starting point: 4 x 2048 tokens per step, fp32 state.
     "gpt_13b_batch4_gen5": ("experiments/gpt_13b.yaml", ["train.batch_size=4"], "gen5"),
     "gpt_13b_conservative": ("experiments/gpt_13b.yaml", [], "conservative"),
+    "gpt_13b_lockfree_conservative": ("experiments/gpt_13b.yaml", ["memory.staleness=1"], "conservative"),
     "gpt_13b_gen5": ("experiments/gpt_13b.yaml", [], "gen5"),
     "gpt_13b_bf16_moments_conservative": ("experiments/gpt_13b.yaml", ["optimizer.state_dtype=bfloat16"],
                                           "conservative"),
