@@ -43,8 +43,9 @@ CASES = {
     "gpt_13b_gen5": ("experiments/gpt_13b.yaml", [], "gen5"),
     "gpt_13b_bf16_moments_conservative": ("experiments/gpt_13b.yaml", ["optimizer.state_dtype=bfloat16"],
                                           "conservative"),
-    # 30 B: fp32 parameters and gradients alone (237 GB) exceed device + host; with bf16 parameters the Adam
-    # moments (fp32) live on disk.
+    # 30 B: fp32 parameters and gradients alone (237 GB) exceed device + host, so with passes (gradients on the
+    # host) parameters go to disk; with model.param_dtype=bfloat16 (parameters, gradients and Adam moments in
+    # bf16: 8 B per parameter) the optimizer state lives on disk and parameters on the host.
     "gpt_30b_gen5": ("experiments/gpt_30b.yaml", [], "gen5"),
     "gpt_30b_bf16_params_conservative": ("experiments/gpt_30b.yaml", ["model.param_dtype=bfloat16"],
                                          "conservative"),
