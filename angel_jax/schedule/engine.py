@@ -37,7 +37,8 @@ from angel_jax.optim.paged import OptLayout, abstract_opt_state, split_opt_state
 from angel_jax.optim.updater import PageUpdater, Placement, StageSlot, StageUpdates
 from angel_jax.schedule.costs import profile_costs, profile_transfers
 from angel_jax.schedule.execute import PagedExecutor, PagedModel
-from angel_jax.schedule.plan import Bandwidths, Budgets, Plan, StageCost, load_bandwidths, make_plan
+from angel_jax.schedule.plan import (Bandwidths, Budgets, Plan, StageCost, load_bandwidths, make_plan,
+                                     minimum_device_bytes)
 from angel_jax.schedule.stagefns import StageFunctions
 from angel_jax.units import device_free_bytes
 import models
@@ -117,6 +118,28 @@ def check_host_room(cfg: Config, device: jax.Device) -> None:
                        0.0, 0.0, 0.0, 0.0) for s in bp.staged.stages]
     make_plan(costs, Bandwidths(), budgets_for(cfg, device, cfg.train.batch_size), staleness=cfg.memory.staleness,
               micro_batches=micro_batching(cfg, cfg.train.batch_size)[0], passes=cfg.memory.passes or 1)
+
+
+def fit_micro_batch(cfg: Config, device: jax.Device) -> Config:
+    """`cfg` with train.micro_batch_size chosen where it is 0: the whole batch when some plan holds its working
+    set on the device, else the largest of its halvings that one does (the fewest stage calls), judged from shapes
+    alone as `check_host_room` judges. A set size, or a batch no halving fits, is left as it is (the plan then says
+    what is missing)."""
+    if cfg.train.micro_batch_size:
+        return cfg
+    bp = blueprint(cfg)
+    costs = [StageCost(s.name, bp.params_layout.stage(s.name).nbytes, bp.opt_layout.stage(s.name).nbytes,
+                       0.0, 0.0, 0.0, 0.0) for s in bp.staged.stages]
+    size = cfg.train.batch_size
+    while True:
+        trial = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batch_size=size))
+        budgets = budgets_for(trial, device, cfg.train.batch_size)
+        most_passes = cfg.memory.passes or cfg.train.batch_size // size
+        if minimum_device_bytes(costs, budgets, most_passes) <= budgets.device:
+            return cfg if size == cfg.train.batch_size else trial
+        if size % 2:
+            return cfg
+        size //= 2
 
 
 def budgets_for(cfg: Config, device: jax.Device, local_batch: int) -> Budgets:

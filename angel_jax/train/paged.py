@@ -38,7 +38,7 @@ from angel_jax.checkpoint.state import LazyArray, StateSnapshot
 from angel_jax.config import Config
 from angel_jax.optim.guard import StepControls
 from angel_jax.memory import PageLayout
-from angel_jax.schedule.engine import PagedEngine, build_paged_engine, check_host_room
+from angel_jax.schedule.engine import PagedEngine, build_paged_engine, check_host_room, fit_micro_batch
 from angel_jax.schedule.timeline import Timeline
 from angel_jax.train.plan_cli import plan_summary
 from angel_jax.train.protocol import StateMismatch, check_arrays
@@ -95,8 +95,9 @@ class PagedTrainEngine:
     every stage's update is computed, so guarding it costs a second pass over all stages (see optim/paged.py)."""
 
     def __init__(self, cfg: Config, mesh: jax.sharding.Mesh):
-        self.cfg = cfg
         self.device = mesh.devices.flat[0]
+        # train.micro_batch_size 0: the whole batch, or the largest halving whose working set the device holds.
+        self.cfg = cfg = fit_micro_batch(cfg, self.device)
         self.batch_sharding = jax.sharding.SingleDeviceSharding(self.device)
         check_host_room(cfg, self.device)  # before anything is profiled or allocated: a refusal costs nothing
         example = jax.device_put(np.zeros((cfg.train.batch_size, cfg.model.seq_len + 1), np.int32),

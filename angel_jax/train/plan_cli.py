@@ -22,8 +22,8 @@ import numpy as np
 from angel_jax.cli import add_plan_arguments
 from angel_jax.config import Config, load_config
 from angel_jax.memory.bench_io import default_calibration_path
-from angel_jax.schedule.engine import (Blueprint, blueprint, device_budget, fixed_device_bytes, make_store,
-                                       micro_batching, plan_for, saved_input_bytes)
+from angel_jax.schedule.engine import (Blueprint, blueprint, device_budget, fit_micro_batch, fixed_device_bytes,
+                                       make_store, micro_batching, plan_for, saved_input_bytes)
 from angel_jax.schedule.plan import Bandwidths, Budgets, Plan, PlanError, StageCost, load_bandwidths, make_plan
 from angel_jax.units import human_bytes
 import models
@@ -133,6 +133,7 @@ def _estimated_plan(cfg: Config, bp: Blueprint, args: argparse.Namespace
 def _profiled_plan(cfg: Config, bp: Blueprint, _: argparse.Namespace
                    ) -> tuple[Config, Plan, list[StageCost], Budgets, Bandwidths, str]:
     device = jax.devices()[0]
+    cfg = fit_micro_batch(cfg, device)
     store = make_store(cfg, device)
     try:
         example = np.zeros((cfg.train.batch_size, cfg.model.seq_len + 1), np.int32)
