@@ -22,6 +22,7 @@ from flax import nnx
 
 from angel_jax.config import ModelConfig
 from models.attention import cached_attention, causal_attention
+from models.common import cross_entropy, pure_dict, stage_key
 from models.stages import Stage, StagedModel
 
 _INIT_STD = 0.02
@@ -104,11 +105,6 @@ class Head(nnx.Module):
         return self.unembed(self.ln(x)).astype(jnp.float32)
 
 
-def stage_key(key: jax.Array, stage: int | jax.Array) -> jax.Array:
-    """The key stage `stage` draws its parameters from (0 = embed, 1 + j = block j, n_layers + 1 = head)."""
-    return jax.random.fold_in(key, stage)
-
-
 class GPT(nnx.Module):
     def __init__(self, cfg: ModelConfig, key: jax.Array):
         """`key`: the model's base key (`jax.random.key(seed)`); each stage uses only `stage_key(key, i)`."""
@@ -146,16 +142,10 @@ def run_blocks(block_def: nnx.GraphDef, stacked: nnx.State | Params, x: jax.Arra
     return x
 
 
-def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    """Mean next-token cross-entropy in float32."""
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    return -jnp.take_along_axis(logp, targets[..., None], axis=-1).mean()
-
-
 def init(cfg: ModelConfig, seed: int) -> tuple[nnx.GraphDef, Params]:
     """Build the model and return (graphdef, params). Only nnx.Param state exists in this model."""
     graphdef, state = nnx.split(GPT(cfg, jax.random.key(seed)))
-    return graphdef, _pure_dict(state)
+    return graphdef, pure_dict(state)
 
 
 def init_stage(cfg: ModelConfig, seed: int, stage: int) -> Params:
@@ -170,19 +160,13 @@ def init_stage(cfg: ModelConfig, seed: int, stage: int) -> Params:
         module = Block(cfg, rngs)
     else:
         module = Head(cfg, rngs)
-    return _pure_dict(nnx.state(module))
+    return pure_dict(nnx.state(module))
 
 
 def abstract_params(cfg: ModelConfig) -> tuple[nnx.GraphDef, Params]:
     """(graphdef, params as jax.ShapeDtypeStruct) without allocating anything."""
     graphdef, state = nnx.split(nnx.eval_shape(lambda: GPT(cfg, jax.random.key(0))))
-    return graphdef, _pure_dict(state)
-
-
-def _pure_dict(state: nnx.State) -> Params:
-    # Newer flax deprecates State.to_pure_dict for the module-level nnx.to_pure_dict; older 0.12 releases lack it.
-    to_pure = getattr(nnx, "to_pure_dict", None)
-    return to_pure(state) if to_pure is not None else state.to_pure_dict()
+    return graphdef, pure_dict(state)
 
 
 def staged(cfg: ModelConfig) -> StagedModel:

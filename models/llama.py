@@ -33,6 +33,7 @@ from flax import nnx
 
 from angel_jax.config import ConfigError, ModelConfig
 from models.attention import cached_attention, causal_attention
+from models.common import cross_entropy, pure_dict, stage_key
 from models.stages import Stage, StagedModel
 
 _INIT_STD = 0.02
@@ -148,11 +149,6 @@ class Head(nnx.Module):
         return self.unembed(self.norm(x)).astype(jnp.float32)
 
 
-def stage_key(key: jax.Array, stage: int | jax.Array) -> jax.Array:
-    """The key stage `stage` draws its parameters from (0 = embed, 1 + j = block j, n_layers + 1 = head)."""
-    return jax.random.fold_in(key, stage)
-
-
 class Llama(nnx.Module):
     def __init__(self, cfg: ModelConfig, key: jax.Array):
         """`key`: the model's base key (`jax.random.key(seed)`); each stage uses only `stage_key(key, i)`."""
@@ -205,12 +201,6 @@ def scan_layers(body: Callable[[jax.Array, Any], tuple[jax.Array, Any]], x: jax.
     return x, jax.tree.map(lambda *ys: jnp.stack(ys), *outs)
 
 
-def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    """Mean next-token cross-entropy in float32."""
-    logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    return -jnp.take_along_axis(logp, targets[..., None], axis=-1).mean()
-
-
 # ------------------------------------------------------------------------------------------ init and stages
 
 
@@ -224,7 +214,7 @@ def check(cfg: ModelConfig) -> None:
 def init(cfg: ModelConfig, seed: int) -> tuple[nnx.GraphDef, Params]:
     """Build the model and return (graphdef, params). Only nnx.Param state exists in this model."""
     graphdef, state = nnx.split(Llama(cfg, jax.random.key(seed)))
-    return graphdef, _pure_dict(state)
+    return graphdef, pure_dict(state)
 
 
 def init_stage(cfg: ModelConfig, seed: int, stage: int) -> Params:
@@ -239,18 +229,13 @@ def init_stage(cfg: ModelConfig, seed: int, stage: int) -> Params:
         module = Block(cfg, rngs)
     else:
         module = Head(cfg, rngs)
-    return _pure_dict(nnx.state(module))
+    return pure_dict(nnx.state(module))
 
 
 def abstract_params(cfg: ModelConfig) -> tuple[nnx.GraphDef, Params]:
     """(graphdef, params as jax.ShapeDtypeStruct) without allocating anything."""
     graphdef, state = nnx.split(nnx.eval_shape(lambda: Llama(cfg, jax.random.key(0))))
-    return graphdef, _pure_dict(state)
-
-
-def _pure_dict(state: nnx.State) -> Params:
-    to_pure = getattr(nnx, "to_pure_dict", None)  # older flax 0.12 releases have only State.to_pure_dict
-    return to_pure(state) if to_pure is not None else state.to_pure_dict()
+    return graphdef, pure_dict(state)
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> Cache:
