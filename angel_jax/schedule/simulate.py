@@ -163,7 +163,7 @@ def simulate(costs: list[StageCost], bw: Bandwidths, home: tuple[str, ...], opt_
                 fetched[i] = ready
             start, end = clock.run("compute", f"{op} {costs[i].name}", ready, dur)
             starts.append(start)
-            if op == "forward" and i == 0:
+            if k == 0:  # the step's first forward (of its first pass)
                 first_forward.append(start)
             if op != "forward":
                 if home[i] == "device":
