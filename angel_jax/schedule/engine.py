@@ -326,7 +326,8 @@ def build_paged_engine(cfg: Config, params: Any, example_batch: jax.Array, *,
     del whole
     updater = PageUpdater(store, slots, bp.updates, small, where, bp.schedule, staleness=cfg.memory.staleness)
     executor = PagedExecutor(model, bp.fns, plan, store, updater,
-                             micro_batch_size=micro_batching(cfg, example_batch.shape[0])[1])
+                             micro_batch_size=micro_batching(cfg, example_batch.shape[0])[1],
+                             host_compute=where["host"].compute)
     log.info("paged engine: %d stages, %d resident, prefetch %d, predicted step %.3f s",
              len(staged.stages), len(plan.resident), plan.prefetch, plan.predicted.step_time)
     return PagedEngine(executor, plan, costs, bw, budgets, model, store, updater)
