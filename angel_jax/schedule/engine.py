@@ -116,7 +116,7 @@ def check_host_room(cfg: Config, device: jax.Device) -> None:
     costs = [StageCost(s.name, bp.params_layout.stage(s.name).nbytes, bp.opt_layout.stage(s.name).nbytes,
                        0.0, 0.0, 0.0, 0.0) for s in bp.staged.stages]
     make_plan(costs, Bandwidths(), budgets_for(cfg, device, cfg.train.batch_size), staleness=cfg.memory.staleness,
-              micro_batches=micro_batching(cfg, cfg.train.batch_size)[0], passes=cfg.memory.passes or 1)
+              micro_batches=micro_batching(cfg, cfg.train.batch_size)[0], passes=cfg.memory.passes or None)
 
 
 def budgets_for(cfg: Config, device: jax.Device, local_batch: int) -> Budgets:
@@ -254,7 +254,7 @@ def plan_for(cfg: Config, bp: Blueprint, store: PageStore, example_batch: jax.Ar
                            load_bandwidths(default_calibration_path()))
     budgets = dataclasses.replace(budgets_for(cfg, device, example_batch.shape[0]), host=store.tiers["host"].budget)
     plan = make_plan(costs, bw, budgets, staleness=cfg.memory.staleness, shared_cpu=device.platform == "cpu",
-                     micro_batches=micro_batches, passes=cfg.memory.passes or 1)
+                     micro_batches=micro_batches, passes=cfg.memory.passes or None)
     return plan, costs, bw, budgets
 
 
