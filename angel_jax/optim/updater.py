@@ -211,12 +211,12 @@ class StageUpdates:
             fn = self._jitted.get(key)
             if fn is None:
                 if compute.memory_kind in HOST_MEMORY_KINDS:
-                    pure = _in_host_memory(pure)
+                    pure = in_host_memory(pure)
                 fn = self._jitted[key] = jax.jit(pure, donate_argnums=donate, out_shardings=compute)
             return fn
 
 
-def _in_host_memory(fn: Callable) -> Callable:
+def in_host_memory(fn: Callable) -> Callable:
     """`fn` over operands that live in host memory of a device that computes there (the CPU backend): XLA types
     them as host-space values, which do not mix with values it creates (padding, constants), so they are moved to
     the device space on entry and back on exit; on the CPU both are the same RAM and the moves compile to nothing

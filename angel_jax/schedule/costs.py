@@ -1,7 +1,8 @@
 """Cost model inputs, profiled on the real functions, shapes and memories of this process.
 
 Each stage kind (embed, block, head) is timed once: forward, backward (recompute + vjp, or the head's loss and
-gradients), and its optimizer update where device-resident and where host-resident stages update. Blocks share
+gradients), its optimizer update where device-resident and where host-resident stages update, and the float32 add
+of its gradient pages on the host (accumulation passes sum streamed stages' gradients there). Blocks share
 one measurement, so profiling costs a handful of calls whatever the depth, and the functions it compiles are the
 ones training then runs. The host <-> device copy bandwidths are measured the same way, by moving a block's
 pages between the two tiers; disk bandwidths come from `angel-jax bench io`'s calibration (`load_bandwidths`),
@@ -21,7 +22,7 @@ import jax.numpy as jnp
 from angel_jax.memory.layout import PageLayout
 from angel_jax.optim.updater import Placement, StageUpdates
 from angel_jax.schedule.simulate import Bandwidths, StageCost
-from angel_jax.schedule.stagefns import StageFunctions
+from angel_jax.schedule.stagefns import HostSums, StageFunctions
 
 
 def _time(fn: Callable[[], Any], setup: Callable[[], Any] = lambda: None, repeats: int = 3) -> float:
@@ -40,13 +41,19 @@ def _zeros(layout: PageLayout, name: str, sharding: jax.sharding.Sharding) -> tu
     return tuple(jax.device_put(jnp.zeros((p.length,), p.dtype), sharding) for p in layout.stage(name).pages)
 
 
+def _float32_zeros(layout: PageLayout, name: str, sharding: jax.sharding.Sharding) -> tuple:
+    """A float32 sum of the stage's gradient pages."""
+    return tuple(jax.device_put(jnp.zeros((p.length,), jnp.float32), sharding) for p in layout.stage(name).pages)
+
+
 def profile_costs(fns: StageFunctions, updates: StageUpdates, params_layout: PageLayout, opt_layout: PageLayout,
                   opt_small: dict[str, list], tokens: jax.Array, placements: dict[str, Placement]) -> list[StageCost]:
     """Time every stage kind on `tokens`-shaped inputs (int32[B, T+1] on the device); one StageCost per stage."""
     staged = fns.staged
     device = placements["device"].tier
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    per_kind: dict[str, tuple[float, float, float, float]] = {}
+    per_kind: dict[str, tuple[float, float, float, float, float]] = {}
+    host_sums = HostSums.on(placements["host"].compute)
     x = inputs
     norm = jnp.ones((), jnp.float32)
     last = len(staged.stages) - 1
@@ -72,14 +79,18 @@ def profile_costs(fns: StageFunctions, updates: StageUpdates, params_layout: Pag
                             jax.device_put((norm, jnp.bool_(True), jnp.float32(1.0)), place.compute))
 
                 update_s[where] = _time(lambda args, fn=fn: fn(*args[:4], *args[4]), setup)
-            per_kind[kind] = (fwd_s, bwd_s, update_s.get("device", update_s["host"]), update_s["host"])
+            # A pass's gradients, arrived in the host tier, added into the sum where host updates compute.
+            add_s = _time(lambda args: host_sums.accumulate(*args), lambda name=stage.name: (
+                _float32_zeros(params_layout, name, placements["host"].compute),
+                _zeros(params_layout, name, placements["host"].tier)))
+            per_kind[kind] = (fwd_s, bwd_s, update_s.get("device", update_s["host"]), update_s["host"], add_s)
         if idx < last:
             x = fns.forward[kind](pages, x)
     costs = []
     for stage in staged.stages:
-        fwd_s, bwd_s, upd_dev, upd_host = per_kind[stage.kind]
+        fwd_s, bwd_s, upd_dev, upd_host, add_s = per_kind[stage.kind]
         costs.append(StageCost(stage.name, params_layout.stage(stage.name).nbytes, opt_layout.stage(stage.name).nbytes,
-                               fwd_s, bwd_s, upd_dev, upd_host))
+                               fwd_s, bwd_s, upd_dev, upd_host, add_s))
     return costs
 
 

@@ -117,7 +117,7 @@ def check_host_room(cfg: Config, device: jax.Device) -> None:
     costs = [StageCost(s.name, bp.params_layout.stage(s.name).nbytes, bp.opt_layout.stage(s.name).nbytes,
                        0.0, 0.0, 0.0, 0.0) for s in bp.staged.stages]
     make_plan(costs, Bandwidths(), budgets_for(cfg, device, cfg.train.batch_size), staleness=cfg.memory.staleness,
-              micro_batches=micro_batching(cfg, cfg.train.batch_size)[0], passes=cfg.memory.passes or 1)
+              micro_batches=micro_batching(cfg, cfg.train.batch_size)[0], passes=cfg.memory.passes or None)
 
 
 def fit_micro_batch(cfg: Config, device: jax.Device) -> Config:
@@ -277,7 +277,7 @@ def plan_for(cfg: Config, bp: Blueprint, store: PageStore, example_batch: jax.Ar
                            load_bandwidths(default_calibration_path()))
     budgets = dataclasses.replace(budgets_for(cfg, device, example_batch.shape[0]), host=store.tiers["host"].budget)
     plan = make_plan(costs, bw, budgets, staleness=cfg.memory.staleness, shared_cpu=device.platform == "cpu",
-                     micro_batches=micro_batches, passes=cfg.memory.passes or 1)
+                     micro_batches=micro_batches, passes=cfg.memory.passes or None)
     return plan, costs, bw, budgets
 
 
@@ -349,7 +349,8 @@ def build_paged_engine(cfg: Config, params: Any, example_batch: jax.Array, *,
     del whole
     updater = PageUpdater(store, slots, bp.updates, small, where, bp.schedule, staleness=cfg.memory.staleness)
     executor = PagedExecutor(model, bp.fns, plan, store, updater,
-                             micro_batch_size=micro_batching(cfg, example_batch.shape[0])[1])
+                             micro_batch_size=micro_batching(cfg, example_batch.shape[0])[1],
+                             host_compute=where["host"].compute)
     log.info("paged engine: %d stages, %d resident, prefetch %d, predicted step %.3f s",
              len(staged.stages), len(plan.resident), plan.prefetch, plan.predicted.step_time)
     return PagedEngine(executor, plan, costs, bw, budgets, model, store, updater)

@@ -19,6 +19,18 @@ into float32 sums (`StageFunctions.accumulate`, in place), scales them by 1/M on
 the result (`mean_grads`), which goes to the updater as a single micro-batch's gradients would. The loss is the
 mean of the micro-batches' losses: with equal micro-batches, the whole batch's loss and gradient.
 
+With P accumulation passes (`plan.passes`, dividing M) the step runs that whole sequence P times, pass p over
+micro-batches [p M/P, (p+1) M/P), so the device holds one pass's saved inputs. The step's access sequence is the
+pass's repeated P times, and fetching, prefetching and evicting follow it across the passes' boundaries: a streamed
+stage is fetched again in every pass. A stage is acquired from the updater at its first access of the first pass
+and released at its last of the last pass, so every pass runs the same parameters. Gradients are summed in float32
+where the plan keeps them: a resident stage's micro-batches all go into one sum on the device; a streamed stage's
+pass sum (or, with one micro-batch per pass, its gradients as they are) goes to the host after the pass's backward
+and is added there into the stage's sum (`HostSums`, on the host placement's compute), so none of it stays on the
+device between passes. After the last pass the sum's mean over the M micro-batches and its sum of squares are taken
+where the sum lives, and the mean goes to the updater as with one pass (a host sum of squares comes to the device
+for the global norm). Gradients summed over passes are never homed on disk.
+
 An evaluation (`eval_loss`) runs the forward stages and the head's loss alone, fetching and evicting streamed stages
 the same way, once the updates in flight have landed; it changes nothing of the training state.
 
@@ -53,7 +65,7 @@ from angel_jax.optim.guard import StepControls, before_update_ok
 from angel_jax.optim.paged import global_norm, join_opt_state
 from angel_jax.optim.updater import GRAD_SPILL, Guard, PageUpdater, StepOrder
 from angel_jax.schedule.plan import Plan
-from angel_jax.schedule.stagefns import StageFunctions
+from angel_jax.schedule.stagefns import HostSums, StageFunctions
 from angel_jax.schedule.timeline import Recorder, Timeline
 from angel_jax.schedule.trace import compute_sequence, split_batch
 from models.stages import StagedModel
@@ -97,17 +109,23 @@ class PagedExecutor:
     change the executor only through them (`set_step` after a checkpoint is loaded, `record_steps`)."""
 
     def __init__(self, model: PagedModel, fns: StageFunctions, plan: Plan, store: PageStore, updater: PageUpdater,
-                 micro_batch_size: int = 0):
+                 micro_batch_size: int = 0, host_compute: jax.sharding.Sharding | None = None):
         self.model, self.fns, self.plan, self.store, self.updater = model, fns, plan, store, updater
         self.micro_batch_size = micro_batch_size
         """Rows per micro-batch (0: the whole batch in one go); a batch is split into batch rows / this many."""
+        assert plan.passes == 1 or "disk" not in plan.grad_home, \
+            "with several accumulation passes gradients are summed on the host: none is homed on disk"
+        self._host_sums = HostSums.on(host_compute or store.tiers["host"].sharding)
+        """Where streamed stages' gradients are summed over passes: the host placement's compute
+        (`engine.placements`)."""
         self._steps_taken = 0
         self.on_access: Callable[[str, int], None] | None = None
         """Test hook, called after each access is dispatched (e.g. to sample live device memory)."""
         self.last_timeline: Timeline | None = None
         """The measured timeline of the last recording (`record_steps`), once complete."""
         self._n = len(model.staged.stages)
-        self._seq = compute_sequence(self._n)
+        self._pass_seq = compute_sequence(self._n)
+        self._seq = self._pass_seq * plan.passes  # the step's accesses: every pass runs the whole sequence
         self._last_use = {i: max(k for k, (_, j) in enumerate(self._seq) if j == i) for i in range(self._n)}
         self._recording: tuple[Recorder, int, Any] | None = None  # (recorder, steps left, last update norm)
         self._record_steps = 0  # steps the recording in progress was asked for
@@ -137,7 +155,11 @@ class PagedExecutor:
         rec = self._recording[0] if self._recording and self._recording[1] > 0 else None
         step = self._steps_taken
         tokens, targets = self._micro_batches(batch)
-        micro = len(tokens)
+        micro, passes = len(tokens), plan.passes
+        if micro % passes:
+            raise ValueError(f"{micro} micro-batches do not split into the plan's {passes} accumulation passes "
+                             "(memory.passes)")
+        per_pass = micro // passes
         streamed = set(plan.streamed)
         refs: dict[int, int] = {}
         acquired: set[int] = set()
@@ -155,7 +177,7 @@ class PagedExecutor:
                 # the CPU). In lock-free mode this is also the moment that decides whether a stage's update is
                 # written, which keeps stale uses to the updates that are really late.
                 jax.block_until_ready(marks[k - plan.prefetch - 1] if k > plan.prefetch else self._last_mark)
-            if i not in acquired:
+            if i not in acquired:  # the stage's first access in the step: it keeps this version to the last
                 updater.acquire(i, step)
                 acquired.add(i)
             if i not in streamed:
@@ -183,43 +205,42 @@ class PagedExecutor:
         marks: list[Any] = []  # per access, a small output that is ready when the access's computation is done
         for k in range(plan.prefetch + 1):
             issue(k)
-        saved: list[list[jax.Array] | None] = [None] * self._n  # per stage, its input of every micro-batch
+        sums: dict[int, tuple] = {}  # per stage, its gradient pages summed on the device (see `_sum_span`)
+        host_sums: dict[int, tuple] = {}  # per stage summed on the host, its passes' gradients so far
         sqsums: list[jax.Array | None] = [None] * self._n
-        xs: list[jax.Array] = tokens  # per micro-batch, the activation (forward) or its gradient (backward)
         loss = None
-        for k, (op, i) in enumerate(self._seq):
-            kind = staged.stages[i].kind
-            pages = tuple(store.get(p, "device") for p in self.model.param_ids(i))
-            if op == "forward":
-                saved[i] = xs
-                xs = out = [fns.forward[kind](pages, x) for x in xs]
-            else:  # every micro-batch's gradients, summed into float32 pages (one micro-batch: as they are)
-                acc = None
-                for m in range(micro):
-                    if op == "head":
-                        dpages, xs[m], sq, loss_m = fns.backward[kind](pages, xs[m], targets[m])
-                        loss = loss_m if loss is None else loss + loss_m
-                    else:
-                        dpages, xs[m], sq = fns.backward[kind](pages, saved[i][m], xs[m])
-                    acc = dpages if micro == 1 else fns.accumulate(acc, dpages)
-                    del dpages
-                if micro == 1:
-                    dpages, sqsums[i] = acc, sq
+        k = 0  # the access's index in the step's sequence
+        for p in range(passes):
+            last_pass = p == passes - 1
+            part = slice(p * per_pass, (p + 1) * per_pass)
+            xs: list[jax.Array] = tokens[part]  # per micro-batch, the activation (forward) or its gradient (backward)
+            ts = targets[part]
+            saved: list[list[jax.Array] | None] = [None] * self._n  # per stage, its input of every micro-batch
+            for op, i in self._pass_seq:
+                kind = staged.stages[i].kind
+                pages = tuple(store.get(pid, "device") for pid in self.model.param_ids(i))
+                if op == "forward":
+                    saved[i] = xs
+                    xs = out = [fns.forward[kind](pages, x) for x in xs]
+                    mark = xs[-1]
                 else:
-                    dpages, sqsums[i] = fns.mean_grads(acc, micro, self._grad_dtypes[i])
-                del acc, sq
-                saved[i], out = None, dpages
-            marks.append(xs[-1] if op == "forward" else sqsums[i])
-            if rec:
-                rec.record("compute", f"{op} {staged.stages[i].name}", out)
-            del pages, out
-            if op != "forward":
-                updater.submit(step, i, self._grads_home(step, i, dpages, streamed, rec))
-                del dpages
-            release(k, i)
-            issue(k + plan.prefetch + 1)
-            if self.on_access is not None:
-                self.on_access(op, i)
+                    out, sqsums[i], mark, loss = self._backward(op, i, pages, saved[i], xs, ts, sums, loss, micro,
+                                                                last_pass)
+                    saved[i] = None
+                marks.append(mark)
+                if rec:
+                    # (labelled as the planner's timeline labels them: later passes with their number)
+                    rec.record("compute", f"{op} {staged.stages[i].name}" + (f" (pass {p + 1})" if p else ""), out)
+                if op != "forward" and self._sum_span(i, micro) < micro:
+                    sqsums[i] = self._add_on_host(step, i, out, host_sums, micro, last_pass, rec)
+                elif op != "forward" and last_pass:
+                    updater.submit(step, i, self._grads_home(step, i, out, streamed, rec))
+                del pages, out, mark
+                release(k, i)
+                issue(k + plan.prefetch + 1)
+                if self.on_access is not None:
+                    self.on_access(op, i)
+                k += 1
 
         self._last_mark = marks[-1]
         if micro > 1:
@@ -254,6 +275,62 @@ class PagedExecutor:
         """Per stage, the dtypes of its gradient (= parameter) pages."""
         return [tuple(p.dtype for p in self.model.params_layout.stage(s.name).pages) for s in self.model.staged.stages]
 
+    def _backward(self, op: str, i: int, pages: tuple, saved: list[jax.Array] | None, xs: list[jax.Array],
+                  targets: list[jax.Array], sums: dict[int, tuple], loss: jax.Array | None, micro: int,
+                  last_pass: bool) -> tuple[tuple, jax.Array | None, jax.Array, jax.Array | None]:
+        """Stage i's backward (or the head's loss and backward) of every micro-batch of a pass: `xs` holds their
+        gradients at the stage's output (the head: its inputs) and gets those at its input; the gradient pages are
+        added into `sums[i]`, float32 sums over the micro-batches of `_sum_span` (a single micro-batch's: as they
+        are). Returns the access's gradients (the pass's sum, the step's sum so far, or once the step's sum is
+        complete on the device its mean over the step's `micro` micro-batches), the mean's sum of squares (None
+        until then), a mark ready when the computation is done, and `loss` plus the micro-batches' losses."""
+        fns, kind = self.fns, self.model.staged.stages[i].kind
+        span = self._sum_span(i, micro)
+        for m in range(len(xs)):
+            if op == "head":
+                dpages, xs[m], sq, loss_m = fns.backward[kind](pages, xs[m], targets[m])
+                loss = loss_m if loss is None else loss + loss_m
+            else:
+                dpages, xs[m], sq = fns.backward[kind](pages, saved[m], xs[m])
+            sums[i] = dpages if span == 1 else fns.accumulate(sums.get(i), dpages)
+            del dpages
+        if span < micro:  # the pass's sum, on its way to the stage's sum on the host
+            return sums.pop(i), None, sq, loss
+        if not last_pass:  # the step's sum so far: the next pass adds to it
+            return sums[i], None, sq, loss
+        grads, sqsum = (sums.pop(i), sq) if micro == 1 else fns.mean_grads(sums.pop(i), micro, self._grad_dtypes[i])
+        return grads, sqsum, sqsum, loss
+
+    def _sum_span(self, i: int, micro: int) -> int:
+        """The micro-batches whose gradients of stage i are summed on the device: the step's for resident stages
+        (the sum stays there between passes) and with one pass; a pass's for streamed stages (each pass's sum goes
+        to the host, `_add_on_host`)."""
+        return micro if self.plan.passes == 1 or i not in self.plan.streamed else micro // self.plan.passes
+
+    def _add_on_host(self, step: int, i: int, dpages: tuple, host_sums: dict[int, tuple], micro: int,
+                     last_pass: bool, rec: Recorder | None) -> jax.Array | None:
+        """A streamed stage's gradients of one pass (their float32 sum, or one micro-batch's as they are) go to the
+        host and are added into the stage's float32 sum there (`host_sums`), so none stays on the device between
+        passes. After the last pass the sum's mean over the step's `micro` micro-batches goes to the updater, and
+        its sum of squares is returned, on the device (where the global norm is formed)."""
+        moved = self._to_host(i, dpages, rec)
+        first = i not in host_sums
+        host_sums[i] = self._host_sums.accumulate(host_sums.get(i), moved)
+        if rec and not first:
+            rec.record("host", f"add {self.model.staged.stages[i].name}", host_sums[i], after=moved)
+        if not last_pass:
+            return None
+        grads, sq = self._host_sums.mean_grads(host_sums.pop(i), micro, self._grad_dtypes[i])
+        self.updater.submit(step, i, grads)
+        return jax.device_put(sq, self.store.tiers["device"].sharding)
+
+    def _to_host(self, i: int, dpages: tuple, rec: Recorder | None) -> tuple:
+        """Gradient pages copied to the host tier (D2H, asynchronous)."""
+        moved = tuple(jax.device_put(g, self.store.tiers["host"].sharding) for g in dpages)
+        if rec:
+            rec.record("d2h", f"grad {self.model.staged.stages[i].name}", moved, after=dpages)
+        return moved
+
     def _grads_home(self, step: int, i: int, dpages: tuple, streamed: set[int],
                     rec: Recorder | None) -> tuple | None:
         """Gradients go where the stage's update reads them: the host tier for streamed stages (D2H,
@@ -261,11 +338,8 @@ class PagedExecutor:
         updater reads them from the store)."""
         if i not in streamed:
             return dpages
-        host = self.store.tiers["host"].sharding
-        moved = tuple(jax.device_put(g, host) for g in dpages)
+        moved = self._to_host(i, dpages, rec)
         name = self.model.staged.stages[i].name
-        if rec:
-            rec.record("d2h", f"grad {name}", moved, after=dpages)
         if self.plan.grad_home[i] != "disk":
             return moved
         while len(self._spilling) >= GRAD_SPILL:  # host memory holds a bounded number of them
@@ -361,9 +435,10 @@ class PagedExecutor:
         last_norm.result()  # the worker has made its last call to the recorder (see PageUpdater._run)
         self._recording = None
         timeline = recorder.finish()
-        # The steady-state step, as the planner predicts it: between the starts of consecutive first forwards.
+        # The steady-state step, as the planner predicts it: between the starts of consecutive first forwards (of
+        # the steps' first passes).
         first = f"forward {self.model.staged.stages[0].name}"
-        starts = sorted(e.start for e in timeline.events if e.label == first)
+        starts = sorted(e.start for e in timeline.events if e.label == first)  # (first passes only: see `step`)
         timeline.step_time = starts[-1] - starts[-2] if len(starts) > 1 else timeline.span
         self.last_timeline = timeline
 

@@ -180,7 +180,7 @@ def simulate(costs: list[StageCost], bw: Bandwidths, home: tuple[str, ...], opt_
                 waits[cause] = waits.get(cause, 0.0) + idle
             start, end = clock.run("compute", label, ready, dur)
             starts.append(start)
-            if op == "forward" and i == 0 and k < per_pass:
+            if k == 0:  # the step's first forward (of its first pass)
                 first_forward.append(start)
             if op != "forward":
                 if home[i] == "device":

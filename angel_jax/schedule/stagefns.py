@@ -16,19 +16,24 @@ The optimizer update per kind is `angel_jax.optim.paged.make_stage_update`, jitt
 Micro-batches (gradient accumulation) call forward and backward once per micro-batch, compiled for its shape;
 `accumulate` adds a micro-batch's gradient pages into float32 sums in place (the sums donated), and `mean_grads`
 scales the sums by 1/micro-batches once, back to the pages' dtype, with their sum of squares: the global norm is
-that of the step's gradients, not of each micro-batch's.
+that of the step's gradients, not of each micro-batch's. With several accumulation passes a streamed stage's sums
+live on the host between passes: `HostSums` does the same two things there, on the host placement's compute.
 """
 
 from __future__ import annotations
 
+import functools
 from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import optax
 
 from angel_jax.memory.layout import PageLayout, StageLayout
+from angel_jax.memory.tiers import HOST_MEMORY_KINDS
 from angel_jax.optim.paged import OptLayout, make_stage_update, make_stage_update_norm, sqsum
+from angel_jax.optim.updater import in_host_memory
 from models.stages import StagedModel
 
 Pages = tuple
@@ -114,6 +119,52 @@ class StageFunctions:
 
         return head
 
+
+class HostSums:
+    """Float32 sums of a stage's gradient pages kept on the host (accumulation passes: each pass's gradients of a
+    streamed stage come to the host and are added there), computed on `compute`, the host placement's sharding
+    (`angel_jax.optim.updater.Placement`): `accumulate` and `mean_grads` as `StageFunctions`' (the sums donated).
+    Operands are moved to `compute` first (on an accelerator, the host tier's pinned pages to the CPU backend);
+    results stay there. One instance per sharding (`HostSums.on`), so engines share the compiled functions."""
+
+    def __init__(self, compute: jax.sharding.Sharding):
+        self.compute = compute
+        self._jitted: dict[tuple, Callable] = {}
+
+    @staticmethod
+    @functools.cache
+    def on(compute: jax.sharding.Sharding) -> "HostSums":
+        return HostSums(compute)
+
+    def accumulate(self, acc: Pages | None, dpages: Pages) -> Pages:
+        """`dpages` as float32 (acc None), else `acc + dpages`, written over `acc`."""
+        dpages = jax.device_put(dpages, self.compute)
+        if acc is None:
+            if all(d.dtype == jnp.float32 for d in dpages):
+                return dpages
+            return self._jit(("float32",), _float32_pages, ())(dpages)
+        return self._jit(("add",), _add_pages, (0,))(acc, dpages)
+
+    def mean_grads(self, acc: Pages, micro_batches: int, dtypes: tuple) -> tuple[Pages, jax.Array]:
+        """(sums x 1/micro_batches in the pages' `dtypes`, their sum of squares), on the host."""
+        dtypes = tuple(jnp.dtype(d).name for d in dtypes)
+        scale = np.float32(1 / micro_batches)
+        in_place = all(d == "float32" for d in dtypes)
+        fn = self._jit(("mean", micro_batches, dtypes), lambda a: _mean_pages(a, scale, dtypes),
+                       (0,) if in_place else ())
+        return fn(acc)
+
+    def _jit(self, key: tuple, fn: Callable, donate: tuple) -> Callable:
+        jitted = self._jitted.get(key)
+        if jitted is None:
+            if self.compute.memory_kind in HOST_MEMORY_KINDS:
+                fn = in_host_memory(fn)
+            jitted = self._jitted[key] = jax.jit(fn, donate_argnums=donate, out_shardings=self.compute)
+        return jitted
+
+
+def _float32_pages(dpages: Pages) -> Pages:
+    return tuple(d.astype(jnp.float32) for d in dpages)
 
 
 def _add_pages(acc: Pages, dpages: Pages) -> Pages:
