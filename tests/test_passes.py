@@ -15,7 +15,7 @@ import pytest
 
 from angel_jax.config import Config, MemoryConfig, ModelConfig, OptimizerConfig, TrainConfig
 from angel_jax.schedule.engine import build_paged_engine
-from angel_jax.schedule.plan import Budgets, PlanError, make_plan
+from angel_jax.schedule.plan import Budgets, PlanError, fetches_per_step, make_plan
 from angel_jax.schedule.simulate import Bandwidths, StageCost, simulate
 from angel_jax.schedule.stagefns import HostSums
 from angel_jax.train.engines import InMemoryEngine
@@ -122,6 +122,10 @@ def test_passes_train_as_one_pass_and_fetch_streamed_stages_once_per_pass():
     assert fetches1 == {p: 1 if i == len(e1.plan.home) - 1 else 2 for i in e1.plan.streamed
                         for p in e1.model.param_ids(i)}
     assert e1.plan.streamed == e2.plan.streamed and fetches2 == {p: PASSES * n for p, n in fetches1.items()}
+    # The planner's count of fetches (what its I/O and timeline charge) is the executor's.
+    for e, fetches in ((e1, fetches1), (e2, fetches2)):
+        planned = fetches_per_step(len(e.plan.home), e.plan.passes, e.plan.prefetch)
+        assert fetches == {p: planned[i] for i in e.plan.streamed for p in e.model.param_ids(i)}
 
 
 def test_a_pass_left_out_of_the_host_sums_is_caught():

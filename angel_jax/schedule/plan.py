@@ -142,7 +142,7 @@ class Plan:
         gradients come back once. Disk-homed parameters are read for every access and once more for their update,
         and written after it; disk-homed gradients are written once and read once; disk-homed optimizer state is
         read and written once per update. `io_bound_s` is the slowest path's time: no step can be shorter."""
-        return io_per_step(costs, bandwidths, self.home, self.grad_home, self.opt_home, self.passes)
+        return io_per_step(costs, bandwidths, self.home, self.grad_home, self.opt_home, self.passes, self.prefetch)
 
     def stream_seconds(self, first_stage: str) -> dict[str, float]:
         """Seconds each stream of the predicted timeline works in one steady-state step: the events between the
@@ -179,12 +179,10 @@ class Plan:
 
 
 def io_per_step(costs: list[StageCost], bandwidths: Bandwidths, home: tuple[str, ...], grad_home: tuple[str, ...],
-                opt_home: tuple[str, ...], passes: int = 1) -> dict[str, float]:
+                opt_home: tuple[str, ...], passes: int = 1, prefetch: int = 1) -> dict[str, float]:
     """See `Plan.io_per_step`; with several passes, every pass fetches the streamed stages and sends their gradients
     to the host."""
-    accesses = [0] * len(costs)
-    for _, i in compute_sequence(len(costs)):
-        accesses[i] += passes
+    accesses = fetches_per_step(len(costs), passes, prefetch)
     streamed = [i for i, h in enumerate(home) if h != "device"]
     h2d = sum(accesses[i] * costs[i].param_bytes for i in streamed)
     d2h = passes * sum(costs[i].param_bytes for i in streamed)
@@ -200,6 +198,18 @@ def io_per_step(costs: list[StageCost], bandwidths: Bandwidths, home: tuple[str,
     disk_s = seconds["disk_read_s"] + seconds["disk_write_s"]
     return {"h2d_bytes": h2d, "d2h_bytes": d2h, "disk_read_bytes": read, "disk_write_bytes": write, **seconds,
             "io_bound_s": max(seconds["h2d_s"], seconds["d2h_s"], disk_s)}
+
+
+def fetches_per_step(n: int, passes: int = 1, prefetch: int = 1) -> list[int]:
+    """Per stage, how often a streamed stage's pages go to the device in a step: once per access, but not for an
+    access within `prefetch` accesses of the stage's previous one in the step, whose pages are still held
+    (simulate.py's rule)."""
+    fetches, last = [0] * n, {}
+    for k, (_, i) in enumerate(compute_sequence(n) * passes):
+        if last.get(i, -prefetch - 2) < k - prefetch:
+            fetches[i] += 1
+        last[i] = k
+    return fetches
 
 
 def window_bytes(costs: list[StageCost], streamed: list[int], prefetch: int) -> int:

@@ -14,6 +14,9 @@ Rules (those of execute.py and optim/updater.py):
   first stage's forward marks the start of a step, as in the measured timeline.
 - One compute stream, one h2d and one d2h copy stream, one host stream (optimizer updates on the CPU) and one disk
   stream; work within a stream is serial, in the executor's order.
+- A streamed stage's pages stay on the device from one access to the next when that one is within the prefetch
+  window (`prefetch` accesses ahead: the executor holds pages while any access in its window needs them), e.g.
+  stage 0 between one pass's backward and the next pass's forward; otherwise each access fetches them.
 - A streamed stage's fetch for access k may start once access k - prefetch has started computing (the window frees
   its slot) and, for the stage's first access in a step, once its home copy holds the previous update (exact mode;
   lock-free mode skips that wait when the update is not finished: the stage runs one update behind).
@@ -151,6 +154,8 @@ def simulate(costs: list[StageCost], bw: Bandwidths, home: tuple[str, ...], opt_
         fetched: dict[int, float] = {}  # per stage, when its pages of the current pass reached the device
         grads_home = [0.0] * n
         fetched_passes: set[int] = set()
+        last_access: dict[int, int] = {}  # per stage, the index of its latest access in this step
+        at_hand: dict[int, float] = {}  # per stage, when its latest fetch reached the device
         for j in early:
             if j not in read_done:
                 read(j, reads_from, state_read[j])
@@ -161,7 +166,12 @@ def simulate(costs: list[StageCost], bw: Bandwidths, home: tuple[str, ...], opt_
             if k % per_pass == 0:  # a new pass fetches every streamed stage again
                 fetched_passes.update(fetched)
                 fetched = {}
-            if home[i] != "device":
+            held = last_access.get(i, -prefetch - 2) >= k - prefetch
+            last_access[i] = k
+            if home[i] != "device" and held:  # its pages are still on the device for an access in the window
+                ready, cause = max(fetched.get(i, 0.0), at_hand.get(i, 0.0)), "h2d"
+                fetched[i] = ready
+            elif home[i] != "device":
                 gate = starts[k - prefetch] if k >= prefetch else (starts[0] if starts else clock.free["compute"])
                 first = i not in fetched and i not in fetched_passes
                 if first and staleness and home[i] == "host" and updated[i] > gate:
@@ -173,7 +183,7 @@ def simulate(costs: list[StageCost], bw: Bandwidths, home: tuple[str, ...], opt_
                     at = clock.disk(f"read {costs[i].name}", at, costs[i].param_bytes, bw.disk_read, bw.disk_read_cpu)[1]
                     cause = "disk"
                 _, ready = clock.run("h2d", f"fetch {costs[i].name}", at, costs[i].param_bytes / bw.h2d)
-                fetched[i] = ready
+                fetched[i] = at_hand[i] = ready
             label = f"{op} {costs[i].name}" + (f" (pass {k // per_pass + 1})" if k >= per_pass else "")
             idle = ready - clock.free["compute"]
             if idle > 0 and not shared_cpu:
