@@ -27,8 +27,11 @@ Figures (one JSON line each, appended to experiments/results/host_optimizer_<pla
                    `ratio` = achieved / bound (goal >= 0.70), CPU time / wall time during the timed calls
                    (`cpu_per_wall`: above 1 means more than one core worked), the cores available (`cores`), the
                    most parts XLA splits one loop of the compiled update into to run on its threads
-                   (`xla_loop_partitions`, the loop fusions' outer_dimension_partitions), and the same update
-                   timed in a child process pinned to one core (`one_core_s`, `speedup_all_cores`)
+                   (`xla_loop_partitions`, the loop fusions' outer_dimension_partitions), page faults per call.
+                   The update is timed in child processes: started as the launcher starts its workers, with
+                   malloc's huge pages (GLIBC_TUNABLES, angel_jax/memory/malloc.py); without them
+                   (`without_huge_pages_s`, `speedup_huge_pages`); and with them, pinned to one core
+                   (`one_core_s`, `speedup_all_cores`)
 """
 
 from __future__ import annotations
@@ -38,6 +41,7 @@ import dataclasses
 import json
 import os
 import re
+import resource
 import statistics
 import subprocess
 import sys
@@ -148,13 +152,14 @@ def time_update(config: str, overrides: list[str], repeats: int) -> dict[str, An
     # How many parts XLA splits each large loop of the update into, to run them on its thread pool at once.
     partitions = max((int(n) for n in re.findall(r'"outer_dimension_partitions":\["(\d+)"', hlo)), default=1)
     jax.block_until_ready(fn(*args))  # compile
-    wall, cpu = [], 0.0
+    wall, cpu, faults = [], 0.0, 0
     for _ in range(repeats):
         args = setup()
-        c0, t0 = time.process_time(), time.perf_counter()
+        f0, c0, t0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.process_time(), time.perf_counter()
         jax.block_until_ready(fn(*args))
         wall.append(time.perf_counter() - t0)
         cpu += time.process_time() - c0
+        faults += resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
         del args
     param_bytes = sum(s.nbytes for s in pl.slots)
     opt_bytes = sum(s.nbytes for s in ol.slots)
@@ -163,8 +168,23 @@ def time_update(config: str, overrides: list[str], repeats: int) -> dict[str, An
             "params": sum(int(np.prod(s.shape)) for s in pl.slots), "param_bytes": param_bytes,
             "opt_bytes": opt_bytes, "bytes_moved": moved, "update_s": [round(t, 5) for t in wall],
             "update_s_median": round(statistics.median(wall), 5), "update_s_best": round(min(wall), 5),
-            "cpu_per_wall": round(cpu / sum(wall), 3), "xla_loop_partitions": partitions,
+            "cpu_per_wall": round(cpu / sum(wall), 3), "page_faults_per_call": faults // repeats,
+            "xla_loop_partitions": partitions,
             "cores": len(os.sched_getaffinity(0))}
+
+
+PLAIN_ENV = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
+
+
+def child_update(args: argparse.Namespace, env: dict[str, str], one_core: bool) -> dict[str, Any]:
+    """`time_update` in a child process started with `env` (glibc reads its tunables at start), optionally pinned
+    to one core before JAX starts (XLA sizes its thread pool from the CPUs the process may run on)."""
+    cmd = [sys.executable, __file__, args.config, *args.overrides, "--update-only", "--repeats", str(args.repeats)]
+    done = subprocess.run(cmd + (["--one-core"] if one_core else []), cwd=ROOT, env=env, capture_output=True,
+                          text=True)
+    if done.returncode:
+        sys.exit(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -174,17 +194,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--gib", type=float, default=1.0, help="size of each array the bound is measured on")
     p.add_argument("--no-save", action="store_true", help="print only, do not append to experiments/results")
-    p.add_argument("--update-only", action="store_true", help=argparse.SUPPRESS)  # the one-core child
+    p.add_argument("--update-only", action="store_true", help=argparse.SUPPRESS)  # a child: time the update
+    p.add_argument("--one-core", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if "=" in args.config:  # overrides alone: the default config
         args.config, args.overrides = p.get_default("config"), [args.config, *args.overrides]
     overrides = DEFAULTS + args.overrides
     if args.update_only:
-        os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+        if args.one_core:
+            os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
         print(json.dumps(time_update(args.config, overrides, args.repeats)))
         return 0
 
     from angel_jax.benchinfo import emit, results_path
+    from angel_jax.memory.malloc import with_huge_pages
 
     out = None if args.no_save else results_path("host_optimizer")
     bw = bandwidths(args.gib, args.repeats)
@@ -193,18 +216,17 @@ def main(argv: list[str] | None = None) -> int:
     emit({**common, "figure": "bandwidth", "gib": args.gib, "gbs": bw, "bound_gbs": bound,
           "bound_from": max(bw, key=bw.get)}, out)
 
-    upd = time_update(args.config, overrides, args.repeats)
-    # The same update on one core: a child process pinned to CPU 0 before JAX starts (XLA sizes its thread pool
-    # from the CPUs the process may run on).
-    child = subprocess.run([sys.executable, __file__, args.config, *args.overrides, "--update-only",
-                            "--repeats", str(args.repeats)], cwd=ROOT, capture_output=True, text=True)
-    if child.returncode:
-        sys.exit(f"the one-core run failed ({child.returncode}):\n{child.stderr[-3000:]}")
-    one = json.loads(child.stdout.strip().splitlines()[-1])
+    runs = {name: child_update(args, env, one_core) for name, env, one_core in (
+        ("huge_pages", with_huge_pages(PLAIN_ENV), False), ("plain", PLAIN_ENV, False),
+        ("one_core", with_huge_pages(PLAIN_ENV), True))}
+    upd, plain, one = runs["huge_pages"], runs["plain"], runs["one_core"]
     achieved = upd["bytes_moved"] / upd["update_s_median"] / 1e9
-    emit({**common, "figure": "update", **upd, "achieved_gbs": round(achieved, 3), "bound_gbs": bound,
-          "ratio": round(achieved / bound, 4), "goal": 0.70, "meets_goal": achieved / bound >= 0.70,
-          "multi_core": upd["cpu_per_wall"] > 1.2,
+    emit({**common, "figure": "update", "env": "GLIBC_TUNABLES=" + with_huge_pages(PLAIN_ENV)["GLIBC_TUNABLES"],
+          **upd, "achieved_gbs": round(achieved, 3), "bound_gbs": bound, "ratio": round(achieved / bound, 4),
+          "goal": 0.70, "meets_goal": achieved / bound >= 0.70, "multi_core": upd["cpu_per_wall"] > 1.2,
+          "without_huge_pages_s": plain["update_s_median"],
+          "without_huge_pages_faults_per_call": plain["page_faults_per_call"],
+          "speedup_huge_pages": round(plain["update_s_median"] / upd["update_s_median"], 3),
           "one_core_s": one["update_s_median"], "one_core_cpu_per_wall": one["cpu_per_wall"],
           "speedup_all_cores": round(one["update_s_median"] / upd["update_s_median"], 3)}, out)
     return 0
