@@ -27,7 +27,10 @@ Figures (one JSON line each, appended to experiments/results/host_optimizer_<pla
                    `ratio` = achieved / bound (goal >= 0.70), CPU time / wall time during the timed calls
                    (`cpu_per_wall`: above 1 means more than one core worked), the cores available (`cores`), the
                    most parts XLA splits one loop of the compiled update into to run on its threads
-                   (`xla_loop_partitions`, the loop fusions' outer_dimension_partitions), page faults per call.
+                   (`xla_loop_partitions`, the loop fusions' outer_dimension_partitions), page faults per call, and the
+                   bytes the compiled update really reads and writes by XLA's own cost analysis
+                   (`xla_bytes_accessed`: intermediates it keeps in memory included), per byte needed and per
+                   second (`xla_traffic_gbs`, `xla_traffic_ratio` against the bound).
                    The update is timed in child processes: started as the launcher starts its workers, with
                    malloc's huge pages (GLIBC_TUNABLES, angel_jax/memory/malloc.py); without them
                    (`without_huge_pages_s`, `speedup_huge_pages`); and with them, pinned to one core
@@ -148,7 +151,10 @@ def time_update(config: str, overrides: list[str], repeats: int) -> dict[str, An
                                       jax.device_put(jnp.float32(1.0), place.compute)))
 
     args = setup()
-    hlo = fn.lower(*args).compile().as_text()
+    compiled = fn.lower(*args).compile()
+    hlo = compiled.as_text()
+    cost = compiled.cost_analysis()
+    cost = cost[0] if isinstance(cost, list) else cost
     # How many parts XLA splits each large loop of the update into, to run them on its thread pool at once.
     partitions = max((int(n) for n in re.findall(r'"outer_dimension_partitions":\["(\d+)"', hlo)), default=1)
     jax.block_until_ready(fn(*args))  # compile
@@ -169,7 +175,7 @@ def time_update(config: str, overrides: list[str], repeats: int) -> dict[str, An
             "opt_bytes": opt_bytes, "bytes_moved": moved, "update_s": [round(t, 5) for t in wall],
             "update_s_median": round(statistics.median(wall), 5), "update_s_best": round(min(wall), 5),
             "cpu_per_wall": round(cpu / sum(wall), 3), "page_faults_per_call": faults // repeats,
-            "xla_loop_partitions": partitions,
+            "xla_loop_partitions": partitions, "xla_bytes_accessed": int(cost.get("bytes accessed", 0)),
             "cores": len(os.sched_getaffinity(0))}
 
 
@@ -221,9 +227,12 @@ def main(argv: list[str] | None = None) -> int:
         ("one_core", with_huge_pages(PLAIN_ENV), True))}
     upd, plain, one = runs["huge_pages"], runs["plain"], runs["one_core"]
     achieved = upd["bytes_moved"] / upd["update_s_median"] / 1e9
+    traffic = upd["xla_bytes_accessed"] / upd["update_s_median"] / 1e9
     emit({**common, "figure": "update", "env": "GLIBC_TUNABLES=" + with_huge_pages(PLAIN_ENV)["GLIBC_TUNABLES"],
           **upd, "achieved_gbs": round(achieved, 3), "bound_gbs": bound, "ratio": round(achieved / bound, 4),
           "goal": 0.70, "meets_goal": achieved / bound >= 0.70, "multi_core": upd["cpu_per_wall"] > 1.2,
+          "xla_bytes_per_byte_needed": round(upd["xla_bytes_accessed"] / upd["bytes_moved"], 3),
+          "xla_traffic_gbs": round(traffic, 3), "xla_traffic_ratio": round(traffic / bound, 4),
           "without_huge_pages_s": plain["update_s_median"],
           "without_huge_pages_faults_per_call": plain["page_faults_per_call"],
           "speedup_huge_pages": round(plain["update_s_median"] / upd["update_s_median"], 3),
