@@ -7,12 +7,13 @@ stream through the host, that made the resident set grow to several times the by
 threshold turns off the adjustment.
 
 The price is a page fault for every 4 KiB of every large buffer, each time one is allocated: XLA's CPU backend
-allocates its output and temporary buffers afresh for every call, so a host stage update of a 50 M parameter block
-took 57,000 faults per call. With glibc's `glibc.malloc.hugetlb=1` tunable, mapped blocks are advised to use
-transparent huge pages (2 MiB), 512 times fewer faults: measured 182 -> 86 ms per update of a 12.6 M parameter
-block (experiments/bench/host_optimizer.py). glibc reads tunables once, at process start, from the environment
-(`GLIBC_TUNABLES`), so the processes that train are started with it (`with_huge_pages`): the launcher's workers,
-`make train`. It needs transparent huge pages in `madvise` or `always` mode (/sys/kernel/mm/transparent_hugepage)
+allocates its output and temporary buffers afresh for every call, so a host stage update of a 50 M parameter
+block took 196,715 faults per call. With glibc's `glibc.malloc.hugetlb=1` tunable, mapped blocks are advised to
+use transparent huge pages (2 MiB): 1,003 faults, and the update ran in 0.205 s instead of 0.424 s on a 2-core
+VM (experiments/bench/host_optimizer.py; experiments/results/host_optimizer_cpu.jsonl). glibc reads tunables
+once, at process start, from the environment (`GLIBC_TUNABLES`), so the launcher starts its workers with it
+(`with_huge_pages`); a process started by hand gets it with `GLIBC_TUNABLES=glibc.malloc.hugetlb=1 angel-jax
+train ...`. It needs transparent huge pages in `madvise` or `always` mode (/sys/kernel/mm/transparent_hugepage)
 and glibc 2.35 or later; elsewhere it changes nothing.
 """
 
