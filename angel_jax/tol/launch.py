@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from angel_jax.config import Config, load_config
+from angel_jax.memory.malloc import with_huge_pages
 from angel_jax.tol import coordinator as co
 from angel_jax.tee.events import EventLog, read_events
 from angel_jax.tol.goodput import format_report, goodput
@@ -191,7 +192,7 @@ class Launcher:
         return [self.python, "-m", "angel_jax.tol.worker", self.config_path, *self.overrides, *extra]
 
     def _env(self, action: co.Spawn, rank: int, port: int) -> dict[str, str]:
-        env = dict(os.environ)
+        env = with_huge_pages(os.environ)  # the host stage updates' buffers: see angel_jax.memory.malloc
         root = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         env.update({
