@@ -25,6 +25,7 @@ from pathlib import Path
 from angel_jax.config import ConfigError, describe, dump_yaml, load_config
 from angel_jax.config.sampling import SamplingOptions, flag
 from angel_jax.errors import AngelError
+from angel_jax.train.plan_args import add_plan_arguments
 
 _TRAIN_HELP = """\
 Train the model described by CONFIG (a YAML file, e.g. experiments/gpt_tiny.yaml). Any config key can be
@@ -75,28 +76,6 @@ default) uses this Python's standard-library sources, a corpus every machine has
 *.jsonl.gz) and Parquet (*.parquet) files hold one document per record, its text under --text-key; a directory
 may mix them with text files (one document per file). Training prepares its data automatically when the shards
 are missing; this command does it ahead of time or for another corpus."""
-
-
-def add_plan_arguments(p: argparse.ArgumentParser) -> None:
-    """`angel-jax plan`'s arguments (shared by this module's parser and the `angel-jax` command's)."""
-    p.add_argument("config", type=Path, help="YAML config file")
-    p.add_argument("overrides", nargs="*", help="dotted key=value overrides")
-    p.add_argument("--out", type=Path, default=None, help="where to write the timeline (default: the run directory)")
-    p.add_argument("--estimate", action="store_true",
-                   help="estimate stage times from FLOPs and the device's peak instead of profiling them")
-    p.add_argument("--peak-tflops", type=float, default=None,
-                   help="with --estimate: the target device's peak (default: this device's, from the device table "
-                        "or a measured matmul)")
-    target = p.add_argument_group("the target machine's links, with --estimate (default: this machine's "
-                                  "calibration from `angel-jax bench io`, else built-in defaults)")
-    target.add_argument("--h2d-gbps", type=float, default=None, help="host -> device copies, GB/s (pinned)")
-    target.add_argument("--d2h-gbps", type=float, default=None, help="device -> host copies, GB/s (default: h2d)")
-    target.add_argument("--disk-read-gbps", type=float, default=None, help="disk tier reads, GB/s")
-    target.add_argument("--disk-write-gbps", type=float, default=None, help="disk tier writes, GB/s")
-    target.add_argument("--host-gbps", type=float, default=None,
-                        help="host memory traffic (bytes read + written per second) the host optimizer and "
-                             "gradient sums reach, GB/s")
-
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -19,9 +19,9 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from angel_jax.cli import add_plan_arguments
 from angel_jax.config import Config, load_config
 from angel_jax.memory.bench_io import default_calibration_path
+from angel_jax.train.plan_args import add_plan_arguments
 from angel_jax.schedule.engine import (Blueprint, blueprint, device_budget, fit_micro_batch, fixed_device_bytes,
                                        make_store, micro_batching, plan_for, saved_input_bytes)
 from angel_jax.schedule.plan import Bandwidths, Budgets, Plan, PlanError, StageCost, load_bandwidths, make_plan

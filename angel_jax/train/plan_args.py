@@ -1,0 +1,28 @@
+"""`angel-jax plan`'s command-line arguments: argparse alone, so the `angel-jax` command's parser can include
+them without importing JAX."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def add_plan_arguments(p: argparse.ArgumentParser) -> None:
+    """`angel-jax plan`'s arguments (shared by `angel-jax plan` and `python -m angel_jax.train.plan_cli`)."""
+    p.add_argument("config", type=Path, help="YAML config file")
+    p.add_argument("overrides", nargs="*", help="dotted key=value overrides")
+    p.add_argument("--out", type=Path, default=None, help="where to write the timeline (default: the run directory)")
+    p.add_argument("--estimate", action="store_true",
+                   help="estimate stage times from FLOPs and the device's peak instead of profiling them")
+    p.add_argument("--peak-tflops", type=float, default=None,
+                   help="with --estimate: the target device's peak (default: this device's, from the device table "
+                        "or a measured matmul)")
+    target = p.add_argument_group("the target machine's links, with --estimate (default: this machine's "
+                                  "calibration from `angel-jax bench io`, else built-in defaults)")
+    target.add_argument("--h2d-gbps", type=float, default=None, help="host -> device copies, GB/s (pinned)")
+    target.add_argument("--d2h-gbps", type=float, default=None, help="device -> host copies, GB/s (default: h2d)")
+    target.add_argument("--disk-read-gbps", type=float, default=None, help="disk tier reads, GB/s")
+    target.add_argument("--disk-write-gbps", type=float, default=None, help="disk tier writes, GB/s")
+    target.add_argument("--host-gbps", type=float, default=None,
+                        help="host memory traffic (bytes read + written per second) the host optimizer and "
+                             "gradient sums reach, GB/s")
