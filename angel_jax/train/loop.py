@@ -37,6 +37,7 @@ from angel_jax.train.evaluation import ValidationSet, eval_due, evaluate
 from angel_jax.train.hooks import HookList, OnStep, TrainHooks
 from angel_jax.train.report import memory_report
 from angel_jax.train.rundir import lock_run_dir
+from angel_jax.train.sharding import make_mesh
 import models
 
 log = logging.getLogger("angel_jax.train")
@@ -127,10 +128,9 @@ def setup(cfg: Config, hooks: HookList) -> Trainer:
         raise config_lib.ConfigError(
             f"'train.batch_size'={cfg.train.batch_size} must be divisible by the number of devices ({len(devices)})")
     cfg.train.micro_batches(len(devices))  # a batch that does not split into micro-batches per device is refused
+    mesh = make_mesh(cfg.mesh, devices)  # ('data', 'fsdp'): replicas x shards of the training state
     models.check_init_from(cfg.model)  # a wrong model.init_from fails before the data is prepared
     data, validation = _data(cfg)
-    # Auto axes: XLA's partitioner places the replicated-parameter / sharded-batch computation.
-    mesh = jax.make_mesh((len(devices),), ("data",), devices=devices, axis_types=(jax.sharding.AxisType.Auto,))
     engine = build_engine(cfg, mesh)
     events = EventLog(run_dir / "events.jsonl", source=f"rank{jax.process_index()}")
     monitor = AnomalyMonitor(cfg.anomaly, rank=jax.process_index(), primary=is_primary, events=events)
