@@ -96,6 +96,9 @@ class InMemoryEngine:
         self._apply_fn = phases.apply
         self._apply = jax.jit(phases.apply, out_shardings=self.shardings, donate_argnums=0)
         self._keeping: list[StateSnapshot] = []  # held snapshots not yet released: no donation while any is
+        # A state sharded across processes is snapshotted into host memory (state_snapshot): never held.
+        self._holdable = all(a.is_fully_addressable or a.sharding.is_fully_replicated
+                             for a in jax.tree.leaves(self.state))
         self._keep_apply: Any = None  # the apply that does not donate the state, compiled ahead
         self._keep_compile: threading.Thread | None = None
         # Reads the parameters and donates nothing: the state a held snapshot keeps stays valid. By micro-batches
@@ -105,7 +108,7 @@ class InMemoryEngine:
     def step(self, batch: jax.Array, controls: StepControls | None = None) -> dict[str, jax.Array]:
         # numpy scalars: jit treats host values as replicated inputs, in multi-process runs too.
         controls = (controls or StepControls()).as_numpy()
-        if self._keep_compile is None:
+        if self._keep_compile is None and self._holdable:
             self._compile_keep_variant(controls)
         self._keeping = [s for s in self._keeping if not s.released]
         apply = self._keep_apply if self._keeping else self._apply
@@ -139,9 +142,9 @@ class InMemoryEngine:
     def state_snapshot(self, may_hold: bool = True) -> StateSnapshot:
         # In a multi-process run a replicated leaf's local shard is all of it; a leaf sharded over processes is
         # gathered into host memory, leaf by leaf (every process takes a snapshot at a checkpoint: the loop's
-        # `_save`), so the snapshot is numpy and need not be held.
+        # `_save`): a copy, never held.
         arrays = {name: whole(a) for name, a in named_leaves(self.state).items()}
-        if any(isinstance(a, np.ndarray) for a in arrays.values()) or not (may_hold and self._can_hold()):
+        if not (may_hold and self._holdable and self._can_hold()):
             return StateSnapshot(arrays)
         snapshot = StateSnapshot(arrays, held=True)
         self._keeping.append(snapshot)
