@@ -12,8 +12,9 @@ The run's persistent tier is `<run_dir>/checkpoints/<k>/` (ordinary orbax checkp
 angel_jax/checkpoint/persist.py for reading one with plain orbax). The memory tier defaults to
 /dev/shm/angel_jax-<uid>/<run id>, so a restarted process finds its predecessor's snapshots there.
 
-In a multi-process run every process holds the same replicated state; process 0 writes the checkpoints, every
-process reads them, and process 0 decides which step all of them restore.
+In a multi-process run process 0 writes the checkpoints, every process reads them, and process 0 decides which
+step all of them restore. Every process takes a snapshot at each save: a state sharded across the processes
+(mesh.fsdp) is gathered into each one's host memory then, so process 0 holds all of it.
 
 Fault injection (crash tests only) enters here, at the edge: the engine is built with the hook that
 ANGEL_JAX_CKPT_KILL_AT describes (angel_jax/checkpoint/faults.py), read when the engine is built.

@@ -1,8 +1,9 @@
 """The training loop: `setup` builds everything into one `Trainer`, `train` runs it top to bottom.
 
 The loop knows nothing about where the model state lives: it drives a `TrainEngine` (in-memory reference or
-paged, by `memory.mode`; see engines.py). Data parallel over every device of every process: each process feeds
-its rows of the global batch. Metrics are fetched one step late (step t's numbers are read after step t+1 is
+paged, by `memory.mode`; see engines.py). Data parallel over every device of every process, on a ('data',
+'fsdp') mesh (`mesh.*`: the in-memory engine shards its state over 'fsdp'): each process feeds its rows of the
+global batch. Metrics are fetched one step late (step t's numbers are read after step t+1 is
 dispatched) so the host never stalls the device just to log. Checkpoints go through the checkpoint engine: the
 loop blocks only for handing the state over. Every step's figures go through the anomaly monitor (anomaly.py),
 whose guard drops bad updates on the device and whose verdict may roll the run back to its last checkpoint.
