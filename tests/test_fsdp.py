@@ -4,19 +4,23 @@ checkpoints of sharded state, and the same across two processes (jax.distributed
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 from jax.sharding import PartitionSpec as P
 
 from angel_jax.config import Config, ConfigError, MeshConfig, ModelConfig, OptimizerConfig, TrainConfig, \
     config_from_dict
+from angel_jax.train.engines import fits_in_memory, state_bytes
 from angel_jax.train.sharding import fsdp_spec
+import models
 
 # The tiny GPT the multi-device checks train (fsdp_check.py, fsdp_mp_check.py): Adam, whose normalised step
 # would turn a wrongly reduced gradient's error into a visible change of the loss.
@@ -50,6 +54,15 @@ def test_the_rule_shards_the_largest_divisible_dimension():
     assert fsdp_spec((64, 64), 4) == P("fsdp", None)  # the first of equal ones
     assert fsdp_spec((), 4) == fsdp_spec((3, 5), 4) == fsdp_spec((2,), 4) == P()  # scalars, indivisible: replicated
     assert fsdp_spec((256, 64), 1) == P()
+
+
+def test_auto_mode_counts_the_sharded_state():
+    """memory.mode=auto judges the bytes each device keeps: parameters and Adam's moments (float32: 12 bytes per
+    parameter) divided by mesh.fsdp, the gradients (4 bytes) whole."""
+    n = models.get(MODEL).param_count["total"]
+    assert state_bytes(cfg()) == 16 * n and state_bytes(cfg(), 4) == 4 * n + 12 * n // 4
+    roomy = dataclasses.replace(cfg(), memory=dataclasses.replace(cfg().memory, device_budget=int(8 * n / 0.75)))
+    assert fits_in_memory(roomy, jax.devices()[0], 4) and not fits_in_memory(roomy, jax.devices()[0])
 
 
 def _run(*args: str) -> dict:

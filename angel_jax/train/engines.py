@@ -198,29 +198,31 @@ def _place(host: np.ndarray, sharding: NamedSharding) -> jax.Array:
 # --------------------------------------------------------------------------------------------- choosing
 
 
-def state_bytes(cfg: Config) -> int:
-    """Bytes of the training state the in-memory engine keeps on each device: parameters, gradients and the
-    optimizer's per-parameter state (2 buffers for Adam-like optimizers, 1 for SGD with momentum / Lion, each of
-    optimizer.state_dtype)."""
+def state_bytes(cfg: Config, fsdp: int = 1) -> int:
+    """Bytes of the training state the in-memory engine keeps on each device: parameters and the optimizer's
+    per-parameter state (2 buffers for Adam-like optimizers, 1 for SGD with momentum / Lion, each of
+    optimizer.state_dtype), 1/`fsdp` of them when sharded over that many devices (mesh.fsdp), and one set of
+    gradients, whole (a step builds them in full before reducing them)."""
     n = models.get(cfg.model).param_count["total"]
     itemsize = jnp.dtype(cfg.model.param_dtype).itemsize
     per_param = {"adamw": 2, "adam": 2, "lion": 1, "sgd": 1, "adafactor": 1}[cfg.optimizer.name]
-    return n * (itemsize * 2 + jnp.dtype(cfg.optimizer.state_dtype).itemsize * per_param)
+    return n * itemsize + n * (itemsize + jnp.dtype(cfg.optimizer.state_dtype).itemsize * per_param) // fsdp
 
 
-def fits_in_memory(cfg: Config, device: jax.Device) -> bool:
+def fits_in_memory(cfg: Config, device: jax.Device, fsdp: int = 1) -> bool:
     budget = cfg.memory.device_budget or device_free_bytes(device)
     # Activations need room too: keep a quarter of the budget for them (a conservative rule of thumb; the paged
     # engine uses every byte it is given, so erring towards it costs little).
-    return state_bytes(cfg) <= 0.75 * budget
+    return state_bytes(cfg, fsdp) <= 0.75 * budget
 
 
 def build_engine(cfg: Config, mesh: jax.sharding.Mesh) -> TrainEngine:
     """The engine `memory.mode` asks for (auto: in-memory when the state fits the device budget)."""
     mode = cfg.memory.mode
     if mode == "auto":
-        mode = "in_memory" if fits_in_memory(cfg, mesh.devices.flat[0]) else "paged"
-        log.info("memory.mode=auto: the training state (%.2f GB) %s -> %s engine", state_bytes(cfg) / 1e9,
+        mode = "in_memory" if fits_in_memory(cfg, mesh.devices.flat[0], fsdp_size(mesh)) else "paged"
+        log.info("memory.mode=auto: the training state (%.2f GB per device) %s -> %s engine",
+                 state_bytes(cfg, fsdp_size(mesh)) / 1e9,
                  "fits the device" if mode == "in_memory" else "does not fit the device", mode)
     if mode == "in_memory":
         return InMemoryEngine(cfg, mesh)
