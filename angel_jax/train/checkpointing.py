@@ -225,7 +225,7 @@ class TrainCheckpointer:
         if self.primary:
             ref = self.engine.latest_valid()
             chosen = ref.step if ref is not None else (ALL_DAMAGED if self.has_any() else -1)
-        chosen = _from_primary(chosen)
+        chosen = from_primary(chosen)
         if chosen == ALL_DAMAGED:
             # Starting over would overwrite the run's metrics and, at its first save, its checkpoints.
             raise CheckpointError(
@@ -243,7 +243,7 @@ class TrainCheckpointer:
         if self.primary:
             tiers = {i.step: i.tiers for i in self.engine.list()}.get(step, {})
             found = "persistent" in tiers and tiers["persistent"].state == "persisted"
-        return bool(_from_primary(int(found)))
+        return bool(from_primary(int(found)))
 
     def archive_existing(self) -> Path | None:
         """Move every tier's checkpoints of this run aside (train.resume=false): the new run owns the run
@@ -269,7 +269,7 @@ class TrainCheckpointer:
         self.engine.close()
 
 
-def _from_primary(value: int) -> int:
+def from_primary(value: int) -> int:
     """Process 0's `value` on every process (what process 0 decides about the checkpoints, all of them do)."""
     if jax.process_count() == 1:
         return value

@@ -32,7 +32,7 @@ from angel_jax.tee.actions import Action
 from angel_jax.tee.events import EventLog
 from angel_jax.train import metrics as metrics_lib
 from angel_jax.train.anomaly import AnomalyMonitor, RestartRequested, TrainingDiverged, Verdict
-from angel_jax.train.checkpointing import TrainCheckpointer, check_same_model
+from angel_jax.train.checkpointing import TrainCheckpointer, check_same_model, from_primary
 from angel_jax.train.engines import TrainEngine, build_engine
 from angel_jax.train.evaluation import ValidationSet, eval_due, evaluate
 from angel_jax.train.hooks import HookList, OnStep, TrainHooks
@@ -238,7 +238,8 @@ def _final_params(t: Trainer) -> Any:
     m = t.cfg.model
     nbytes = models.get(m).param_count["total"] * np.dtype(m.param_dtype).itemsize
     room = psutil.virtual_memory().available // 2
-    if nbytes > room:
+    # Process 0's decision on every process: gathering a state sharded across processes is a collective.
+    if not from_primary(int(nbytes <= room)):
         log.info("the final parameters (%s B) are not gathered in memory (%s B available); read them from the "
                  "checkpoint", f"{nbytes:,}", f"{2 * room:,}")
         return None
