@@ -21,8 +21,9 @@ import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from angel_jax.config import MeshConfig  # noqa: E402
+from angel_jax.errors import AngelError  # noqa: E402
 from angel_jax.train.checkpointing import TrainCheckpointer  # noqa: E402
-from angel_jax.train.engines import InMemoryEngine  # noqa: E402
+from angel_jax.train.engines import InMemoryEngine, build_engine  # noqa: E402
 from angel_jax.train.protocol import named_leaves  # noqa: E402
 from angel_jax.train.sharding import device_bytes, make_mesh  # noqa: E402
 from test_fsdp import BATCH, MODEL, SAVE_AT, STEPS, cfg  # noqa: E402
@@ -52,6 +53,11 @@ def main() -> None:
     out["losses"]["data2xfsdp2-micro1"] = run(engine, data)
     engine.close()
     out["checkpoint"] = fsdp4_with_a_checkpoint(data, out)
+    paged = dataclasses.replace(cfg(), memory=dataclasses.replace(cfg().memory, mode="paged"))
+    try:
+        build_engine(paged, make_mesh(MeshConfig(fsdp=4), jax.devices()))
+    except AngelError as e:
+        out["paged_refused"] = str(e)
     print(json.dumps(out))
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -102,6 +103,11 @@ def test_a_checkpoint_of_sharded_state_round_trips(four_devices):
     assert ckpt["step"] == SAVE_AT and ckpt["bit_exact"], ckpt
     assert ckpt["laid_out"] and ckpt["sharded_leaves"] > 0.9 * ckpt["leaves"], ckpt  # loaded sharded, not whole
     assert ckpt["resumed"] == four_devices["losses"]["fsdp4"][SAVE_AT:]  # the steps after it, bit for bit
+
+
+def test_the_paged_engine_is_still_refused_on_several_devices(four_devices):
+    assert re.search(r"paged engine, which runs on one device of one process; this run has 4 devices in 1 "
+                     r"processes.*mesh\.fsdp", four_devices["paged_refused"]), four_devices.get("paged_refused")
 
 
 def _free_port() -> int:
