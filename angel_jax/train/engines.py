@@ -47,8 +47,8 @@ log = logging.getLogger(__name__)
 
 class InMemoryEngine:
     """The reference trainer: parameters and optimizer state replicated, or sharded over the mesh's 'fsdp' axis
-    (ZeRO-3: each leaf's largest divisible dimension, train/sharding.py; XLA inserts the all-gathers and the
-    gradients' reduce-scatters), the batch's rows over every device.
+    (ZeRO-3: each leaf's largest divisible dimension, train/sharding.py; XLA inserts the parameters' all-gathers
+    and the gradients' reductions), the batch's rows over every device.
 
     A step is two jitted phases (train/step.py `make_step_phases`): `judge` (forward, backward, clipped gradients,
     the guard's figures and verdict; reads the state) and `apply` (the update, written over the donated state).
@@ -70,9 +70,8 @@ class InMemoryEngine:
         self.batch_sharding = batch_sharding(mesh)
         opt = split_optimizer(cfg.optimizer, cfg.train.steps)
         model = models.get(cfg.model)
-        graphdef, _ = model.abstract()
-        self.shardings: TrainState = state_shardings(
-            jax.eval_shape(lambda: init_state(model.init(cfg.train.seed)[1], opt.tx)), mesh)
+        graphdef, abstract = model.abstract()
+        self.shardings: TrainState = state_shardings(jax.eval_shape(lambda p: init_state(p, opt.tx), abstract), mesh)
         # Created directly with their final shardings: no host copy of the initial parameters, no device holding
         # more than its shard. The parameters first, then the optimizer state from them: one jitted function
         # making both would hold the parameter initialisers' temporaries next to the whole optimizer state.
