@@ -242,6 +242,30 @@ class MemoryConfig:
 
 
 @dataclass
+class MeshConfig:
+    data: int = doc(0, "Data-parallel replicas of the training state; 0 = the device count / fsdp.")
+    fsdp: int = doc(1, "Devices each replica's parameters and optimizer state are sharded over (ZeRO-3 / FSDP, "
+                       "in-memory engine); 1 = replicated on every device, 0 = all devices / data.")
+
+    def validate(self) -> list[tuple[str, str]]:
+        return [(key, f"must be >= 0 (0 = derived from the device count), got {getattr(self, key)}")
+                for key in ("data", "fsdp") if getattr(self, key) < 0]
+
+    def shape(self, devices: int) -> tuple[int, int]:
+        """(data, fsdp) for `devices` devices, their product: a 0 takes what the other leaves (both 0: all
+        devices to fsdp). A split of the devices that does not come out whole is a ConfigError naming the keys."""
+        data, fsdp = self.data, self.fsdp
+        if not data and not fsdp:
+            return 1, devices
+        data, fsdp = data or devices // fsdp, fsdp or devices // data
+        if data * fsdp != devices:
+            raise ConfigError(f"'mesh.data'={self.data} x 'mesh.fsdp'={self.fsdp} does not split the {devices} "
+                              f"devices of this run (their product, with 0 = what the other leaves, must be "
+                              f"{devices})")
+        return data, fsdp
+
+
+@dataclass
 class CheckpointConfig:
     every: int = doc(100, "Save a checkpoint every this many steps (0 = only at the end).")
     keep: int = doc(2, "Keep this many newest checkpoints in every tier (memory, peer, persistent).")
@@ -337,6 +361,7 @@ class Config:
     train: TrainConfig = sub(TrainConfig, "The training loop.")
     logging: LoggingConfig = sub(LoggingConfig, "Metrics sinks.")
     memory: MemoryConfig = sub(MemoryConfig, "Where model state lives (paged engine).")
+    mesh: MeshConfig = sub(MeshConfig, "How the devices are laid out: data-parallel replicas x FSDP shards.")
     checkpoint: CheckpointConfig = sub(CheckpointConfig, "Checkpoints.")
     resilience: ResilienceConfig = sub(ResilienceConfig, "Watchdog: heartbeats, restarts.")
     anomaly: AnomalyDetectionConfig = sub(AnomalyDetectionConfig, "Anomaly detection and the actions it takes.")

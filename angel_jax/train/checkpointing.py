@@ -12,8 +12,9 @@ The run's persistent tier is `<run_dir>/checkpoints/<k>/` (ordinary orbax checkp
 angel_jax/checkpoint/persist.py for reading one with plain orbax). The memory tier defaults to
 /dev/shm/angel_jax-<uid>/<run id>, so a restarted process finds its predecessor's snapshots there.
 
-In a multi-process run every process holds the same replicated state; process 0 writes the checkpoints, every
-process reads them, and process 0 decides which step all of them restore.
+In a multi-process run process 0 writes the checkpoints, every process reads them, and process 0 decides which
+step all of them restore. Every process takes a snapshot at each save: a state sharded across the processes
+(mesh.fsdp) is gathered into each one's host memory then, so process 0 holds all of it.
 
 Fault injection (crash tests only) enters here, at the edge: the engine is built with the hook that
 ANGEL_JAX_CKPT_KILL_AT describes (angel_jax/checkpoint/faults.py), read when the engine is built.
@@ -224,7 +225,7 @@ class TrainCheckpointer:
         if self.primary:
             ref = self.engine.latest_valid()
             chosen = ref.step if ref is not None else (ALL_DAMAGED if self.has_any() else -1)
-        chosen = _from_primary(chosen)
+        chosen = from_primary(chosen)
         if chosen == ALL_DAMAGED:
             # Starting over would overwrite the run's metrics and, at its first save, its checkpoints.
             raise CheckpointError(
@@ -242,7 +243,7 @@ class TrainCheckpointer:
         if self.primary:
             tiers = {i.step: i.tiers for i in self.engine.list()}.get(step, {})
             found = "persistent" in tiers and tiers["persistent"].state == "persisted"
-        return bool(_from_primary(int(found)))
+        return bool(from_primary(int(found)))
 
     def archive_existing(self) -> Path | None:
         """Move every tier's checkpoints of this run aside (train.resume=false): the new run owns the run
@@ -268,7 +269,7 @@ class TrainCheckpointer:
         self.engine.close()
 
 
-def _from_primary(value: int) -> int:
+def from_primary(value: int) -> int:
     """Process 0's `value` on every process (what process 0 decides about the checkpoints, all of them do)."""
     if jax.process_count() == 1:
         return value

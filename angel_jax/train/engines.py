@@ -7,9 +7,10 @@
     engine.load_state(snapshot.arrays, meta)          # back to that step, bit for bit
 
 Two implementations, no `if paged` branches in the loop:
-- `InMemoryEngine` (here): the reference trainer. The whole train state is a replicated pytree of jax arrays on
-  every device, one jitted step over the mesh's data axis (with `train.micro_batch_size`, a scan over the
-  micro-batches inside it: gradient accumulation).
+- `InMemoryEngine` (here): the reference trainer. The whole train state is a pytree of jax arrays, replicated on
+  every device or sharded over the mesh's 'fsdp' axis (`mesh.fsdp`, ZeRO-3; train/sharding.py), one jitted step
+  over every device (with `train.micro_batch_size`, a scan over the micro-batches inside it: gradient
+  accumulation).
 - `PagedTrainEngine` (`angel_jax/train/paged.py`): model state in pages across device, host and disk
   under a plan (Angel-PTM).
 
@@ -33,8 +34,9 @@ from angel_jax.errors import AngelError
 from angel_jax.optim import split_optimizer
 from angel_jax.train.paged import PagedTrainEngine
 from angel_jax.train.protocol import StateMismatch, TrainEngine, check_arrays, named_leaves, path_name  # noqa: F401
+from angel_jax.train.sharding import batch_sharding, device_bytes, fsdp_size, state_shardings, whole
 from angel_jax.train.step import StepControls, TrainState, init_state, make_micro_loss_fn, make_step_phases
-from angel_jax.units import device_free_bytes
+from angel_jax.units import device_free_bytes, human_bytes
 import models
 
 log = logging.getLogger(__name__)
@@ -44,7 +46,9 @@ log = logging.getLogger(__name__)
 
 
 class InMemoryEngine:
-    """The reference trainer: replicated parameters and optimizer state, the batch sharded over 'data'.
+    """The reference trainer: parameters and optimizer state replicated, or sharded over the mesh's 'fsdp' axis
+    (ZeRO-3: each leaf's largest divisible dimension, train/sharding.py; XLA inserts the parameters' all-gathers
+    and the gradients' reductions), the batch's rows over every device.
 
     A step is two jitted phases (train/step.py `make_step_phases`): `judge` (forward, backward, clipped gradients,
     the guard's figures and verdict; reads the state) and `apply` (the update, written over the donated state).
@@ -63,30 +67,37 @@ class InMemoryEngine:
     def __init__(self, cfg: Config, mesh: jax.sharding.Mesh):
         self.cfg, self.mesh = cfg, mesh
         self.replicated = NamedSharding(mesh, P())
-        self.batch_sharding = NamedSharding(mesh, P("data"))
+        self.batch_sharding = batch_sharding(mesh)
         opt = split_optimizer(cfg.optimizer, cfg.train.steps)
         model = models.get(cfg.model)
-        graphdef, _ = model.abstract()
-        # Created directly with their final (replicated) sharding: no host copy of the initial parameters. The
-        # parameters first, then the optimizer state from them: one jitted function making both would hold the
-        # parameter initialisers' temporaries next to the whole optimizer state.
+        graphdef, abstract = model.abstract()
+        self.shardings: TrainState = state_shardings(jax.eval_shape(lambda p: init_state(p, opt.tx), abstract), mesh)
+        # Created directly with their final shardings: no host copy of the initial parameters, no device holding
+        # more than its shard. The parameters first, then the optimizer state from them: one jitted function
+        # making both would hold the parameter initialisers' temporaries next to the whole optimizer state.
         if model.init_reads_files:  # read from a checkpoint on the host (inside jit they would be constants)
-            params = jax.tree.map(lambda a: _replicate(np.asarray(a), self.replicated), model.init(cfg.train.seed)[1])
+            params = jax.tree.map(lambda a, s: _place(np.asarray(a), s), model.init(cfg.train.seed)[1],
+                                  self.shardings.params)
         else:
-            params = jax.jit(lambda: model.init(cfg.train.seed)[1], out_shardings=self.replicated)()
-        self.state: TrainState = jax.jit(lambda p: init_state(p, opt.tx), out_shardings=self.replicated,
+            params = jax.jit(lambda: model.init(cfg.train.seed)[1], out_shardings=self.shardings.params)()
+        self.state: TrainState = jax.jit(lambda p: init_state(p, opt.tx), out_shardings=self.shardings,
                                          donate_argnums=0)(params)
         del params
         # Gradient accumulation (train.micro_batch_size): micro-batches of the batch one after another inside judge.
-        # Per-rank float32 sums laid out over 'data': the gradients are reduced over the ranks once per step.
+        # Per-rank float32 sums laid out over the devices (every device is a rank: its rows of the batch): the
+        # gradients are reduced over the ranks once per step.
         micro_batches = cfg.train.micro_batches(mesh.devices.size)
-        by_rank = NamedSharding(mesh, P("data"))
+        by_rank = self.batch_sharding
         phases = make_step_phases(graphdef, opt, model.loss, micro_batches, mesh.devices.size,
                                   lambda tree: jax.lax.with_sharding_constraint(tree, by_rank))
-        self._judge = jax.jit(phases.judge, out_shardings=self.replicated)
+        # The clipped gradients come out laid out like the parameters, the new state like the old one.
+        self._judge = jax.jit(phases.judge, out_shardings=(self.shardings.params, self.replicated, self.replicated))
         self._apply_fn = phases.apply
-        self._apply = jax.jit(phases.apply, out_shardings=self.replicated, donate_argnums=0)
+        self._apply = jax.jit(phases.apply, out_shardings=self.shardings, donate_argnums=0)
         self._keeping: list[StateSnapshot] = []  # held snapshots not yet released: no donation while any is
+        # A state sharded across processes is snapshotted into host memory (state_snapshot): never held.
+        self._holdable = all(a.is_fully_addressable or a.sharding.is_fully_replicated
+                             for a in jax.tree.leaves(self.state))
         self._keep_apply: Any = None  # the apply that does not donate the state, compiled ahead
         self._keep_compile: threading.Thread | None = None
         # Reads the parameters and donates nothing: the state a held snapshot keeps stays valid. By micro-batches
@@ -96,7 +107,7 @@ class InMemoryEngine:
     def step(self, batch: jax.Array, controls: StepControls | None = None) -> dict[str, jax.Array]:
         # numpy scalars: jit treats host values as replicated inputs, in multi-process runs too.
         controls = (controls or StepControls()).as_numpy()
-        if self._keep_compile is None:
+        if self._keep_compile is None and self._holdable:
             self._compile_keep_variant(controls)
         self._keeping = [s for s in self._keeping if not s.released]
         apply = self._keep_apply if self._keeping else self._apply
@@ -112,13 +123,13 @@ class InMemoryEngine:
             return jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=getattr(a, "sharding", None)),
                                 tree)
 
-        # The clipped gradients have the parameters' shapes, dtypes and (replicated) sharding.
+        # The clipped gradients have the parameters' shapes, dtypes and shardings.
         args = (abstract(self.state), abstract(self.state.params),
                 jax.ShapeDtypeStruct((), jnp.bool_, sharding=self.replicated), abstract(controls))
 
         def compile_it() -> None:
             try:  # donates the gradients only: the new state may take their buffer, the held one stays valid
-                self._keep_apply = jax.jit(self._apply_fn, out_shardings=self.replicated,
+                self._keep_apply = jax.jit(self._apply_fn, out_shardings=self.shardings,
                                            donate_argnums=1).lower(*args).compile()
             except Exception as e:  # noqa: BLE001 - without it, checkpoints copy before returning: slower, correct
                 log.warning("could not compile the non-donating step (checkpoints will copy in the foreground): "
@@ -128,9 +139,11 @@ class InMemoryEngine:
         self._keep_compile.start()
 
     def state_snapshot(self, may_hold: bool = True) -> StateSnapshot:
-        # A replicated global array is not fully addressable in a multi-process run; its local shard is all of it.
-        arrays = {name: _local(a) for name, a in named_leaves(self.state).items()}
-        if not (may_hold and self._can_hold()):
+        # In a multi-process run a replicated leaf's local shard is all of it; a leaf sharded over processes is
+        # gathered into host memory, leaf by leaf (every process takes a snapshot at a checkpoint: the loop's
+        # `_save`): a copy, never held.
+        arrays = {name: whole(a) for name, a in named_leaves(self.state).items()}
+        if not (may_hold and self._holdable and self._can_hold()):
             return StateSnapshot(arrays)
         snapshot = StateSnapshot(arrays, held=True)
         self._keeping.append(snapshot)
@@ -143,9 +156,9 @@ class InMemoryEngine:
             self._keep_compile.join()  # long done on real runs (compiled since step 1); tiny test runs may wait
         if self._keep_apply is None:  # could not compile: the checkpoint copies in the foreground
             return False
-        held = sum(_local(a).nbytes for a in jax.tree.leaves(self.state))
-        # This process's first device: another process's device has no memory statistics here.
-        local = next(d for d in self.mesh.devices.flat if d.process_index == jax.process_index())
+        # This process's first device (another process's device has no memory statistics here), and what the
+        # state takes on it.
+        local, held = next(iter(device_bytes(self.state).items()))
         return device_free_bytes(local) >= 1.25 * held
 
     def state_meta(self) -> dict[str, Any]:
@@ -158,61 +171,63 @@ class InMemoryEngine:
         current = named_leaves(self.state)
         check_arrays({k: (v.shape, v.dtype) for k, v in current.items()}, arrays, "in-memory engine")
         paths, treedef = jax.tree_util.tree_flatten_with_path(self.state)
-        leaves = [_replicate(np.asarray(arrays[path_name(p)]), self.replicated) for p, _ in paths]
+        shardings = jax.tree.leaves(self.shardings)
+        leaves = [_place(np.asarray(arrays[path_name(p)]), s) for (p, _), s in zip(paths, shardings)]
         self.state = jax.tree_util.tree_unflatten(treedef, leaves)
 
     def params(self) -> Any:
-        return jax.tree.map(lambda a: np.asarray(_local(a)), self.state.params)
+        return jax.tree.map(lambda a: np.asarray(whole(a)), self.state.params)
 
     def memory_report(self) -> list[str]:
-        return ["  placement          in memory: parameters and optimizer state replicated on every device"]
+        fsdp = fsdp_size(self.mesh)
+        where = "replicated on every device" if fsdp == 1 else f"sharded over {fsdp} devices (mesh.fsdp)"
+        here = max(device_bytes(self.state).values())
+        return [f"  placement          in memory: parameters and optimizer state {where}, "
+                f"{human_bytes(here)} on each device"]
 
     def close(self) -> None:
         if self._keep_compile is not None:
             self._keep_compile.join()
 
 
-def _local(a: Any) -> Any:
-    if isinstance(a, jax.Array) and not a.is_fully_addressable:
-        return a.addressable_data(0)
-    return a
-
-
-def _replicate(host: np.ndarray, sharding: NamedSharding) -> jax.Array:
+def _place(host: np.ndarray, sharding: NamedSharding) -> jax.Array:
     return jax.make_array_from_callback(host.shape, sharding, lambda index: host[index])
 
 
 # --------------------------------------------------------------------------------------------- choosing
 
 
-def state_bytes(cfg: Config) -> int:
-    """Bytes of the training state the in-memory engine keeps on each device: parameters, gradients and the
-    optimizer's per-parameter state (2 buffers for Adam-like optimizers, 1 for SGD with momentum / Lion, each of
-    optimizer.state_dtype)."""
+def state_bytes(cfg: Config, fsdp: int = 1) -> int:
+    """Bytes of the training state the in-memory engine keeps on each device: parameters and the optimizer's
+    per-parameter state (2 buffers for Adam-like optimizers, 1 for SGD with momentum / Lion, each of
+    optimizer.state_dtype), 1/`fsdp` of them when sharded over that many devices (mesh.fsdp), and one set of
+    gradients, whole (a step builds them in full before reducing them)."""
     n = models.get(cfg.model).param_count["total"]
     itemsize = jnp.dtype(cfg.model.param_dtype).itemsize
     per_param = {"adamw": 2, "adam": 2, "lion": 1, "sgd": 1, "adafactor": 1}[cfg.optimizer.name]
-    return n * (itemsize * 2 + jnp.dtype(cfg.optimizer.state_dtype).itemsize * per_param)
+    return n * itemsize + n * (itemsize + jnp.dtype(cfg.optimizer.state_dtype).itemsize * per_param) // fsdp
 
 
-def fits_in_memory(cfg: Config, device: jax.Device) -> bool:
+def fits_in_memory(cfg: Config, device: jax.Device, fsdp: int = 1) -> bool:
     budget = cfg.memory.device_budget or device_free_bytes(device)
     # Activations need room too: keep a quarter of the budget for them (a conservative rule of thumb; the paged
     # engine uses every byte it is given, so erring towards it costs little).
-    return state_bytes(cfg) <= 0.75 * budget
+    return state_bytes(cfg, fsdp) <= 0.75 * budget
 
 
 def build_engine(cfg: Config, mesh: jax.sharding.Mesh) -> TrainEngine:
     """The engine `memory.mode` asks for (auto: in-memory when the state fits the device budget)."""
     mode = cfg.memory.mode
     if mode == "auto":
-        mode = "in_memory" if fits_in_memory(cfg, mesh.devices.flat[0]) else "paged"
-        log.info("memory.mode=auto: the training state (%.2f GB) %s -> %s engine", state_bytes(cfg) / 1e9,
+        mode = "in_memory" if fits_in_memory(cfg, mesh.devices.flat[0], fsdp_size(mesh)) else "paged"
+        log.info("memory.mode=auto: the training state (%.2f GB per device) %s -> %s engine",
+                 state_bytes(cfg, fsdp_size(mesh)) / 1e9,
                  "fits the device" if mode == "in_memory" else "does not fit the device", mode)
     if mode == "in_memory":
         return InMemoryEngine(cfg, mesh)
     if jax.process_count() > 1 or mesh.devices.size > 1:
         raise AngelError(f"memory.mode={cfg.memory.mode!r} chose the paged engine, which runs on one device of one "
                          f"process; this run has {mesh.devices.size} devices in {jax.process_count()} processes. "
-                         "Use memory.mode=in_memory for data-parallel runs.")
+                         "Use memory.mode=in_memory for data-parallel runs (with mesh.fsdp to shard the "
+                         "parameters and optimizer state over the devices).")
     return PagedTrainEngine(cfg, mesh)

@@ -1,8 +1,9 @@
 """The training loop: `setup` builds everything into one `Trainer`, `train` runs it top to bottom.
 
 The loop knows nothing about where the model state lives: it drives a `TrainEngine` (in-memory reference or
-paged, by `memory.mode`; see engines.py). Data parallel over every device of every process: each process feeds
-its rows of the global batch. Metrics are fetched one step late (step t's numbers are read after step t+1 is
+paged, by `memory.mode`; see engines.py). Data parallel over every device of every process, on a ('data',
+'fsdp') mesh (`mesh.*`: the in-memory engine shards its state over 'fsdp'): each process feeds its rows of the
+global batch. Metrics are fetched one step late (step t's numbers are read after step t+1 is
 dispatched) so the host never stalls the device just to log. Checkpoints go through the checkpoint engine: the
 loop blocks only for handing the state over. Every step's figures go through the anomaly monitor (anomaly.py),
 whose guard drops bad updates on the device and whose verdict may roll the run back to its last checkpoint.
@@ -31,12 +32,13 @@ from angel_jax.tee.actions import Action
 from angel_jax.tee.events import EventLog
 from angel_jax.train import metrics as metrics_lib
 from angel_jax.train.anomaly import AnomalyMonitor, RestartRequested, TrainingDiverged, Verdict
-from angel_jax.train.checkpointing import TrainCheckpointer, check_same_model
+from angel_jax.train.checkpointing import TrainCheckpointer, check_same_model, from_primary
 from angel_jax.train.engines import TrainEngine, build_engine
 from angel_jax.train.evaluation import ValidationSet, eval_due, evaluate
 from angel_jax.train.hooks import HookList, OnStep, TrainHooks
 from angel_jax.train.report import memory_report
 from angel_jax.train.rundir import lock_run_dir
+from angel_jax.train.sharding import make_mesh
 import models
 
 log = logging.getLogger("angel_jax.train")
@@ -127,10 +129,9 @@ def setup(cfg: Config, hooks: HookList) -> Trainer:
         raise config_lib.ConfigError(
             f"'train.batch_size'={cfg.train.batch_size} must be divisible by the number of devices ({len(devices)})")
     cfg.train.micro_batches(len(devices))  # a batch that does not split into micro-batches per device is refused
+    mesh = make_mesh(cfg.mesh, devices)  # ('data', 'fsdp'): replicas x shards of the training state
     models.check_init_from(cfg.model)  # a wrong model.init_from fails before the data is prepared
     data, validation = _data(cfg)
-    # Auto axes: XLA's partitioner places the replicated-parameter / sharded-batch computation.
-    mesh = jax.make_mesh((len(devices),), ("data",), devices=devices, axis_types=(jax.sharding.AxisType.Auto,))
     engine = build_engine(cfg, mesh)
     events = EventLog(run_dir / "events.jsonl", source=f"rank{jax.process_index()}")
     monitor = AnomalyMonitor(cfg.anomaly, rank=jax.process_index(), primary=is_primary, events=events)
@@ -237,7 +238,8 @@ def _final_params(t: Trainer) -> Any:
     m = t.cfg.model
     nbytes = models.get(m).param_count["total"] * np.dtype(m.param_dtype).itemsize
     room = psutil.virtual_memory().available // 2
-    if nbytes > room:
+    # Process 0's decision on every process: gathering a state sharded across processes is a collective.
+    if not from_primary(int(nbytes <= room)):
         log.info("the final parameters (%s B) are not gathered in memory (%s B available); read them from the "
                  "checkpoint", f"{nbytes:,}", f"{2 * room:,}")
         return None
