@@ -1,8 +1,7 @@
 """Cost model inputs, profiled on the real functions, shapes and memories of this process.
 
 Each stage kind (embed, block, head) is timed once: forward, backward (recompute + vjp, or the head's loss and
-gradients), the add of its gradient pages into float32 sums (gradient accumulation: `StageFunctions.accumulate`),
-and its optimizer update where device-resident and where host-resident stages update. Blocks share
+gradients), and its optimizer update where device-resident and where host-resident stages update. Blocks share
 one measurement, so profiling costs a handful of calls whatever the depth, and the functions it compiles are the
 ones training then runs. The host <-> device copy bandwidths are measured the same way, by moving a block's
 pages between the two tiers; disk bandwidths come from `angel-jax bench io`'s calibration (`load_bandwidths`),
@@ -47,7 +46,7 @@ def profile_costs(fns: StageFunctions, updates: StageUpdates, params_layout: Pag
     staged = fns.staged
     device = placements["device"].tier
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    per_kind: dict[str, tuple[float, float, float, float, float]] = {}
+    per_kind: dict[str, tuple[float, float, float, float]] = {}
     x = inputs
     norm = jnp.ones((), jnp.float32)
     last = len(staged.stages) - 1
@@ -61,12 +60,6 @@ def profile_costs(fns: StageFunctions, updates: StageUpdates, params_layout: Pag
                 fwd_s = _time(lambda _: fns.forward[kind](pages, x))
                 dy = jnp.zeros_like(fns.forward[kind](pages, x))
                 bwd_s = _time(lambda _: fns.backward[kind](pages, x, dy))
-
-            def sums(name=stage.name) -> tuple:  # (float32 sums, gradient pages): the sums are donated
-                return (tuple(p.astype(jnp.float32) for p in _zeros(params_layout, name, device)),
-                        _zeros(params_layout, name, device))
-
-            acc_s = _time(lambda args: fns.accumulate(*args), sums)
             update_s = {}
             for where, place in placements.items():
                 if where == "device" and place.compute.device_set == placements["host"].compute.device_set:
@@ -79,14 +72,14 @@ def profile_costs(fns: StageFunctions, updates: StageUpdates, params_layout: Pag
                             jax.device_put((norm, jnp.bool_(True), jnp.float32(1.0)), place.compute))
 
                 update_s[where] = _time(lambda args, fn=fn: fn(*args[:4], *args[4]), setup)
-            per_kind[kind] = (fwd_s, bwd_s, update_s.get("device", update_s["host"]), update_s["host"], acc_s)
+            per_kind[kind] = (fwd_s, bwd_s, update_s.get("device", update_s["host"]), update_s["host"])
         if idx < last:
             x = fns.forward[kind](pages, x)
     costs = []
     for stage in staged.stages:
-        fwd_s, bwd_s, upd_dev, upd_host, acc_s = per_kind[stage.kind]
+        fwd_s, bwd_s, upd_dev, upd_host = per_kind[stage.kind]
         costs.append(StageCost(stage.name, params_layout.stage(stage.name).nbytes, opt_layout.stage(stage.name).nbytes,
-                               fwd_s, bwd_s, upd_dev, upd_host, acc_s))
+                               fwd_s, bwd_s, upd_dev, upd_host))
     return costs
 
 

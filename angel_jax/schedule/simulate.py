@@ -5,8 +5,7 @@
 
 Rules (those of execute.py and optim/updater.py):
 - Micro-batches run layer-major: a stage access computes for `micro_batches` calls of the stage's profiled (one
-  micro-batch) time, and a backward access also for the `micro_batches` - 1 adds of a micro-batch's gradient pages
-  into the float32 sums (`accumulate_s` each); its transfers are those of one access.
+  micro-batch) time; its transfers are those of one access.
 - One compute stream, one h2d and one d2h copy stream, one host stream (optimizer updates on the CPU) and one disk
   stream; work within a stream is serial, in the executor's order.
 - A streamed stage's fetch for access k may start once access k - prefetch has started computing (the window frees
@@ -57,9 +56,6 @@ class StageCost:
     """Recompute + vjp (for the head: loss and gradients), one call."""
     update_device_s: float
     update_host_s: float
-    accumulate_s: float = 0.0
-    """One add of a micro-batch's gradient pages into the stage's float32 sums (execute.py; with M micro-batches a
-    backward access makes M - 1 of them)."""
 
 
 @dataclass(frozen=True)
@@ -141,8 +137,6 @@ def simulate(costs: list[StageCost], bw: Bandwidths, home: tuple[str, ...], opt_
                 read(j, reads_from, state_read[j])
         for k, (op, i) in enumerate(seq):
             dur = micro_batches * (costs[i].forward_s if op == "forward" else costs[i].backward_s)
-            if op != "forward":
-                dur += (micro_batches - 1) * costs[i].accumulate_s
             ready = updated[i]
             if home[i] != "device":
                 gate = starts[k - prefetch] if k >= prefetch else (starts[0] if starts else clock.free["compute"])
