@@ -14,10 +14,11 @@ says. One step follows the trace (trace.py):
 With M micro-batches per step (`micro_batch_size`; gradient accumulation) the order is layer-major: each access
 runs its stage on every micro-batch before the stage is released, so a streamed stage is fetched once per access as
 with one micro-batch, and page traffic per step does not grow with M. The forward saves each micro-batch's stage
-input; the head gives each micro-batch's loss and gradients; a backward adds its micro-batches' gradient pages
-into float32 sums (`StageFunctions.accumulate`, in place), scales them by 1/M once and takes the sum of squares of
-the result (`mean_grads`), which goes to the updater as a single micro-batch's gradients would. The loss is the
-mean of the micro-batches' losses: with equal micro-batches, the whole batch's loss and gradient.
+input; the head gives each micro-batch's loss and gradients; a backward sums its micro-batches' gradients in
+float32, scales them by 1/M once and takes the sum of squares of the result, which goes to the updater as a single
+micro-batch's gradients would. An access is one call that scans its micro-batches (`StageFunctions.forward_micro`,
+`backward_micro`). The loss is the mean of the micro-batches' losses: with equal micro-batches, the whole batch's
+loss and gradient.
 
 An evaluation (`eval_loss`) runs the forward stages and the head's loss alone, fetching and evicting streamed stages
 the same way, once the updates in flight have landed; it changes nothing of the training state.
@@ -138,6 +139,9 @@ class PagedExecutor:
         step = self._steps_taken
         tokens, targets = self._micro_batches(batch)
         micro = len(tokens)
+        if micro > 1:  # on a leading axis, for the calls that scan them
+            stacked = split_batch(batch, micro)
+            tokens, targets = [stacked[:, :, :-1]], [stacked[:, :, 1:]]
         streamed = set(plan.streamed)
         refs: dict[int, int] = {}
         acquired: set[int] = set()
@@ -183,31 +187,23 @@ class PagedExecutor:
         marks: list[Any] = []  # per access, a small output that is ready when the access's computation is done
         for k in range(plan.prefetch + 1):
             issue(k)
-        saved: list[list[jax.Array] | None] = [None] * self._n  # per stage, its input of every micro-batch
+        saved: list[list[jax.Array] | None] = [None] * self._n  # per stage, its input (of every micro-batch)
         sqsums: list[jax.Array | None] = [None] * self._n
-        xs: list[jax.Array] = tokens  # per micro-batch, the activation (forward) or its gradient (backward)
+        xs: list[jax.Array] = tokens  # the activation (forward) or its gradient (backward), micro-batches stacked
         loss = None
         for k, (op, i) in enumerate(self._seq):
             kind = staged.stages[i].kind
             pages = tuple(store.get(p, "device") for p in self.model.param_ids(i))
+            # One call per access: several micro-batches are stacked and scanned in it (`forward_micro`).
             if op == "forward":
                 saved[i] = xs
-                xs = out = [fns.forward[kind](pages, x) for x in xs]
-            else:  # every micro-batch's gradients, summed into float32 pages (one micro-batch: as they are)
-                acc = None
-                for m in range(micro):
-                    if op == "head":
-                        dpages, xs[m], sq, loss_m = fns.backward[kind](pages, xs[m], targets[m])
-                        loss = loss_m if loss is None else loss + loss_m
-                    else:
-                        dpages, xs[m], sq = fns.backward[kind](pages, saved[i][m], xs[m])
-                    acc = dpages if micro == 1 else fns.accumulate(acc, dpages)
-                    del dpages
-                if micro == 1:
-                    dpages, sqsums[i] = acc, sq
+                xs = out = [(fns.forward if micro == 1 else fns.forward_micro)[kind](pages, x) for x in xs]
+            else:  # the gradient pages: one micro-batch's, or the mean of every micro-batch's (float32 sums)
+                backward = (fns.backward if micro == 1 else fns.backward_micro)[kind]
+                if op == "head":
+                    dpages, xs[0], sqsums[i], loss = backward(pages, xs[0], targets[0])
                 else:
-                    dpages, sqsums[i] = fns.mean_grads(acc, micro, self._grad_dtypes[i])
-                del acc, sq
+                    dpages, xs[0], sqsums[i] = backward(pages, saved[i][0], xs[0])
                 saved[i], out = None, dpages
             marks.append(xs[-1] if op == "forward" else sqsums[i])
             if rec:
