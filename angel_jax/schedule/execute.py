@@ -245,11 +245,6 @@ class PagedExecutor:
         tokens, targets = _split(batch, rows // size)
         return list(tokens), list(targets)
 
-    @functools.cached_property
-    def _grad_dtypes(self) -> list[tuple]:
-        """Per stage, the dtypes of its gradient (= parameter) pages."""
-        return [tuple(p.dtype for p in self.model.params_layout.stage(s.name).pages) for s in self.model.staged.stages]
-
     def _grads_home(self, step: int, i: int, dpages: tuple, streamed: set[int],
                     rec: Recorder | None) -> tuple | None:
         """Gradients go where the stage's update reads them: the host tier for streamed stages (D2H,
