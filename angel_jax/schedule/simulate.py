@@ -4,8 +4,8 @@
     timeline.step_time   # steady-state seconds per step
 
 Rules (those of execute.py and optim/updater.py):
-- Micro-batches run layer-major: a stage access computes for `micro_batches` calls of the stage's profiled (one
-  micro-batch) time; its transfers are those of one access.
+- Micro-batches run layer-major: a stage access computes for `micro_batches` times the stage's profiled time per
+  micro-batch (a micro-batch's share of the call that scans them all); its transfers are those of one access.
 - One compute stream, one h2d and one d2h copy stream, one host stream (optimizer updates on the CPU) and one disk
   stream; work within a stream is serial, in the executor's order.
 - A streamed stage's fetch for access k may start once access k - prefetch has started computing (the window frees
@@ -51,9 +51,9 @@ class StageCost:
     opt_bytes: int
     """Bytes of the stage's optimizer-state pages."""
     forward_s: float
-    """Seconds of one call (one micro-batch)."""
+    """Seconds per micro-batch (one call; with several micro-batches, a micro-batch's share of the call)."""
     backward_s: float
-    """Recompute + vjp (for the head: loss and gradients), one call."""
+    """Recompute + vjp (for the head: loss and gradients), per micro-batch as `forward_s`."""
     update_device_s: float
     update_host_s: float
 
