@@ -84,18 +84,21 @@ def _reference(state) -> tuple[list[dict], float]:
 
 
 class _Counting:
-    """The executor's stage functions, counting calls per (op, kind); the shared compiled ones stay untouched."""
+    """The executor's stage functions, counting calls per (op, kind) (the scanning ones per (op, kind, micro-batches));
+    the shared compiled ones stay untouched."""
 
     def __init__(self, fns):
         self.calls: Counter = Counter()
         wrapped = copy.copy(fns)
         wrapped.forward = {k: self._count("forward", k, f) for k, f in fns.forward.items()}
         wrapped.backward = {k: self._count("backward", k, f) for k, f in fns.backward.items()}
+        wrapped.forward_micro = {k: self._count("forward_micro", k, f) for k, f in fns.forward_micro.items()}
+        wrapped.backward_micro = {k: self._count("backward_micro", k, f) for k, f in fns.backward_micro.items()}
         self.fns = wrapped
 
     def _count(self, op, kind, fn):
-        def call(*args):
-            self.calls[op, kind] += 1
+        def call(*args):  # a scanning call: counted with the micro-batches it scans
+            self.calls[(op, kind, args[1].shape[0]) if op.endswith("_micro") else (op, kind)] += 1
             return fn(*args)
         return call
 
@@ -105,9 +108,9 @@ def _paged(micro: int, monkeypatch) -> tuple[list[dict], float, object, Counter,
     batch shapes profiling timed."""
     profiled = []
 
-    def profile(fns, updates, pl, ol, small, tokens, where):
-        profiled.append(tuple(tokens.shape))
-        return profile_costs(fns, updates, pl, ol, small, tokens, where)
+    def profile(fns, updates, pl, ol, small, tokens, where, micro_batches=1):
+        profiled.append((tuple(tokens.shape), micro_batches))
+        return profile_costs(fns, updates, pl, ol, small, tokens, where, micro_batches)
 
     monkeypatch.setattr(engine_lib, "profile_costs", profile)
     cfg = _cfg(micro, "paged", STREAMING_BUDGET)
@@ -193,16 +196,62 @@ def test_paged_micro_batches_stream_layer_major_and_match_both_references(monkey
         np.testing.assert_allclose(_column(micro, key), _column(whole, key), rtol=1e-5, err_msg=key)
     np.testing.assert_allclose(micro_eval, whole_eval, rtol=1e-5)
     # Layer-major: a streamed stage's parameter pages are fetched once per access (forward and backward; the head
-    # once), as with one micro-batch; every stage function is called M times as often.
+    # once), as with one micro-batch; an access is one call whatever M, scanning its M micro-batches.
     for e, fetches in ((e1, fetches1), (e4, fetches4)):
         head = len(e.plan.home) - 1
         assert fetches == {p: 1 if i == head else 2 for i in e.plan.streamed for p in e.model.param_ids(i)}
-    assert calls1 and calls4 == Counter({k: m * n for k, n in calls1.items()})
+    assert calls1 and calls4 == Counter({(op + "_micro", kind, m): n for (op, kind), n in calls1.items()})
     # What is live on the device between accesses (streamed pages in flight, saved inputs, gradient sums) fits.
     for e in (e1, e4):
         assert 2 * max(c.param_bytes for c in e.costs) < e.peak_device_bytes <= STREAMING_BUDGET
-    # Profiling timed the shape every call has: one micro-batch.
-    assert profiled1 == [(BATCH, MODEL.seq_len + 1)] and profiled4 == [(MICRO, MODEL.seq_len + 1)]
+    # Profiling timed the calls the executor makes: micro-batches of their shape, M scanned per call.
+    assert profiled1 == [((BATCH, MODEL.seq_len + 1), 1)] and profiled4 == [((MICRO, MODEL.seq_len + 1), m)]
+
+
+def test_scanned_stage_calls_match_the_calls_one_micro_batch_at_a_time():
+    # What the executor runs per access with M micro-batches (one call scanning them) against calling the stage on
+    # each micro-batch in turn and summing the gradient pages in float32: the same outputs, gradients, sums of
+    # squares and losses, to float rounding (the same operations in the same order; XLA may compile the scanned
+    # body's kernels differently).
+    bp = engine_lib.blueprint(_cfg(MICRO, "paged", STREAMING_BUDGET))
+    fns, stages, m = bp.fns, bp.staged.stages, BATCH // MICRO
+    rng = np.random.default_rng(0)
+
+    def random(shape, dtype=np.float32):
+        return jnp.asarray((rng.standard_normal(shape) * 0.1).astype(dtype))
+
+    def equal(a, b):
+        assert jax.tree.structure(a) == jax.tree.structure(b)
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)):
+            np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-7)
+
+    micro = split_batch(_data()[0], m)
+    xs, targets = micro[:, :, :-1], micro[:, :, 1:]
+    seen = set()
+    for i, stage in enumerate(stages):
+        pages = tuple(random(p.length, p.dtype) for p in bp.params_layout.stage(stage.name).pages)
+        head = i == len(stages) - 1
+        if not head:
+            ys = fns.forward_micro[stage.kind](pages, xs)
+        if stage.kind not in seen:
+            seen.add(stage.kind)
+            dys = targets if head else random(ys.shape)
+            scanned = fns.backward_micro[stage.kind](pages, xs, dys)
+            acc, dxs, losses = None, [], []
+            for k in range(m):
+                out = fns.backward[stage.kind](pages, xs[k], dys[k])
+                acc = fns.accumulate(acc, out[0])
+                dxs.append(out[1])
+                losses += list(out[3:])
+            dpages, sq = fns.mean_grads(acc, m, tuple(p.dtype for p in pages))
+            equal(scanned[:3], (dpages, None if dxs[0] is None else jnp.stack(dxs), sq))
+            if head:
+                equal(scanned[3], functools.reduce(lambda a, b: a + b, losses))
+            else:
+                equal(ys, jnp.stack([fns.forward[stage.kind](pages, x) for x in xs]))
+        if not head:
+            xs = ys
+    assert seen == set(bp.staged.kinds())
 
 
 def test_plan_charges_each_access_the_calls_of_every_micro_batch():

@@ -46,9 +46,19 @@ def _float32_zeros(layout: PageLayout, name: str, sharding: jax.sharding.Shardin
     return tuple(jax.device_put(jnp.zeros((p.length,), jnp.float32), sharding) for p in layout.stage(name).pages)
 
 
+PROFILE_MICRO_BATCHES = 8
+"""At most this many micro-batches are scanned in a profiled call: a micro-batch's share of the call is what the
+plan needs, and stacking every micro-batch of a large step would take a large step's activations to profile."""
+
+
 def profile_costs(fns: StageFunctions, updates: StageUpdates, params_layout: PageLayout, opt_layout: PageLayout,
-                  opt_small: dict[str, list], tokens: jax.Array, placements: dict[str, Placement]) -> list[StageCost]:
-    """Time every stage kind on `tokens`-shaped inputs (int32[B, T+1] on the device); one StageCost per stage."""
+                  opt_small: dict[str, list], tokens: jax.Array, placements: dict[str, Placement],
+                  micro_batches: int = 1) -> list[StageCost]:
+    """Time every stage kind on `tokens`-shaped inputs (int32[B, T+1] on the device: one micro-batch); one
+    StageCost per stage. With several micro-batches, the calls the executor makes are timed: one scanning
+    `micro_batches` micro-batches of that shape (`forward_micro`, `backward_micro`), and a micro-batch's share of
+    it is the stage's forward or backward time (at most `PROFILE_MICRO_BATCHES` are scanned)."""
+    micro_batches = min(micro_batches, PROFILE_MICRO_BATCHES)
     staged = fns.staged
     device = placements["device"].tier
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
@@ -61,12 +71,19 @@ def profile_costs(fns: StageFunctions, updates: StageUpdates, params_layout: Pag
         kind = stage.kind
         pages = _zeros(params_layout, stage.name, device)
         if kind not in per_kind:
-            if idx == last:
-                fwd_s, bwd_s = 0.0, _time(lambda _: fns.backward[kind](pages, x, targets))
+            if micro_batches > 1:
+                forward, backward = fns.forward_micro[kind], fns.backward_micro[kind]
+                xs = jnp.broadcast_to(x, (micro_batches, *x.shape))
+                second = jnp.broadcast_to(targets, (micro_batches, *targets.shape)) if idx == last else None
             else:
-                fwd_s = _time(lambda _: fns.forward[kind](pages, x))
-                dy = jnp.zeros_like(fns.forward[kind](pages, x))
-                bwd_s = _time(lambda _: fns.backward[kind](pages, x, dy))
+                forward, backward, xs, second = fns.forward[kind], fns.backward[kind], x, targets
+            if idx == last:
+                fwd_s, bwd_s = 0.0, _time(lambda _: backward(pages, xs, second))
+            else:
+                fwd_s = _time(lambda _: forward(pages, xs))
+                dy = jnp.zeros_like(forward(pages, xs))
+                bwd_s = _time(lambda _: backward(pages, xs, dy))
+            fwd_s, bwd_s = fwd_s / micro_batches, bwd_s / micro_batches
             update_s = {}
             for where, place in placements.items():
                 if where == "device" and place.compute.device_set == placements["host"].compute.device_set:

@@ -272,7 +272,8 @@ def plan_for(cfg: Config, bp: Blueprint, store: PageStore, example_batch: jax.Ar
     host_sharding = store.tiers["host"].sharding
     micro_batches, size = micro_batching(cfg, example_batch.shape[0])
     costs = profile_costs(bp.fns, bp.updates, bp.params_layout, bp.opt_layout, bp.opt_small,
-                          jax.device_put(example_batch[:size], device_sharding), placements(device, host_sharding))
+                          jax.device_put(example_batch[:size], device_sharding), placements(device, host_sharding),
+                          micro_batches)
     bw = profile_transfers(bp.params_layout, device_sharding, host_sharding,
                            load_bandwidths(default_calibration_path()))
     budgets = dataclasses.replace(budgets_for(cfg, device, example_batch.shape[0]), host=store.tiers["host"].budget)

@@ -14,10 +14,11 @@ says. One step follows the trace (trace.py):
 With M micro-batches per step (`micro_batch_size`; gradient accumulation) the order is layer-major: each access
 runs its stage on every micro-batch before the stage is released, so a streamed stage is fetched once per access as
 with one micro-batch, and page traffic per step does not grow with M. The forward saves each micro-batch's stage
-input; the head gives each micro-batch's loss and gradients; a backward adds its micro-batches' gradient pages
-into float32 sums (`StageFunctions.accumulate`, in place), scales them by 1/M once and takes the sum of squares of
-the result (`mean_grads`), which goes to the updater as a single micro-batch's gradients would. The loss is the
-mean of the micro-batches' losses: with equal micro-batches, the whole batch's loss and gradient.
+input; the head gives each micro-batch's loss and gradients; a backward sums its micro-batches' gradients in
+float32, scales them by 1/M once and takes the sum of squares of the result, which goes to the updater as a single
+micro-batch's gradients would. An access is one call that scans its micro-batches (`StageFunctions.forward_micro`,
+`backward_micro`). The loss is the mean of the micro-batches' losses: with equal micro-batches, the whole batch's
+loss and gradient.
 
 With P accumulation passes (`plan.passes`, dividing M) the step runs that whole sequence P times, pass p over
 micro-batches [p M/P, (p+1) M/P), so the device holds one pass's saved inputs. The step's access sequence is the
@@ -160,6 +161,10 @@ class PagedExecutor:
             raise ValueError(f"{micro} micro-batches do not split into the plan's {passes} accumulation passes "
                              "(memory.passes)")
         per_pass = micro // passes
+        if per_pass > 1:  # each pass's micro-batches on a leading axis, for the calls that scan them
+            stacked = split_batch(batch, micro)
+            tokens = [stacked[p * per_pass:(p + 1) * per_pass, :, :-1] for p in range(passes)]
+            targets = [stacked[p * per_pass:(p + 1) * per_pass, :, 1:] for p in range(passes)]
         streamed = set(plan.streamed)
         refs: dict[int, int] = {}
         acquired: set[int] = set()
@@ -212,20 +217,18 @@ class PagedExecutor:
         k = 0  # the access's index in the step's sequence
         for p in range(passes):
             last_pass = p == passes - 1
-            part = slice(p * per_pass, (p + 1) * per_pass)
-            xs: list[jax.Array] = tokens[part]  # per micro-batch, the activation (forward) or its gradient (backward)
-            ts = targets[part]
-            saved: list[list[jax.Array] | None] = [None] * self._n  # per stage, its input of every micro-batch
+            # The pass's activation (forward) or its gradient (backward): one micro-batch, or the pass's stacked.
+            x, ts = tokens[p], targets[p]
+            saved: list[jax.Array | None] = [None] * self._n  # per stage, its input
             for op, i in self._pass_seq:
                 kind = staged.stages[i].kind
                 pages = tuple(store.get(pid, "device") for pid in self.model.param_ids(i))
-                if op == "forward":
-                    saved[i] = xs
-                    xs = out = [fns.forward[kind](pages, x) for x in xs]
-                    mark = xs[-1]
+                if op == "forward":  # one call per access: it scans the pass's micro-batches (`forward_micro`)
+                    saved[i] = x
+                    x = out = mark = (fns.forward if per_pass == 1 else fns.forward_micro)[kind](pages, x)
                 else:
-                    out, sqsums[i], mark, loss = self._backward(op, i, pages, saved[i], xs, ts, sums, loss, micro,
-                                                                last_pass)
+                    out, sqsums[i], mark, x, loss = self._backward(op, i, pages, saved[i], x, ts, sums, loss, micro,
+                                                                   last_pass)
                     saved[i] = None
                 marks.append(mark)
                 if rec:
@@ -275,31 +278,40 @@ class PagedExecutor:
         """Per stage, the dtypes of its gradient (= parameter) pages."""
         return [tuple(p.dtype for p in self.model.params_layout.stage(s.name).pages) for s in self.model.staged.stages]
 
-    def _backward(self, op: str, i: int, pages: tuple, saved: list[jax.Array] | None, xs: list[jax.Array],
-                  targets: list[jax.Array], sums: dict[int, tuple], loss: jax.Array | None, micro: int,
-                  last_pass: bool) -> tuple[tuple, jax.Array | None, jax.Array, jax.Array | None]:
-        """Stage i's backward (or the head's loss and backward) of every micro-batch of a pass: `xs` holds their
-        gradients at the stage's output (the head: its inputs) and gets those at its input; the gradient pages are
-        added into `sums[i]`, float32 sums over the micro-batches of `_sum_span` (a single micro-batch's: as they
-        are). Returns the access's gradients (the pass's sum, the step's sum so far, or once the step's sum is
-        complete on the device its mean over the step's `micro` micro-batches), the mean's sum of squares (None
-        until then), a mark ready when the computation is done, and `loss` plus the micro-batches' losses."""
+    def _backward(self, op: str, i: int, pages: tuple, saved: jax.Array | None, dy: jax.Array, targets: jax.Array,
+                  sums: dict[int, tuple], loss: jax.Array | None, micro: int,
+                  last_pass: bool) -> tuple[tuple, jax.Array | None, jax.Array, jax.Array, jax.Array | None]:
+        """Stage i's backward (or the head's loss and backward) of a pass's micro-batches, one call (scanning them
+        when there are several): `dy` is the gradient at the stage's output (the head: its input), stacked like the
+        pass's micro-batches. Returns the access's gradient pages, their sum of squares (None until the step's
+        gradients are complete on the device), a mark ready when the computation is done, the gradient at the
+        stage's input, and `loss` plus the pass's summed losses. The gradient pages are the step's mean where one
+        call covers the step (one pass); with several passes, a pass's float32 sums (`backward_micro_sums`; a single
+        micro-batch's gradients as they are), added into `sums[i]` on the device over `_sum_span` micro-batches
+        and meaned there once the last pass is in, or sent on to the host sums (`_add_on_host`)."""
         fns, kind = self.fns, self.model.staged.stages[i].kind
-        span = self._sum_span(i, micro)
-        for m in range(len(xs)):
-            if op == "head":
-                dpages, xs[m], sq, loss_m = fns.backward[kind](pages, xs[m], targets[m])
-                loss = loss_m if loss is None else loss + loss_m
-            else:
-                dpages, xs[m], sq = fns.backward[kind](pages, saved[m], xs[m])
-            sums[i] = dpages if span == 1 else fns.accumulate(sums.get(i), dpages)
-            del dpages
-        if span < micro:  # the pass's sum, on its way to the stage's sum on the host
-            return sums.pop(i), None, sq, loss
-        if not last_pass:  # the step's sum so far: the next pass adds to it
-            return sums[i], None, sq, loss
-        grads, sqsum = (sums.pop(i), sq) if micro == 1 else fns.mean_grads(sums.pop(i), micro, self._grad_dtypes[i])
-        return grads, sqsum, sqsum, loss
+        per_pass = micro // self.plan.passes
+        if per_pass == 1:
+            backward = fns.backward[kind]
+        else:
+            backward = (fns.backward_micro if self.plan.passes == 1 else fns.backward_micro_sums)[kind]
+        if op == "head":
+            out = backward(pages, dy, targets)
+            dpages, dx, loss_m = out[0], out[1], out[-1]
+            loss = loss_m if loss is None else loss + loss_m
+        else:
+            out = backward(pages, saved, dy)
+            dpages, dx = out[0], out[1]
+        mark = out[2]  # (the sum of squares, or a scalar of the call's own: never a buffer a later add donates)
+        if self.plan.passes == 1:  # the step's gradients, meaned in the call (or one micro-batch's)
+            return dpages, mark, mark, dx, loss
+        if self._sum_span(i, micro) < micro:  # the pass's sums, on their way to the stage's sums on the host
+            return dpages, None, mark, dx, loss
+        sums[i] = fns.accumulate(sums.get(i), dpages)
+        if not last_pass:  # the step's sums so far: the next pass adds to them
+            return sums[i], None, mark, dx, loss
+        grads, sqsum = fns.mean_grads(sums.pop(i), micro, self._grad_dtypes[i])
+        return grads, sqsum, sqsum, dx, loss
 
     def _sum_span(self, i: int, micro: int) -> int:
         """The micro-batches whose gradients of stage i are summed on the device: the step's for resident stages

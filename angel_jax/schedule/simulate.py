@@ -4,8 +4,8 @@
     timeline.step_time   # steady-state seconds per step
 
 Rules (those of execute.py and optim/updater.py):
-- Micro-batches run layer-major: a stage access computes for `micro_batches / passes` calls of the stage's profiled
-  (one micro-batch) time; its transfers are those of one access.
+- Micro-batches run layer-major: a stage access computes for `micro_batches / passes` times the stage's profiled
+  time per micro-batch (a micro-batch's share of the call that scans them); its transfers are those of one access.
 - With `passes` accumulation passes the step runs the whole forward and backward sequence once per pass, each over
   its share of the micro-batches: a streamed stage is fetched for every access of every pass, its gradients go to
   the host after every pass's backward, and from the second pass on they are added there into the stage's sum
@@ -64,9 +64,9 @@ class StageCost:
     opt_bytes: int
     """Bytes of the stage's optimizer-state pages."""
     forward_s: float
-    """Seconds of one call (one micro-batch)."""
+    """Seconds per micro-batch (one call; with several micro-batches, a micro-batch's share of the call)."""
     backward_s: float
-    """Recompute + vjp (for the head: loss and gradients), one call."""
+    """Recompute + vjp (for the head: loss and gradients), per micro-batch as `forward_s`."""
     update_device_s: float
     update_host_s: float
     host_add_s: float = 0.0

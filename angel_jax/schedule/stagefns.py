@@ -13,11 +13,21 @@ block), so they leave the call page shaped, padding zero, ready for the host; ea
 squares of its gradient pages, from which the global norm for clipping is formed without another pass.
 The optimizer update per kind is `angel_jax.optim.paged.make_stage_update`, jitted where it runs by the updater.
 
-Micro-batches (gradient accumulation) call forward and backward once per micro-batch, compiled for its shape;
-`accumulate` adds a micro-batch's gradient pages into float32 sums in place (the sums donated), and `mean_grads`
-scales the sums by 1/micro-batches once, back to the pages' dtype, with their sum of squares: the global norm is
-that of the step's gradients, not of each micro-batch's. With several accumulation passes a streamed stage's sums
-live on the host between passes: `HostSums` does the same two things there, on the host placement's compute.
+Micro-batches (gradient accumulation): `forward_micro` and `backward_micro` run a stage on every micro-batch of
+an access in one call, a `scan` over them (stacked on a leading axis): the pages are unpacked once, and the call's
+temporaries are allocated once per access rather than once per micro-batch (per-call temporaries of a block's
+size are fresh memory the kernel maps on every call, see angel_jax/memory/malloc.py: measured 2x the time of an
+access of 8 micro-batches of 64 tokens on the CPU). The backward sums the micro-batches' gradients in float32,
+in micro-batch order, and scales the sums by 1/micro-batches once, back to the pages' dtype, with their sum of
+squares: the global norm is that of the step's gradients, not of each micro-batch's; the head's also gives the
+float32 sum of the micro-batches' losses. The same operations in the same order as calling the one-micro-batch
+functions in turn and summing their gradient pages (`accumulate`, `mean_grads`): equal to float rounding (XLA
+may compile the scanned body's kernels differently; bit for bit on the 24-block bench model, to about 1e-5 relative
+on tests/test_micro_batches.py's).
+With several accumulation passes a pass's calls give the float32 sums of its micro-batches' gradient pages
+(`backward_micro_sums`, unscaled), which are added across passes where the stage's sum lives: on the device, or
+for a streamed stage on the host, where `HostSums` does the adds and the final mean on the host placement's
+compute.
 """
 
 from __future__ import annotations
@@ -55,7 +65,15 @@ class StageFunctions:
         self.update: dict[str, Callable] = {}
         """kind -> pure update (`make_stage_update`); jitted where it runs by `StageUpdates`."""
         self.update_norm: dict[str, Callable] = {}
-        """kind -> pure first pass of a guarded update (`make_stage_update_norm`)."""
+        self.forward_micro: dict[str, Callable] = {}
+        """kind -> (pages, xs[M, ...]) -> ys[M, ...]: the forward of every micro-batch, one call."""
+        self.backward_micro: dict[str, Callable] = {}
+        """kind -> (pages, xs[M, ...], dys[M, ...]) -> (mean gradient pages, dxs[M, ...] or None, their sum of
+        squares); the head's: (pages, xs, targets[M, ...]) -> (..., the float32 sum of the losses)."""
+        self.backward_micro_sums: dict[str, Callable] = {}
+        """kind -> as `backward_micro`, but the float32 sums of the micro-batches' gradient pages, unscaled, and in
+        place of their sum of squares a scalar that is ready when the call is done (a pass's share of a step's
+        sums)."""
         self.head_loss: Callable
         """(head pages, head input, targets) -> the mean loss, no gradients: the last stage of an evaluation."""
         last_kind, first_kind = staged.stages[-1].kind, staged.stages[0].kind
@@ -66,6 +84,11 @@ class StageFunctions:
                 return apply(r.unpack(pages), x)
 
             self.forward[kind] = jax.jit(fwd)
+            self.forward_micro[kind] = jax.jit(_forward_micro(apply, r))
+            self.backward_micro[kind] = jax.jit(_backward_micro(apply, r, self.staged.loss if kind == last_kind
+                                                                else None, has_dx=kind != first_kind))
+            self.backward_micro_sums[kind] = jax.jit(_backward_micro(
+                apply, r, self.staged.loss if kind == last_kind else None, has_dx=kind != first_kind, sums=True))
             if kind == last_kind:
                 self.backward[kind] = jax.jit(self._head_backward(apply, r))
                 self.head_loss = jax.jit(
@@ -165,6 +188,58 @@ class HostSums:
 
 def _float32_pages(dpages: Pages) -> Pages:
     return tuple(d.astype(jnp.float32) for d in dpages)
+
+
+def _forward_micro(apply: Callable, r: StageLayout) -> Callable:
+    def forward(pages: Pages, xs: jax.Array) -> jax.Array:
+        params = r.unpack(pages)
+        return jax.lax.map(lambda x: apply(params, x), xs)
+
+    return forward
+
+
+def _backward_micro(apply: Callable, r: StageLayout, loss: Callable | None, has_dx: bool,
+                    sums: bool = False) -> Callable:
+    """The scanned backward of a stage (`loss` given: the head, whose second input is the targets). `sums`: return
+    the float32 sums of each micro-batch's gradient pages (each packed in the pages' dtype, as one call of the
+    stage's backward gives them, then added in float32: the per-micro-batch `accumulate`'s arithmetic), unscaled."""
+
+    def grads(params: Any, x: jax.Array, y: jax.Array) -> tuple:
+        """(the micro-batch's loss or 0, parameter gradients, input gradient or None)."""
+        if loss is not None:
+            value, (dparams, dx) = jax.value_and_grad(lambda p, h: loss(apply(p, h), y), argnums=(0, 1))(params, x)
+            return value.astype(jnp.float32), dparams, dx
+        if has_dx:
+            _, vjp = jax.vjp(apply, params, x)
+            dparams, dx = vjp(y)
+            return jnp.zeros((), jnp.float32), dparams, dx
+        _, vjp = jax.vjp(lambda p: apply(p, x), params)  # token ids have no gradient
+        (dparams,) = vjp(y)
+        return jnp.zeros((), jnp.float32), dparams, None
+
+    def backward(pages: Pages, xs: jax.Array, second: jax.Array) -> tuple:
+        params = r.unpack(pages)
+
+        def body(carry: tuple, micro: tuple) -> tuple:
+            total, acc = carry
+            value, dparams, dx = grads(params, *micro)
+            if sums:  # page sums
+                acc = tuple(a + d.astype(jnp.float32) for a, d in zip(acc, r.pack(dparams)))
+            else:
+                acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, dparams)
+            return (total + value, acc), dx
+
+        zeros = tuple(jnp.zeros(p.shape, jnp.float32) for p in pages) if sums else \
+            jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), params)
+        (total, acc), dxs = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros), (xs, second))
+        if sums:  # (acc[0][0]: a scalar of their own, ready when the call is done, which no later add consumes)
+            return (acc, dxs, acc[0][0], total) if loss is not None else (acc, dxs, acc[0][0])
+        scale = jnp.float32(1 / xs.shape[0])
+        dpages = r.pack(jax.tree.map(lambda a, p: (a * scale).astype(p.dtype), acc, params))
+        out = (dpages, dxs, sqsum(dpages))
+        return out + (total,) if loss is not None else out
+
+    return backward
 
 
 def _add_pages(acc: Pages, dpages: Pages) -> Pages:
