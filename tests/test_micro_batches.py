@@ -334,13 +334,11 @@ def test_the_paged_engine_halves_a_whole_batch_the_device_cannot_hold():
     """train.micro_batch_size 0: the whole batch when its working set fits the device budget, else the largest
     halving that fits (judged from shapes, before anything is profiled); too small a budget is left to the plan's
     refusal."""
-    from angel_jax.schedule.plan import StageCost, minimum_device_bytes
+    from angel_jax.schedule.plan import minimum_device_bytes
 
     cpu = jax.devices()[0]
     assert engine_lib.fit_micro_batch(_cfg(0, "paged", 10**9), cpu).train.micro_batch_size == 0
-    bp = engine_lib.blueprint(_cfg(0, "paged"))
-    costs = [StageCost(s.name, bp.params_layout.stage(s.name).nbytes, bp.opt_layout.stage(s.name).nbytes,
-                       0.0, 0.0, 0.0, 0.0) for s in bp.staged.stages]
+    costs = engine_lib.shape_costs(_cfg(0, "paged"))
     need = {size: minimum_device_bytes(costs, engine_lib.budgets_for(_cfg(size, "paged"), cpu, BATCH), BATCH // size)
             for size in (8, 4, 2, 1)}
     assert need[8] > need[4] > need[2]

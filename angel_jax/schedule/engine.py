@@ -109,13 +109,18 @@ def host_budget(cfg: Config, device: jax.Device | None = None) -> int:
     return max(0, room)
 
 
+def shape_costs(cfg: Config) -> list[StageCost]:
+    """Per stage its bytes and no times: what a plan judged from shapes alone needs (nothing is profiled)."""
+    bp = blueprint(cfg)
+    return [StageCost(s.name, bp.params_layout.stage(s.name).nbytes, bp.opt_layout.stage(s.name).nbytes,
+                      0.0, 0.0, 0.0, 0.0) for s in bp.staged.stages]
+
+
 def check_host_room(cfg: Config, device: jax.Device) -> None:
     """Refuse, from shapes alone and before anything large is allocated or profiled, a model the budgets cannot
     hold: the plan is made on the page layouts' bytes (with no compute times), so the refusal is the one the
     profiled plan would give, naming the bytes missing and the key to raise."""
-    bp = blueprint(cfg)
-    costs = [StageCost(s.name, bp.params_layout.stage(s.name).nbytes, bp.opt_layout.stage(s.name).nbytes,
-                       0.0, 0.0, 0.0, 0.0) for s in bp.staged.stages]
+    costs = shape_costs(cfg)
     make_plan(costs, Bandwidths(), budgets_for(cfg, device, cfg.train.batch_size), staleness=cfg.memory.staleness,
               micro_batches=micro_batching(cfg, cfg.train.batch_size)[0], passes=cfg.memory.passes or None)
 
@@ -127,9 +132,7 @@ def fit_micro_batch(cfg: Config, device: jax.Device) -> Config:
     what is missing)."""
     if cfg.train.micro_batch_size:
         return cfg
-    bp = blueprint(cfg)
-    costs = [StageCost(s.name, bp.params_layout.stage(s.name).nbytes, bp.opt_layout.stage(s.name).nbytes,
-                       0.0, 0.0, 0.0, 0.0) for s in bp.staged.stages]
+    costs = shape_costs(cfg)
     size = cfg.train.batch_size
     while True:
         trial = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batch_size=size))
