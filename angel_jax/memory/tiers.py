@@ -100,17 +100,28 @@ class Tier(ABC):
 
 
 class ArrayTier(Tier):
-    """Pages as 1-D `jax.Array`s in one memory kind of one device."""
+    """Pages as 1-D `jax.Array`s in one memory kind of one device, or, given `over` (a 1-D mesh), sharded evenly
+    over its devices (ZeRO-3 pages: each device holds its rank's shard of every page; `bytes_used` and the budget
+    count the pages' global bytes, N times a rank's)."""
 
-    def __init__(self, name: str, memory_kind: str, device: jax.Device | None = None, budget: int | None = None):
+    def __init__(self, name: str, memory_kind: str, device: jax.Device | None = None, budget: int | None = None,
+                 over: jax.sharding.Mesh | None = None):
         super().__init__(name, budget)
+        if over is not None:
+            device = over.devices.flat[0]
         self.device = device if device is not None else jax.local_devices()[0]
         kinds = [m.kind for m in self.device.addressable_memories()]
         if memory_kind not in kinds:
             raise PageStoreError(f"tier {name!r}: device {self.device} has no memory kind {memory_kind!r} "
                                  f"(it has {kinds})")
         self.memory_kind = memory_kind
-        self.sharding = jax.sharding.SingleDeviceSharding(self.device, memory_kind=memory_kind)
+        if over is None:
+            self.sharding: jax.sharding.Sharding = jax.sharding.SingleDeviceSharding(self.device,
+                                                                                     memory_kind=memory_kind)
+        else:
+            (axis,) = over.axis_names
+            self.sharding = jax.sharding.NamedSharding(over, jax.sharding.PartitionSpec(axis),
+                                                       memory_kind=memory_kind)
         self._arrays: dict[int, jax.Array] = {}
 
     def put(self, page_id: int, src: jax.Array | np.ndarray, reserved: bool = False) -> jax.Array:
@@ -149,9 +160,9 @@ class ArrayTier(Tier):
         if not isinstance(arr, jax.Array):
             raise PageStoreError(f"page {page_id}: expected a jax.Array for tier {self.name!r}, got {type(arr)}")
         kind = arr.sharding.memory_kind
-        if arr.devices() != {self.device} or kind != self.memory_kind:
-            raise PageStoreError(f"page {page_id}: array lives on {arr.devices()} in {kind!r}, tier {self.name!r} "
-                                 f"holds {self.device} {self.memory_kind!r}")
+        if not arr.sharding.is_equivalent_to(self.sharding, arr.ndim) or kind != self.memory_kind:
+            raise PageStoreError(f"page {page_id}: array lives on {arr.sharding} in {kind!r}, tier {self.name!r} "
+                                 f"holds {self.sharding} {self.memory_kind!r}")
 
     def get(self, page_id: int) -> jax.Array:
         with self._lock:
@@ -177,9 +188,12 @@ class ArrayTier(Tier):
 class DeviceTier(ArrayTier):
     """Page arrays in device memory (HBM on a GPU)."""
 
-    def __init__(self, device: jax.Device | None = None, budget: int | None = None, name: str = "device"):
+    def __init__(self, device: jax.Device | None = None, budget: int | None = None, name: str = "device",
+                 over: jax.sharding.Mesh | None = None):
+        if over is not None:
+            device = over.devices.flat[0]
         device = device if device is not None else jax.local_devices()[0]
-        super().__init__(name, device.default_memory().kind, device, budget)
+        super().__init__(name, device.default_memory().kind, device, budget, over)
 
 
 def host_memory_kind(device: jax.Device) -> str:
@@ -197,6 +211,8 @@ class HostTier(ArrayTier):
     """Page arrays in pinned host memory (see `host_memory_kind` for the fallback)."""
 
     def __init__(self, device: jax.Device | None = None, budget: int | None = None,
-                 memory_kind: str | None = None, name: str = "host"):
+                 memory_kind: str | None = None, name: str = "host", over: jax.sharding.Mesh | None = None):
+        if over is not None:
+            device = over.devices.flat[0]
         device = device if device is not None else jax.local_devices()[0]
-        super().__init__(name, memory_kind or host_memory_kind(device), device, budget)
+        super().__init__(name, memory_kind or host_memory_kind(device), device, budget, over)

@@ -79,7 +79,8 @@ def global_norm(sqsums: list[jax.Array]) -> jax.Array:
 
 
 def make_stage_update(tx: optax.GradientTransformation, params_rep: StageLayout, opt_rep: StageLayout,
-                      layout: OptLayout, grad_clip: float) -> Callable:
+                      layout: OptLayout, grad_clip: float, reduce: Callable[[jax.Array], jax.Array] | None = None
+                      ) -> Callable:
     """The update of one stage over pages (pure; jit it):
 
         update(param_pages, grad_pages, opt_pages, opt_small, norm, ok, lr_scale)
@@ -90,7 +91,8 @@ def make_stage_update(tx: optax.GradientTransformation, params_rep: StageLayout,
     where this stage's update is not finite, the old pages come back unchanged (the reference trainer's `keep`).
     The sum of squares is that of the computed update either way (what the update norm reports).
     `params_rep`/`opt_rep` may be any stage of the same kind: only page shapes and offsets relative to the
-    stage's first page are used."""
+    stage's first page are used. `reduce`: how the update's sum of squares becomes the stage's (ZeRO-3: the pages
+    are a rank's shard, the sum is taken over the ranks, schedule/zero.py), before it decides `applied`."""
 
     def update(param_pages: Pages, grad_pages: Pages, opt_pages: Pages, opt_small: list, norm: jax.Array,
                ok: jax.Array, lr_scale: jax.Array) -> tuple:
@@ -101,6 +103,8 @@ def make_stage_update(tx: optax.GradientTransformation, params_rep: StageLayout,
         updates = jax.tree.map(lambda u: u * lr_scale.astype(u.dtype), updates)
         new_params = optax.apply_updates(params, updates)
         update_sq = sqsum(tuple(jax.tree.leaves(updates)))
+        if reduce is not None:
+            update_sq = reduce(update_sq)
         applied = ok & jnp.isfinite(update_sq)
         keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(applied, n, o), new, old)  # noqa: E731
         big, small, _ = split_opt_state(keep(new_state, opt_state))
@@ -110,10 +114,11 @@ def make_stage_update(tx: optax.GradientTransformation, params_rep: StageLayout,
 
 
 def make_stage_update_norm(tx: optax.GradientTransformation, params_rep: StageLayout, opt_rep: StageLayout,
-                           layout: OptLayout, grad_clip: float) -> Callable:
+                           layout: OptLayout, grad_clip: float, reduce: Callable[[jax.Array], jax.Array] | None = None
+                           ) -> Callable:
     """Only the sum of squares of the stage's update, nothing written: the first pass when the step's update may
     be dropped for its global norm (`max_update_norm`), which is known only once every stage's update is."""
-    full = make_stage_update(tx, params_rep, opt_rep, layout, grad_clip)
+    full = make_stage_update(tx, params_rep, opt_rep, layout, grad_clip, reduce)
 
     def update_sq(param_pages: Pages, grad_pages: Pages, opt_pages: Pages, opt_small: list, norm: jax.Array,
                   lr_scale: jax.Array) -> jax.Array:

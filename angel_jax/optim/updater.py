@@ -115,6 +115,13 @@ class Placement:
 
     compute: jax.sharding.Sharding
     tier: jax.sharding.Sharding
+    scalars: jax.sharding.Sharding | None = None
+    """Where the update's scalar inputs and outputs live (the norm, the guard's verdict, step counts) when the
+    pages are sharded over several devices (ZeRO-3: replicated on every rank); None: `compute`."""
+
+    @property
+    def scalar(self) -> jax.sharding.Sharding:
+        return self.scalars or self.compute
 
 
 @dataclass(frozen=True)
@@ -212,7 +219,9 @@ class StageUpdates:
             if fn is None:
                 if compute.memory_kind in HOST_MEMORY_KINDS:
                     pure = in_host_memory(pure)
-                fn = self._jitted[key] = jax.jit(pure, donate_argnums=donate, out_shardings=compute)
+                # Over several devices the update is a shard_map whose out_specs place its outputs.
+                out = compute if len(compute.device_set) == 1 else None
+                fn = self._jitted[key] = jax.jit(pure, donate_argnums=donate, out_shardings=out)
             return fn
 
 
@@ -282,9 +291,21 @@ class PageUpdater:
     """
 
     def __init__(self, store: PageStore, slots: list[StageSlot], updates: StageUpdates, opt_small: list[list],
-                 placements: dict[str, Placement], schedule: optax.Schedule, *, staleness: int):
+                 placements: dict[str, Placement], schedule: optax.Schedule, *, staleness: int,
+                 inline: bool = False):
+        """`inline`: dispatch each step's updates on the training thread, in `finish`, instead of a worker thread.
+        For updates that are multi-device programs with collectives (ZeRO-3 pages on the CPU backend): there two
+        threads dispatching such programs at once deadlock (each program's participants wait for devices the
+        other's hold). The updates still run after the training thread moves on (dispatch is asynchronous);
+        what is lost is only the worker's waiting for disk reads, which the training thread then does. Each update
+        is waited for before the next is dispatched: a program with collectives runs alone (`Zero.serial`)."""
         if staleness not in (0, 1):
             raise ValueError(f"staleness must be 0 or 1, got {staleness}")
+        if inline and staleness:
+            raise ValueError("lock-free updates (staleness 1) need the updater's own thread")
+        self.inline = inline
+        self._inline_grads: dict[int, tuple] = {}
+        self._inline_staged = False
         self.store, self.slots, self.updates, self.placements = store, slots, updates, placements
         self.schedule = schedule
         self.staleness = staleness
@@ -350,6 +371,9 @@ class PageUpdater:
 
     def submit(self, step: int, i: int, grads: tuple) -> None:
         """Stage i's gradient pages of `step` (on the tier its update reads them from)."""
+        if self.inline:
+            self._inline_grads[i] = grads
+            return
         self._inbox.put(StageGrads(step, i, grads))
 
     def finish(self, order: StepOrder) -> dict[str, Deferred]:
@@ -358,6 +382,10 @@ class PageUpdater:
         out = {"update_norm": Deferred(), "skipped": Deferred(), "lr": Deferred()}
         with self._cond:
             self._busy += 1
+        if self.inline:
+            self._inline_staged = self._run_step(order, out, self._inline_grads, self._inline_staged)
+            self._check()
+            return out
         if self._thread is None:
             self._thread = threading.Thread(target=self._run, name="angel_jax-updater", daemon=True)
             self._thread.start()
@@ -389,13 +417,14 @@ class PageUpdater:
             got = [(tuple(np.shape(a)), np.dtype(a.dtype)) for a in leaves]
             if got != list(specs):
                 raise ValueError(f"stage {slot.name!r}: small optimizer leaves {got}, expected {list(specs)}")
-            at = self.placements[slot.where].compute  # where its update runs
+            at = self.placements[slot.where].scalar  # where its update runs
             small.append([jax.device_put(np.asarray(a), at) for a in leaves])
         self.drain()
         with self._cond:
             for flight in self._writing + self._released:
                 flight.settle(self.store, wait=True)
             self._ahead.clear()  # the store was refilled: nothing is staged any more
+            self._inline_staged = False
             self._writing.clear()
             self._released.clear()
             self._done = [step] * len(self.slots)
@@ -421,47 +450,54 @@ class PageUpdater:
                 grads[msg.stage] = msg.grads
                 continue
             order, out = msg
-            guard, record = order.guard, order.record
-            try:
-                if self._error is not None:
-                    raise UpdaterError(f"an earlier stage update failed: {self._error}")
-                if not staged:
-                    self._stage_first(record)
-                ok = guard.ok
-                if math.isfinite(guard.max_update_norm):
-                    total = self._norm_pass(grads, order)
-                    ok = ok & update_norm_ok(jnp.sqrt(total), StepControls(max_update_norm=guard.max_update_norm))
-                sq, applied = [], []
-                for i in range(len(self.slots)):
-                    self._stage_disk(i, record, wait=True, step=order.step)
-                    for ahead in range(i + 1, i + OPT_STAGING):
-                        self._stage_disk(ahead, record, step=order.step)
-                    s, a = self._update(i, grads.pop(i), order, ok)
-                    sq.append(s)
-                    applied.append(a)
-                self._stage_first(record)  # the next step's first disk reads start now, under its forward pass
-                staged = True
-                self._settle_writes()
-                all_applied = self._on_device(applied, jnp.logical_and)
-                # The step's last use of `record`: once the update norm is set, the recorder may be finished.
-                out["update_norm"].set(jnp.sqrt(self._on_device(sq, jnp.add)))
-                out["skipped"].set(1.0 - all_applied.astype(jnp.float32))
-                out["lr"].set(self.schedule(self._applied) * guard.lr_scale)
-                self._applied = self._applied + all_applied.astype(jnp.int32)
-            except BaseException as e:  # noqa: BLE001 - surfaced on the training thread
-                with self._cond:
-                    self._error = self._error or e
-                for d in out.values():
-                    d.set(error=UpdaterError(f"a stage update failed: {e}"))
-            finally:
-                grads.clear()
-                with self._cond:
-                    self._busy -= 1
-                    self._cond.notify_all()
+            staged = self._run_step(order, out, grads, staged)
+
+    def _run_step(self, order: StepOrder, out: dict[str, Deferred], grads: dict[int, tuple], staged: bool) -> bool:
+        """Update every stage for `order` (the worker's, or with `inline` the training thread's); returns whether
+        the next step's first disk reads are issued."""
+        guard, record = order.guard, order.record
+        try:
+            if self._error is not None:
+                raise UpdaterError(f"an earlier stage update failed: {self._error}")
+            if not staged:
+                self._stage_first(record)
+            ok = guard.ok
+            if math.isfinite(guard.max_update_norm):
+                total = self._norm_pass(grads, order)
+                ok = ok & update_norm_ok(jnp.sqrt(total), StepControls(max_update_norm=guard.max_update_norm))
+            sq, applied = [], []
+            for i in range(len(self.slots)):
+                self._stage_disk(i, record, wait=True, step=order.step)
+                for ahead in range(i + 1, i + OPT_STAGING):
+                    self._stage_disk(ahead, record, step=order.step)
+                s, a = self._update(i, grads.pop(i), order, ok)
+                sq.append(s)
+                applied.append(a)
+            self._stage_first(record)  # the next step's first disk reads start now, under its forward pass
+            staged = True
+            self._settle_writes()
+            all_applied = self._on_device(applied, jnp.logical_and)
+            # The step's last use of `record`: once the update norm is set, the recorder may be finished.
+            out["update_norm"].set(jnp.sqrt(self._on_device(sq, jnp.add)))
+            out["skipped"].set(1.0 - all_applied.astype(jnp.float32))
+            out["lr"].set(self.schedule(self._applied) * guard.lr_scale)
+            self._applied = self._applied + all_applied.astype(jnp.int32)
+        except BaseException as e:  # noqa: BLE001 - surfaced on the training thread
+            with self._cond:
+                self._error = self._error or e
+            for d in out.values():
+                d.set(error=UpdaterError(f"a stage update failed: {e}"))
+        finally:
+            grads.clear()
+            with self._cond:
+                self._busy -= 1
+                self._cond.notify_all()
+        return staged
 
     def _on_device(self, values: list[jax.Array], op: Callable) -> jax.Array:
         """Fold per-stage scalars (on the device or the host) in stage order, on the device."""
-        to = self.placements["device"].tier
+        device = self.placements["device"]
+        to = device.scalars or device.tier
         total = jax.device_put(values[0], to)
         for v in values[1:]:
             total = op(total, jax.device_put(v, to))
@@ -523,7 +559,7 @@ class PageUpdater:
 
         params = to_compute(tuple(self.store.get(p, slot.where) for p in slot.param_ids))
         opt = to_compute(tuple(self.store.get(o, slot.opt_where) for o in slot.opt_ids))
-        return params, to_compute(grads), opt, to_compute(self._opt_small[i])
+        return params, to_compute(grads), opt, jax.device_put(self._opt_small[i], place.scalar)
 
     def _grads(self, slot: StageSlot, grads: tuple | None, step: int) -> tuple:
         """The step's gradient pages of a stage: handed over, or (disk-homed) their staged copies."""
@@ -539,8 +575,10 @@ class PageUpdater:
             place = self.placements[slot.where]
             params, g, opt, small = self._inputs(slot, place, self._grads(slot, grads[i], order.step), i)
             fn = self.updates.norm_pass(slot.kind, place.compute)
-            sq.append(fn(params, g, opt, small, jax.device_put(order.norm, place.compute),
-                         jax.device_put(np.float32(order.guard.lr_scale), place.compute)))
+            sq.append(fn(params, g, opt, small, jax.device_put(order.norm, place.scalar),
+                         jax.device_put(np.float32(order.guard.lr_scale), place.scalar)))
+            if self.inline:
+                jax.block_until_ready(sq[-1])
             if record is not None:
                 record("host" if slot.where == "host" else "compute", f"norm {slot.name}", sq[-1])
             if slot.on_disk:
@@ -558,8 +596,10 @@ class PageUpdater:
         params, grads, opt, small = self._inputs(slot, place, self._grads(slot, grads, order.step), i)
         ready_when = grads if record is not None else None  # the update starts once its gradients are home
         new_params, new_opt, small, update_sq, applied = fn(
-            params, grads, opt, small, jax.device_put(order.norm, place.compute), jax.device_put(ok, place.compute),
-            jax.device_put(np.float32(order.guard.lr_scale), place.compute))
+            params, grads, opt, small, jax.device_put(order.norm, place.scalar), jax.device_put(ok, place.scalar),
+            jax.device_put(np.float32(order.guard.lr_scale), place.scalar))
+        if self.inline:  # (see __init__: collectives one program at a time)
+            jax.block_until_ready(update_sq)
         del params, opt, grads
         self._opt_small[i] = small
         new_params = jax.device_put(new_params, place.tier)

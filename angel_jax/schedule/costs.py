@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from angel_jax.memory.layout import PageLayout
 from angel_jax.optim.updater import Placement, StageUpdates
@@ -38,12 +39,12 @@ def _time(fn: Callable[[], Any], setup: Callable[[], Any] = lambda: None, repeat
 
 
 def _zeros(layout: PageLayout, name: str, sharding: jax.sharding.Sharding) -> tuple:
-    return tuple(jax.device_put(jnp.zeros((p.length,), p.dtype), sharding) for p in layout.stage(name).pages)
+    return tuple(jax.device_put(np.zeros((p.length,), p.dtype), sharding) for p in layout.stage(name).pages)
 
 
 def _float32_zeros(layout: PageLayout, name: str, sharding: jax.sharding.Sharding) -> tuple:
     """A float32 sum of the stage's gradient pages."""
-    return tuple(jax.device_put(jnp.zeros((p.length,), jnp.float32), sharding) for p in layout.stage(name).pages)
+    return tuple(jax.device_put(np.zeros((p.length,), np.float32), sharding) for p in layout.stage(name).pages)
 
 
 PROFILE_MICRO_BATCHES = 8
@@ -92,8 +93,8 @@ def profile_costs(fns: StageFunctions, updates: StageUpdates, params_layout: Pag
 
                 def setup(name=stage.name, place=place) -> tuple:
                     return (_zeros(params_layout, name, place.compute), _zeros(params_layout, name, place.compute),
-                            _zeros(opt_layout, name, place.compute), jax.device_put(opt_small[name], place.compute),
-                            jax.device_put((norm, jnp.bool_(True), jnp.float32(1.0)), place.compute))
+                            _zeros(opt_layout, name, place.compute), jax.device_put(opt_small[name], place.scalar),
+                            jax.device_put((norm, jnp.bool_(True), jnp.float32(1.0)), place.scalar))
 
                 update_s[where] = _time(lambda args, fn=fn: fn(*args[:4], *args[4]), setup)
             # A pass's gradients, arrived in the host tier, added into the sum where host updates compute.

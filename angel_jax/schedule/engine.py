@@ -40,6 +40,8 @@ from angel_jax.schedule.execute import PagedExecutor, PagedModel
 from angel_jax.schedule.plan import (Bandwidths, Budgets, Plan, StageCost, load_bandwidths, make_plan,
                                      minimum_device_bytes)
 from angel_jax.schedule.stagefns import StageFunctions
+from angel_jax.schedule.zero import Zero
+from angel_jax.memory.sharded_layout import ShardedPageLayout
 from angel_jax.units import device_free_bytes
 import models
 from models.stages import StagedModel
@@ -145,15 +147,39 @@ def fit_micro_batch(cfg: Config, device: jax.Device) -> Config:
         size //= 2
 
 
-def budgets_for(cfg: Config, device: jax.Device, local_batch: int) -> Budgets:
-    return Budgets(device=device_budget(cfg, device), host=host_budget(cfg, device),
-                   disk=disk_budget(cfg) if cfg.memory.disk_dir else 0,
-                   fixed_device=fixed_device_bytes(cfg, local_batch), saved_device=saved_input_bytes(cfg, local_batch))
+def budgets_for(cfg: Config, device: jax.Device, local_batch: int, zero: Zero | None = None) -> Budgets:
+    """The plan's budgets. With `zero` (ZeRO-3 over N ranks) the plan is made for the ranks together, as one
+    device N times a rank's: the memory.*_budget keys are per rank and count N times, pages are counted whole (N
+    times a rank's shard), and the activations are those of the whole batch plus, per rank, the whole parameters
+    and gradients of the largest stage while it computes (gathered, not yet reduce-scattered). Budgets taken from
+    the machine (0) are the machine's: the device's own memory per rank, the host's RAM once."""
+    if zero is None:
+        return Budgets(device=device_budget(cfg, device), host=host_budget(cfg, device),
+                       disk=disk_budget(cfg) if cfg.memory.disk_dir else 0,
+                       fixed_device=fixed_device_bytes(cfg, local_batch),
+                       saved_device=saved_input_bytes(cfg, local_batch))
+    n = zero.ranks
+    shared = device.platform == "cpu"  # the CPU backend's devices are one RAM: its free bytes count once
+    dev = cfg.memory.device_budget * n if cfg.memory.device_budget else device_free_bytes(device) * (1 if shared else n)
+    host = cfg.memory.host_budget * n if cfg.memory.host_budget else host_budget(cfg, None) - (dev if shared else 0)
+    disk = (cfg.memory.disk_budget * n if cfg.memory.disk_budget else disk_budget(cfg)) if cfg.memory.disk_dir else 0
+    gathered = n * 2 * max(s.nbytes for s in params_layout(cfg).stages)
+    return Budgets(device=dev, host=max(0, host), disk=disk,
+                   fixed_device=fixed_device_bytes(cfg, local_batch) + gathered,
+                   saved_device=saved_input_bytes(cfg, local_batch))
 
 
-def micro_batching(cfg: Config, local_batch: int) -> tuple[int, int]:
+def micro_batching(cfg: Config, local_batch: int, zero: Zero | None = None) -> tuple[int, int]:
     """(micro-batches per step, rows per micro-batch) of a local batch of `local_batch` rows under
-    train.micro_batch_size (0: one micro-batch of the whole batch); a batch that does not split is a ConfigError."""
+    train.micro_batch_size (0: one micro-batch of the whole batch); a batch that does not split is a ConfigError.
+    With `zero` the batch is the ranks' together and train.micro_batch_size is per rank, as in the in-memory
+    engine: a micro-batch has N times that many rows."""
+    if zero is not None:
+        micro = cfg.train.micro_batches(zero.ranks)
+        if local_batch % (micro * zero.ranks):
+            raise ConfigError(f"'train.batch_size'={local_batch} must be a multiple of the {zero.ranks} ranks "
+                              f"(devices) the pages are sharded over")
+        return micro, local_batch // micro
     size = cfg.train.micro_batch_size or local_batch
     if local_batch % size:
         raise ConfigError(f"'train.batch_size': the local batch of {local_batch} rows is not a multiple of "
@@ -189,24 +215,35 @@ def fixed_device_bytes(cfg: Config, local_batch: int) -> int:
     return saved + max(head, block) + tokens * 8 + sums
 
 
-def placements(device: jax.Device, host_sharding: jax.sharding.Sharding) -> dict[str, Placement]:
+def placements(device: jax.Device, host_sharding: jax.sharding.Sharding,
+               zero: Zero | None = None) -> dict[str, Placement]:
     """Where updates run: resident stages on the device; streamed ones on the host. The CPU backend computes on
-    its host-memory pages in place; an accelerator's pinned host pages go to the XLA CPU backend and back."""
+    its host-memory pages in place; an accelerator's pinned host pages go to the XLA CPU backend and back. With
+    `zero`, every rank updates its own shards where they live; scalars are replicated over the ranks."""
+    if zero is not None:
+        if device.platform != "cpu":
+            raise ConfigError("'mesh': the paged engine shards pages over several devices (ZeRO-3) on the CPU "
+                              "backend only so far: host updates of an accelerator's sharded pages are not built. "
+                              "Use memory.mode=in_memory with mesh.fsdp on accelerators.")
+        on_device = zero.pages()
+        return {"device": Placement(on_device, on_device, zero.replicated()),
+                "host": Placement(host_sharding, host_sharding, zero.replicated(host_sharding.memory_kind))}
     on_device = jax.sharding.SingleDeviceSharding(device)
     if device.platform == "cpu":
         return {"device": Placement(on_device, on_device), "host": Placement(host_sharding, host_sharding)}
-    cpu = jax.sharding.SingleDeviceSharding(jax.devices("cpu")[0])
+    cpu = jax.sharding.SingleDeviceSharding(jax.local_devices(backend="cpu")[0])
     return {"device": Placement(on_device, on_device), "host": Placement(cpu, host_sharding)}
 
 
-def blueprint(cfg: Config) -> Blueprint:
+def blueprint(cfg: Config, zero: Zero | None = None) -> Blueprint:
     """Layouts and compiled stage functions for the config's model, optimizer and page size, from shapes alone.
     Cached per process: engines of the same configuration (a benchmark's repeats, a restart in the same
     process) share the compiled functions instead of compiling them again."""
     key = json.dumps([dataclasses.asdict(cfg.model), dataclasses.asdict(cfg.optimizer), cfg.train.steps,
-                      cfg.memory.page_size], sort_keys=True)
+                      cfg.memory.page_size, [d.id for d in zero.mesh.devices.flat] if zero else None],
+                     sort_keys=True)
     with _BLUEPRINTS_LOCK:
-        bp = _BLUEPRINTS.pop(key, None) or _blueprint(cfg)
+        bp = _BLUEPRINTS.pop(key, None) or _blueprint(cfg, zero)
         _BLUEPRINTS[key] = bp  # most recently used last
         while len(_BLUEPRINTS) > _BLUEPRINTS_KEEP:
             _BLUEPRINTS.pop(next(iter(_BLUEPRINTS)))
@@ -232,20 +269,33 @@ def params_layout(cfg: Config) -> PageLayout:
     return PageLayout.build(zip([s.name for s in staged.stages], _stage_shapes(staged)), cfg.memory.page_size)
 
 
-def _blueprint(cfg: Config) -> Blueprint:
+def _blueprint(cfg: Config, zero: Zero | None = None) -> Blueprint:
     staged = models.get(cfg.model)
     stage_params = _stage_shapes(staged)
     tx, schedule = make_optimizer(cfg.optimizer, cfg.train.steps, clip=False)
     names = [s.name for s in staged.stages]
-    params_layout = PageLayout.build(zip(names, stage_params), cfg.memory.page_size)
+    if zero is not None and cfg.memory.staleness:
+        raise ConfigError("'memory.staleness': lock-free updates (1) need pages on one device; with pages sharded "
+                          "over several devices updates are exact (0)")
+    if zero is not None and cfg.optimizer.name == "adafactor":
+        raise ConfigError("'optimizer.name': adafactor factors its moments by each parameter's shape, which a "
+                          "rank's flat shard of it does not have: use adamw, adam, lion or sgd with pages sharded "
+                          "over several devices")
+
+    def layout(trees: Any) -> Any:
+        if zero is None:
+            return PageLayout.build(trees, cfg.memory.page_size)
+        return ShardedPageLayout.build(trees, cfg.memory.page_size, zero.ranks)
+
+    params_layout = layout(zip(names, stage_params))
     opt_big, opt_small, structure = [], {}, {}
     for name, p in zip(names, stage_params):
         big, small, struct = abstract_opt_state(tx, p)
         opt_big.append(big)
         opt_small[name] = [np.zeros(s.shape, s.dtype) for s in small]
         structure[name] = struct
-    opt_layout = PageLayout.build(zip(names, opt_big), cfg.memory.page_size)
-    fns = StageFunctions(staged, params_layout, opt_layout, structure, tx, cfg.optimizer.grad_clip)
+    opt_layout = layout(zip(names, opt_big))
+    fns = StageFunctions(staged, params_layout, opt_layout, structure, tx, cfg.optimizer.grad_clip, zero)
     return Blueprint(staged, params_layout, opt_layout, structure, opt_small, fns,
                      StageUpdates(fns.update, fns.update_norm), schedule)
 
@@ -262,27 +312,48 @@ def disk_budget(cfg: Config) -> int | None:
         return None
 
 
-def make_store(cfg: Config, device: jax.Device) -> PageStore:
-    return PageStore(DeviceTier(device, budget=None), HostTier(device, budget=host_budget(cfg, device)),
+def make_store(cfg: Config, device: jax.Device, zero: Zero | None = None, host: int | None = None) -> PageStore:
+    """`zero`: array tiers hold global pages sharded over its mesh; `host`: the host tier's budget (default
+    `host_budget`)."""
+    over = zero.mesh if zero is not None else None
+    host = host_budget(cfg, device) if host is None else host
+    return PageStore(DeviceTier(device, budget=None, over=over), HostTier(device, budget=host, over=over),
                      DiskTier(cfg.memory.disk_dir, budget=disk_budget(cfg)) if cfg.memory.disk_dir else None)
 
 
 def plan_for(cfg: Config, bp: Blueprint, store: PageStore, example_batch: jax.Array,
-             device: jax.Device) -> tuple[Plan, list[StageCost], Bandwidths, Budgets]:
+             device: jax.Device, zero: Zero | None = None) -> tuple[Plan, list[StageCost], Bandwidths, Budgets]:
     """Profile the stage functions (on one micro-batch: the shape every call has) and transfers, then plan under
     the config's budgets for `example_batch`'s rows."""
     device_sharding = store.tiers["device"].sharding
     host_sharding = store.tiers["host"].sharding
-    micro_batches, size = micro_batching(cfg, example_batch.shape[0])
+    micro_batches, size = micro_batching(cfg, example_batch.shape[0], zero)
     costs = profile_costs(bp.fns, bp.updates, bp.params_layout, bp.opt_layout, bp.opt_small,
-                          jax.device_put(example_batch[:size], device_sharding), placements(device, host_sharding),
-                          micro_batches)
+                          jax.device_put(example_batch[:size], device_sharding),
+                          placements(device, host_sharding, zero), micro_batches)
     bw = profile_transfers(bp.params_layout, device_sharding, host_sharding,
                            load_bandwidths(default_calibration_path()))
-    budgets = dataclasses.replace(budgets_for(cfg, device, example_batch.shape[0]), host=store.tiers["host"].budget)
+    if jax.process_count() > 1:  # every process must make the same plan: the programs they run are collectives
+        costs, bw = _agreed(costs, bw)
+    budgets = dataclasses.replace(budgets_for(cfg, device, example_batch.shape[0], zero),
+                                  host=store.tiers["host"].budget)
     plan = make_plan(costs, bw, budgets, staleness=cfg.memory.staleness, shared_cpu=device.platform == "cpu",
-                     micro_batches=micro_batches, passes=cfg.memory.passes or None)
+                     micro_batches=micro_batches, passes=1 if zero else cfg.memory.passes or None)
     return plan, costs, bw, budgets
+
+
+def _agreed(costs: list[StageCost], bw: Bandwidths) -> tuple[list[StageCost], Bandwidths]:
+    """Process 0's profiled times and bandwidths, on every process (each process timed its own calls, with
+    noise; plans made from different figures could differ, and with them the collectives each process runs)."""
+    from jax.experimental import multihost_utils
+
+    times = ("forward_s", "backward_s", "update_device_s", "update_host_s", "host_add_s")
+    links = ("h2d", "d2h", "disk_read", "disk_write", "disk_read_cpu", "disk_write_cpu")
+    mine = np.array([getattr(c, t) for c in costs for t in times] + [getattr(bw, k) for k in links], np.float64)
+    theirs = np.asarray(multihost_utils.broadcast_one_to_all(mine))
+    per = iter(theirs[:len(costs) * len(times)].reshape(len(costs), len(times)))
+    costs = [dataclasses.replace(c, **dict(zip(times, map(float, next(per))))) for c in costs]
+    return costs, dataclasses.replace(bw, **dict(zip(links, map(float, theirs[len(costs) * len(times):]))))
 
 
 @contextlib.contextmanager
@@ -303,17 +374,18 @@ def _young_garbage_collected() -> Iterator[None]:
 
 
 def build_paged_engine(cfg: Config, params: Any, example_batch: jax.Array, *,
-                       device: jax.Device | None = None) -> PagedEngine:
+                       device: jax.Device | None = None, zero: Zero | None = None) -> PagedEngine:
     """The paged engine, planned for `example_batch`'s shape. `params`: the whole model's (numpy, in its
     structure), or None to initialise it stage by stage (`StagedModel.init_stage` with train.seed) straight into
-    each page's home, so that the whole model never exists in memory."""
-    device = device or jax.local_devices()[0]
+    each page's home, so that the whole model never exists in memory. `zero`: every page sharded over its mesh's
+    devices (ZeRO-3, schedule/zero.py); `example_batch` is then the ranks' whole batch."""
+    device = device or (zero.mesh.devices.flat[0] if zero else jax.local_devices()[0])
     return_large_frees_to_the_os()  # page buffers stream through the host: freed ones must leave the process
-    bp = blueprint(cfg)
+    bp = blueprint(cfg, zero)
     staged = bp.staged
-    store = make_store(cfg, device)
+    store = make_store(cfg, device, zero, budgets_for(cfg, device, example_batch.shape[0], zero).host if zero else None)
     try:
-        plan, costs, bw, budgets = plan_for(cfg, bp, store, example_batch, device)
+        plan, costs, bw, budgets = plan_for(cfg, bp, store, example_batch, device, zero)
     except BaseException:
         store.close()
         raise
@@ -322,10 +394,10 @@ def build_paged_engine(cfg: Config, params: Any, example_batch: jax.Array, *,
     model = PagedModel(staged, bp.params_layout, bp.opt_layout, opt_offset=bp.params_layout.num_pages,
                        grad_sets=1 + plan.staleness)
     tx, _ = make_optimizer(cfg.optimizer, cfg.train.steps, clip=False)
-    where = placements(device, store.tiers["host"].sharding)
+    where = placements(device, store.tiers["host"].sharding, zero)
     whole = staged.split(params) if params is not None else None
     slots, small = [], []
-    cpu = jax.devices("cpu")[0]
+    cpu = jax.local_devices(backend="cpu")[0]
     try:
         for i, stage in enumerate(staged.stages):
             update_at = "device" if plan.home[i] == "device" else "host"
@@ -340,7 +412,7 @@ def build_paged_engine(cfg: Config, params: Any, example_batch: jax.Array, *,
             for oid, page in zip(model.opt_ids(i), bp.opt_layout.stage(stage.name).pack(big)):
                 store.add(oid, page, home=plan.opt_home[i])
             del big
-            small.append([jax.device_put(np.asarray(s), where[update_at].compute) for s in small_leaves])
+            small.append([jax.device_put(np.asarray(s), where[update_at].scalar) for s in small_leaves])
             slots.append(StageSlot(stage.name, stage.kind, model.param_ids(i), model.opt_ids(i), update_at,
                                    plan.opt_home[i], param_home=plan.home[i], grad_home=plan.grad_home[i],
                                    grad_ids=model.grad_ids(i) if plan.grad_home[i] == "disk" else ()))
@@ -351,9 +423,10 @@ def build_paged_engine(cfg: Config, params: Any, example_batch: jax.Array, *,
         store.close()
         raise
     del whole
-    updater = PageUpdater(store, slots, bp.updates, small, where, bp.schedule, staleness=cfg.memory.staleness)
+    updater = PageUpdater(store, slots, bp.updates, small, where, bp.schedule, staleness=cfg.memory.staleness,
+                          inline=zero is not None)
     executor = PagedExecutor(model, bp.fns, plan, store, updater,
-                             micro_batch_size=micro_batching(cfg, example_batch.shape[0])[1],
+                             micro_batch_size=micro_batching(cfg, example_batch.shape[0], zero)[1],
                              host_compute=where["host"].compute)
     log.info("paged engine: %d stages, %d resident, prefetch %d, predicted step %.3f s",
              len(staged.stages), len(plan.resident), plan.prefetch, plan.predicted.step_time)

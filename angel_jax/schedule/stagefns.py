@@ -44,6 +44,7 @@ from angel_jax.memory.layout import PageLayout, StageLayout
 from angel_jax.memory.tiers import HOST_MEMORY_KINDS
 from angel_jax.optim.paged import OptLayout, make_stage_update, make_stage_update_norm, sqsum
 from angel_jax.optim.updater import in_host_memory
+from angel_jax.schedule.zero import Zero, psum
 from models.stages import StagedModel
 
 Pages = tuple
@@ -53,13 +54,23 @@ class StageFunctions:
     """Compiled per kind: forward, backward (the head's: loss and gradients); the pure update per kind."""
 
     def __init__(self, staged: StagedModel, params_layout: PageLayout, opt_layout: PageLayout,
-                 opt_structure: dict[str, OptLayout], tx: optax.GradientTransformation, grad_clip: float):
+                 opt_structure: dict[str, OptLayout], tx: optax.GradientTransformation, grad_clip: float,
+                 zero: Zero | None = None):
+        """`zero`: the layouts are `ShardedPageLayout`s over its mesh (ZeRO-3, schedule/zero.py): the stage
+        functions gather and reduce-scatter the pages across the ranks, the updates run on each rank's shards."""
         self.staged = staged
         kinds = staged.kinds()
         rep: dict[str, StageLayout] = {k: params_layout.stage(staged.stages[idx[0]].name) for k, idx in kinds.items()}
         opt_rep = {k: opt_layout.stage(staged.stages[idx[0]].name) for k, idx in kinds.items()}
         self.opt_structure = {k: opt_structure[staged.stages[idx[0]].name] for k, idx in kinds.items()}
         """kind -> how the optax state of a stage of that kind splits into pages and small leaves."""
+        if zero is not None:  # compute sees whole leaves (gathered); updates a rank's own chunks
+            view = {k: zero.view(r) for k, r in rep.items()}
+            update_rep, update_opt_rep = {k: r.rank for k, r in rep.items()}, {k: r.rank for k, r in opt_rep.items()}
+            jit: Callable[[Callable, str], Callable] = zero.stage_jit
+        else:
+            view, update_rep, update_opt_rep = rep, rep, opt_rep
+            jit = lambda fn, _: jax.jit(fn)  # noqa: E731
         self.forward: dict[str, Callable] = {}
         self.backward: dict[str, Callable] = {}
         self.update: dict[str, Callable] = {}
@@ -78,21 +89,26 @@ class StageFunctions:
         """(head pages, head input, targets) -> the mean loss, no gradients: the last stage of an evaluation."""
         last_kind, first_kind = staged.stages[-1].kind, staged.stages[0].kind
         for kind in kinds:
-            apply, r = staged.apply[kind], rep[kind]
+            apply, r = staged.apply[kind], view[kind]
+            role = "head_" if kind == last_kind else ""
+            first = "_first" if kind == first_kind and kind != last_kind else ""
 
             def fwd(pages: Pages, x: jax.Array, apply=apply, r=r) -> jax.Array:
                 return apply(r.unpack(pages), x)
 
-            self.forward[kind] = jax.jit(fwd)
-            self.forward_micro[kind] = jax.jit(_forward_micro(apply, r))
-            self.backward_micro[kind] = jax.jit(_backward_micro(apply, r, self.staged.loss if kind == last_kind
-                                                                else None, has_dx=kind != first_kind))
-            self.backward_micro_sums[kind] = jax.jit(_backward_micro(
-                apply, r, self.staged.loss if kind == last_kind else None, has_dx=kind != first_kind, sums=True))
+            self.forward[kind] = jit(fwd, "forward")
+            self.forward_micro[kind] = jit(_forward_micro(apply, r), "forward_micro")
+            self.backward_micro[kind] = jit(_backward_micro(apply, r, self.staged.loss if kind == last_kind
+                                                            else None, has_dx=kind != first_kind),
+                                            f"{role}backward_micro{first}")
+            self.backward_micro_sums[kind] = jit(_backward_micro(
+                apply, r, self.staged.loss if kind == last_kind else None, has_dx=kind != first_kind, sums=True),
+                f"{role}backward_micro{first}")
             if kind == last_kind:
-                self.backward[kind] = jax.jit(self._head_backward(apply, r))
-                self.head_loss = jax.jit(
-                    lambda pages, x, targets, apply=apply, r=r: staged.loss(apply(r.unpack(pages), x), targets))
+                self.backward[kind] = jit(self._head_backward(apply, r), "head_backward")
+                self.head_loss = jit(
+                    lambda pages, x, targets, apply=apply, r=r: staged.loss(apply(r.unpack(pages), x), targets),
+                    "head_loss")
             elif kind == first_kind:
                 def bwd_first(pages: Pages, x: jax.Array, dy: jax.Array, apply=apply, r=r) -> tuple:
                     _, vjp = jax.vjp(lambda p: apply(p, x), r.unpack(pages))  # token ids have no gradient
@@ -100,7 +116,7 @@ class StageFunctions:
                     dpages = r.pack(dparams)
                     return dpages, None, sqsum(dpages)
 
-                self.backward[kind] = jax.jit(bwd_first)
+                self.backward[kind] = jit(bwd_first, "backward_first")
             else:
                 def bwd(pages: Pages, x: jax.Array, dy: jax.Array, apply=apply, r=r) -> tuple:
                     _, vjp = jax.vjp(apply, r.unpack(pages), x)
@@ -108,9 +124,14 @@ class StageFunctions:
                     dpages = r.pack(dparams)
                     return dpages, dx, sqsum(dpages)
 
-                self.backward[kind] = jax.jit(bwd)
-            self.update[kind] = make_stage_update(tx, r, opt_rep[kind], self.opt_structure[kind], grad_clip)
-            self.update_norm[kind] = make_stage_update_norm(tx, r, opt_rep[kind], self.opt_structure[kind], grad_clip)
+                self.backward[kind] = jit(bwd, "backward")
+            args = (tx, update_rep[kind], update_opt_rep[kind], self.opt_structure[kind], grad_clip)
+            if zero is None:
+                self.update[kind] = make_stage_update(*args)
+                self.update_norm[kind] = make_stage_update_norm(*args)
+            else:
+                self.update[kind] = zero.update_spmd(make_stage_update(*args, reduce=psum))
+                self.update_norm[kind] = zero.update_spmd(make_stage_update_norm(*args, reduce=psum), norm_only=True)
 
     @staticmethod
     def accumulate(acc: Pages | None, dpages: Pages) -> Pages:

@@ -225,9 +225,8 @@ def build_engine(cfg: Config, mesh: jax.sharding.Mesh) -> TrainEngine:
                  "fits the device" if mode == "in_memory" else "does not fit the device", mode)
     if mode == "in_memory":
         return InMemoryEngine(cfg, mesh)
-    if jax.process_count() > 1 or mesh.devices.size > 1:
-        raise AngelError(f"memory.mode={cfg.memory.mode!r} chose the paged engine, which runs on one device of one "
-                         f"process; this run has {mesh.devices.size} devices in {jax.process_count()} processes. "
-                         "Use memory.mode=in_memory for data-parallel runs (with mesh.fsdp to shard the "
-                         "parameters and optimizer state over the devices).")
+    if mesh.devices.size > 1 and mesh.devices.size not in (fsdp_size(mesh), dict(mesh.shape).get("data", 1)):
+        raise AngelError(f"memory.mode={cfg.memory.mode!r} chose the paged engine, which shards every page over all "
+                         f"{mesh.devices.size} devices (ZeRO-3); the mesh splits them {dict(mesh.shape)}: set "
+                         "mesh.fsdp=0 (all devices)")
     return PagedTrainEngine(cfg, mesh)

@@ -40,6 +40,7 @@ from angel_jax.optim.guard import StepControls
 from angel_jax.memory import PageLayout
 from angel_jax.schedule.engine import PagedEngine, build_paged_engine, check_host_room, fit_micro_batch
 from angel_jax.schedule.timeline import Timeline
+from angel_jax.schedule.zero import Zero
 from angel_jax.train.plan_cli import plan_summary
 from angel_jax.train.protocol import StateMismatch, check_arrays
 from angel_jax.units import human_bytes
@@ -96,14 +97,21 @@ class PagedTrainEngine:
 
     def __init__(self, cfg: Config, mesh: jax.sharding.Mesh):
         self.device = mesh.devices.flat[0]
-        # train.micro_batch_size 0: the whole batch, or the largest halving whose working set the device holds.
-        self.cfg = cfg = fit_micro_batch(cfg, self.device)
-        self.batch_sharding = jax.sharding.SingleDeviceSharding(self.device)
-        check_host_room(cfg, self.device)  # before anything is profiled or allocated: a refusal costs nothing
-        example = jax.device_put(np.zeros((cfg.train.batch_size, cfg.model.seq_len + 1), np.int32),
-                                 self.batch_sharding)
+        # Several devices: every page sharded over all of them, each rank computing on its rows (ZeRO-3).
+        self.zero = Zero.over(mesh.devices) if mesh.devices.size > 1 else None
+        if self.zero is None:
+            # train.micro_batch_size 0: the whole batch, or the largest halving whose working set the device holds.
+            cfg = fit_micro_batch(cfg, self.device)
+            self.batch_sharding: jax.sharding.Sharding = jax.sharding.SingleDeviceSharding(self.device)
+            check_host_room(cfg, self.device)  # before anything is profiled or allocated: a refusal costs nothing
+        else:
+            self.batch_sharding = self.zero.rows()
+        self.cfg = cfg
+        example = jax.make_array_from_callback((cfg.train.batch_size, cfg.model.seq_len + 1), self.batch_sharding,
+                                               lambda index: np.zeros((cfg.train.batch_size, cfg.model.seq_len + 1),
+                                                                      np.int32)[index])
         # The model is initialised stage by stage straight into its pages' homes: never whole in memory.
-        self.built: PagedEngine = build_paged_engine(cfg, None, example, device=self.device)
+        self.built: PagedEngine = build_paged_engine(cfg, None, example, device=self.device, zero=self.zero)
         self.executor = self.built.executor
         self._timelines_due = {"predicted": True, "measured": True}
         self._steps_here = 0  # steps run by this engine (a resumed run warms up again before recording)
@@ -234,20 +242,23 @@ class PagedTrainEngine:
     # ------------------------------------------------------------------------------------------------ reports
     def memory_report(self) -> list[str]:
         built, plan = self.built, self.built.plan
+        n = self.zero.ranks if self.zero else 1
+        where = f"{self.device}" if n == 1 else f"each of {n} devices (every page sharded over them: ZeRO-3; bytes " \
+                                                 "below per rank)"
         lines = [f"  placement          paged: {len(plan.resident)} of {len(plan.home)} stages resident on "
-                 f"{self.device}, {len(plan.streamed)} streamed (prefetch {plan.prefetch}), "
+                 f"{where}, {len(plan.streamed)} streamed (prefetch {plan.prefetch}), "
                  f"page size {human_bytes(self.cfg.memory.page_size)}, staleness {plan.staleness}"
                  + (f", {plan.micro_batches} micro-batches per step (layer-major"
                     + (f", in {plan.passes} accumulation passes)" if plan.passes > 1 else ")")
                     if plan.micro_batches > 1 else "")]
         for row in plan.table(built.costs):
-            lines.append(f"  {row['tier']:<7} pages    params {human_bytes(row['params'])}, gradients "
-                         f"{human_bytes(row['gradients'])}, optimizer {human_bytes(row['optimizer'])}")
+            lines.append(f"  {row['tier']:<7} pages    params {human_bytes(row['params'] // n)}, gradients "
+                         f"{human_bytes(row['gradients'] // n)}, optimizer {human_bytes(row['optimizer'] // n)}")
         peak = plan.peak_bytes
-        lines.append(f"  predicted peak     device {human_bytes(peak['device'])} of "
-                     f"{human_bytes(built.budgets.device)} budget (activations and working set "
-                     f"{human_bytes(built.plan.fixed_device)}), host {human_bytes(peak['host'])}, "
-                     f"disk {human_bytes(peak['disk'])}")
+        lines.append(f"  predicted peak     device {human_bytes(peak['device'] // n)} of "
+                     f"{human_bytes(built.budgets.device // n)} budget (activations and working set "
+                     f"{human_bytes(built.plan.fixed_device // n)}), host {human_bytes(peak['host'] // n)}, "
+                     f"disk {human_bytes(peak['disk'] // n)}")
         lines.append(f"  predicted step     {plan.predicted.step_time:.3f} s (bandwidths: {built.bandwidths.source})")
         return lines
 
