@@ -120,6 +120,7 @@ def test_plan_estimate_for_eight_devices_prints_per_rank_bytes(tmp_path, capsys)
     from angel_jax.schedule.engine import blueprint
     from angel_jax.train.plan_cli import _estimated_plan, _parser, main
     from angel_jax.config import load_config
+    import models
 
     base = ["experiments/gpt_tiny.yaml", "train.batch_size=16", "memory.page_size=262144",
             "memory.device_budget=40000000", "--estimate", "--peak-tflops", "100"]
@@ -131,6 +132,8 @@ def test_plan_estimate_for_eight_devices_prints_per_rank_bytes(tmp_path, capsys)
     assert eight["ranks"] == 8 and eight["io_per_step"]["collective_s"] > 0
     args = _parser().parse_args([*base, "--link-gbps", "100"])
     cfg = load_config(args.config, list(args.overrides))
+    flops = models.get(cfg.model).flops_per_token * 16 * cfg.model.seq_len  # the global batch's, on 8 devices
+    assert eight["predicted_mfu"] == pytest.approx(flops / (eight["predicted_step_s"] * 100e12 * 8))
     _, one, costs, *_ = _estimated_plan(cfg, blueprint(cfg), args)
     pages = len(blueprint(cfg).params_layout.pages)
     per_rank = sum(row["params"] for row in eight["table"])

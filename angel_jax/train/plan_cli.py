@@ -274,6 +274,9 @@ def plan_summary(plan: Plan, costs: list[StageCost], budgets: Budgets, bw: Bandw
 def main(args: list[str] | argparse.Namespace | None = None) -> int:
     if not isinstance(args, argparse.Namespace):
         args = _parser().parse_args(args)
+    if not args.estimate and (args.devices or args.link_gbps):
+        raise AngelError("--devices and --link-gbps describe a target to estimate a plan for: add --estimate "
+                         "(a profiled plan is this process's, of one rank)")
     cfg = load_config(args.config, list(args.overrides))
     bp = blueprint(cfg)
     cfg, plan, costs, budgets, bw, source = (_estimated_plan if args.estimate else _profiled_plan)(cfg, bp, args)
