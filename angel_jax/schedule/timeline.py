@@ -21,6 +21,8 @@ import jax
 STREAMS = ("compute", "h2d", "d2h", "collective", "host", "disk", "io_cpu")
 OPTIONAL_STREAMS = ("collective",)
 """Rows a Gantt chart has only when some event ran on them (one rank has no collectives)."""
+CROWDED = 2000
+"""A Gantt row of this many events is drawn without outlines."""
 
 
 @dataclass(frozen=True)
@@ -82,7 +84,8 @@ class Timeline:
             if events:
                 ax.broken_barh([(e.start - t0, max(e.duration, 1e-9)) for e in events], (row - 0.4, 0.8),
                                facecolors=[colors.get(e.label.split()[0], "tab:gray") for e in events],
-                               edgecolor="black", linewidth=0.3)
+                               # (thousands of outlined bars, e.g. a step of many passes, would draw only outline)
+                               edgecolor="black", linewidth=0.3 if len(events) < CROWDED else 0.0)
         ax.set_yticks(range(len(streams)), streams)
         ax.set_ylim(len(streams) - 0.5, -0.5)
         ax.set_xlabel("seconds")
