@@ -12,6 +12,7 @@ from angel_jax.errors import AngelError
 from angel_jax.schedule.plan import Budgets, PlanError, make_plan, minimum_device_bytes
 from angel_jax.schedule.simulate import Bandwidths, StageCost, simulate
 from angel_jax.schedule.trace import compute_sequence
+from conftest import REPO_ROOT
 
 MB = 2**20
 BW = Bandwidths(h2d=4e9, d2h=4e9, disk_read=1e9, disk_write=1e9)
@@ -122,7 +123,7 @@ def test_plan_estimate_for_eight_devices_prints_per_rank_bytes(tmp_path, capsys)
     from angel_jax.config import load_config
     import models
 
-    base = ["experiments/gpt_tiny.yaml", "train.batch_size=16", "memory.page_size=262144",
+    base = [str(REPO_ROOT / "experiments" / "gpt_tiny.yaml"), "train.batch_size=16", "memory.page_size=262144",
             "memory.device_budget=40000000", "--estimate", "--peak-tflops", "100"]
     assert main([*base, "--devices", "8", "--link-gbps", "100", "--out", str(tmp_path)]) == 0
     text = capsys.readouterr().out

@@ -54,9 +54,8 @@ The step time is the distance between the starts of the first forward of the las
 `Timeline.waits` holds the last step's idle compute time by what the compute waited for: 'h2d' (a fetch, its
 transfer or the copy stream's queue), 'disk' (a read of parameters, or an update that waited for its disk reads),
 'host' (an update on the host: its queue, its gradients, the global norm), 'collective' (an all-gather, past the
-moment the stage's shard was ready; with several ranks, before the device updates, the last reduce-scatters); on
-shared cores (the CPU backend),
-where every stream runs on the compute clock, nothing is recorded.
+moment the stage's shard was ready; before the device updates, the last reduce-scatters); on shared cores (the CPU
+backend), where every stream runs on the compute clock, nothing is recorded.
 """
 
 from __future__ import annotations
