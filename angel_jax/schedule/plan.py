@@ -27,6 +27,13 @@ so each access of a stage costs the compute of every micro-batch and the transfe
    prefetch distance and the predicted fastest wins (more passes or a deeper prefetch only when predicted faster by
    more than 2%); `memory.passes` fixes P.
 
+6. Data parallelism (ZeRO-3, `ranks` > 1): every page family is partitioned over the ranks, and the plan is one
+   rank's: the costs are its shard's bytes and its calls' times, the budgets its tiers'. Each stage access gathers
+   the whole stage's parameters, so the device also holds a window of whole stages (`gather_bytes`: the prefetch
+   window's and the computing stage's gathered parameters, and one whole stage of gradients before their
+   reduce-scatter), whatever is resident. The collectives' time (`Bandwidths.link`) is simulated as a stream of its
+   own (simulate.py).
+
 Every refusal is a `PlanError` that says how many bytes are missing and which `memory.*` key to raise.
 """
 
@@ -119,6 +126,10 @@ class Plan:
     (their gradients summed on the host between passes)."""
     fixed_device: int = 0
     """Device bytes of activations and working set under this plan's passes."""
+    ranks: int = 1
+    """Data-parallel ranks the pages are partitioned over (ZeRO-3); bytes and times are one rank's."""
+    gather_bytes: int = 0
+    """Device bytes of whole stages gathered from the ranks' shards (0 with one rank)."""
 
     @property
     def streamed(self) -> tuple[int, ...]:
@@ -142,7 +153,8 @@ class Plan:
         gradients come back once. Disk-homed parameters are read for every access and once more for their update,
         and written after it; disk-homed gradients are written once and read once; disk-homed optimizer state is
         read and written once per update. `io_bound_s` is the slowest path's time: no step can be shorter."""
-        return io_per_step(costs, bandwidths, self.home, self.grad_home, self.opt_home, self.passes, self.prefetch)
+        return io_per_step(costs, bandwidths, self.home, self.grad_home, self.opt_home, self.passes, self.prefetch,
+                           self.ranks)
 
     def stream_seconds(self, first_stage: str) -> dict[str, float]:
         """Seconds each stream of the predicted timeline works in one steady-state step: the events between the
@@ -161,17 +173,19 @@ class Plan:
     def bound(self, first_stage: str) -> tuple[str, dict[str, float]]:
         """What bounds the predicted step, and each stream's busy share of it: 'compute' when the compute stream
         works at least 90% of the step (or on shared cores, where waits are not told apart), else what the compute
-        waited for longest ('h2d', 'disk' or 'host': `Timeline.waits`)."""
+        waited for longest ('h2d', 'disk', 'host' or, with several ranks, 'collective': `Timeline.waits`)."""
         busy = self.stream_seconds(first_stage)
         step = self.predicted.step_time or 1.0
-        shares = {s: busy.get(s, 0.0) / step for s in ("compute", "h2d", "d2h", "host", "disk")}
+        streams = ("compute", "h2d", "d2h", "host", "disk") + (("collective",) if self.ranks > 1 else ())
+        shares = {s: busy.get(s, 0.0) / step for s in streams}
         waits = self.predicted.waits
         if not waits or shares["compute"] >= 0.9:
             return "compute", shares
         return max(waits, key=waits.get), shares
 
     def summary(self) -> dict:
-        return {"resident": len(self.resident), "streamed": len(self.streamed), "prefetch": self.prefetch,
+        ranks = {"ranks": self.ranks, "gather_bytes": self.gather_bytes} if self.ranks > 1 else {}
+        return {**ranks, "resident": len(self.resident), "streamed": len(self.streamed), "prefetch": self.prefetch,
                 "params_on_disk": self.home.count("disk"), "grads_on_disk": self.grad_home.count("disk"),
                 "opt_on_disk": self.opt_home.count("disk"), "staleness": self.staleness,
                 "micro_batches": self.micro_batches, "passes": self.passes,
@@ -179,9 +193,10 @@ class Plan:
 
 
 def io_per_step(costs: list[StageCost], bandwidths: Bandwidths, home: tuple[str, ...], grad_home: tuple[str, ...],
-                opt_home: tuple[str, ...], passes: int = 1, prefetch: int = 1) -> dict[str, float]:
+                opt_home: tuple[str, ...], passes: int = 1, prefetch: int = 1, ranks: int = 1) -> dict[str, float]:
     """See `Plan.io_per_step`; with several passes, every pass fetches the streamed stages and sends their gradients
-    to the host."""
+    to the host. With several ranks, also the bytes each rank receives in collectives (`collective_bytes`) and
+    their seconds at `bandwidths.link` (0 when no link is given)."""
     accesses = fetches_per_step(len(costs), passes, prefetch)
     streamed = [i for i, h in enumerate(home) if h != "device"]
     h2d = sum(accesses[i] * costs[i].param_bytes for i in streamed)
@@ -196,8 +211,22 @@ def io_per_step(costs: list[StageCost], bandwidths: Bandwidths, home: tuple[str,
                "disk_read_s": read / bandwidths.disk_read, "disk_write_s": write / bandwidths.disk_write}
     # One disk serves reads and writes: its time is their sum.
     disk_s = seconds["disk_read_s"] + seconds["disk_write_s"]
+    collective = {}
+    if ranks > 1:
+        received = collective_bytes(costs, passes, ranks)
+        collective = {"collective_bytes": received,
+                      "collective_s": received / bandwidths.link if bandwidths.link > 0 else 0.0}
     return {"h2d_bytes": h2d, "d2h_bytes": d2h, "disk_read_bytes": read, "disk_write_bytes": write, **seconds,
-            "io_bound_s": max(seconds["h2d_s"], seconds["d2h_s"], disk_s)}
+            **collective, "io_bound_s": max(seconds["h2d_s"], seconds["d2h_s"], disk_s,
+                                            collective.get("collective_s", 0.0))}
+
+
+def collective_bytes(costs: list[StageCost], passes: int, ranks: int) -> int:
+    """Bytes each rank receives in the collectives of a step: per pass, an all-gather of every stage's parameters
+    for each of its accesses and a reduce-scatter of its gradients after its backward, each (ranks - 1) x the
+    stage's shard bytes (the ring algorithm)."""
+    per_pass = sum(costs[i].param_bytes for _, i in compute_sequence(len(costs))) + sum(c.param_bytes for c in costs)
+    return passes * (ranks - 1) * per_pass
 
 
 def fetches_per_step(n: int, passes: int = 1, prefetch: int = 1) -> list[int]:
@@ -220,9 +249,18 @@ def window_bytes(costs: list[StageCost], streamed: list[int], prefetch: int) -> 
     return (prefetch + 1) * biggest + biggest
 
 
-def minimum_device_bytes(costs: list[StageCost], budgets: Budgets, passes: int = 1) -> int:
+def gather_bytes(costs: list[StageCost], prefetch: int, ranks: int) -> int:
+    """Device bytes of whole stages gathered from `ranks` shards: the parameters of the stage computing and of the
+    `prefetch` accesses ahead whose gathers may run beside it, and one whole stage of gradients before their
+    reduce-scatter; each the largest stage's shard x `ranks`. Nothing with one rank."""
+    if ranks <= 1 or not costs:
+        return 0
+    return (prefetch + 2) * ranks * max(c.param_bytes for c in costs)
+
+
+def minimum_device_bytes(costs: list[StageCost], budgets: Budgets, passes: int = 1, ranks: int = 1) -> int:
     """The smallest device budget any plan of `passes` passes fits: everything streamed, prefetch 1."""
-    return budgets.fixed_for(passes) + window_bytes(costs, list(range(len(costs))), 1)
+    return budgets.fixed_for(passes) + window_bytes(costs, list(range(len(costs))), 1) + gather_bytes(costs, 1, ranks)
 
 
 def pass_options(micro_batches: int) -> list[int]:
@@ -232,29 +270,37 @@ def pass_options(micro_batches: int) -> list[int]:
 
 def make_plan(costs: list[StageCost], bw: Bandwidths, budgets: Budgets, *, staleness: int = 0,
               shared_cpu: bool = False, max_prefetch: int = 3, micro_batches: int = 1,
-              passes: int | None = None) -> Plan:
+              passes: int | None = None, ranks: int = 1) -> Plan:
     """`costs`: per stage, the times of one call (one micro-batch); a step runs `micro_batches` calls per
     access, in `passes` accumulation passes (None: the planner chooses among `pass_options`). The plan predicted
-    fastest wins; more passes or a deeper prefetch only when predicted faster by more than noise (2%)."""
+    fastest wins; more passes or a deeper prefetch only when predicted faster by more than noise (2%).
+    `ranks` > 1: data-parallel ranks over which every page family is partitioned (ZeRO-3); `costs` and `budgets`
+    are then one rank's (its shard's bytes, its calls on its local rows, its tiers), and `bw.link` the bytes per
+    second each rank moves in a collective (0: not modelled)."""
     n = len(costs)
+    if ranks < 1:
+        raise PlanError(f"a plan needs at least one data-parallel rank, got ranks={ranks}")
     if passes is not None and (passes < 1 or micro_batches % passes):
         raise PlanError(f"memory.passes={passes} does not divide the step's {micro_batches} micro-batches: use one "
                         f"of {pass_options(micro_batches)}, or 0 to let the planner choose")
     best: Plan | None = None
     for p in ([passes] if passes else pass_options(micro_batches)):
         for prefetch in range(1, max_prefetch + 1):
-            plan = _plan_for(costs, bw, budgets, prefetch, n, staleness, shared_cpu, micro_batches, p)
+            plan = _plan_for(costs, bw, budgets, prefetch, n, staleness, shared_cpu, micro_batches, p, ranks)
             if plan is None:
                 continue
             if best is None or plan.predicted.step_time < best.predicted.step_time * 0.98:
                 best = plan
     if best is None:
         most = passes or micro_batches  # the fewest activations any plan holds
-        need = minimum_device_bytes(costs, budgets, most)
+        need = minimum_device_bytes(costs, budgets, most, ranks)
+        gathered = gather_bytes(costs, 1, ranks)
+        whole = f" + whole stages gathered from {ranks} ranks' shards {gathered:,} B" if gathered else ""
         raise PlanError(f"device budget {budgets.device:,} B cannot hold the step's minimum {need:,} B "
                         f"(activations and working set {budgets.fixed_for(most):,} B in {most} accumulation "
                         f"pass{'es' if most > 1 else ''} + a streaming window of "
-                        f"{need - budgets.fixed_for(most):,} B): {need - budgets.device:,} B missing; raise "
+                        f"{need - budgets.fixed_for(most) - gathered:,} B{whole}): {need - budgets.device:,} B "
+                        "missing; raise "
                         "memory.device_budget, or lower train.micro_batch_size / model.seq_len")
     return best
 
@@ -264,10 +310,11 @@ def _resident_bytes(c: StageCost) -> int:
 
 
 def _plan_for(costs: list[StageCost], bw: Bandwidths, budgets: Budgets, prefetch: int, n: int, staleness: int,
-              shared_cpu: bool, micro_batches: int, passes: int) -> Plan | None:
+              shared_cpu: bool, micro_batches: int, passes: int, ranks: int = 1) -> Plan | None:
     resident: list[int] = []
     fixed = budgets.fixed_for(passes)
-    free = budgets.device - fixed
+    gathered = gather_bytes(costs, prefetch, ranks)  # needed whatever is resident: every access gathers
+    free = budgets.device - fixed - gathered
     # Prefer keeping the stages whose streaming costs most per unit of compute that could hide it.
     order = sorted(range(n), key=lambda i: -(costs[i].param_bytes / max(costs[i].forward_s + costs[i].backward_s,
                                                                           1e-12)))
@@ -291,10 +338,10 @@ def _plan_for(costs: list[StageCost], bw: Bandwidths, budgets: Budgets, prefetch
             raise
         return None  # (gradients summed over passes stay on the host: more passes may not fit where one does)
     predicted = simulate(costs, bw, home, opt_home, prefetch, grad_home=grad_home, staleness=staleness,
-                         shared_cpu=shared_cpu, micro_batches=micro_batches, passes=passes)
-    peak = {"device": fixed + used, "host": host_used, "disk": disk_used}
+                         shared_cpu=shared_cpu, micro_batches=micro_batches, passes=passes, ranks=ranks)
+    peak = {"device": fixed + gathered + used, "host": host_used, "disk": disk_used}
     return Plan(tuple(sorted(resident)), home, grad_home, opt_home, prefetch, window, peak, staleness, predicted,
-                micro_batches, passes, fixed)
+                micro_batches, passes, fixed, ranks, gathered)
 
 
 Homes = tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]

@@ -27,6 +27,17 @@ Rules (those of execute.py and optim/updater.py):
   streamed ones on the host stream after their gradients arrived.
 - Disk-homed parameters are read from disk before their fetch to the device (each access); disk-homed gradients
   are written to disk after their d2h copy.
+- Data parallelism (ZeRO-3, `ranks` > 1 with `Bandwidths.link` > 0): the costs are one rank's (its shard of each
+  stage's pages, its calls on its local rows), and every rank runs the same timeline, so one rank's is simulated.
+  A `collective` stream (serial, in the order the executor issues its work) carries, before every stage access
+  (forward and backward, every pass; the head's one), an all-gather of the stage's parameters, and after every
+  backward (and the head) a reduce-scatter of its gradients. With the ring algorithm each moves (ranks - 1) x the
+  shard's bytes through each rank's link: (ranks - 1) x param_bytes / link seconds. The gather of access k is
+  issued with the fetch of its shard (once access k - prefetch has started computing) and starts once the shard is
+  on the device (a streamed stage: after its fetch; a resident one: after its update); access k computes once its
+  gather is done. A reduce-scatter is issued when its backward ends, so the gathers issued before that (those of
+  the prefetch window) go first. A streamed stage's gradient shard goes to the host (d2h) after its
+  reduce-scatter; a resident stage's waits for its update on the device.
 - Disk-homed parameters and optimizer state are read `OPT_STAGING` stages ahead of their update (the first ones
   under the previous step's forward pass; disk-homed gradients once the backward is over) and written back after
   it.
@@ -42,8 +53,9 @@ Rules (those of execute.py and optim/updater.py):
 The step time is the distance between the starts of the first forward of the last two simulated steps.
 `Timeline.waits` holds the last step's idle compute time by what the compute waited for: 'h2d' (a fetch, its
 transfer or the copy stream's queue), 'disk' (a read of parameters, or an update that waited for its disk reads),
-'host' (an update on the host: its queue, its gradients, the global norm); on shared cores (the CPU backend),
-where every stream runs on the compute clock, nothing is recorded.
+'host' (an update on the host: its queue, its gradients, the global norm), 'collective' (an all-gather, past the
+moment the stage's shard was ready; before the device updates, the last reduce-scatters); on shared cores (the CPU
+backend), where every stream runs on the compute clock, nothing is recorded.
 """
 
 from __future__ import annotations
@@ -88,6 +100,9 @@ class Bandwidths:
     kernel's work), over the cores."""
     disk_write_cpu: float = 0.0
     """The same for each byte written (new chunk files: temporary file, fsync, rename)."""
+    link: float = 0.0
+    """Bytes per second each data-parallel rank sends (and receives) in a collective; 0: collectives are not
+    modelled (one rank, or the CPU backend, where they are part of the profiled compute calls)."""
     source: str = "defaults"
     """Where the figures come from: 'defaults', a calibration file (`angel-jax bench io`), 'profiled'."""
 
@@ -98,7 +113,7 @@ class _Clock:
 
     def __init__(self, shared: bool, timeline: Timeline):
         self.shared, self.timeline = shared, timeline
-        self.free = {"compute": 0.0, "h2d": 0.0, "d2h": 0.0, "host": 0.0, "disk": 0.0}
+        self.free = {"compute": 0.0, "h2d": 0.0, "d2h": 0.0, "host": 0.0, "disk": 0.0, "collective": 0.0}
 
     def run(self, stream: str, label: str, earliest: float, duration: float) -> tuple[float, float]:
         key = "compute" if self.shared and stream != "disk" else stream
@@ -118,9 +133,10 @@ class _Clock:
 
 def simulate(costs: list[StageCost], bw: Bandwidths, home: tuple[str, ...], opt_home: tuple[str, ...],
              prefetch: int, *, grad_home: tuple[str, ...] | None = None, staleness: int = 0, shared_cpu: bool = False,
-             steps: int = 3, micro_batches: int = 1, passes: int = 1) -> Timeline:
+             steps: int = 3, micro_batches: int = 1, passes: int = 1, ranks: int = 1) -> Timeline:
     """`home`: per stage 'device', 'host' or 'disk' (parameters); `grad_home` defaults to 'device' for resident
-    stages and 'host' for streamed ones."""
+    stages and 'host' for streamed ones. `ranks`: data-parallel ranks, whose collectives are simulated when
+    `bw.link` is set (the costs are then one rank's)."""
     n = len(costs)
     if grad_home is None:
         grad_home = tuple("device" if h == "device" else "host" for h in home)
@@ -130,6 +146,8 @@ def simulate(costs: list[StageCost], bw: Bandwidths, home: tuple[str, ...], opt_
     per_pass = len(seq) // passes
     calls = micro_batches // passes  # stage calls per access
     order = list(range(n))
+    collective = ranks > 1 and bw.link > 0
+    ring_s = [(ranks - 1) * c.param_bytes / bw.link if collective else 0.0 for c in costs]  # gather or scatter
     # Bytes staged from disk around each update: what is read before the backward (state) and after it (grads).
     state_read = [c.param_bytes * (h == "disk") + c.opt_bytes * (o == "disk") for c, h, o in zip(costs, home, opt_home)]
     grad_read = [c.param_bytes * (g == "disk") for c, g in zip(costs, grad_home)]
@@ -145,6 +163,29 @@ def simulate(costs: list[StageCost], bw: Bandwidths, home: tuple[str, ...], opt_
         if nbytes:
             end = clock.disk(f"read {costs[i].name}", at, nbytes, bw.disk_read, bw.disk_read_cpu)[1]
             read_done[i] = max(read_done.get(i, 0.0), end)
+
+    def gradients_out(i: int, k: int, reduced: float) -> None:
+        """A backward's gradients, reduced (on this rank) at `reduced`, on their way to where they wait for the
+        update: `grads_home[i]` is when they are there."""
+        if home[i] == "device":
+            grads_home[i] = reduced
+            return
+        grads_home[i] = clock.run("d2h", f"grad {costs[i].name}", reduced, costs[i].param_bytes / bw.d2h)[1]
+        if k >= per_pass:  # a later pass: added into the stage's sum on the host
+            grads_home[i] = clock.run("host", f"add {costs[i].name}", grads_home[i], costs[i].host_add_s)[1]
+        if grad_home[i] == "disk":
+            grads_home[i] = clock.disk(f"spill {costs[i].name}", grads_home[i], costs[i].param_bytes,
+                                       bw.disk_write, bw.disk_write_cpu)[1]
+
+    scatters: list[tuple[float, int, int]] = []  # reduce-scatters issued, not yet on the stream: (issued, stage, k)
+
+    def issue_scatters(before: float) -> float:
+        """Put on the collective stream the reduce-scatters issued by `before`, in issue order; when the stream is
+        then free."""
+        while scatters and scatters[0][0] <= before:
+            issued, i, k = scatters.pop(0)
+            gradients_out(i, k, clock.run("collective", f"scatter {costs[i].name}", issued, ring_s[i])[1])
+        return clock.free["collective"]
 
     update_cause = ["host"] * n  # per stage, what its latest update waited for last: 'disk' (its reads) or 'host'
     waits: dict[str, float] = {}
@@ -185,24 +226,27 @@ def simulate(costs: list[StageCost], bw: Bandwidths, home: tuple[str, ...], opt_
                 _, ready = clock.run("h2d", f"fetch {costs[i].name}", at, costs[i].param_bytes / bw.h2d)
                 fetched[i] = at_hand[i] = ready
             label = f"{op} {costs[i].name}" + (f" (pass {k // per_pass + 1})" if k >= per_pass else "")
-            idle = ready - clock.free["compute"]
+            gathered = ready
+            if collective:  # issued with the shard's fetch, behind the reduce-scatters issued before it
+                issued = starts[k - prefetch] if k >= prefetch else (starts[0] if starts else clock.free["compute"])
+                issue_scatters(issued)
+                gathered = clock.run("collective", f"gather {costs[i].name}", max(issued, ready), ring_s[i])[1]
+            idle = min(ready, gathered) - clock.free["compute"]
             if idle > 0 and not shared_cpu:
                 waits[cause] = waits.get(cause, 0.0) + idle
-            start, end = clock.run("compute", label, ready, dur)
+            idle = gathered - max(ready, clock.free["compute"])
+            if idle > 0 and not shared_cpu:
+                waits["collective"] = waits.get("collective", 0.0) + idle
+            start, end = clock.run("compute", label, max(ready, gathered), dur)
             starts.append(start)
             if k == 0:  # the step's first forward (of its first pass)
                 first_forward.append(start)
             if op != "forward":
-                if home[i] == "device":
-                    grads_home[i] = end
+                if collective:
+                    scatters.append((end, i, k))
                 else:
-                    grads_home[i] = clock.run("d2h", f"grad {costs[i].name}", end, costs[i].param_bytes / bw.d2h)[1]
-                    if k >= per_pass:  # a later pass: added into the stage's sum on the host
-                        grads_home[i] = clock.run("host", f"add {costs[i].name}", grads_home[i],
-                                                  costs[i].host_add_s)[1]
-                    if grad_home[i] == "disk":
-                        grads_home[i] = clock.disk(f"spill {costs[i].name}", grads_home[i], costs[i].param_bytes,
-                                                   bw.disk_write, bw.disk_write_cpu)[1]
+                    gradients_out(i, k, end)
+        reduced = issue_scatters(math.inf)
         norm_at = max(grads_home)
         for j in early:
             read(j, norm_at, grad_read[j])
@@ -215,6 +259,14 @@ def simulate(costs: list[StageCost], bw: Bandwidths, home: tuple[str, ...], opt_
             update_cause[i] = "disk" if staged and staged >= max(norm_at, grads_home[i], clock.free["host"]) \
                 else "host"
             updated_before[i] = updated[i]
+            if home[i] == "device" and collective and not shared_cpu:
+                # Idle before a device update: the last reduce-scatters (the norm needs every reduced gradient),
+                # then the streamed stages' gradients on their way to the host.
+                free = clock.free["compute"]
+                for what, lo, hi in (("collective", free, min(earliest, reduced)),
+                                     ("host", max(free, reduced), earliest)):
+                    if hi > lo:
+                        waits[what] = waits.get(what, 0.0) + hi - lo
             if home[i] == "device":
                 updated[i] = clock.run("compute", f"update {costs[i].name}", earliest, costs[i].update_device_s)[1]
             else:

@@ -1,6 +1,7 @@
 """Timelines: what ran on which stream and when, predicted by the planner or measured by the executor.
 
-Streams: compute (device kernels), h2d and d2h (copy engines), host (optimizer updates on the CPU), disk.
+Streams: compute (device kernels), h2d and d2h (copy engines), collective (data-parallel all-gathers and
+reduce-scatters, with several ranks), host (optimizer updates on the CPU), disk.
 The same structure serves both, so `angel-jax plan` and a training run produce pictures that lie side by side
 (`timeline_predicted.*` and `timeline_measured.*` in the run directory).
 """
@@ -17,7 +18,11 @@ from typing import Any
 
 import jax
 
-STREAMS = ("compute", "h2d", "d2h", "host", "disk", "io_cpu")
+STREAMS = ("compute", "h2d", "d2h", "collective", "host", "disk", "io_cpu")
+OPTIONAL_STREAMS = ("collective",)
+"""Rows a Gantt chart has only when some event ran on them (one rank has no collectives)."""
+CROWDED = 2000
+"""A Gantt row of this many events is drawn without outlines."""
 
 
 @dataclass(frozen=True)
@@ -61,24 +66,28 @@ class Timeline:
         return Timeline([Event(**e) for e in d["events"]], d.get("step_time", 0.0))
 
     def save_png(self, path: Path, title: str) -> None:
-        """A Gantt chart, one row per stream."""
+        """A Gantt chart, one row per stream (an optional stream's only when it has events)."""
         import matplotlib
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
 
         colors = {"forward": "tab:blue", "head": "tab:purple", "backward": "tab:orange", "update": "tab:green",
-                  "fetch": "tab:cyan", "grad": "tab:red", "read": "tab:olive", "write": "tab:brown"}
+                  "fetch": "tab:cyan", "grad": "tab:red", "read": "tab:olive", "write": "tab:brown",
+                  "gather": "tab:pink", "scatter": "darkred"}
+        used = {e.stream for e in self.events}
+        streams = [s for s in STREAMS if s not in OPTIONAL_STREAMS or s in used]
         fig, ax = plt.subplots(figsize=(12, 3))
         t0 = min((e.start for e in self.events), default=0.0)
-        for row, stream in enumerate(STREAMS):
+        for row, stream in enumerate(streams):
             events = [e for e in self.events if e.stream == stream]
             if events:
                 ax.broken_barh([(e.start - t0, max(e.duration, 1e-9)) for e in events], (row - 0.4, 0.8),
                                facecolors=[colors.get(e.label.split()[0], "tab:gray") for e in events],
-                               edgecolor="black", linewidth=0.3)
-        ax.set_yticks(range(len(STREAMS)), STREAMS)
-        ax.set_ylim(len(STREAMS) - 0.5, -0.5)
+                               # (thousands of outlined bars, e.g. a step of many passes, would draw only outline)
+                               edgecolor="black", linewidth=0.3 if len(events) < CROWDED else 0.0)
+        ax.set_yticks(range(len(streams)), streams)
+        ax.set_ylim(len(streams) - 0.5, -0.5)
         ax.set_xlabel("seconds")
         ax.set_title(f"{title} (step {self.step_time * 1e3:.1f} ms)")
         fig.tight_layout()

@@ -26,3 +26,12 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     target.add_argument("--host-gbps", type=float, default=None,
                         help="host memory traffic (bytes read + written per second) the host optimizer and "
                              "gradient sums reach, GB/s")
+    dp = p.add_argument_group("data parallelism (ZeRO-3), with --estimate: every page family partitioned over the "
+                              "ranks; the plan is one rank's")
+    dp.add_argument("--devices", type=int, default=None,
+                    help="data-parallel ranks (devices) of the target (default: mesh.data x mesh.fsdp where both "
+                         "are set, else 1); train.batch_size is the global batch, memory.*_budget are per rank")
+    dp.add_argument("--link-gbps", type=float, default=None,
+                    help="bytes each rank sends (and receives) per second in a collective, GB/s: e.g. NVLink "
+                         "~150-300 per GPU within a server, InfiniBand ~25-50 across servers (needed with "
+                         "more than one device)")

@@ -6,6 +6,13 @@ bytes per tier, and writes the predicted timeline (a Gantt chart per stream) as 
 layouts come from abstract shapes. Stage times are profiled on this machine's first device with zero-filled pages
 (the functions training would run), or, with `--estimate`, derived from FLOPs and the device's peak (to plan a GPU
 run on a machine without that GPU: pass the budgets the GPU machine will have, e.g. memory.device_budget=80e9).
+
+`--estimate --devices N --link-gbps G` plans a data-parallel run of N ranks (ZeRO-3): every page family is
+partitioned over the ranks, and the plan is one rank's. Its costs are per rank: a stage's bytes are one rank's
+shard (`shard_bytes`: each page split into N equal slices, its length rounded up to a multiple of N elements),
+its compute that of the rank's local rows (train.batch_size / N, the global batch), its budgets
+memory.device_budget / host_budget / disk_budget (each rank's own tiers). The collectives (an all-gather of every
+stage's parameters per access, a reduce-scatter of its gradients per backward) run at G GB/s per rank.
 """
 
 from __future__ import annotations
@@ -19,11 +26,13 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from angel_jax.config import Config, load_config
+from angel_jax.config import Config, ConfigError, load_config
+from angel_jax.errors import AngelError
 from angel_jax.memory.bench_io import default_calibration_path
 from angel_jax.train.plan_args import add_plan_arguments
 from angel_jax.schedule.engine import (Blueprint, blueprint, device_budget, fit_micro_batch, fixed_device_bytes,
                                        make_store, micro_batching, plan_for, saved_input_bytes)
+from angel_jax.memory.layout import StageLayout
 from angel_jax.schedule.plan import Bandwidths, Budgets, Plan, PlanError, StageCost, load_bandwidths, make_plan
 from angel_jax.units import human_bytes
 import models
@@ -36,15 +45,45 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def estimate_costs(cfg: Config, bp: Blueprint, peak_flops: float, device_bw: float, host_bw: float) -> list[StageCost]:
-    """Times of one stage call (one micro-batch of train.micro_batch_size rows, or the whole batch) from model
-    FLOPs at the device's peak (forward: 2 FLOPs per weight of the stage per token, plus
+def shard_bytes(stage: StageLayout, ranks: int) -> int:
+    """Bytes of one rank's shard of a stage's pages partitioned over `ranks`: every page split into `ranks` equal
+    slices, its length rounded up to a multiple of `ranks` elements (at most ranks - 1 elements of padding per
+    page), so every rank holds the same bytes and a rank's shards add up to 1/ranks of the stage and a little
+    more."""
+    return sum(-(-p.length // ranks) * p.dtype.itemsize for p in stage.pages)
+
+
+def local_batch(cfg: Config, ranks: int) -> int:
+    """Rows of the global batch (train.batch_size) each of `ranks` data-parallel ranks computes."""
+    if cfg.train.batch_size % ranks:
+        raise ConfigError(f"'train.batch_size'={cfg.train.batch_size} does not split over {ranks} data-parallel "
+                          f"ranks (--devices): make it a multiple of {ranks}")
+    return cfg.train.batch_size // ranks
+
+
+def target_ranks(cfg: Config, args: argparse.Namespace) -> int:
+    """Data-parallel ranks of the estimated target: --devices, else mesh.data x mesh.fsdp where both are set
+    (a 0 there means 'what the machine has', unknown for another machine), else 1."""
+    devices = getattr(args, "devices", None)
+    if devices is not None:
+        if devices < 1:
+            raise AngelError(f"--devices must be at least 1, got {devices}")
+        return devices
+    return cfg.mesh.data * cfg.mesh.fsdp if cfg.mesh.data and cfg.mesh.fsdp else 1
+
+
+def estimate_costs(cfg: Config, bp: Blueprint, peak_flops: float, device_bw: float, host_bw: float,
+                   ranks: int = 1) -> list[StageCost]:
+    """Times of one stage call (one micro-batch of train.micro_batch_size rows, or the whole local batch: the
+    global batch over `ranks`) from model FLOPs at the device's peak (forward: 2 FLOPs per weight of the stage per token, plus
     attention's QK^T and AV for a block; backward: recompute + 2x forward) and optimizer updates from the bytes they
     touch (parameters and gradients read, optimizer state read and written, parameters written) at memory
     bandwidth. The weights are counted from the stage's page layout, so the family's shapes (grouped-query
-    attention, a gated MLP) count as they are; norms and biases, a fraction of a percent, are counted as weights."""
+    attention, a gated MLP) count as they are; norms and biases, a fraction of a percent, are counted as weights.
+    With several ranks every byte is one rank's shard (`shard_bytes`), and so are the updates' and gradient sums'
+    times."""
     m = cfg.model
-    tokens = micro_batching(cfg, cfg.train.batch_size)[1] * m.seq_len
+    tokens = micro_batching(cfg, local_batch(cfg, ranks))[1] * m.seq_len
     costs = []
     for stage in bp.staged.stages:
         weights = sum(slot.size for slot in bp.params_layout.stage(stage.name).slots)
@@ -54,8 +93,8 @@ def estimate_costs(cfg: Config, bp: Blueprint, peak_flops: float, device_bw: flo
             fwd = 2 * tokens * weights
         else:
             fwd = tokens * m.d_model  # an embedding lookup
-        p_bytes = bp.params_layout.stage(stage.name).nbytes
-        o_bytes = bp.opt_layout.stage(stage.name).nbytes
+        p_bytes = shard_bytes(bp.params_layout.stage(stage.name), ranks)
+        o_bytes = shard_bytes(bp.opt_layout.stage(stage.name), ranks)
         touched = 3 * p_bytes + 2 * o_bytes
         fwd_s = fwd / peak_flops
         costs.append(StageCost(stage.name, p_bytes, o_bytes, 0.0 if stage.kind == "head" else fwd_s, 3 * fwd_s,
@@ -69,7 +108,8 @@ def target_bandwidths(args: argparse.Namespace) -> tuple[Bandwidths, float, floa
     bw = load_bandwidths(default_calibration_path())
     figures = json.loads(Path(default_calibration_path()).read_text()).get("bandwidth_Bps", {}) \
         if Path(default_calibration_path()).is_file() else {}
-    given = {key: getattr(args, f"{key}_gbps", None) for key in ("h2d", "d2h", "disk_read", "disk_write", "host")}
+    given = {key: getattr(args, f"{key}_gbps", None)
+             for key in ("h2d", "d2h", "disk_read", "disk_write", "link", "host")}
     if given["h2d"] and not given["d2h"]:
         given["d2h"] = given["h2d"]
     changes = {key: value * 1e9 for key, value in given.items() if value and key != "host"}
@@ -81,12 +121,12 @@ def target_bandwidths(args: argparse.Namespace) -> tuple[Bandwidths, float, floa
     return bw, figures.get("device_copy", 1e12), host_bw
 
 
-def micro_sizes(cfg: Config) -> list[int]:
+def micro_sizes(cfg: Config, ranks: int = 1) -> list[int]:
     """The micro-batch sizes a plan is estimated for: train.micro_batch_size, or with 0 (the planner chooses)
-    the batch and its exact halvings, largest first."""
+    the local batch (of one of `ranks` ranks) and its exact halvings, largest first."""
     if cfg.train.micro_batch_size:
         return [cfg.train.micro_batch_size]
-    sizes = [cfg.train.batch_size]
+    sizes = [local_batch(cfg, ranks)]
     while sizes[-1] % 2 == 0:
         sizes.append(sizes[-1] // 2)
     return sizes
@@ -99,24 +139,29 @@ def _estimated_plan(cfg: Config, bp: Blueprint, args: argparse.Namespace
     device = jax.devices()[0]
     peak = Peak(args.peak_tflops * 1e12, "--peak-tflops") if args.peak_tflops else device_peak(device)
     bw, device_bw, host_bw = target_bandwidths(args)
+    ranks = target_ranks(cfg, args)
+    if ranks > 1 and not bw.link:
+        raise AngelError(f"a plan of {ranks} data-parallel ranks (--devices) needs the bandwidth of their "
+                         "collectives: give --link-gbps (GB/s each rank sends; e.g. NVLink ~150-300 per GPU within "
+                         "a server, InfiniBand ~25-50 across servers)")
+    local = local_batch(cfg, ranks)
     # A target named by its peak or links is another machine, an accelerator with streams of its own; without
     # them the plan is for this machine, whose CPU backend computes, copies and updates on the same cores.
     target = args.peak_tflops or any(getattr(args, f"{k}_gbps", None)
-                                     for k in ("h2d", "d2h", "disk_read", "disk_write", "host"))
+                                     for k in ("h2d", "d2h", "disk_read", "disk_write", "link", "host"))
     shared_cpu = device.platform == "cpu" and not target
     best = None
     errors = []
-    for size in micro_sizes(cfg):  # largest first: a smaller one only when predicted faster by more than noise
+    for size in micro_sizes(cfg, ranks):  # largest first: a smaller one only when predicted faster by more than noise
         trial = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batch_size=size))
-        costs = estimate_costs(trial, bp, peak.flops_per_device, device_bw, host_bw)
+        costs = estimate_costs(trial, bp, peak.flops_per_device, device_bw, host_bw, ranks)
         budgets = Budgets(device=device_budget(trial, device), host=trial.memory.host_budget or None,
                           disk=(trial.memory.disk_budget or None) if trial.memory.disk_dir else 0,
-                          fixed_device=fixed_device_bytes(trial, trial.train.batch_size),
-                          saved_device=saved_input_bytes(trial, trial.train.batch_size))
+                          fixed_device=fixed_device_bytes(trial, local), saved_device=saved_input_bytes(trial, local))
         try:
             plan = make_plan(costs, bw, budgets, staleness=trial.memory.staleness, shared_cpu=shared_cpu,
-                             micro_batches=micro_batching(trial, trial.train.batch_size)[0],
-                             passes=trial.memory.passes or None)
+                             micro_batches=micro_batching(trial, local)[0], passes=trial.memory.passes or None,
+                             ranks=ranks)
         except PlanError as e:
             errors.append(e)
             continue
@@ -144,28 +189,32 @@ def _profiled_plan(cfg: Config, bp: Blueprint, _: argparse.Namespace
 
 
 def predicted_mfu(cfg: Config, plan: Plan, peak_flops: float) -> float:
-    """Model FLOPs of a step (the training loop's perf/mfu formula: `flops_per_token` x tokens, no recompute)
-    over the predicted step time at `peak_flops`."""
+    """Model FLOPs of a step (the training loop's perf/mfu formula: `flops_per_token` x tokens of the global
+    batch, no recompute) over the predicted step time at `peak_flops` per device, of each of the plan's ranks."""
     tokens = cfg.train.batch_size * cfg.model.seq_len
-    return models.get(cfg.model).flops_per_token * tokens / (plan.predicted.step_time * peak_flops)
+    return models.get(cfg.model).flops_per_token * tokens / (plan.predicted.step_time * peak_flops * plan.ranks)
 
 
 def report(cfg: Config, plan: Plan, costs: list[StageCost], budgets: Budgets, bw: Bandwidths,
            source: str, peak_flops: float | None = None) -> list[str]:
-    """The lines `angel-jax plan` prints."""
+    """The lines `angel-jax plan` prints. With several ranks the bytes, times and budgets are one rank's."""
     counts = models.get(cfg.model).param_count
     size = f"{counts['total'] / 1e9:.2f} B" if counts["total"] >= 1e9 else f"{counts['total'] / 1e6:.2f} M"
+    local = cfg.train.batch_size // plan.ranks
+    ranks = [f"  data parallel: {plan.ranks} ranks (ZeRO-3: every page family partitioned over them); the table, "
+             f"peak bytes and I/O below are one rank's, of its local batch of {local}"] if plan.ranks > 1 else []
     lines = [f"plan for {cfg.name}: {size} parameters ({counts['total']:,}), {len(costs)} stages, page size "
-             f"{human_bytes(cfg.memory.page_size)}, staleness {plan.staleness}",
+             f"{human_bytes(cfg.memory.page_size)}, staleness {plan.staleness}", *ranks,
              f"  batch {cfg.train.batch_size}: {plan.micro_batches} micro-batch"
-             f"{'es' if plan.micro_batches > 1 else ''} of {cfg.train.batch_size // plan.micro_batches} "
+             f"{'es' if plan.micro_batches > 1 else ''} of {local // plan.micro_batches} "
              f"(train.micro_batch_size={cfg.train.micro_batch_size}), layer-major"
              + (f" in {plan.passes} accumulation passes of {plan.micro_batches // plan.passes}" if plan.passes > 1
                 else ""),
              f"  {len(plan.resident)} resident, {len(plan.streamed)} streamed (prefetch {plan.prefetch}); on disk: "
              f"parameters of {plan.home.count('disk')} stages, gradients of {plan.grad_home.count('disk')}, "
              f"optimizer state of {plan.opt_home.count('disk')}",
-             "", f"  {'tier':<8}{'params':>14}{'gradients':>14}{'optimizer':>14}{'budget':>14}"]
+             "", f"  {'tier':<8}{'params':>14}{'gradients':>14}{'optimizer':>14}{'budget':>14}"
+                 + ("   (one rank's)" if plan.ranks > 1 else "")]
     budget = {"device": budgets.device, "host": budgets.host, "disk": budgets.disk}
     for row in plan.table(costs):
         b = budget[row["tier"]]
@@ -175,12 +224,20 @@ def report(cfg: Config, plan: Plan, costs: list[StageCost], budgets: Budgets, bw
     peak = plan.peak_bytes
     lines += ["", f"  predicted step time   {plan.predicted.step_time:.4f} s ({source})",
               f"  predicted peak bytes  device {human_bytes(peak['device'])} (of which activations and working set "
-              f"{human_bytes(plan.fixed_device)}, streaming window {human_bytes(plan.window_bytes)}), "
-              f"host {human_bytes(peak['host'])}, disk {human_bytes(peak['disk'])}"]
+              f"{human_bytes(plan.fixed_device)}, streaming window {human_bytes(plan.window_bytes)}"
+              + (f", whole stages gathered {human_bytes(plan.gather_bytes)}" if plan.ranks > 1 else "")
+              + f"), host {human_bytes(peak['host'])}, disk {human_bytes(peak['disk'])}"
+              + (f" per rank; all {plan.ranks} ranks: device {human_bytes(plan.ranks * peak['device'])}, host "
+                 f"{human_bytes(plan.ranks * peak['host'])}, disk {human_bytes(plan.ranks * peak['disk'])}"
+                 if plan.ranks > 1 else "")]
     io = plan.io_per_step(costs, bw)
     lines += [f"  I/O per step          h2d {human_bytes(io['h2d_bytes'])}, d2h {human_bytes(io['d2h_bytes'])}, "
               f"disk read {human_bytes(io['disk_read_bytes'])}, disk write {human_bytes(io['disk_write_bytes'])}; "
               f"no step can be shorter than the slowest path: {io['io_bound_s']:.4f} s"]
+    if plan.ranks > 1:
+        lines.append(f"  collectives per step  each rank receives {human_bytes(io['collective_bytes'])} (all-gathers "
+                     f"of every stage per access, reduce-scatters per backward: (ranks - 1) x shard bytes each), "
+                     f"{io['collective_s']:.4f} s at {bw.link / 1e9:g} GB/s per rank")
     bound, shares = plan.bound(costs[0].name)
     busy = ", ".join(f"{s} {v:.0%}" for s, v in shares.items())
     waits = plan.predicted.waits
@@ -189,7 +246,8 @@ def report(cfg: Config, plan: Plan, costs: list[StageCost], budgets: Budgets, bw
     lines.append(f"  bound by              {bound} (streams busy: {busy}{idle})")
     if peak_flops:
         lines.append(f"  predicted MFU         {predicted_mfu(cfg, plan, peak_flops):.1%} (model FLOPs per step, "
-                     f"6N + attention per token, over step time x {peak_flops / 1e12:.1f} TFLOP/s)")
+                     f"6N + attention per token, over step time x {peak_flops / 1e12:.1f} TFLOP/s"
+                     + (f" x {plan.ranks} devices" if plan.ranks > 1 else "") + ")")
     return lines
 
 
@@ -200,7 +258,7 @@ def plan_summary(plan: Plan, costs: list[StageCost], budgets: Budgets, bw: Bandw
     bound, shares = plan.bound(costs[0].name)
     extra = {"bound": bound, "stream_shares": shares, "compute_waits_s": dict(plan.predicted.waits)}
     if cfg is not None:
-        extra["micro_batch_size"] = cfg.train.micro_batch_size or cfg.train.batch_size
+        extra["micro_batch_size"] = cfg.train.micro_batch_size or cfg.train.batch_size // plan.ranks
         extra["batch_size"] = cfg.train.batch_size
     if cfg is not None and peak_flops:
         extra.update(predicted_mfu=predicted_mfu(cfg, plan, peak_flops), peak_flops=peak_flops)
@@ -216,6 +274,9 @@ def plan_summary(plan: Plan, costs: list[StageCost], budgets: Budgets, bw: Bandw
 def main(args: list[str] | argparse.Namespace | None = None) -> int:
     if not isinstance(args, argparse.Namespace):
         args = _parser().parse_args(args)
+    if not args.estimate and (args.devices or args.link_gbps):
+        raise AngelError("--devices and --link-gbps describe a target to estimate a plan for: add --estimate "
+                         "(a profiled plan is this process's, of one rank)")
     cfg = load_config(args.config, list(args.overrides))
     bp = blueprint(cfg)
     cfg, plan, costs, budgets, bw, source = (_estimated_plan if args.estimate else _profiled_plan)(cfg, bp, args)

@@ -1,6 +1,15 @@
-"""Plans on paper for one 80 GB GPU: `angel-jax plan --estimate` for the large GPT configs at a global batch of
-256 x 2048 tokens, under the budgets device 80e9 B, host 120e9 B and a disk tier, with the target machine's links
-stated on each command line.
+"""Plans on paper: `angel-jax plan --estimate` for the large GPT configs, with the target machine's links stated
+on each command line.
+
+- One 80 GB GPU: gpt_13b and gpt_30b at a global batch of 256 x 2048 tokens, under the budgets device 80e9 B,
+  host 120e9 B and a disk tier.
+- Eight 80 GB GPUs, data parallel (ZeRO-3 pages: every page family partitioned over the 8 ranks; the plan, its
+  bytes per tier and its budgets are one rank's): GPT-3 175B (experiments/gpt3_175b.yaml: fp32 master parameters,
+  gradients and Adam moments, bf16 compute) at the paper's global batch of 1536 x 2048 tokens, each rank with
+  device 80e9 B, host 1e12 B and a disk tier of its own; and gpt_13b at the same 256 x 2048 tokens and
+  budgets as on one GPU, to show every rank's bytes shrink by 8. Collective links: NVLink, 150 GB/s per GPU
+  each way (8 GPUs in one server; an H100/H200 SXM's NVLink 4 is 450 GB/s each way, of which a ring
+  all-gather reaches a part), or InfiniBand, 25 GB/s per GPU (one 200 Gb/s HDR port per GPU, 8 servers).
 
     python experiments/bench/paper_plans.py [--only NAME] [--no-save]
 
@@ -13,9 +22,11 @@ an H100/H200 SXM's dense bf16) and the stated bandwidths. Two sets of links are 
                  (one PCIe Gen4 NVMe SSD), host 100 GB/s
 
 Per case (one JSON line each, appended to experiments/results/paper_plans_<platform>.jsonl unless --no-save; the
-Gantt chart and plan.json under experiments/results/paper_plans/<case>/): the command line, the predicted step
-time and MFU, the stream that bounds the step and each stream's busy share, the chosen micro-batch size, passes
-and prefetch, the stages resident / streamed, each page family's bytes per tier, and the peak bytes per tier.
+Gantt chart, plan.json and the command line (command.txt) under experiments/results/paper_plans/<case>/): the
+command line, the predicted step time and MFU, the stream that bounds the step and each stream's busy share, the
+chosen micro-batch size, passes and prefetch, the stages resident / streamed, each page family's bytes per tier,
+and the peak bytes per tier; with several devices, those of one rank, and the collectives' bytes and seconds per
+step.
 """
 
 from __future__ import annotations
@@ -26,15 +37,42 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 from angel_jax.benchinfo import emit, results_path
 
 ROOT = Path(__file__).resolve().parents[2]
 BUDGETS = ["memory.device_budget=80000000000", "memory.host_budget=120000000000", "train.batch_size=256"]
+RANK_1TB = ["memory.device_budget=80000000000", "memory.host_budget=1000000000000"]
+"""Each rank's budgets in the GPT-3 setting (its batch is the config's: 1536)."""
 PEAK = ["--estimate", "--peak-tflops", "989"]
 LINKS = {"conservative": ["--h2d-gbps", "25", "--disk-read-gbps", "3", "--disk-write-gbps", "3", "--host-gbps", "50"],
          "gen5": ["--h2d-gbps", "50", "--disk-read-gbps", "6", "--disk-write-gbps", "4", "--host-gbps", "100"]}
+COLLECTIVES = {"nvlink": ["--link-gbps", "150"], "infiniband": ["--link-gbps", "25"]}
+
+
+@dataclass(frozen=True)
+class MultiDevice:
+    """A data-parallel case: its config, overrides, links, budgets, devices and collective link."""
+
+    config: str
+    overrides: tuple[str, ...]
+    links: str
+    budgets: tuple[str, ...]
+    devices: int
+    collectives: str
+
+
+MULTI = {
+    "gpt3_175b_8x80g_nvlink": MultiDevice("experiments/gpt3_175b.yaml", (), "conservative", tuple(RANK_1TB), 8,
+                                          "nvlink"),
+    "gpt3_175b_8x80g_infiniband": MultiDevice("experiments/gpt3_175b.yaml", (), "conservative", tuple(RANK_1TB), 8,
+                                              "infiniband"),
+    # gpt_13b_conservative (below) on 8 GPUs: the same global batch, links and budgets per GPU.
+    "gpt_13b_8x80g_nvlink_conservative": MultiDevice("experiments/gpt_13b.yaml", (), "conservative", tuple(BUDGETS),
+                                                     8, "nvlink"),
+}
 CASES = {
     # The issue's starting point: 4 x 2048 tokens per step, fp32 state.
     "gpt_13b_batch4_gen5": ("experiments/gpt_13b.yaml", ["train.batch_size=4"], "gen5"),
@@ -53,8 +91,9 @@ CASES = {
 }
 
 
-def run_case(name: str, config: str, overrides: list[str], links: str, disk_dir: str, out: Path) -> dict:
-    args = [config, *BUDGETS, f"memory.disk_dir={disk_dir}", *overrides, *PEAK, *LINKS[links]]
+def run_case(name: str, config: str, overrides: list[str], links: str, disk_dir: str, out: Path,
+             budgets: list[str] = BUDGETS, target: list[str] = ()) -> dict:
+    args = [config, *budgets, f"memory.disk_dir={disk_dir}", *overrides, *PEAK, *LINKS[links], *target]
     command = ["angel-jax", "plan", *args, "--out", "OUT"]
     done = subprocess.run([sys.executable, "-m", "angel_jax.cli", "plan", *args, "--out", str(out)], cwd=ROOT,
                           capture_output=True, text=True)
@@ -62,8 +101,15 @@ def run_case(name: str, config: str, overrides: list[str], links: str, disk_dir:
         return {"bench": "paper_plans", "case": name, "command": " ".join(command), "links": links,
                 "error": (done.stdout + done.stderr).strip().splitlines()[-1]}
     plan = json.loads((out / "plan.json").read_text())
+    (out / "command.txt").write_text(" ".join(command).replace(disk_dir, "DIR") + "\n")
+    ranks = {}
+    if plan.get("ranks", 1) > 1:
+        io = plan["io_per_step"]
+        ranks = {"devices": plan["ranks"], "per_rank": True, "gather_bytes": plan["gather_bytes"],
+                 "collective_bytes_per_rank": io["collective_bytes"], "collective_s": round(io["collective_s"], 2),
+                 "peak_bytes_all_ranks": {k: plan["ranks"] * v for k, v in plan["peak_bytes"].items()}}
     return {"bench": "paper_plans", "case": name, "command": " ".join(command).replace(disk_dir, "DIR"),
-            "links": links, "predicted_step_s": round(plan["predicted_step_s"], 2),
+            "links": links, **ranks, "predicted_step_s": round(plan["predicted_step_s"], 2),
             "predicted_mfu": round(plan["predicted_mfu"], 4), "bound": plan["bound"],
             "stream_shares": {k: round(v, 3) for k, v in plan["stream_shares"].items()},
             "compute_waits_s": {k: round(v, 2) for k, v in plan["compute_waits_s"].items()},
@@ -80,16 +126,19 @@ def main() -> int:
     args = p.parse_args()
     results = None if args.no_save else results_path("paper_plans")
     charts = ROOT / "experiments" / "results" / "paper_plans"
+    cases = {name: (config, overrides, links, BUDGETS, []) for name, (config, overrides, links) in CASES.items()}
+    cases.update({name: (c.config, list(c.overrides), c.links, list(c.budgets),
+                         ["--devices", str(c.devices), *COLLECTIVES[c.collectives]]) for name, c in MULTI.items()})
     with tempfile.TemporaryDirectory() as tmp:
-        for name, (config, overrides, links) in CASES.items():
+        for name, (config, overrides, links, budgets, target) in cases.items():
             if args.only and name != args.only:
                 continue
             out = Path(tmp) / name
-            record = run_case(name, config, overrides, links, str(Path(tmp) / "disk"), out)
+            record = run_case(name, config, overrides, links, str(Path(tmp) / "disk"), out, budgets, target)
             emit(record, results)
             if results is not None and "error" not in record:
                 (charts / name).mkdir(parents=True, exist_ok=True)
-                for f in ("timeline_predicted.png", "plan.json"):
+                for f in ("timeline_predicted.png", "plan.json", "command.txt"):
                     shutil.copy(out / f, charts / name / f)
     return 0
 
