@@ -77,7 +77,7 @@ def route(logits: jax.Array, top_k: int, slots: int) -> Routing:
     share = jnp.mean(jnp.sum(chosen, axis=2), axis=1) / top_k  # [B, E]
     balance = e * jnp.sum(share * jnp.mean(probs, axis=1), axis=-1)
     z_loss = jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2, axis=-1)
-    drop_rate = 1.0 - jnp.mean(kept.astype(jnp.float32), axis=(1, 2))
+    drop_rate = jnp.mean((~kept).astype(jnp.float32), axis=(1, 2))
     return Routing(dispatch, combine, balance, z_loss, drop_rate)
 
 

@@ -45,7 +45,7 @@ class MoEConfig:
         errs = []
         if self.experts < 0:
             errs.append(("experts", f"must be >= 0 (0 = dense), got {self.experts}"))
-        if not 1 <= self.top_k <= max(self.experts, 1):
+        if self.top_k < 1 or self.experts and self.top_k > self.experts:
             errs.append(("top_k", f"must be between 1 and moe.experts={self.experts}, got {self.top_k}"))
         if not self.capacity_factor > 0:
             errs.append(("capacity_factor", f"must be > 0, got {self.capacity_factor!r}"))
