@@ -20,7 +20,7 @@ import models
 from models.moe import MoE, capacity, route
 from test_paged import batches
 
-# Four experts of which each token takes two, with slots for fewer routings than a skewed router sends.
+# Four experts of which each token takes two, with slots for fewer routings than an uneven router sends.
 TINY = ModelConfig(d_model=32, n_layers=2, n_heads=2, seq_len=16, compute_dtype="float32",
                    moe=MoEConfig(experts=4, top_k=2, capacity_factor=1.0))
 
@@ -30,9 +30,13 @@ route = jax.jit(route, static_argnames=("top_k", "slots"))
 call = nnx.jit(lambda layer, x: layer(x))
 
 
-def _layer_cfg(experts: int, top_k: int, factor: float, d: int = 8) -> ModelConfig:
-    return ModelConfig(d_model=d, mlp_ratio=2.0, compute_dtype="float32",
-                       moe=MoEConfig(experts=experts, top_k=top_k, capacity_factor=factor))
+def _layer(experts: int, top_k: int, factor: float, d: int = 8, gated: bool = False, std: float = 0.5) -> MoE:
+    """An MoE layer with weights normal(std) drawn by numpy (its initialisers would compile op by op)."""
+    cfg = ModelConfig(d_model=d, mlp_ratio=2.0, compute_dtype="float32",
+                      moe=MoEConfig(experts=experts, top_k=top_k, capacity_factor=factor))
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: MoE(cfg, gated=gated, out_std=std, rngs=nnx.Rngs(0))))
+    rng = np.random.default_rng(experts)
+    return nnx.merge(graphdef, jax.tree.map(lambda a: jnp.asarray(rng.normal(0, std, a.shape), a.dtype), state))
 
 
 # ------------------------------------------------------------------------------------------------ the layer
@@ -41,9 +45,8 @@ def _layer_cfg(experts: int, top_k: int, factor: float, d: int = 8) -> ModelConf
 def test_capacity_drops_the_routings_past_an_experts_slots():
     """Three tokens prefer expert 0, which has two slots: the third is dropped (its output is 0), the fourth goes
     to expert 1. The router is set by hand: logits = x @ kernel."""
-    cfg = _layer_cfg(experts=2, top_k=1, factor=1.0, d=2)
     assert capacity(4, 2, 1, 1.0) == 2
-    layer = MoE(cfg, gated=False, out_std=0.02, rngs=nnx.Rngs(params=0))
+    layer = _layer(experts=2, top_k=1, factor=1.0, d=2)
     layer.router.kernel[...] = jnp.eye(2)
     x = jnp.array([[[3.0, 0.0], [2.0, 0.0], [1.0, 0.0], [0.0, 1.0]]])
     routing = route(x @ layer.router.kernel[...], top_k=1, slots=2)
@@ -89,9 +92,8 @@ def test_auxiliary_losses_follow_their_formulas():
 def test_all_experts_with_room_for_every_token_is_the_dense_mixture(gated):
     """top_k = experts and capacity for every token: sum_e softmax(router)_e * expert_e(x), computed expert by expert
     without dispatch masks."""
-    cfg = _layer_cfg(experts=3, top_k=3, factor=1.0)
-    layer = MoE(cfg, gated=gated, out_std=0.5, rngs=nnx.Rngs(params=1))
-    x = jax.random.normal(jax.random.key(2), (2, 5, cfg.d_model))
+    layer = _layer(experts=3, top_k=3, factor=1.0, gated=gated)
+    x = jnp.asarray(np.random.default_rng(2).normal(size=(2, 5, 8)), jnp.float32)
     y, figures = call(layer, x)
 
     @nnx.jit
@@ -128,34 +130,40 @@ def test_moe_keys_are_checked_by_name():
 # ----------------------------------------------------------------------------------------------- the model
 
 
-def _model(cfg: ModelConfig) -> tuple[object, object, dict]:
-    """(staged model, graphdef, initial params)."""
-    staged = models.get(cfg)
-    graphdef, _ = staged.abstract()
-    return staged, graphdef, jax.jit(lambda: staged.init(0)[1])()
+def _params(cfg: ModelConfig) -> dict:
+    """Parameters drawn with numpy in the model's shapes, nothing compiled: normal(0.02), norms' scales 1."""
+    _, abstract = models.get(cfg).abstract()
+    rng = np.random.default_rng(0)
+
+    def draw(path: tuple, leaf: jax.ShapeDtypeStruct) -> np.ndarray:
+        if path[-1].key in ("scale", "bias"):
+            return np.full(leaf.shape, float(path[-1].key == "scale"), leaf.dtype)
+        return rng.normal(0, 0.02, leaf.shape).astype(leaf.dtype)
+
+    return jax.tree_util.tree_map_with_path(draw, abstract)
 
 
 def test_stages_in_sequence_give_the_whole_models_loss_and_figures():
-    """The whole model (a Llama whose second block is an MoE block: both stacks, one scanned group) against its
-    stages one jitted call at a time (the GPT's stages against its whole model: the paged test below); a block
-    stage initialised alone is the whole model's split."""
+    """The whole model (a Llama whose second block has an MoE MLP: both kinds of block and both stacks, one
+    scanned group) against its stages run in sequence (the GPT's stages against its whole model: the paged test
+    below); an MoE block stage initialised alone is the whole model's."""
     cfg = dataclasses.replace(TINY, name="llama", moe=dataclasses.replace(TINY.moe, every=2))
-    staged, graphdef, params = _model(cfg)
+    staged = models.get(cfg)
+    graphdef, _ = staged.abstract()
     assert [s.kind for s in staged.stages] == ["embed", "block", "moe_block", "head"]
-    tokens = batches(1, cfg, 4)[0]
-    whole = jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))(params, tokens[:, :-1])
-    x, parts = tokens[:, :-1], staged.split(params)
-    apply = {kind: jax.jit(fn) for kind, fn in staged.apply.items()}
-    for stage, p in zip(staged.stages, parts):
-        x = apply[stage.kind](p, x)
-    loss_and_figures = jax.jit(lambda out: (staged.loss(out, tokens[:, 1:]), staged.figures(out)))
-    (loss_whole, figures_whole), (loss_staged, figures_staged) = loss_and_figures(whole), loss_and_figures(x)
-    assert float(loss_staged) == pytest.approx(float(loss_whole), rel=1e-6)
-    assert float(figures_whole["moe/aux_loss"]) > 0  # the auxiliary losses are part of the loss
-    for key, value in figures_whole.items():
-        assert float(figures_staged[key]) == pytest.approx(float(value), rel=1e-5, abs=1e-7), key
-    last_block = jax.jit(lambda: staged.init_stage(0, len(parts) - 2))()
-    assert jax.tree.all(jax.tree.map(np.array_equal, last_block, parts[-2]))
+    params, tokens = _params(cfg), batches(1, cfg, 4)[0]
+
+    def loss_and_figures(out: object) -> tuple:
+        return staged.loss(out, tokens[:, 1:]), staged.figures(out)
+
+    whole = jax.jit(lambda p: loss_and_figures(nnx.merge(graphdef, p)(tokens[:, :-1])))(params)
+    stages = jax.jit(lambda parts: loss_and_figures(staged.forward(parts, tokens[:, :-1])))(staged.split(params))
+    assert float(stages[0]) == pytest.approx(float(whole[0]), rel=1e-6)
+    assert float(whole[1]["moe/aux_loss"]) > 0  # the auxiliary losses are part of the loss
+    for key, value in whole[1].items():
+        assert float(stages[1][key]) == pytest.approx(float(value), rel=1e-5, abs=1e-7), key
+    split, alone = jax.jit(lambda: (staged.split(staged.init(0)[1])[2], staged.init_stage(0, 2)))()
+    assert jax.tree.all(jax.tree.map(np.array_equal, split, alone))
 
 
 def test_parameter_and_flop_counts_count_all_experts_and_the_routed_ones():
@@ -178,22 +186,25 @@ STEPS, BATCH = 4, 4
 
 
 def _cfg(**memory) -> Config:
-    return Config(model=TINY, optimizer=OptimizerConfig(name="adamw", lr=3e-3, warmup_steps=1),
+    # SGD: its update compiles in a fraction of Adam's time; clipped, so a gradient off by a factor shows.
+    return Config(model=TINY, optimizer=OptimizerConfig(name="sgd", lr=0.5, warmup_steps=1, grad_clip=0.5),
                   train=TrainConfig(steps=STEPS, batch_size=BATCH, micro_batch_size=memory.pop("micro", 0)),
                   memory=MemoryConfig(mode="paged", page_size=8 * 4096, **memory))
 
 
 def _reference() -> tuple[list[dict], dict]:
-    """The reference step on the whole batch: its metrics with the MoE figures; the initial parameters."""
+    """The reference step on the whole batch: its metrics with the MoE figures; the initial parameters (numpy)."""
     cfg = _cfg()
-    staged, graphdef, params = _model(cfg.model)
+    staged = models.get(cfg.model)
+    graphdef, _ = staged.abstract()
+    params = _params(cfg.model)
     tx, schedule = make_optimizer(cfg.optimizer, cfg.train.steps)
     step = jax.jit(make_train_step(graphdef, tx, schedule, staged.loss, staged.figures))
     state, out = init_state(params, tx), []
     for b in batches(STEPS, TINY, BATCH):
         state, m = step(state, b)
         out.append({k: float(v) for k, v in m.items()})
-    return out, jax.tree.map(np.array, params)
+    return out, params
 
 
 def test_paged_engine_with_streamed_stages_matches_the_reference():
