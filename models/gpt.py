@@ -12,6 +12,10 @@ RAM) with exactly the values the whole model gets; `tests/test_model_init.py` ch
 Sampling (`decode`, `init_cache`): a key/value cache stacked like the blocks, [n_layers, B, S, n_heads, head_dim]
 for keys and for values, so one scan runs every block on its own slice of the cache. `tests/test_decode.py` checks
 that a prefill and single-token steps give the logits of the whole-sequence forward.
+
+Mixture of experts (model.moe.experts > 0): every moe.every-th block has a mixture of GELU experts
+(models/moe.py) in place of its MLP; such blocks are stacked apart (`moe_blocks`), and the stages pass the
+auxiliary losses on next to the residual stream (models/moe_decoder.py). Such a model does not sample (yet).
 """
 
 from __future__ import annotations

@@ -21,6 +21,9 @@ As in `models/gpt.py`, the blocks are created stacked (leading axis n_layers, th
 from `fold_in(key(seed), i)` alone, so `init_stage` gives one stage bit-identical to the whole model's split.
 Sampling runs through a key/value cache stacked over the layers ([L, B, S, K, D]), which `decode` scans with the
 blocks.
+
+Mixture of experts (model.moe.experts > 0): every moe.every-th block has a mixture of SwiGLU experts
+(models/moe.py) in place of its MLP, as in the GPT (models/moe_decoder.py); such a model does not sample (yet).
 """
 
 from __future__ import annotations

@@ -151,7 +151,8 @@ class PagedExecutor:
     # ------------------------------------------------------------------------------------------------ one step
     def step(self, batch: jax.Array, controls: StepControls | None = None) -> dict[str, Any]:
         """One training step; returns loss, grad_norm, update_norm, lr and skipped (the last three deferred:
-        they exist once the updater has dispatched the step's updates). `controls`: the anomaly guard's bounds
+        they exist once the updater has dispatched the step's updates), and the model's figures
+        (`StagedModel.figures`, e.g. moe/aux_loss: their mean over the passes) if it has any. `controls`: the anomaly guard's bounds
         and learning-rate multiplier (train/step.py), None = only finiteness is checked."""
         plan, store, fns, staged, updater = self.plan, self.store, self.fns, self.model.staged, self.updater
         self._poll_recording()

@@ -10,7 +10,9 @@ micro-batches one after another in a `scan` (float32 sums, scaled by 1/M once): 
 gradient, with the activations of one micro-batch at a time.
 
 `StepControls` are per-step scalars from the host: the update guard's bounds and a learning-rate multiplier
-(angel_jax/optim/guard.py, the one guard every engine uses). The loss is the model's (`StagedModel.loss`).
+(angel_jax/optim/guard.py, the one guard every engine uses). The loss is the model's (`StagedModel.loss`); a
+model's own figures of a step (`StagedModel.figures`, e.g. a mixture of experts' auxiliary loss and drop rate) join
+the step's metrics.
 """
 
 from __future__ import annotations
@@ -89,8 +91,8 @@ def make_value_and_grad(graphdef: nnx.GraphDef, loss: Callable[[Any, jax.Array],
                         on_ranks: Callable[[Any], Any] | None = None, figures: Figures | None = None
                         ) -> Callable[[Any, jax.Array], tuple[jax.Array, Any, dict]]:
     """(params, batch) -> (mean loss, its gradients, the model's figures: their mean over the micro-batches, {}
-    without `figures`). With several micro-batches (gradient accumulation): a `scan`
-    over them (`split_batch`) adding each one's loss and gradients into float32 sums, which are scaled by
+    without `figures`). With several micro-batches (gradient accumulation): a `scan` over them (`split_batch`)
+    adding each one's loss and gradients into float32 sums, which are scaled by
     1/micro_batches once at the end: the gradient of the whole batch's mean loss (equal-size micro-batches), with
     the activations of one micro-batch at a time.
 
