@@ -4,6 +4,7 @@ mixture it approximates, the stage view against the whole model, and the paged e
 from __future__ import annotations
 
 import dataclasses
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -28,6 +29,16 @@ TINY = ModelConfig(d_model=32, n_layers=2, n_heads=2, seq_len=16, compute_dtype=
 # Jitted: op by op, the CPU backend compiles every primitive on its own (seconds for a layer).
 route = jax.jit(route, static_argnames=("top_k", "slots"))
 call = nnx.jit(lambda layer, x: layer(x))
+
+
+def run_once(fn: Callable, *args: Any) -> Any:
+    """fn(*args) jitted, compiled without XLA's backend optimisations: the same arithmetic (to float rounding),
+    compiled in about half the time, for the larger programs of the tests below."""
+    return compiled(fn, *args)(*args)
+
+
+def compiled(fn: Callable, *args: Any) -> Callable:
+    return jax.jit(fn).lower(*args).compile(compiler_options={"xla_backend_optimization_level": 0})
 
 
 def _layer(experts: int, top_k: int, factor: float, d: int = 8, gated: bool = False, std: float = 0.5) -> MoE:
@@ -156,13 +167,13 @@ def test_stages_in_sequence_give_the_whole_models_loss_and_figures():
     def loss_and_figures(out: object) -> tuple:
         return staged.loss(out, tokens[:, 1:]), staged.figures(out)
 
-    whole = jax.jit(lambda p: loss_and_figures(nnx.merge(graphdef, p)(tokens[:, :-1])))(params)
-    stages = jax.jit(lambda parts: loss_and_figures(staged.forward(parts, tokens[:, :-1])))(staged.split(params))
+    whole = run_once(lambda p: loss_and_figures(nnx.merge(graphdef, p)(tokens[:, :-1])), params)
+    stages = run_once(lambda parts: loss_and_figures(staged.forward(parts, tokens[:, :-1])), staged.split(params))
     assert float(stages[0]) == pytest.approx(float(whole[0]), rel=1e-6)
     assert float(whole[1]["moe/aux_loss"]) > 0  # the auxiliary losses are part of the loss
     for key, value in whole[1].items():
         assert float(stages[1][key]) == pytest.approx(float(value), rel=1e-5, abs=1e-7), key
-    split, alone = jax.jit(lambda: (staged.split(staged.init(0)[1])[2], staged.init_stage(0, 2)))()
+    split, alone = run_once(lambda: (staged.split(staged.init(0)[1])[2], staged.init_stage(0, 2)))
     assert jax.tree.all(jax.tree.map(np.array_equal, split, alone))
 
 
@@ -199,9 +210,9 @@ def _reference() -> tuple[list[dict], dict]:
     graphdef, _ = staged.abstract()
     params = _params(cfg.model)
     tx, schedule = make_optimizer(cfg.optimizer, cfg.train.steps)
-    step = jax.jit(make_train_step(graphdef, tx, schedule, staged.loss, staged.figures))
-    state, out = init_state(params, tx), []
-    for b in batches(STEPS, TINY, BATCH):
+    state, out, data = init_state(params, tx), [], batches(STEPS, TINY, BATCH)
+    step = compiled(make_train_step(graphdef, tx, schedule, staged.loss, staged.figures), state, data[0])
+    for b in data:
         state, m = step(state, b)
         out.append({k: float(v) for k, v in m.items()})
     return out, params
