@@ -8,9 +8,11 @@ module here with a `staged(cfg) -> StagedModel` function and one line in FAMILIE
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import functools
 import importlib
+from dataclasses import dataclass
 
 from angel_jax.config import ConfigError, ModelConfig
 from models.stages import Stage, StagedModel
@@ -23,12 +25,25 @@ def get(cfg: ModelConfig) -> StagedModel:
     """The stage view of the model `cfg` describes (no arrays are allocated; built once per distinct config)."""
     if cfg.name not in FAMILIES:
         raise ConfigError(f"'model.name': unknown model {cfg.name!r}; known: {', '.join(sorted(FAMILIES))}")
-    return _get(dataclasses.astuple(cfg))
+    return _get(_Key(copy.deepcopy(cfg)))
+
+
+@dataclass(frozen=True, eq=False)
+class _Key:
+    """A model config as a cache key: equal when every field is, nested sections (model.moe) included."""
+
+    cfg: ModelConfig
+
+    def __hash__(self) -> int:
+        return hash(dataclasses.astuple(self.cfg))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, _Key) and dataclasses.astuple(self.cfg) == dataclasses.astuple(other.cfg)
 
 
 @functools.lru_cache(maxsize=16)
-def _get(key: tuple) -> StagedModel:  # a StagedModel is immutable: one per config serves every caller
-    cfg = ModelConfig(*key)
+def _get(key: _Key) -> StagedModel:  # a StagedModel is immutable: one per config serves every caller
+    cfg = key.cfg
     staged = importlib.import_module(FAMILIES[cfg.name]).staged(cfg)
     if cfg.init_from:  # parameters from a Hugging Face checkpoint instead of the random init
         from models import hf

@@ -12,6 +12,10 @@ RAM) with exactly the values the whole model gets; `tests/test_model_init.py` ch
 Sampling (`decode`, `init_cache`): a key/value cache stacked like the blocks, [n_layers, B, S, n_heads, head_dim]
 for keys and for values, so one scan runs every block on its own slice of the cache. `tests/test_decode.py` checks
 that a prefill and single-token steps give the logits of the whole-sequence forward.
+
+Mixture of experts (model.moe.experts > 0): every moe.every-th block has a mixture of GELU experts
+(models/moe.py) in place of its MLP; such blocks are stacked apart (`moe_blocks`), and the stages pass the
+auxiliary losses on next to the residual stream (models/moe_decoder.py). Such a model does not sample (yet).
 """
 
 from __future__ import annotations
@@ -22,7 +26,9 @@ from flax import nnx
 
 from angel_jax.config import ModelConfig
 from models.attention import cached_attention, causal_attention
+from models import moe_decoder
 from models.common import cross_entropy, pure_dict, stage_key
+from models.moe import MoE, MoEFigures
 from models.stages import Stage, StagedModel
 
 _INIT_STD = 0.02
@@ -56,7 +62,8 @@ class Embed(nnx.Module):
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, moe: bool = False):
+        """`moe`: a mixture of experts (models/moe.py, model.moe) in place of the MLP; call it with `routed`."""
         cdt, pdt = _dtypes(cfg)
         d, hidden = cfg.d_model, cfg.hidden
         init = nnx.initializers.normal(_INIT_STD)
@@ -67,8 +74,11 @@ class Block(nnx.Module):
         self.qkv = nnx.Linear(d, 3 * d, kernel_init=init, **lin)
         self.attn_out = nnx.Linear(d, d, kernel_init=out_init, **lin)
         self.ln_mlp = nnx.LayerNorm(d, epsilon=cfg.norm_eps, dtype=cdt, param_dtype=pdt, rngs=rngs)
-        self.mlp_in = nnx.Linear(d, hidden, kernel_init=init, **lin)
-        self.mlp_out = nnx.Linear(hidden, d, kernel_init=out_init, **lin)
+        if moe:
+            self.moe = MoE(cfg, gated=False, out_std=_INIT_STD / (2 * cfg.n_layers) ** 0.5, rngs=rngs)
+        else:
+            self.mlp_in = nnx.Linear(d, hidden, kernel_init=init, **lin)
+            self.mlp_out = nnx.Linear(hidden, d, kernel_init=out_init, **lin)
         self.n_heads = cfg.n_heads
 
     def __call__(self, x: jax.Array) -> jax.Array:
@@ -87,11 +97,21 @@ class Block(nnx.Module):
         b, t, d = x.shape
         return jnp.split(self.qkv(self.ln_attn(x)).reshape(b, t, 3 * self.n_heads, d // self.n_heads), 3, axis=2)
 
+    def routed(self, x: jax.Array) -> tuple[jax.Array, MoEFigures]:
+        """An MoE block's forward: its output and its MoE layer's figures."""
+        q, k, v = self._qkv(x)
+        x = self._attention_residual(x, causal_attention(q, k, v))
+        y, figures = self.moe(self.ln_mlp(x))
+        return x + y, figures
+
     def _residual(self, x: jax.Array, attn: jax.Array) -> jax.Array:
         """Attention's projection and the MLP, each added to the residual stream."""
-        b, t, d = x.shape
-        x = x + self.attn_out(attn.reshape(b, t, d))
+        x = self._attention_residual(x, attn)
         return x + self.mlp_out(jax.nn.gelu(self.mlp_in(self.ln_mlp(x))))
+
+    def _attention_residual(self, x: jax.Array, attn: jax.Array) -> jax.Array:
+        b, t, d = x.shape
+        return x + self.attn_out(attn.reshape(b, t, d))
 
 
 class Head(nnx.Module):
@@ -111,16 +131,28 @@ class GPT(nnx.Module):
         self.cfg = cfg
         self.embed = Embed(cfg, nnx.Rngs(params=stage_key(key, 0)))
 
-        @nnx.vmap(in_axes=0, out_axes=0)
-        def make_blocks(block_keys: jax.Array) -> Block:  # one construction, vmapped over the per-block keys
-            return Block(cfg, nnx.Rngs(params=block_keys))
+        def make_blocks(block_keys: jax.Array, moe: bool = False) -> Block:
+            # One construction, vmapped over the per-block keys.
+            return nnx.vmap(lambda k: Block(cfg, nnx.Rngs(params=k), moe), in_axes=0, out_axes=0)(block_keys)
 
-        block_keys = jax.vmap(lambda i: stage_key(key, i))(jnp.arange(1, cfg.n_layers + 1, dtype=jnp.uint32))
-        self.blocks = make_blocks(block_keys)
+        if cfg.moe.experts:  # dense and MoE blocks stacked apart (models/moe_decoder.py)
+            dense_keys, moe_keys = moe_decoder.block_keys(key, cfg, stage_key)
+            if dense_keys is not None:
+                self.blocks = make_blocks(dense_keys)
+            self.moe_blocks = make_blocks(moe_keys, moe=True)
+        else:
+            block_keys = jax.vmap(lambda i: stage_key(key, i))(jnp.arange(1, cfg.n_layers + 1, dtype=jnp.uint32))
+            self.blocks = make_blocks(block_keys)
         self.head = Head(cfg, nnx.Rngs(params=stage_key(key, cfg.n_layers + 1)))
 
-    def __call__(self, tokens: jax.Array) -> jax.Array:
+    def __call__(self, tokens: jax.Array) -> jax.Array | moe_decoder.Stream:
+        """Logits; with MoE blocks, a `moe_decoder.Stream` of the logits and the auxiliary sums."""
         x = self.embed(tokens)
+        if self.cfg.moe.experts:
+            block_def, block_state = nnx.split(self.blocks) if hasattr(self, "blocks") else (None, None)
+            moe_def, moe_state = nnx.split(self.moe_blocks)
+            s = moe_decoder.run_blocks(self.cfg, block_def, block_state, moe_def, moe_state, moe_decoder.start(x))
+            return moe_decoder.finish(self.head, s)
         block_def, block_state = nnx.split(self.blocks)
         x = run_blocks(block_def, block_state, x, scan=self.cfg.scan_blocks, remat=self.cfg.remat)
         return self.head(x)
@@ -157,7 +189,7 @@ def init_stage(cfg: ModelConfig, seed: int, stage: int) -> Params:
     if stage == 0:
         module: nnx.Module = Embed(cfg, rngs)
     elif stage <= cfg.n_layers:
-        module = Block(cfg, rngs)
+        module = Block(cfg, rngs, moe=moe_decoder.is_moe(cfg, stage - 1))
     else:
         module = Head(cfg, rngs)
     return pure_dict(nnx.state(module))
@@ -172,6 +204,8 @@ def abstract_params(cfg: ModelConfig) -> tuple[nnx.GraphDef, Params]:
 def staged(cfg: ModelConfig) -> StagedModel:
     """The stage view of the model: embed, n_layers homogeneous blocks, head."""
     abstract = nnx.eval_shape(lambda: GPT(cfg, jax.random.key(0)))
+    if cfg.moe.experts:
+        return _staged_moe(cfg, abstract)
     embed_def = nnx.graphdef(abstract.embed)
     block_def = nnx.graphdef(abstract.blocks)
     head_def = nnx.graphdef(abstract.head)
@@ -231,16 +265,45 @@ def staged(cfg: ModelConfig) -> StagedModel:
     )
 
 
+def _staged_moe(cfg: ModelConfig, abstract: GPT) -> StagedModel:
+    """The stage view with MoE blocks (models/moe_decoder.py): stages pass a `moe_decoder.Stream` on; no sampling."""
+    block_def = nnx.graphdef(abstract.blocks) if hasattr(abstract, "blocks") else None
+    return StagedModel(
+        stages=moe_decoder.stages(cfg),
+        apply=moe_decoder.stage_apply(cfg, nnx.graphdef(abstract.embed), block_def,
+                                      nnx.graphdef(abstract.moe_blocks), nnx.graphdef(abstract.head)),
+        loss=moe_decoder.loss,
+        split=lambda params: moe_decoder.split(cfg, params),
+        merge=lambda stage_params: moe_decoder.merge(cfg, stage_params),
+        init=lambda seed: init(cfg, seed),
+        init_stage=lambda seed, stage: init_stage(cfg, seed, stage),
+        abstract=lambda: abstract_params(cfg),
+        param_count=param_count(cfg),
+        flops_per_token=flops_per_token(cfg),
+        block_activation_width=max(3 * cfg.d_model + 2 * cfg.hidden,
+                                   3 * cfg.d_model + moe_decoder.routed_width(cfg, 2)),
+        figures=moe_decoder.figures(cfg),
+    )
+
+
 def param_count(cfg: ModelConfig) -> dict[str, int]:
-    """Parameter counts: total, and the part that enters matmuls (excludes embeddings and norms)."""
+    """Parameter counts: total, the part that enters matmuls (excludes embeddings and norms), and of that the part
+    one token's computation uses ('active': with MoE blocks, top_k experts of each)."""
     d, hidden, L, V = cfg.d_model, cfg.hidden, cfg.n_layers, cfg.vocab_size
-    per_block_matmul = d * 3 * d + d * d + d * hidden + hidden * d
+    attention = d * 3 * d + d * d
+    per_block_matmul = attention + d * hidden + hidden * d
     per_block_other = 3 * d + d + hidden + d + 4 * d  # biases and two LayerNorms
     embedding = V * d + cfg.seq_len * d
     head = 2 * d + d * V
+    routed = moe_decoder.moe_layers(cfg)
+    dense = L - routed
+    # An MoE block: the router, experts without biases.
+    moe_matmul, moe_active = moe_decoder.matmul_params(cfg, attention, 2 * d * hidden)
+    moe_other = 3 * d + d + 4 * d
     return {
-        "total": embedding + L * (per_block_matmul + per_block_other) + head,
-        "matmul": L * per_block_matmul + d * V,
+        "total": embedding + dense * (per_block_matmul + per_block_other) + routed * (moe_matmul + moe_other) + head,
+        "matmul": dense * per_block_matmul + routed * moe_matmul + d * V,
+        "active": dense * per_block_matmul + routed * moe_active + d * V,
     }
 
 
@@ -248,8 +311,10 @@ def flops_per_token(cfg: ModelConfig) -> float:
     """Training FLOPs per token (forward + backward), the PaLM formula: 6 * N_matmul + 12 * L * d * T.
 
     N_matmul counts weights that enter matrix products (blocks and unembedding, not the embedding lookup);
-    the second term is attention's QK^T and AV (counted for the full T x T square, as PaLM does). With remat the
-    hardware does ~8N instead of 6N; MFU is still stated against 6N ("model" FLOPs, not hardware FLOPs).
+    the second term is attention's QK^T and AV (counted for the full T x T square, as PaLM does). With MoE blocks
+    N is `param_count`'s 'active': the router and the top_k experts a token is routed to (not the dispatch and
+    combine einsums, nor slots left empty). With remat the hardware does ~8N instead of 6N; MFU is still stated
+    against 6N ("model" FLOPs, not hardware FLOPs).
     """
-    n = param_count(cfg)["matmul"]
+    n = param_count(cfg)["active"]
     return 6.0 * n + 12.0 * cfg.n_layers * cfg.d_model * cfg.seq_len

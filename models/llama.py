@@ -21,6 +21,9 @@ As in `models/gpt.py`, the blocks are created stacked (leading axis n_layers, th
 from `fold_in(key(seed), i)` alone, so `init_stage` gives one stage bit-identical to the whole model's split.
 Sampling runs through a key/value cache stacked over the layers ([L, B, S, K, D]), which `decode` scans with the
 blocks.
+
+Mixture of experts (model.moe.experts > 0): every moe.every-th block has a mixture of SwiGLU experts
+(models/moe.py) in place of its MLP, as in the GPT (models/moe_decoder.py); such a model does not sample (yet).
 """
 
 from __future__ import annotations
@@ -33,7 +36,9 @@ from flax import nnx
 
 from angel_jax.config import ConfigError, ModelConfig
 from models.attention import cached_attention, causal_attention
+from models import moe_decoder
 from models.common import cross_entropy, pure_dict, stage_key
+from models.moe import MoE, MoEFigures
 from models.stages import Stage, StagedModel
 
 _INIT_STD = 0.02
@@ -90,7 +95,9 @@ class Embed(nnx.Module):
 
 
 class Block(nnx.Module):
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, moe: bool = False):
+        """`moe`: a mixture of SwiGLU experts (models/moe.py, model.moe) in place of the MLP; call it with
+        `routed`."""
         cdt, pdt = _dtypes(cfg)
         d, hidden, hd = cfg.d_model, cfg.hidden, head_dim(cfg)
         init = nnx.initializers.normal(_INIT_STD)
@@ -105,9 +112,12 @@ class Block(nnx.Module):
         self.v = nnx.Linear(d, cfg.kv_heads * hd, kernel_init=init, **lin)
         self.o = nnx.Linear(cfg.n_heads * hd, d, kernel_init=out_init, **lin)
         self.mlp_norm = nnx.RMSNorm(d, **norm)
-        self.gate = nnx.Linear(d, hidden, kernel_init=init, **lin)
-        self.up = nnx.Linear(d, hidden, kernel_init=init, **lin)
-        self.down = nnx.Linear(hidden, d, kernel_init=out_init, **lin)
+        if moe:
+            self.moe = MoE(cfg, gated=True, out_std=_INIT_STD / (2 * cfg.n_layers) ** 0.5, rngs=rngs)
+        else:
+            self.gate = nnx.Linear(d, hidden, kernel_init=init, **lin)
+            self.up = nnx.Linear(d, hidden, kernel_init=init, **lin)
+            self.down = nnx.Linear(hidden, d, kernel_init=out_init, **lin)
         self.n_heads, self.kv_heads, self.head_dim, self.rope_theta = cfg.n_heads, cfg.kv_heads, hd, cfg.rope_theta
 
     def _qkv(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -121,14 +131,24 @@ class Block(nnx.Module):
 
     def _rest(self, x: jax.Array, attn: jax.Array) -> jax.Array:
         """The attention output projection and the SwiGLU MLP, each added to the residual stream."""
-        b, t, _ = x.shape
-        x = x + self.o(attn.reshape(b, t, self.n_heads * self.head_dim))
+        x = self._attention_residual(x, attn)
         h = self.mlp_norm(x)
         return x + self.down(jax.nn.silu(self.gate(h)) * self.up(h))
+
+    def _attention_residual(self, x: jax.Array, attn: jax.Array) -> jax.Array:
+        b, t, _ = x.shape
+        return x + self.o(attn.reshape(b, t, self.n_heads * self.head_dim))
 
     def __call__(self, x: jax.Array) -> jax.Array:
         q, k, v = self._qkv(x, jnp.arange(x.shape[1]))
         return self._rest(x, causal_attention(q, k, v))
+
+    def routed(self, x: jax.Array) -> tuple[jax.Array, MoEFigures]:
+        """An MoE block's forward: its output and its MoE layer's figures."""
+        q, k, v = self._qkv(x, jnp.arange(x.shape[1]))
+        x = self._attention_residual(x, causal_attention(q, k, v))
+        y, figures = self.moe(self.mlp_norm(x))
+        return x + y, figures
 
     def decode(self, x: jax.Array, cache_k: jax.Array, cache_v: jax.Array, pos: jax.Array
                ) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -155,15 +175,28 @@ class Llama(nnx.Module):
         self.cfg = cfg
         self.embed = Embed(cfg, nnx.Rngs(params=stage_key(key, 0)))
 
-        @nnx.vmap(in_axes=0, out_axes=0)
-        def make_blocks(block_keys: jax.Array) -> Block:  # one construction, vmapped over the per-block keys
-            return Block(cfg, nnx.Rngs(params=block_keys))
+        def make_blocks(block_keys: jax.Array, moe: bool = False) -> Block:
+            # One construction, vmapped over the per-block keys.
+            return nnx.vmap(lambda k: Block(cfg, nnx.Rngs(params=k), moe), in_axes=0, out_axes=0)(block_keys)
 
-        block_keys = jax.vmap(lambda i: stage_key(key, i))(jnp.arange(1, cfg.n_layers + 1, dtype=jnp.uint32))
-        self.blocks = make_blocks(block_keys)
+        if cfg.moe.experts:  # dense and MoE blocks stacked apart (models/moe_decoder.py)
+            dense_keys, moe_keys = moe_decoder.block_keys(key, cfg, stage_key)
+            if dense_keys is not None:
+                self.blocks = make_blocks(dense_keys)
+            self.moe_blocks = make_blocks(moe_keys, moe=True)
+        else:
+            block_keys = jax.vmap(lambda i: stage_key(key, i))(jnp.arange(1, cfg.n_layers + 1, dtype=jnp.uint32))
+            self.blocks = make_blocks(block_keys)
         self.head = Head(cfg, nnx.Rngs(params=stage_key(key, cfg.n_layers + 1)))
 
-    def __call__(self, tokens: jax.Array) -> jax.Array:
+    def __call__(self, tokens: jax.Array) -> jax.Array | moe_decoder.Stream:
+        """Logits; with MoE blocks, a `moe_decoder.Stream` of the logits and the auxiliary sums."""
+        if self.cfg.moe.experts:
+            block_def, block_state = nnx.split(self.blocks) if hasattr(self, "blocks") else (None, None)
+            moe_def, moe_state = nnx.split(self.moe_blocks)
+            s = moe_decoder.run_blocks(self.cfg, block_def, block_state, moe_def, moe_state,
+                                       moe_decoder.start(self.embed(tokens)))
+            return moe_decoder.finish(self.head, s)
         block_def, block_state = nnx.split(self.blocks)
 
         def body(h: jax.Array, params: Params) -> tuple[jax.Array, None]:
@@ -226,7 +259,7 @@ def init_stage(cfg: ModelConfig, seed: int, stage: int) -> Params:
     if stage == 0:
         module: nnx.Module = Embed(cfg, rngs)
     elif stage <= cfg.n_layers:
-        module = Block(cfg, rngs)
+        module = Block(cfg, rngs, moe=moe_decoder.is_moe(cfg, stage - 1))
     else:
         module = Head(cfg, rngs)
     return pure_dict(nnx.state(module))
@@ -249,6 +282,8 @@ def staged(cfg: ModelConfig) -> StagedModel:
     """The stage view of the model: embed, n_layers homogeneous blocks, head."""
     check(cfg)
     abstract = nnx.eval_shape(lambda: Llama(cfg, jax.random.key(0)))
+    if cfg.moe.experts:
+        return _staged_moe(cfg, abstract)
     graphdef = nnx.graphdef(abstract)
     embed_def = nnx.graphdef(abstract.embed)
     block_def = nnx.graphdef(abstract.blocks)
@@ -295,15 +330,42 @@ def staged(cfg: ModelConfig) -> StagedModel:
     )
 
 
+def _staged_moe(cfg: ModelConfig, abstract: Llama) -> StagedModel:
+    """The stage view with MoE blocks (models/moe_decoder.py): stages pass a `moe_decoder.Stream` on; no sampling."""
+    block_def = nnx.graphdef(abstract.blocks) if hasattr(abstract, "blocks") else None
+    dense_width = (cfg.n_heads + 2 * cfg.kv_heads) * head_dim(cfg) + 3 * cfg.hidden
+    return StagedModel(
+        stages=moe_decoder.stages(cfg),
+        apply=moe_decoder.stage_apply(cfg, nnx.graphdef(abstract.embed), block_def,
+                                      nnx.graphdef(abstract.moe_blocks), nnx.graphdef(abstract.head)),
+        loss=moe_decoder.loss,
+        split=lambda params: moe_decoder.split(cfg, params),
+        merge=lambda stage_params: moe_decoder.merge(cfg, stage_params),
+        init=lambda seed: init(cfg, seed),
+        init_stage=lambda seed, stage: init_stage(cfg, seed, stage),
+        abstract=lambda: abstract_params(cfg),
+        param_count=param_count(cfg),
+        flops_per_token=flops_per_token(cfg),
+        block_activation_width=max(dense_width, dense_width - 3 * cfg.hidden + moe_decoder.routed_width(cfg, 3)),
+        figures=moe_decoder.figures(cfg),
+    )
+
+
 def param_count(cfg: ModelConfig) -> dict[str, int]:
-    """Parameter counts: total, and the part that enters matmuls (excludes the embedding and the norms)."""
+    """Parameter counts: total, the part that enters matmuls (excludes the embedding and the norms), and of that the
+    part one token's computation uses ('active': with MoE blocks, top_k experts of each)."""
     d, hidden, L, V = cfg.d_model, cfg.hidden, cfg.n_layers, cfg.vocab_size
     q_width, kv_width = cfg.n_heads * head_dim(cfg), cfg.kv_heads * head_dim(cfg)
-    per_block_matmul = d * q_width + 2 * d * kv_width + q_width * d + 3 * d * hidden  # q, k, v, o; gate, up, down
+    attention = d * q_width + 2 * d * kv_width + q_width * d  # q, k, v, o
+    per_block_matmul = attention + 3 * d * hidden  # gate, up, down
     per_block_norms = 2 * d
+    routed = moe_decoder.moe_layers(cfg)
+    moe_matmul, moe_active = moe_decoder.matmul_params(cfg, attention, 3 * d * hidden)
+    dense = L - routed
     return {
-        "total": V * d + L * (per_block_matmul + per_block_norms) + d + d * V,
-        "matmul": L * per_block_matmul + d * V,
+        "total": V * d + dense * per_block_matmul + routed * moe_matmul + L * per_block_norms + d + d * V,
+        "matmul": dense * per_block_matmul + routed * moe_matmul + d * V,
+        "active": dense * per_block_matmul + routed * moe_active + d * V,
     }
 
 
@@ -313,6 +375,7 @@ def flops_per_token(cfg: ModelConfig) -> float:
     N_matmul counts the weights that enter matrix products (q, k, v, o, gate, up, down and the unembedding; with
     grouped-query attention k and v are narrower, and N_matmul says so); the second term is attention's QK^T and
     AV over the full T x T square, whose width is n_heads * head_dim = d_model whatever the number of key/value
-    heads. Model FLOPs: rematerialisation and RoPE's elementwise work are not counted.
+    heads. Model FLOPs: rematerialisation and RoPE's elementwise work are not counted. With MoE blocks N_matmul is
+    `param_count`'s 'active': the router and the top_k experts a token is routed to.
     """
-    return 6.0 * param_count(cfg)["matmul"] + 12.0 * cfg.n_layers * cfg.d_model * cfg.seq_len
+    return 6.0 * param_count(cfg)["active"] + 12.0 * cfg.n_layers * cfg.d_model * cfg.seq_len

@@ -37,11 +37,13 @@ class Stage:
 class StagedModel:
     stages: tuple[Stage, ...]
     """The stages in forward order."""
-    apply: dict[str, Callable[[PyTree, jax.Array], jax.Array]]
+    apply: dict[str, Callable[[PyTree, PyTree], PyTree]]
     """kind -> pure function (stage params, stage input) -> stage output. The first stage takes token ids,
-    the last returns float32 logits."""
-    loss: Callable[[jax.Array, jax.Array], jax.Array]
-    """(logits, integer targets) -> scalar mean loss."""
+    the last returns float32 logits. What passes between stages is an array, or a pytree of arrays whose leaves all
+    have the batch's rows as their leading axis (an MoE decoder's `moe_decoder.Stream`: the residual stream with
+    its per-row auxiliary sums); the last stage's output is then a pytree too, which `loss` and `figures` read."""
+    loss: Callable[[PyTree, jax.Array], jax.Array]
+    """(the last stage's output, integer targets) -> scalar mean loss."""
     split: Callable[[PyTree], list[PyTree]]
     """Whole-model params -> list of per-stage params (same order as `stages`)."""
     merge: Callable[[list[PyTree]], PyTree]
@@ -54,7 +56,8 @@ class StagedModel:
     abstract: Callable[[], tuple[Any, PyTree]]
     """() -> (graphdef, params as jax.ShapeDtypeStruct), allocating nothing."""
     param_count: dict[str, int]
-    """'total' parameters, and 'matmul': those that enter matrix products (for FLOP counts)."""
+    """'total' parameters, 'matmul': those that enter matrix products, and 'active': of those, the ones one token's
+    computation uses (all of them but in a mixture of experts; for FLOP counts)."""
     flops_per_token: float
     """Training FLOPs per token (forward + backward) that MFU is stated against (the formula is the family's)."""
     init_reads_files: bool = False
@@ -64,6 +67,9 @@ class StagedModel:
     """Values per token that one block call holds at its peak besides attention's T x T scores (its q, k and v,
     its MLP's hidden activations), for the scheduling pass's device-memory estimate. Every family sets it (the GPT:
     3 x d_model + 2 x hidden); it has a default only because it follows fields that have one."""
+    figures: Callable[[PyTree], dict[str, jax.Array]] | None = None
+    """Extra figures of a training step (scalars under their metric names, e.g. 'moe/aux_loss') from the last
+    stage's output or input (both carry them); None: the family has none."""
     init_cache: Callable[[int, int], PyTree] | None = None
     """(batch, max_len) -> an empty key/value cache for `decode`; None: the family cannot sample."""
     decode: Callable[[PyTree, PyTree, jax.Array, jax.Array], tuple[jax.Array, PyTree]] | None = None
@@ -72,7 +78,7 @@ class StagedModel:
     adding their own. Prefill is one call with the prompt at position 0; each further token is one call with T = 1,
     so a new token costs one position, not the whole sequence. Jittable, with `pos` traced."""
 
-    def forward(self, stage_params: list[PyTree], tokens: jax.Array) -> jax.Array:
+    def forward(self, stage_params: list[PyTree], tokens: jax.Array) -> PyTree:
         """Run every stage in sequence: the meaning of the stage decomposition."""
         x = tokens
         for stage, params in zip(self.stages, stage_params, strict=True):

@@ -87,8 +87,9 @@ def test_blocks_are_stacked_on_a_leading_layer_axis(model):
 def _count(params) -> dict[str, int]:
     leaves = jax.tree_util.tree_leaves_with_path(params)
     # matmul weights: every 'kernel' (blocks' linears and the unembedding); not the embedding lookup, norms, biases
-    return {"total": sum(int(np.prod(leaf.shape)) for _, leaf in leaves),
-            "matmul": sum(int(np.prod(leaf.shape)) for path, leaf in leaves if path[-1].key == "kernel")}
+    total = sum(int(np.prod(leaf.shape)) for _, leaf in leaves)
+    matmul = sum(int(np.prod(leaf.shape)) for path, leaf in leaves if path[-1].key == "kernel")
+    return {"total": total, "matmul": matmul, "active": matmul}  # dense: a token uses every weight
 
 
 def test_param_count_matches_the_real_parameters(model):

@@ -31,6 +31,35 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
+class MoEConfig:
+    experts: int = doc(0, "Experts per mixture-of-experts MLP; 0 = dense MLPs everywhere (no MoE).")
+    top_k: int = doc(2, "Experts each token is routed to (their gates renormalised to sum to 1 when > 1).")
+    capacity_factor: float = doc(1.25, "Slots per expert as a multiple of an even share, seq_len x top_k / experts "
+                                       "(per sequence, at most seq_len); routings past an expert's slots are dropped.")
+    aux_loss_coef: float = doc(0.01, "Weight of each MoE layer's load-balancing loss (Switch/GShard) in the loss.")
+    z_loss_coef: float = doc(0.001, "Weight of each MoE layer's router z-loss (mean squared log-sum-exp of the "
+                                    "router logits, ST-MoE) in the loss.")
+    every: int = doc(1, "An MoE MLP in every this-many-th block (blocks every-1, 2 x every-1, ...); 1 = all blocks.")
+
+    def validate(self, n_layers: int) -> list[tuple[str, str]]:
+        errs = []
+        if self.experts < 0:
+            errs.append(("experts", f"must be >= 0 (0 = dense), got {self.experts}"))
+        if self.top_k < 1 or self.experts and self.top_k > self.experts:
+            errs.append(("top_k", f"must be between 1 and moe.experts={self.experts}, got {self.top_k}"))
+        if not self.capacity_factor > 0:
+            errs.append(("capacity_factor", f"must be > 0, got {self.capacity_factor!r}"))
+        for key in ("aux_loss_coef", "z_loss_coef"):
+            if getattr(self, key) < 0:
+                errs.append((key, f"must be >= 0, got {getattr(self, key)!r}"))
+        if self.every < 1:
+            errs.append(("every", f"must be >= 1, got {self.every}"))
+        elif self.experts and n_layers > 0 and n_layers % self.every:
+            errs.append(("every", f"model.n_layers={n_layers} is not a multiple of moe.every={self.every}"))
+        return errs
+
+
+@dataclass
 class ModelConfig:
     name: str = doc("gpt", "Model family: a name in models.FAMILIES (checked when the model is built).")
     vocab_size: int = doc(256, "Vocabulary size; must cover the tokenizer's (256 for bytes).")
@@ -49,6 +78,7 @@ class ModelConfig:
     scan_blocks: bool = doc(True, "Run the blocks with one scanned body (compile time independent of depth).")
     init_from: str = doc("", "A Hugging Face checkpoint directory (config.json + model.safetensors) to start from; "
                              "its architecture must match the keys above. Empty = random init from train.seed.")
+    moe: MoEConfig = sub(MoEConfig, "Mixture-of-experts MLPs (GPT, Llama); experts 0 = dense.")
 
     def validate(self) -> list[tuple[str, str]]:
         errs = []
@@ -70,7 +100,10 @@ class ModelConfig:
             errs.append(("norm_eps", f"must be in (0, 1), got {self.norm_eps!r}"))
         if not self.rope_theta > 0:
             errs.append(("rope_theta", f"must be > 0, got {self.rope_theta!r}"))
-        return errs
+        if self.moe.experts and self.init_from:
+            errs.append(("moe.experts", "a Hugging Face checkpoint (model.init_from) holds a dense model: "
+                                        "set moe.experts to 0"))
+        return errs + [("moe." + key, problem) for key, problem in self.moe.validate(self.n_layers)]
 
     @property
     def hidden(self) -> int:

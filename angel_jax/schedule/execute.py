@@ -133,6 +133,8 @@ class PagedExecutor:
         self._last_mark: Any = None  # the previous step's last computation (see `issue`)
         self._spilling: list[list] = []  # per stage, the write handles of gradients on their way to disk
         self._grad_pages: set[int] = set()  # disk-homed gradient pages already in the store
+        figures = model.staged.figures
+        self._figures = jax.jit(figures) if figures is not None else None  # the model's step figures, if any
 
     @property
     def step_count(self) -> int:
@@ -149,7 +151,8 @@ class PagedExecutor:
     # ------------------------------------------------------------------------------------------------ one step
     def step(self, batch: jax.Array, controls: StepControls | None = None) -> dict[str, Any]:
         """One training step; returns loss, grad_norm, update_norm, lr and skipped (the last three deferred:
-        they exist once the updater has dispatched the step's updates). `controls`: the anomaly guard's bounds
+        they exist once the updater has dispatched the step's updates), and the model's figures
+        (`StagedModel.figures`, e.g. moe/aux_loss: their mean over the passes) if it has any. `controls`: the anomaly guard's bounds
         and learning-rate multiplier (train/step.py), None = only finiteness is checked."""
         plan, store, fns, staged, updater = self.plan, self.store, self.fns, self.model.staged, self.updater
         self._poll_recording()
@@ -214,6 +217,7 @@ class PagedExecutor:
         host_sums: dict[int, tuple] = {}  # per stage summed on the host, its passes' gradients so far
         sqsums: list[jax.Array | None] = [None] * self._n
         loss = None
+        figure_parts: list[dict] = []  # per pass, the model's figures of its micro-batches
         k = 0  # the access's index in the step's sequence
         for p in range(passes):
             last_pass = p == passes - 1
@@ -227,6 +231,9 @@ class PagedExecutor:
                     saved[i] = x
                     x = out = mark = (fns.forward if per_pass == 1 else fns.forward_micro)[kind](pages, x)
                 else:
+                    if op == "head" and self._figures is not None:
+                        # The model's figures, read from the head's input (a pytree activation carries them).
+                        figure_parts.append(self._figures(x))
                     out, sqsums[i], mark, x, loss = self._backward(op, i, pages, saved[i], x, ts, sums, loss, micro,
                                                                    last_pass)
                     saved[i] = None
@@ -259,7 +266,8 @@ class PagedExecutor:
         if rec:
             recorder, left, _ = self._recording
             self._recording = (recorder, left - 1, deferred["update_norm"])
-        return {"loss": loss, "grad_norm": norm, **deferred}
+        figures = jax.tree.map(lambda *f: sum(f) / len(f), *figure_parts) if figure_parts else {}
+        return {"loss": loss, "grad_norm": norm, **deferred, **figures}
 
     def _micro_batches(self, batch: jax.Array) -> tuple[list[jax.Array], list[jax.Array]]:
         """The inputs and targets of each micro-batch of `batch` (int32[B, T+1]; `split_batch`)."""

@@ -89,7 +89,7 @@ class InMemoryEngine:
         micro_batches = cfg.train.micro_batches(mesh.devices.size)
         by_rank = self.batch_sharding
         phases = make_step_phases(graphdef, opt, model.loss, micro_batches, mesh.devices.size,
-                                  lambda tree: jax.lax.with_sharding_constraint(tree, by_rank))
+                                  lambda tree: jax.lax.with_sharding_constraint(tree, by_rank), model.figures)
         # The clipped gradients come out laid out like the parameters, the new state like the old one.
         self._judge = jax.jit(phases.judge, out_shardings=(self.shardings.params, self.replicated, self.replicated))
         self._apply_fn = phases.apply

@@ -10,7 +10,9 @@ micro-batches one after another in a `scan` (float32 sums, scaled by 1/M once): 
 gradient, with the activations of one micro-batch at a time.
 
 `StepControls` are per-step scalars from the host: the update guard's bounds and a learning-rate multiplier
-(angel_jax/optim/guard.py, the one guard every engine uses). The loss is the model's (`StagedModel.loss`).
+(angel_jax/optim/guard.py, the one guard every engine uses). The loss is the model's (`StagedModel.loss`); a
+model's own figures of a step (`StagedModel.figures`, e.g. a mixture of experts' auxiliary loss and drop rate) join
+the step's metrics.
 """
 
 from __future__ import annotations
@@ -43,19 +45,30 @@ def init_state(params: Any, tx: optax.GradientTransformation) -> TrainState:
     return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=tx.init(params))
 
 
-def make_loss_fn(graphdef: nnx.GraphDef, loss: Callable[[jax.Array, jax.Array], jax.Array]
+Figures = Callable[[Any], dict[str, jax.Array]]
+"""The model's output -> extra step metrics (`StagedModel.figures`, e.g. an MoE's auxiliary loss and drop rate)."""
+
+
+def make_loss_fn(graphdef: nnx.GraphDef, loss: Callable[[Any, jax.Array], jax.Array]
                  ) -> Callable[[Any, jax.Array], jax.Array]:
     """loss_fn(params, batch[int32, B x (T+1)]) -> the mean next-token loss: what a step differentiates, and what
     an evaluation computes alone (`InMemoryEngine.eval_loss`)."""
+    loss_and_figures = make_loss_and_figures(graphdef, loss)
+    return lambda params, batch: loss_and_figures(params, batch)[0]
 
-    def loss_fn(params: Any, batch: jax.Array) -> jax.Array:
-        logits = nnx.merge(graphdef, params)(batch[:, :-1])
-        return loss(logits, batch[:, 1:])
+
+def make_loss_and_figures(graphdef: nnx.GraphDef, loss: Callable[[Any, jax.Array], jax.Array],
+                          figures: Figures | None = None) -> Callable[[Any, jax.Array], tuple[jax.Array, dict]]:
+    """(params, batch) -> (`make_loss_fn`'s loss, the model's figures of the batch: {} without `figures`)."""
+
+    def loss_fn(params: Any, batch: jax.Array) -> tuple[jax.Array, dict]:
+        out = nnx.merge(graphdef, params)(batch[:, :-1])
+        return loss(out, batch[:, 1:]), ({} if figures is None else figures(out))
 
     return loss_fn
 
 
-def make_micro_loss_fn(graphdef: nnx.GraphDef, loss: Callable[[jax.Array, jax.Array], jax.Array],
+def make_micro_loss_fn(graphdef: nnx.GraphDef, loss: Callable[[Any, jax.Array], jax.Array],
                        micro_batches: int = 1) -> Callable[[Any, jax.Array], jax.Array]:
     """`make_loss_fn`'s loss taken over `micro_batches` equal micro-batches one after another (`split_batch`; a
     `scan`: the activations of one micro-batch at a time), their mean: the whole batch's mean loss."""
@@ -73,12 +86,13 @@ def make_micro_loss_fn(graphdef: nnx.GraphDef, loss: Callable[[jax.Array, jax.Ar
     return micro_loss
 
 
-def make_value_and_grad(graphdef: nnx.GraphDef, loss: Callable[[jax.Array, jax.Array], jax.Array],
+def make_value_and_grad(graphdef: nnx.GraphDef, loss: Callable[[Any, jax.Array], jax.Array],
                         micro_batches: int = 1, ranks: int = 1,
-                        on_ranks: Callable[[Any], Any] | None = None
-                        ) -> Callable[[Any, jax.Array], tuple[jax.Array, Any]]:
-    """(params, batch) -> (mean loss, its gradients). With several micro-batches (gradient accumulation): a `scan`
-    over them (`split_batch`) adding each one's loss and gradients into float32 sums, which are scaled by
+                        on_ranks: Callable[[Any], Any] | None = None, figures: Figures | None = None
+                        ) -> Callable[[Any, jax.Array], tuple[jax.Array, Any, dict]]:
+    """(params, batch) -> (mean loss, its gradients, the model's figures: their mean over the micro-batches, {}
+    without `figures`). With several micro-batches (gradient accumulation): a `scan` over them (`split_batch`)
+    adding each one's loss and gradients into float32 sums, which are scaled by
     1/micro_batches once at the end: the gradient of the whole batch's mean loss (equal-size micro-batches), with
     the activations of one micro-batch at a time.
 
@@ -86,19 +100,24 @@ def make_value_and_grad(graphdef: nnx.GraphDef, loss: Callable[[jax.Array, jax.A
     differentiated apart (a `vmap` over ranks) into per-rank float32 sums, laid out over the ranks by `on_ranks`
     (a sharding constraint on the leading axis), and summed over the ranks once at the end: one gradient
     reduction per step, not one per micro-batch."""
-    loss_fn = make_loss_fn(graphdef, loss)
+    one_grad = jax.value_and_grad(make_loss_and_figures(graphdef, loss, figures), has_aux=True)
     if micro_batches == 1:
-        return jax.value_and_grad(loss_fn)
+        def whole(params: Any, batch: jax.Array) -> tuple[jax.Array, Any, dict]:
+            (value, figs), grads = one_grad(params, batch)
+            return value, grads, figs
+
+        return whole
     per_rank = ranks > 1
-    grad_fn = jax.vmap(jax.value_and_grad(loss_fn), in_axes=(None, 0)) if per_rank else jax.value_and_grad(loss_fn)
+    grad_fn = jax.vmap(one_grad, in_axes=(None, 0)) if per_rank else one_grad
     lay_out = on_ranks if per_rank and on_ranks is not None else (lambda tree: tree)
 
-    def value_and_grad(params: Any, batch: jax.Array) -> tuple[jax.Array, Any]:
+    def value_and_grad(params: Any, batch: jax.Array) -> tuple[jax.Array, Any, dict]:
         def body(carry: tuple, micro: jax.Array) -> tuple[tuple, None]:
-            total, acc = carry
-            value, grads = grad_fn(params, micro)
+            total, acc, fig_sums = carry
+            (value, figs), grads = grad_fn(params, micro)
             acc = lay_out(jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads))
-            return (total + value.astype(jnp.float32), acc), None
+            fig_sums = jax.tree.map(lambda a, f: a + f.astype(jnp.float32), fig_sums, figs)
+            return (total + value.astype(jnp.float32), acc, fig_sums), None
 
         micro = split_batch(batch, micro_batches)
         lead: tuple[int, ...] = ()
@@ -106,26 +125,31 @@ def make_value_and_grad(graphdef: nnx.GraphDef, loss: Callable[[jax.Array, jax.A
             micro = micro.reshape(micro_batches, ranks, micro.shape[1] // ranks, *micro.shape[2:])
             lead = (ranks,)
         zeros = lay_out(jax.tree.map(lambda p: jnp.zeros(lead + p.shape, jnp.float32), params))
-        (total, acc), _ = jax.lax.scan(body, (jnp.zeros(lead, jnp.float32), zeros), micro)
+        fig_zeros = {} if figures is None else jax.tree.map(  # (shapes only: nothing is computed twice)
+            lambda f: jnp.zeros(f.shape, jnp.float32), jax.eval_shape(grad_fn, params, micro[0])[0][1])
+        (total, acc, fig_sums), _ = jax.lax.scan(body, (jnp.zeros(lead, jnp.float32), zeros, fig_zeros), micro)
         if per_rank:  # the one reduction over the ranks
             total, acc = jnp.sum(total), jax.tree.map(lambda a: jnp.sum(a, axis=0), acc)
+            fig_sums = jax.tree.map(jnp.sum, fig_sums)
         scale = jnp.float32(1 / (micro_batches * ranks if per_rank else micro_batches))
-        return total * scale, jax.tree.map(lambda a, p: (a * scale).astype(p.dtype), acc, params)
+        return (total * scale, jax.tree.map(lambda a, p: (a * scale).astype(p.dtype), acc, params),
+                jax.tree.map(lambda f: f * scale, fig_sums))
 
     return value_and_grad
 
 
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, schedule: optax.Schedule,
-                    loss: Callable[[jax.Array, jax.Array], jax.Array]) -> Callable[..., tuple[TrainState, dict]]:
+                    loss: Callable[[Any, jax.Array], jax.Array],
+                    figures: Figures | None = None) -> Callable[..., tuple[TrainState, dict]]:
     """step(state, batch[int32, B x (T+1)], controls=None) -> (new state, metrics). The gradient norm is the one
     before clipping; metrics["skipped"] is 1.0 when the guard dropped the update (a non-finite loss or norm is
-    always dropped; without controls there are no other bounds)."""
-    loss_fn = make_loss_fn(graphdef, loss)
+    always dropped; without controls there are no other bounds). The model's `figures` join the metrics."""
+    value_and_grad = make_value_and_grad(graphdef, loss, figures=figures)
 
     def step(state: TrainState, batch: jax.Array, controls: StepControls | None = None) -> tuple[TrainState, dict]:
         if controls is None:
             controls = StepControls().as_arrays()
-        value, grads = jax.value_and_grad(loss_fn)(state.params, batch)
+        value, grads, figs = value_and_grad(state.params, batch)
         updates, opt_state = tx.update(grads, state.opt_state, state.params)
         updates = jax.tree.map(lambda u: u * controls.lr_scale.astype(u.dtype), updates)
         params = optax.apply_updates(state.params, updates)
@@ -140,6 +164,7 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, sc
             "update_norm": update_norm,
             "lr": schedule(state.step) * controls.lr_scale,
             "skipped": 1.0 - ok.astype(jnp.float32),
+            **figs,
         }
         return new_state, metrics
 
@@ -159,8 +184,8 @@ class StepPhases:
 
 
 def make_step_phases(graphdef: nnx.GraphDef, opt: SplitOptimizer,
-                     loss: Callable[[jax.Array, jax.Array], jax.Array], micro_batches: int = 1, ranks: int = 1,
-                     on_ranks: Callable[[Any], Any] | None = None) -> StepPhases:
+                     loss: Callable[[Any, jax.Array], jax.Array], micro_batches: int = 1, ranks: int = 1,
+                     on_ranks: Callable[[Any], Any] | None = None, figures: Figures | None = None) -> StepPhases:
     """`make_train_step`'s arithmetic (with `opt.tx` as its transformation) in two phases, in the memory of an
     unguarded step.
 
@@ -172,8 +197,9 @@ def make_step_phases(graphdef: nnx.GraphDef, opt: SplitOptimizer,
     The update is computed twice: one more pass over the optimizer state, small next to forward and backward.
 
     `micro_batches` > 1: `judge` accumulates the loss and gradients over that many micro-batches of the batch
-    (`make_value_and_grad`, with `ranks` and `on_ranks`); the rest is as with one."""
-    value_and_grad = make_value_and_grad(graphdef, loss, micro_batches, ranks, on_ranks)
+    (`make_value_and_grad`, with `ranks` and `on_ranks`); the rest is as with one. The model's `figures` (their
+    mean over the micro-batches) join `judge`'s metrics."""
+    value_and_grad = make_value_and_grad(graphdef, loss, micro_batches, ranks, on_ranks, figures)
 
     def update(clipped: Any, state: TrainState, controls: StepControls) -> tuple[Any, Any]:
         updates, core = opt.core.update(clipped, opt.core_state(state.opt_state), state.params)
@@ -181,7 +207,7 @@ def make_step_phases(graphdef: nnx.GraphDef, opt: SplitOptimizer,
         return updates, opt.with_core_state(state.opt_state, core)
 
     def judge(state: TrainState, batch: jax.Array, controls: StepControls) -> tuple[Any, jax.Array, dict]:
-        value, grads = value_and_grad(state.params, batch)
+        value, grads, figs = value_and_grad(state.params, batch)
         grad_norm = optax.tree.norm(grads)
         clipped = clip_with_norm(grads, grad_norm, opt.max_norm)
         update_norm = optax.tree.norm(update(clipped, state, controls)[0])
@@ -192,6 +218,7 @@ def make_step_phases(graphdef: nnx.GraphDef, opt: SplitOptimizer,
             "update_norm": update_norm,
             "lr": opt.schedule(state.step) * controls.lr_scale,
             "skipped": 1.0 - ok.astype(jnp.float32),
+            **figs,
         }
         return clipped, ok, metrics
 

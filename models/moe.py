@@ -1,0 +1,133 @@
+"""A mixture-of-experts MLP in Flax NNX (GShard / Switch style), for the GPT and Llama blocks.
+
+    moe = MoE(cfg, gated=False, out_std=..., rngs=rngs)   # model.moe: experts, top_k, capacity_factor, ...
+    y, figures = moe(h)                                   # h [B, T, d] -> y [B, T, d]; figures per row [B]
+
+A router (a linear map to the experts, softmax in float32) picks each token's top_k experts. Every sequence is a
+routing group of its own (GShard's groups): each expert has `capacity` slots per sequence; a sequence's first
+choices take slots before its second choices, tokens in order, and routings past an expert's last slot are dropped:
+the expert does not see the token, and a token dropped by all of its experts gets 0 from the layer (the block's
+residual carries it on). Dispatch and combine are einsums with one-hot [B, T, E, C] masks, so every shape is static
+and the layer jits as one program. The experts' weights are stacked, [E, d, h] and [E, h, d]: a GELU MLP (GPT) or a
+gated SwiGLU MLP (Llama), without biases.
+
+Per row the layer also gives its auxiliary loss, aux_loss_coef x load balance + z_loss_coef x router z-loss, and
+its token-drop rate (see `route`). Routing is per sequence, so every figure is per row: a batch split into
+micro-batches or over devices by rows routes exactly as the whole batch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from angel_jax.config import ModelConfig
+
+_INIT_STD = 0.02
+
+
+def capacity(tokens: int, experts: int, top_k: int, factor: float) -> int:
+    """Slots per expert in a group of `tokens`: `factor` x an even share of the group's routings, at least 1 and at
+    most `tokens` (an expert never gets a token twice, so more slots than tokens would stay empty)."""
+    return max(1, min(tokens, math.ceil(factor * tokens * top_k / experts)))
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class Routing:
+    """How one layer routes a batch: masks [B, T, E, C] and figures per row [B] (float32)."""
+
+    dispatch: jax.Array
+    """1 where token t takes slot c of expert e, else 0."""
+    combine: jax.Array
+    """The dispatch mask weighted by the token's gate for that expert."""
+    balance: jax.Array
+    """Load-balancing loss E x sum_e f_e p_e: f_e the share of the row's routings (top_k per token, before capacity)
+    that go to expert e, p_e the router probability of e averaged over the row's tokens. 1 when balanced."""
+    z_loss: jax.Array
+    """Router z-loss: the mean over the row's tokens of logsumexp(router logits)^2."""
+    drop_rate: jax.Array
+    """Share of the row's routings (tokens x top_k) that found their expert full."""
+
+
+def route(logits: jax.Array, top_k: int, slots: int) -> Routing:
+    """Route tokens by their router logits [B, T, E] (float32) to their top_k experts, `slots` per expert and row.
+
+    Gates: the top_k softmax probabilities, renormalised to sum to 1 when top_k > 1 (with top_k = 1 the gate is the
+    probability itself, so the router still gets a gradient through it). Priority for slots: every token's first
+    choice before any token's second, tokens in sequence order within a choice."""
+    b, t, e = logits.shape
+    probs = jax.nn.softmax(logits, axis=-1)
+    gates, experts = jax.lax.top_k(probs, top_k)  # [B, T, k]
+    if top_k > 1:
+        gates = gates / jnp.sum(gates, axis=-1, keepdims=True)
+    choice = jax.nn.one_hot(experts, e, dtype=jnp.int32)  # [B, T, k, E]
+    by_priority = choice.transpose(0, 2, 1, 3).reshape(b, top_k * t, e)  # choice-major: [B, k x T, E]
+    taken = jnp.cumsum(by_priority, axis=1).reshape(b, top_k, t, e).transpose(0, 2, 1, 3)  # slots used so far
+    position = jnp.sum((taken - 1) * choice, axis=-1)  # [B, T, k]: the routing's slot in its expert
+    kept = position < slots
+    slot = jax.nn.one_hot(position, slots, dtype=jnp.float32) * kept[..., None]  # [B, T, k, C]
+    chosen = choice.astype(jnp.float32)
+    dispatch = jnp.einsum("btke,btkc->btec", chosen, slot)
+    combine = jnp.einsum("btke,btkc->btec", chosen * gates[..., None], slot)
+    share = jnp.mean(jnp.sum(chosen, axis=2), axis=1) / top_k  # [B, E]
+    balance = e * jnp.sum(share * jnp.mean(probs, axis=1), axis=-1)
+    z_loss = jnp.mean(jax.nn.logsumexp(logits, axis=-1) ** 2, axis=-1)
+    drop_rate = jnp.mean((~kept).astype(jnp.float32), axis=(1, 2))
+    return Routing(dispatch, combine, balance, z_loss, drop_rate)
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class MoEFigures:
+    """What one MoE layer adds to the training figures, per row [B] (float32)."""
+
+    aux_loss: jax.Array
+    """aux_loss_coef x load balance + z_loss_coef x router z-loss: the layer's term of the loss."""
+    drop_rate: jax.Array
+    """The layer's token-drop rate (`Routing.drop_rate`)."""
+
+
+class MoE(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, gated: bool, out_std: float, rngs: nnx.Rngs):
+        """`gated`: SwiGLU experts (gate, up, down) instead of GELU ones (in, out); `out_std`: the init scale of
+        the experts' output projections (the family's residual scaling)."""
+        moe, d, h = cfg.moe, cfg.d_model, cfg.hidden
+        pdt = jnp.dtype(cfg.param_dtype)
+        self.compute_dtype = jnp.dtype(cfg.compute_dtype)
+        self.experts, self.top_k, self.capacity_factor = moe.experts, moe.top_k, moe.capacity_factor
+        self.aux_loss_coef, self.z_loss_coef, self.gated = moe.aux_loss_coef, moe.z_loss_coef, gated
+        init, out_init = nnx.initializers.normal(_INIT_STD), nnx.initializers.normal(out_std)
+        # The router in float32 whatever the compute dtype: its softmax decides where tokens go.
+        self.router = nnx.Linear(d, moe.experts, use_bias=False, dtype=jnp.float32, param_dtype=pdt,
+                                 kernel_init=init, rngs=rngs)
+        e = moe.experts
+        if gated:
+            self.gate = nnx.Param(init(rngs.params(), (e, d, h), pdt))
+            self.up = nnx.Param(init(rngs.params(), (e, d, h), pdt))
+            self.down = nnx.Param(out_init(rngs.params(), (e, h, d), pdt))
+        else:
+            self.w_in = nnx.Param(init(rngs.params(), (e, d, h), pdt))
+            self.w_out = nnx.Param(out_init(rngs.params(), (e, h, d), pdt))
+
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, MoEFigures]:
+        """x [B, T, d] (the block's normalised stream) -> (the experts' output [B, T, d], the layer's figures)."""
+        cdt = self.compute_dtype
+        routing = route(self.router(x.astype(jnp.float32)), self.top_k,
+                        capacity(x.shape[1], self.experts, self.top_k, self.capacity_factor))
+        expert_in = jnp.einsum("btec,btd->becd", routing.dispatch.astype(cdt), x.astype(cdt))  # [B, E, C, d]
+        if self.gated:
+            gate = jnp.einsum("becd,edh->bech", expert_in, self.gate[...].astype(cdt))
+            up = jnp.einsum("becd,edh->bech", expert_in, self.up[...].astype(cdt))
+            out = jnp.einsum("bech,ehd->becd", jax.nn.silu(gate) * up, self.down[...].astype(cdt))
+        else:
+            hidden = jax.nn.gelu(jnp.einsum("becd,edh->bech", expert_in, self.w_in[...].astype(cdt)))
+            out = jnp.einsum("bech,ehd->becd", hidden, self.w_out[...].astype(cdt))
+        # Combined in float32: the gates weigh the experts' outputs at full precision.
+        y = jnp.einsum("btec,becd->btd", routing.combine, out.astype(jnp.float32)).astype(cdt)
+        aux = self.aux_loss_coef * routing.balance + self.z_loss_coef * routing.z_loss
+        return y, MoEFigures(aux, routing.drop_rate)

@@ -1,0 +1,192 @@
+"""How mixture-of-experts blocks sit in a decoder (GPT, Llama): which blocks route, what flows between stages, the
+loss with the auxiliary terms, and the stage view's pieces that differ from a dense decoder's.
+
+With model.moe.experts > 0, block j has an MoE MLP when (j + 1) % moe.every == 0 (every block when every is 1;
+Switch's every other block when it is 2), a dense MLP otherwise. The two kinds of block have different parameters,
+so the whole model stacks them apart, `blocks` (dense) and `moe_blocks` ([n_layers / every] each), and runs them
+as n_layers / every groups of (every - 1 dense blocks, 1 MoE block), one scanned body per group.
+
+What flows between stages is a `Stream`: the residual stream and, per row, the running sums of the MoE layers'
+auxiliary losses and token-drop rates. The embedding starts both sums at 0, each MoE block adds its own, the head
+passes them on next to the logits, and the loss adds the mean over rows of the auxiliary sum to the
+cross-entropy. So the auxiliary terms reach the loss, and their gradients the router, in the whole model and in the
+stage-by-stage engine alike, with nothing but pytrees crossing the stage boundaries. Dense models (experts 0) do not
+use this module: their activations stay plain arrays.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from angel_jax.config import ModelConfig
+from models.common import cross_entropy
+from models.moe import capacity
+from models.stages import Stage
+
+Params = dict
+
+
+@jax.tree_util.register_dataclass
+@dataclass(frozen=True)
+class Stream:
+    """What an MoE decoder's stages pass on."""
+
+    x: jax.Array
+    """The residual stream [B, T, d] between blocks; after the head, the float32 logits [B, T, V]."""
+    aux_loss: jax.Array
+    """float32 [B]: per row, the sum of the auxiliary losses (weighted) of the MoE layers run so far."""
+    drop_rate: jax.Array
+    """float32 [B]: per row, the sum of the token-drop rates of the MoE layers run so far."""
+
+
+def is_moe(cfg: ModelConfig, block: int) -> bool:
+    """Whether block `block` (0-based) has an MoE MLP."""
+    return cfg.moe.experts > 0 and (block + 1) % cfg.moe.every == 0
+
+
+def moe_layers(cfg: ModelConfig) -> int:
+    return sum(is_moe(cfg, j) for j in range(cfg.n_layers))
+
+
+def stages(cfg: ModelConfig) -> tuple[Stage, ...]:
+    """embed, block.0 .. block.{n_layers-1} (kind 'moe_block' for MoE blocks, 'block' for dense ones), head."""
+    blocks = tuple(Stage(f"block.{j}", "moe_block" if is_moe(cfg, j) else "block") for j in range(cfg.n_layers))
+    return (Stage("embed", "embed"),) + blocks + (Stage("head", "head"),)
+
+
+# ----------------------------------------------------------------------------------------- one stage at a time
+
+
+def start(x: jax.Array) -> Stream:
+    """The embedding's output: no auxiliary loss or drops yet."""
+    zeros = jnp.zeros(x.shape[:1], jnp.float32)
+    return Stream(x, zeros, zeros)
+
+
+def through_dense(block: Any, s: Stream) -> Stream:
+    return Stream(block(s.x), s.aux_loss, s.drop_rate)
+
+
+def through_moe(block: Any, s: Stream) -> Stream:
+    """An MoE block: `block.routed(x)` gives its output and its `MoEFigures`."""
+    x, figures = block.routed(s.x)
+    return Stream(x, s.aux_loss + figures.aux_loss, s.drop_rate + figures.drop_rate)
+
+
+def finish(head: Any, s: Stream) -> Stream:
+    return Stream(head(s.x), s.aux_loss, s.drop_rate)
+
+
+def loss(out: Stream, targets: jax.Array) -> jax.Array:
+    """Mean next-token cross-entropy plus the mean over rows of the MoE layers' auxiliary losses."""
+    return cross_entropy(out.x, targets) + jnp.mean(out.aux_loss)
+
+
+def figures(cfg: ModelConfig) -> Callable[[Stream], dict[str, jax.Array]]:
+    """The step figures of a Stream that went through every block (the model's output, or the head's input):
+    moe/aux_loss, the auxiliary term of the loss (every MoE layer's, weighted), and moe/drop_rate, the share of
+    routings dropped, averaged over the MoE layers. Means over every leading axis (rows, and micro-batches when
+    they are stacked)."""
+    layers = moe_layers(cfg)
+
+    def of(s: Stream) -> dict[str, jax.Array]:
+        return {"moe/aux_loss": jnp.mean(s.aux_loss), "moe/drop_rate": jnp.mean(s.drop_rate) / layers}
+
+    return of
+
+
+def stage_apply(cfg: ModelConfig, embed_def: nnx.GraphDef, block_def: nnx.GraphDef | None,
+                moe_def: nnx.GraphDef, head_def: nnx.GraphDef) -> dict[str, Callable]:
+    """kind -> (stage params, Stream or token ids) -> Stream."""
+    remat = jax.checkpoint if cfg.remat else (lambda f: f)
+    apply = {
+        "embed": lambda p, tokens: start(nnx.merge(embed_def, p)(tokens)),
+        "moe_block": remat(lambda p, s: through_moe(nnx.merge(moe_def, p), s)),
+        "head": lambda p, s: finish(nnx.merge(head_def, p), s),
+    }
+    if block_def is not None:
+        apply["block"] = remat(lambda p, s: through_dense(nnx.merge(block_def, p), s))
+    return apply
+
+
+def matmul_params(cfg: ModelConfig, attention: int, expert: int) -> tuple[int, int]:
+    """(all, active) matmul parameters of an MoE block whose attention has `attention` and each expert `expert`:
+    all experts, and the top_k a token uses; both with the router."""
+    router = cfg.d_model * cfg.moe.experts
+    return attention + router + cfg.moe.experts * expert, attention + router + cfg.moe.top_k * expert
+
+
+def routed_width(cfg: ModelConfig, hidden_arrays: int) -> int:
+    """Values per token an MoE block's MLP holds at its peak (`StagedModel.block_activation_width`): its expert
+    slots per token (E x C / T, about capacity_factor x top_k) each with `hidden_arrays` hidden activations and its
+    input and output, and the float32 dispatch and combine masks, E x C values each (counted twice: float32)."""
+    t, moe = cfg.seq_len, cfg.moe
+    c = capacity(t, moe.experts, moe.top_k, moe.capacity_factor)
+    slots = moe.experts * c / t
+    return math.ceil(slots * (hidden_arrays * cfg.hidden + 2 * cfg.d_model)) + 4 * moe.experts * c
+
+
+# ------------------------------------------------------------------------------------------- the whole model
+
+
+def block_keys(key: jax.Array, cfg: ModelConfig, stage_key: Callable) -> tuple[jax.Array | None, jax.Array]:
+    """The stage keys of the dense blocks (None when there are none) and of the MoE blocks, in block order: block j
+    draws from stage_key(key, 1 + j) whichever stack it is in."""
+    dense = [1 + j for j in range(cfg.n_layers) if not is_moe(cfg, j)]
+    routed = [1 + j for j in range(cfg.n_layers) if is_moe(cfg, j)]
+
+    def keys(ids: list[int]) -> jax.Array:
+        return jax.vmap(lambda i: stage_key(key, i))(jnp.asarray(ids, dtype=jnp.uint32))
+
+    return (keys(dense) if dense else None), keys(routed)
+
+
+def run_blocks(cfg: ModelConfig, block_def: nnx.GraphDef | None, dense: Any, moe_def: nnx.GraphDef, routed: Any,
+               s: Stream) -> Stream:
+    """The stacked blocks in order: n_layers / every groups of (every - 1 dense blocks, one MoE block), scanned
+    (one compiled body) or unrolled as model.scan_blocks says; `dense` is None when every is 1."""
+    every = cfg.moe.every
+
+    def body(s: Stream, group: tuple) -> tuple[Stream, None]:
+        dense_g, moe_g = group
+        for i in range(every - 1):
+            s = through_dense(nnx.merge(block_def, jax.tree.map(lambda a, i=i: a[i], dense_g)), s)
+        return through_moe(nnx.merge(moe_def, moe_g), s), None
+
+    if cfg.remat:
+        body = jax.checkpoint(body)
+    groups = cfg.n_layers // every
+    if dense is not None:  # [groups x (every - 1), ...] -> [groups, every - 1, ...]
+        dense = jax.tree.map(lambda a: a.reshape(groups, every - 1, *a.shape[1:]), dense)
+    if cfg.scan_blocks:
+        return jax.lax.scan(body, s, (dense, routed))[0]
+    for g in range(groups):
+        s = body(s, jax.tree.map(lambda a, g=g: a[g], (dense, routed)))[0]
+    return s
+
+
+def split(cfg: ModelConfig, params: Params) -> list[Params]:
+    """Whole-model params ({embed, [blocks], moe_blocks, head}) -> one pytree per stage."""
+    out, taken = [params["embed"]], {"blocks": 0, "moe_blocks": 0}
+    for j in range(cfg.n_layers):
+        stack = "moe_blocks" if is_moe(cfg, j) else "blocks"
+        out.append(jax.tree.map(lambda a, i=taken[stack]: a[i], params[stack]))
+        taken[stack] += 1
+    return out + [params["head"]]
+
+
+def merge(cfg: ModelConfig, stage_params: list[Params]) -> Params:
+    """Inverse of `split`."""
+    embed, *blocks, head = stage_params
+    out = {"embed": embed, "head": head}
+    for stack, moe in (("blocks", False), ("moe_blocks", True)):
+        members = [b for j, b in enumerate(blocks) if is_moe(cfg, j) == moe]
+        if members:
+            out[stack] = jax.tree.map(lambda *xs: jnp.stack(xs), *members)
+    return out
