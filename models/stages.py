@@ -17,6 +17,7 @@ kinds and parameter pytrees, never Flax modules.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -37,9 +38,10 @@ class Stage:
 class StagedModel:
     stages: tuple[Stage, ...]
     """The stages in forward order."""
-    apply: dict[str, Callable[[PyTree, jax.Array], jax.Array]]
+    apply: dict[str, Callable[[PyTree, PyTree], PyTree]]
     """kind -> pure function (stage params, stage input) -> stage output. The first stage takes token ids,
-    the last returns float32 logits."""
+    the last returns float32 logits; the activations between stages are arrays or pytrees of arrays (T5's are
+    pairs: the stream a stage transforms and the one it passes on)."""
     loss: Callable[[jax.Array, jax.Array], jax.Array]
     """(logits, integer targets) -> scalar mean loss."""
     split: Callable[[PyTree], list[PyTree]]
@@ -64,6 +66,13 @@ class StagedModel:
     """Values per token that one block call holds at its peak besides attention's T x T scores (its q, k and v,
     its MLP's hidden activations), for the scheduling pass's device-memory estimate. Every family sets it (the GPT:
     3 x d_model + 2 x hidden); it has a default only because it follows fields that have one."""
+    saved_input_values: int = 0
+    """Values one row's stage inputs hold between a step's forward and backward, summed over every stage but the
+    first (whose input is the token ids), for the scheduling pass's device-memory estimate; 0: a chain of d_model
+    wide activations of seq_len positions, (stages - 1) x seq_len x d_model (the GPT's and Llama's)."""
+    forward_flops_per_row: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Stage kind -> forward FLOPs of one stage of that kind on one row, for `angel-jax plan --estimate`; empty:
+    estimated there from the stage's weights (2 per weight per token, plus attention's for a 'block')."""
     init_cache: Callable[[int, int], PyTree] | None = None
     """(batch, max_len) -> an empty key/value cache for `decode`; None: the family cannot sample."""
     decode: Callable[[PyTree, PyTree, jax.Array, jax.Array], tuple[jax.Array, PyTree]] | None = None

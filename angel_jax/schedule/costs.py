@@ -73,7 +73,7 @@ def profile_costs(fns: StageFunctions, updates: StageUpdates, params_layout: Pag
         if kind not in per_kind:
             if micro_batches > 1:
                 forward, backward = fns.forward_micro[kind], fns.backward_micro[kind]
-                xs = jnp.broadcast_to(x, (micro_batches, *x.shape))
+                xs = jax.tree.map(lambda a: jnp.broadcast_to(a, (micro_batches, *a.shape)), x)  # (x: a pytree)
                 second = jnp.broadcast_to(targets, (micro_batches, *targets.shape)) if idx == last else None
             else:
                 forward, backward, xs, second = fns.forward[kind], fns.backward[kind], x, targets
@@ -81,7 +81,7 @@ def profile_costs(fns: StageFunctions, updates: StageUpdates, params_layout: Pag
                 fwd_s, bwd_s = 0.0, _time(lambda _: backward(pages, xs, second))
             else:
                 fwd_s = _time(lambda _: forward(pages, xs))
-                dy = jnp.zeros_like(forward(pages, xs))
+                dy = jax.tree.map(jnp.zeros_like, forward(pages, xs))
                 bwd_s = _time(lambda _: backward(pages, xs, dy))
             fwd_s, bwd_s = fwd_s / micro_batches, bwd_s / micro_batches
             update_s = {}

@@ -234,7 +234,7 @@ def _backward_micro(apply: Callable, r: StageLayout, loss: Callable | None, has_
         (total, acc), dxs = jax.lax.scan(body, (jnp.zeros((), jnp.float32), zeros), (xs, second))
         if sums:  # (acc[0][0]: a scalar of their own, ready when the call is done, which no later add consumes)
             return (acc, dxs, acc[0][0], total) if loss is not None else (acc, dxs, acc[0][0])
-        scale = jnp.float32(1 / xs.shape[0])
+        scale = jnp.float32(1 / jax.tree.leaves(xs)[0].shape[0])  # (xs: a pytree of activations)
         dpages = r.pack(jax.tree.map(lambda a, p: (a * scale).astype(p.dtype), acc, params))
         out = (dpages, dxs, sqsum(dpages))
         return out + (total,) if loss is not None else out

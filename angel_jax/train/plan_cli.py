@@ -44,11 +44,14 @@ def estimate_costs(cfg: Config, bp: Blueprint, peak_flops: float, device_bw: flo
     bandwidth. The weights are counted from the stage's page layout, so the family's shapes (grouped-query
     attention, a gated MLP) count as they are; norms and biases, a fraction of a percent, are counted as weights."""
     m = cfg.model
-    tokens = micro_batching(cfg, cfg.train.batch_size)[1] * m.seq_len
+    rows = micro_batching(cfg, cfg.train.batch_size)[1]
+    tokens = rows * m.seq_len
     costs = []
     for stage in bp.staged.stages:
         weights = sum(slot.size for slot in bp.params_layout.stage(stage.name).slots)
-        if stage.kind == "block":
+        if stage.kind in bp.staged.forward_flops_per_row:  # the family's own count (an encoder-decoder's)
+            fwd = rows * bp.staged.forward_flops_per_row[stage.kind]
+        elif stage.kind == "block":
             fwd = 2 * tokens * weights + 4 * tokens * m.seq_len * m.d_model
         elif stage.kind == "head":
             fwd = 2 * tokens * weights
