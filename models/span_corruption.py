@@ -18,8 +18,9 @@ the row's ids at positions 1 .. length-1: the same row is corrupted the same way
 positions are also `targets[:, :-1]`, so the loss rebuilds the decoder target from `targets` alone (position 0,
 which the loss does not see, is never noise: the first run is non-noise and has at least one position).
 
-Extra ids sit at the top of the model's vocabulary (T5's convention): sentinel k is `vocab_size - 1 - k` and the
-decoder's start id `vocab_size - 1 - spans`, so `vocab_size` must leave `spans + 1` ids above the tokenizer's.
+Extra ids follow the tokenizer's: sentinel k is `vocab_size + k` and the decoder's start id `vocab_size + spans`
+(`vocab_size`: the tokenizer's ids, model.vocab_size), so the model's embedding table has `table_size =
+vocab_size + spans + 1` rows and no sentinel can be a token of the text.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ MEAN_SPAN_LENGTH = 3.0
 
 @dataclass(frozen=True)
 class SpanCorruption:
-    """The corruption of rows of `length` ids for a vocabulary of `vocab_size` (extra ids included)."""
+    """The corruption of rows of `length` ids below `vocab_size` (the tokenizer's)."""
 
     length: int
     vocab_size: int
@@ -61,16 +62,16 @@ class SpanCorruption:
         return self.noise + self.spans
 
     @property
-    def extra_ids(self) -> int:
-        """Ids reserved at the top of the vocabulary: the sentinels and the decoder's start id."""
-        return self.spans + 1
+    def table_size(self) -> int:
+        """Ids the model embeds and predicts: the tokenizer's, the sentinels and the decoder's start id."""
+        return self.vocab_size + self.spans + 1
 
     @property
     def start_id(self) -> int:
-        return self.vocab_size - 1 - self.spans
+        return self.vocab_size + self.spans
 
     def sentinel(self, k: jax.Array) -> jax.Array:
-        return self.vocab_size - 1 - k
+        return self.vocab_size + k
 
     def noise_mask(self, text: jax.Array) -> jax.Array:
         """bool[B, length]: the corrupted positions of each row of `text` int32[B, length] (position 0 is never

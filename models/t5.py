@@ -31,8 +31,8 @@ relative_buckets x n_heads parameters a layer.
 The objective: `loss(logits, targets)` rebuilds the decoder's target from `targets = row[:, 1:]` with the corruption
 the embed stage applied to `tokens = row[:, :-1]` (the same deterministic mask, models/span_corruption.py), and
 takes the mean cross-entropy over the decoder's positions (no padding: the corruption's lengths are fixed).
-`model.vocab_size` is the size of the embedding table: the tokenizer's ids and, above them, the sentinels and the
-decoder's start id.
+`model.vocab_size` is the tokenizer's (it must cover its ids, as for every family); the embedding table and the
+logits have `spans + 1` more ids above them, the sentinels and the decoder's start id (`SpanCorruption.table_size`).
 
 Random keys: stage i draws from `fold_in(key(seed), i)` alone (0 = embed, 1 + j = encoder block j, L + 1 =
 encoder_norm, L + 2 + j = decoder block j, L + L' + 2 = head), so `init_stage` gives a stage bit-identical to the
@@ -164,9 +164,9 @@ class Embed(nnx.Module):
 
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         cdt, pdt = _dtypes(cfg)
-        self.tokens = nnx.Embed(cfg.vocab_size, cfg.d_model, dtype=cdt, param_dtype=pdt,
-                                embedding_init=nnx.initializers.normal(_INIT_STD), rngs=rngs)
         self.corruption = corruption(cfg)
+        self.tokens = nnx.Embed(self.corruption.table_size, cfg.d_model, dtype=cdt, param_dtype=pdt,
+                                embedding_init=nnx.initializers.normal(_INIT_STD), rngs=rngs)
 
     def __call__(self, tokens: jax.Array) -> Pair:
         c = self.corruption
@@ -210,8 +210,8 @@ class Head(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         cdt, pdt = _dtypes(cfg)
         self.norm = _norm(cfg, rngs)
-        self.unembed = nnx.Linear(cfg.d_model, cfg.vocab_size, use_bias=False, dtype=cdt, param_dtype=pdt,
-                                  kernel_init=nnx.initializers.normal(_INIT_STD), rngs=rngs)
+        self.unembed = nnx.Linear(cfg.d_model, corruption(cfg).table_size, use_bias=False, dtype=cdt,
+                                  param_dtype=pdt, kernel_init=nnx.initializers.normal(_INIT_STD), rngs=rngs)
 
     def __call__(self, y: jax.Array) -> jax.Array:
         return self.unembed(self.norm(y)).astype(jnp.float32)
@@ -268,12 +268,6 @@ def _scan(block: Any, x: jax.Array, stacked: Any, cfg: ModelConfig) -> jax.Array
 
 def check(cfg: ModelConfig) -> None:
     """What this family needs beyond ModelConfig's own checks."""
-    c = corruption(cfg)
-    if cfg.vocab_size - c.extra_ids < 256:
-        raise ConfigError(f"'model.vocab_size': T5's span corruption of seq_len {cfg.seq_len} reserves the top "
-                          f"{c.extra_ids} ids ({c.spans} sentinels and the decoder's start id), which must lie above "
-                          f"the tokenizer's ids (256 bytes at least): vocab_size must be >= {256 + c.extra_ids}, got "
-                          f"{cfg.vocab_size}")
     if cfg.seq_len < 2:
         raise ConfigError(f"'model.seq_len': span corruption needs at least 2 positions, got {cfg.seq_len}")
 
@@ -311,7 +305,7 @@ def abstract_params(cfg: ModelConfig) -> tuple[nnx.GraphDef, Params]:
 
 
 def loss(cfg: ModelConfig):
-    """(logits [B, decoder_length, V], targets = row[:, 1:]) -> the mean cross-entropy of the decoder's target,
+    """(logits [B, decoder_length, table_size], targets = row[:, 1:]) -> the mean cross-entropy of the decoder's target,
     rebuilt from `targets` (its positions 0 .. seq_len-2 are the row's 1 .. seq_len-1, all the corruption reads)."""
     c = corruption(cfg)
 
@@ -397,7 +391,7 @@ def staged(cfg: ModelConfig) -> StagedModel:
 def param_count(cfg: ModelConfig) -> dict[str, int]:
     """Parameter counts: total, and the part that enters matmuls (excludes the embedding, the norms and the
     relative position biases)."""
-    d, hidden, V = cfg.d_model, cfg.hidden, cfg.vocab_size
+    d, hidden, V = cfg.d_model, cfg.hidden, corruption(cfg).table_size
     attn, mlp, bias = 4 * d * d, 3 * d * hidden, cfg.relative_buckets * cfg.n_heads
     encoder = attn + mlp
     decoder = 2 * attn + mlp
@@ -414,7 +408,7 @@ def forward_flops_per_row(cfg: ModelConfig) -> dict[str, float]:
     rest), attention's QK^T and AV over the full square (4 x positions x keys x d_model), an embedding lookup's
     d_model per id and a norm's. What `angel-jax plan --estimate` times the stages by."""
     c = corruption(cfg)
-    d, hidden, V = cfg.d_model, cfg.hidden, cfg.vocab_size
+    d, hidden, V = cfg.d_model, cfg.hidden, c.table_size
     enc, dec = c.encoder_length, c.decoder_length
     return {
         "embed": float((enc + dec) * d),
