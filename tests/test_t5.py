@@ -9,8 +9,6 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
-from flax import nnx
 
 import models
 from angel_jax.config import Config, MemoryConfig, ModelConfig, OptimizerConfig, TrainConfig
@@ -84,33 +82,17 @@ def test_relative_buckets_are_t5s():
 
 
 @functools.lru_cache(maxsize=1)
-def _init() -> tuple:
-    return models.get(CFG).init(0)
-
-
-def test_staged_forward_equals_the_whole_model():
-    """The stages one after another, one jitted program per kind (the encoder's and decoder's blocks one at a time,
-    the activations pairs), against the whole model with scanned blocks."""
-    staged = models.get(CFG)
-    names = [s.name for s in staged.stages]
-    assert names == ["embed", "encoder.0", "encoder.1", "encoder_norm", "decoder.0", "decoder.1", "decoder.2", "head"]
-    graphdef, params = _init()
-    rows = _rows()
-    whole = jax.jit(lambda p: nnx.merge(graphdef, p)(rows[:, :-1]))(params)
-    assert whole.shape == (B, 7, CFG.vocab_size + 3)  # the bytes, 2 sentinels and the decoder's start id
-    apply = {kind: jax.jit(fn) for kind, fn in staged.apply.items()}
-    x = rows[:, :-1]
-    for stage, p in zip(staged.stages, staged.split(params)):
-        x = apply[stage.kind](p, x)
-    np.testing.assert_allclose(np.asarray(x), np.asarray(whole), rtol=1e-5, atol=1e-5)
-    assert abs(float(staged.loss(x, rows[:, 1:])) - np.log(CFG.vocab_size + 3)) < 0.1  # near uniform at init
-    merged = staged.merge(staged.split(params))
-    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(merged), jax.tree.leaves(params)))
+def _init() -> dict:
+    return models.get(CFG).init(0)[1]
 
 
 def test_every_stage_initialised_alone_equals_the_whole_model_split_bit_for_bit():
     staged = models.get(CFG)
-    whole = staged.split(_init()[1])
+    names = [s.name for s in staged.stages]
+    assert names == ["embed", "encoder.0", "encoder.1", "encoder_norm", "decoder.0", "decoder.1", "decoder.2", "head"]
+    merged = staged.merge(staged.split(_init()))
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(merged), jax.tree.leaves(_init())))
+    whole = staged.split(_init())
     for i, stage in enumerate(staged.stages):
         alone = staged.init_stage(0, i)
         assert jax.tree.structure(alone) == jax.tree.structure(whole[i]), stage.name
@@ -159,14 +141,16 @@ def _paged(cfg: Config, data: list[jax.Array]) -> tuple[list[float], list[float]
 
 
 def test_paged_training_with_streamed_stages_matches_the_reference():
-    """Losses and gradient norms equal step by step: the paged engine's gradients come from each stage's vjp, in
-    which every decoder stage adds its share to the encoder output's gradient; the reference differentiates the
-    whole model at once."""
+    """Losses and gradient norms equal step by step. The paged engine runs the stages one at a time, one program
+    per kind, from stages initialised alone: its first loss is the staged forward's, the reference's the whole
+    model's (scanned blocks). Its gradients come from each stage's vjp, in which every decoder stage adds its share
+    to the encoder output's gradient; the reference differentiates the whole model at once. (SGD: its update
+    compiles fastest.)"""
     steps = 5
-    cfg = Config(model=TRAIN_MODEL, optimizer=OptimizerConfig(lr=3e-3, warmup_steps=2),
+    cfg = Config(model=TRAIN_MODEL, optimizer=OptimizerConfig(name="sgd", lr=0.3, warmup_steps=0),
                  train=TrainConfig(steps=steps, batch_size=2),
                  memory=MemoryConfig(mode="paged", page_size=57 * 4096))  # a page holds a decoder block
-    cfg = dataclasses.replace(cfg, memory=dataclasses.replace(cfg.memory, device_budget=state_bytes(cfg) // 4))
+    cfg = dataclasses.replace(cfg, memory=dataclasses.replace(cfg.memory, device_budget=state_bytes(cfg) // 3))
     data = batches(steps, model=TRAIN_MODEL)
     ref_losses, ref_norms, ref_params = _reference(cfg, data)
     losses, norms, params, engine = _paged(cfg, data)
