@@ -9,13 +9,15 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 import models
 from angel_jax.config import Config, MemoryConfig, ModelConfig, OptimizerConfig, TrainConfig
 from models import t5
 from models.span_corruption import SpanCorruption
 from angel_jax.optim import make_optimizer
-from angel_jax.schedule.engine import build_paged_engine
+from angel_jax.schedule.engine import blueprint, build_paged_engine, saved_input_bytes
+from angel_jax.train.plan_cli import estimate_costs
 from angel_jax.train.step import init_state, make_train_step
 from tests.test_paged import batches, state_bytes
 
@@ -104,6 +106,31 @@ def test_param_count_matches_the_real_leaves():
     assert t5.param_count(CFG) == {
         "total": sum(int(np.prod(leaf.shape)) for _, leaf in leaves),
         "matmul": sum(int(np.prod(leaf.shape)) for path, leaf in leaves if path[-1].key == "kernel")}
+
+
+def test_the_planning_estimates_count_this_familys_shapes():
+    """`angel-jax plan --estimate` times each stage by the family's forward FLOPs (checked here against the real
+    kernels: 2 per weight per position it multiplies, the cross-attention's k and v at the encoder's positions), and
+    the device estimate counts both carried streams in every saved stage input."""
+    cfg = Config(model=CFG, train=TrainConfig(batch_size=B))
+    c = t5.corruption(CFG)
+    enc, dec, d = c.encoder_length, c.decoder_length, CFG.d_model
+    _, params = t5.abstract_params(CFG)
+
+    def matmul_flops(tree: dict, positions) -> int:
+        leaves = jax.tree_util.tree_leaves_with_path(tree)
+        return sum(2 * positions(path) * int(np.prod(leaf.shape[1:])) for path, leaf in leaves
+                   if path[-1].key == "kernel")
+
+    encoder = matmul_flops(params["encoder"], lambda path: enc) + 4 * enc * enc * d
+    cross_kv = {"k", "v"}
+    decoder = (matmul_flops(params["decoder"], lambda path: enc if path[0].key == "cross_attn"
+                            and path[1].key in cross_kv else dec) + 4 * dec * dec * d + 4 * dec * enc * d)
+    costs = estimate_costs(cfg, blueprint(cfg), 1e12, 1e9, 1e9)
+    assert costs[1].forward_s * 1e12 == pytest.approx(B * encoder, rel=1e-9)
+    assert costs[4].forward_s * 1e12 == pytest.approx(B * decoder, rel=1e-9)
+    assert costs[-1].backward_s * 1e12 == pytest.approx(3 * B * 2 * dec * d * c.table_size, rel=1e-9)
+    assert saved_input_bytes(cfg, B) == B * 7 * (enc + dec) * d * 4  # 7 stages after the embedding
 
 
 # ------------------------------------------------------------------------------------------------ training

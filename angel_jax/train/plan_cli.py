@@ -41,7 +41,8 @@ def estimate_costs(cfg: Config, bp: Blueprint, peak_flops: float, device_bw: flo
     FLOPs at the device's peak (forward: 2 FLOPs per weight of the stage per token, plus
     attention's QK^T and AV for a block; backward: recompute + 2x forward) and optimizer updates from the bytes they
     touch (parameters and gradients read, optimizer state read and written, parameters written) at memory
-    bandwidth. The weights are counted from the stage's page layout, so the family's shapes (grouped-query
+    bandwidth. A family that states its stages' forward FLOPs (`StagedModel.forward_flops_per_row`: an
+    encoder-decoder, whose stages see other lengths than seq_len) is timed by those. The weights are counted from the stage's page layout, so the family's shapes (grouped-query
     attention, a gated MLP) count as they are; norms and biases, a fraction of a percent, are counted as weights."""
     m = cfg.model
     rows = micro_batching(cfg, cfg.train.batch_size)[1]
