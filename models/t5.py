@@ -382,7 +382,8 @@ def staged(cfg: ModelConfig) -> StagedModel:
         # k and v (counted per decoder position: an over-estimate, the encoder is the longer), the MLP's gate,
         # up and their product
         block_activation_width=6 * d + 3 * hidden,
-        # every stage after the first holds both streams: the encoder's and the decoder's positions, d_model wide
+        # every stage after the first holds both streams, the encoder's and the decoder's positions d_model wide
+        # (its own copy of the passed-on one: a jitted stage returns a new buffer for an input it returns unchanged)
         saved_input_values=(n_enc + n_dec + 2) * (c.encoder_length + c.decoder_length) * d,
         forward_flops_per_row=forward,
     )
