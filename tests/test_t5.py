@@ -11,14 +11,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-import models
 from angel_jax.config import Config, MemoryConfig, ModelConfig, OptimizerConfig, TrainConfig
-from models import t5
-from models.span_corruption import SpanCorruption
 from angel_jax.optim import make_optimizer
 from angel_jax.schedule.engine import blueprint, build_paged_engine, saved_input_bytes
 from angel_jax.train.plan_cli import estimate_costs
 from angel_jax.train.step import init_state, make_train_step
+import models
+from models import t5
+from models.span_corruption import SpanCorruption
 from tests.test_paged import batches, state_bytes
 
 # (Few distinct parameter shapes: an eager init compiles a program per shape.)
@@ -50,7 +50,7 @@ def _reconstruct(enc: np.ndarray, target: np.ndarray, c: SpanCorruption) -> np.n
     return np.asarray(out)
 
 
-def test_span_corruption_round_trips_and_is_the_same_from_tokens_and_from_targets():
+def test_span_corruption_round_trips_and_the_loss_rebuilds_it_from_the_targets():
     c = t5.corruption(CFG)
     assert (c.noise, c.spans, c.encoder_length, c.decoder_length) == (5, 2, 29, 7)
     rows = _rows()
@@ -139,9 +139,8 @@ def test_the_planning_estimates_count_this_familys_shapes():
 
 # Deep and narrow (state large next to activations, as test_paged's GPT), so a small device budget still holds the
 # step's activations and a streaming window.
-TRAIN_MODEL = ModelConfig(name="t5", vocab_size=256, seq_len=24, d_model=64, n_layers=4,
-                          n_heads=2, mlp_hidden=64, relative_buckets=8, relative_max_distance=16,
-                          compute_dtype="float32")
+TRAIN_MODEL = ModelConfig(name="t5", vocab_size=256, seq_len=24, d_model=64, n_layers=4, n_heads=2, mlp_hidden=64,
+                          relative_buckets=8, relative_max_distance=16, compute_dtype="float32")
 
 
 def _reference(cfg: Config, data: list[jax.Array]) -> tuple[list[float], list[float], dict]:
@@ -187,5 +186,5 @@ def test_paged_training_with_streamed_stages_matches_the_reference():
     assert ref_losses[-1] < ref_losses[0] - 0.2, ref_losses  # it learns, so errors would compound
     np.testing.assert_allclose(norms, ref_norms, rtol=1e-5)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
-    for a, b in zip(jax.tree.leaves(ref_params), jax.tree.leaves(params)):
-        assert np.mean(~np.isclose(a, b, rtol=1e-3, atol=2e-5)) < 1e-3
+    for a, b in zip(jax.tree.leaves(ref_params), jax.tree.leaves(params)):  # (SGD: rounding is not amplified)
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)
