@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from angel_jax.config import ConfigError, ModelConfig
 from models.stages import Stage, StagedModel
 
-FAMILIES = {"gpt": "models.gpt", "llama": "models.llama"}
+FAMILIES = {"gpt": "models.gpt", "llama": "models.llama", "t5": "models.t5"}
 """model.name -> the module that builds it (imported on first use: a family's dependencies load only when used)."""
 
 

@@ -17,6 +17,7 @@ kinds and parameter pytrees, never Flax modules.
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -41,7 +42,8 @@ class StagedModel:
     """kind -> pure function (stage params, stage input) -> stage output. The first stage takes token ids,
     the last returns float32 logits. What passes between stages is an array, or a pytree of arrays whose leaves all
     have the batch's rows as their leading axis (an MoE decoder's `moe_decoder.Stream`: the residual stream with
-    its per-row auxiliary sums); the last stage's output is then a pytree too, which `loss` and `figures` read."""
+    its per-row auxiliary sums; T5's pairs: the stream a stage transforms and the one it passes on); the last
+    stage's output is then a pytree too, which `loss` and `figures` read."""
     loss: Callable[[PyTree, jax.Array], jax.Array]
     """(the last stage's output, integer targets) -> scalar mean loss."""
     split: Callable[[PyTree], list[PyTree]]
@@ -70,6 +72,13 @@ class StagedModel:
     figures: Callable[[PyTree], dict[str, jax.Array]] | None = None
     """Extra figures of a training step (scalars under their metric names, e.g. 'moe/aux_loss') from the last
     stage's output or input (both carry them); None: the family has none."""
+    saved_input_values: int = 0
+    """Values one row's stage inputs hold between a step's forward and backward, summed over every stage but the
+    first (whose input is the token ids), for the scheduling pass's device-memory estimate; 0: a chain of d_model
+    wide activations of seq_len positions, (stages - 1) x seq_len x d_model (the GPT's and Llama's)."""
+    forward_flops_per_row: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Stage kind -> forward FLOPs of one stage of that kind on one row, for `angel-jax plan --estimate`; empty:
+    estimated there from the stage's weights (2 per weight per token, plus attention's for a 'block')."""
     init_cache: Callable[[int, int], PyTree] | None = None
     """(batch, max_len) -> an empty key/value cache for `decode`; None: the family cannot sample."""
     decode: Callable[[PyTree, PyTree, jax.Array, jax.Array], tuple[jax.Array, PyTree]] | None = None

@@ -65,13 +65,17 @@ class ModelConfig:
     vocab_size: int = doc(256, "Vocabulary size; must cover the tokenizer's (256 for bytes).")
     seq_len: int = doc(128, "Tokens per training sequence (context length).")
     d_model: int = doc(128, "Residual stream width.")
-    n_layers: int = doc(4, "Number of transformer blocks.")
+    n_layers: int = doc(4, "Number of transformer blocks (an encoder-decoder's encoder blocks).")
+    n_decoder_layers: int = doc(0, "Decoder blocks of an encoder-decoder (T5); 0 = n_layers.")
     n_heads: int = doc(4, "Attention heads; d_model must be divisible by it.")
     n_kv_heads: int = doc(0, "Key/value heads (grouped-query attention, Llama); 0 = n_heads. Must divide n_heads.")
     mlp_ratio: float = doc(4.0, "MLP hidden width as a multiple of d_model (when mlp_hidden is 0).")
     mlp_hidden: int = doc(0, "MLP hidden width exactly (Llama's intermediate_size); 0 = mlp_ratio x d_model.")
     norm_eps: float = doc(1e-5, "Epsilon of the LayerNorm / RMSNorm layers.")
     rope_theta: float = doc(10000.0, "Base of the rotary position embedding's frequencies (Llama).")
+    relative_buckets: int = doc(32, "Buckets of the relative position bias (T5): half exact distances, half "
+                                    "logarithmic up to relative_max_distance (per direction in the encoder).")
+    relative_max_distance: int = doc(128, "Relative distance from which positions share the last bucket (T5).")
     compute_dtype: Literal["bfloat16", "float32"] = doc("bfloat16", "Dtype of activations and matmuls.")
     param_dtype: Literal["float32", "bfloat16"] = doc("float32", "Dtype of the stored (master) parameters.")
     remat: bool = doc(False, "Recompute each block's activations in the backward pass (saves memory).")
@@ -100,6 +104,14 @@ class ModelConfig:
             errs.append(("norm_eps", f"must be in (0, 1), got {self.norm_eps!r}"))
         if not self.rope_theta > 0:
             errs.append(("rope_theta", f"must be > 0, got {self.rope_theta!r}"))
+        if self.n_decoder_layers < 0:
+            errs.append(("n_decoder_layers", f"must be >= 0 (0 = n_layers), got {self.n_decoder_layers}"))
+        if self.relative_buckets < 4 or self.relative_buckets % 4:
+            errs.append(("relative_buckets", f"must be a multiple of 4 and >= 4 (half exact, half logarithmic, "
+                                             f"per direction), got {self.relative_buckets}"))
+        elif self.relative_max_distance <= self.relative_buckets // 2:
+            errs.append(("relative_max_distance", f"must exceed relative_buckets / 2 = {self.relative_buckets // 2} "
+                                                  f"(the exact distances), got {self.relative_max_distance}"))
         if self.moe.experts and self.init_from:
             errs.append(("moe.experts", "a Hugging Face checkpoint (model.init_from) holds a dense model: "
                                         "set moe.experts to 0"))
@@ -109,6 +121,11 @@ class ModelConfig:
     def hidden(self) -> int:
         """The MLP hidden width."""
         return self.mlp_hidden or int(self.d_model * self.mlp_ratio)
+
+    @property
+    def decoder_layers(self) -> int:
+        """Decoder blocks of an encoder-decoder (n_layers unless n_decoder_layers is set)."""
+        return self.n_decoder_layers or self.n_layers
 
     @property
     def kv_heads(self) -> int:

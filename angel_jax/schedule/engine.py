@@ -189,9 +189,10 @@ def micro_batching(cfg: Config, local_batch: int, zero: Zero | None = None) -> t
 
 def saved_input_bytes(cfg: Config, local_batch: int) -> int:
     """Device bytes of every stage's saved input for the whole local batch (a plan of P accumulation passes holds
-    1/P of them)."""
+    1/P of them): the family's `saved_input_values` per row, or a chain of d_model-wide activations."""
     m = cfg.model
-    return (m.n_layers + 1) * local_batch * m.seq_len * m.d_model * jnp.dtype(m.compute_dtype).itemsize
+    per_row = models.get(m).saved_input_values or (m.n_layers + 1) * m.seq_len * m.d_model
+    return local_batch * per_row * jnp.dtype(m.compute_dtype).itemsize
 
 
 def fixed_device_bytes(cfg: Config, local_batch: int) -> int:

@@ -75,19 +75,23 @@ def target_ranks(cfg: Config, args: argparse.Namespace) -> int:
 def estimate_costs(cfg: Config, bp: Blueprint, peak_flops: float, device_bw: float, host_bw: float,
                    ranks: int = 1) -> list[StageCost]:
     """Times of one stage call (one micro-batch of train.micro_batch_size rows, or the whole local batch: the
-    global batch over `ranks`) from model FLOPs at the device's peak (forward: 2 FLOPs per weight of the stage per token, plus
-    attention's QK^T and AV for a block; backward: recompute + 2x forward) and optimizer updates from the bytes they
+    global batch over `ranks`) from model FLOPs at the device's peak (forward: 2 FLOPs per weight of the stage per
+    token, plus attention's QK^T and AV for a block; backward: recompute + 2x forward) and optimizer updates from the bytes they
     touch (parameters and gradients read, optimizer state read and written, parameters written) at memory
-    bandwidth. The weights are counted from the stage's page layout, so the family's shapes (grouped-query
-    attention, a gated MLP) count as they are; norms and biases, a fraction of a percent, are counted as weights.
-    With several ranks every byte is one rank's shard (`shard_bytes`), and so are the updates' and gradient sums'
-    times."""
+    bandwidth. A family that states its stages' forward FLOPs (`StagedModel.forward_flops_per_row`: an
+    encoder-decoder, whose stages see other lengths than seq_len) is timed by those. The weights are counted from
+    the stage's page layout, so the family's shapes (grouped-query attention, a gated MLP) count as they are; norms
+    and biases, a fraction of a percent, are counted as weights. With several ranks every byte is one rank's shard
+    (`shard_bytes`), and so are the updates' and gradient sums' times."""
     m = cfg.model
-    tokens = micro_batching(cfg, local_batch(cfg, ranks))[1] * m.seq_len
+    rows = micro_batching(cfg, local_batch(cfg, ranks))[1]
+    tokens = rows * m.seq_len
     costs = []
     for stage in bp.staged.stages:
         weights = sum(slot.size for slot in bp.params_layout.stage(stage.name).slots)
-        if stage.kind == "block":
+        if stage.kind in bp.staged.forward_flops_per_row:  # the family's own count (an encoder-decoder's)
+            fwd = rows * bp.staged.forward_flops_per_row[stage.kind]
+        elif stage.kind == "block":
             fwd = 2 * tokens * weights + 4 * tokens * m.seq_len * m.d_model
         elif stage.kind == "head":
             fwd = 2 * tokens * weights

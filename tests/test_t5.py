@@ -1,0 +1,190 @@
+"""models/t5.py and its span corruption (models/span_corruption.py): the stage chain that carries the encoder's
+output to every decoder stage, the objective's round trip, and paged training equal to the reference trainer."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from angel_jax.config import Config, MemoryConfig, ModelConfig, OptimizerConfig, TrainConfig
+from angel_jax.optim import make_optimizer
+from angel_jax.schedule.engine import blueprint, build_paged_engine, saved_input_bytes
+from angel_jax.train.plan_cli import estimate_costs
+from angel_jax.train.step import init_state, make_train_step
+import models
+from models import t5
+from models.span_corruption import SpanCorruption
+from tests.test_paged import batches, state_bytes
+
+# (Few distinct parameter shapes: an eager init compiles a program per shape.)
+CFG = ModelConfig(name="t5", vocab_size=256, seq_len=32, d_model=32, n_layers=2, n_heads=2, mlp_hidden=32,
+                  relative_buckets=8, relative_max_distance=16, compute_dtype="float32")
+B = 3
+
+
+def _rows(cfg: ModelConfig = CFG, seed: int = 1) -> jax.Array:
+    return jnp.asarray(np.random.default_rng(seed).integers(0, 256, (B, cfg.seq_len + 1)), jnp.int32)
+
+
+# ------------------------------------------------------------------------------------------- span corruption
+
+
+def _reconstruct(enc: np.ndarray, target: np.ndarray, c: SpanCorruption) -> np.ndarray:
+    """The text that an encoder input and a decoder target were made from: each sentinel of the input replaced by
+    the ids that follow the same sentinel in the target, up to the next sentinel."""
+    is_sentinel = target >= c.vocab_size
+    spans, current = {}, None
+    for t, s in zip(target, is_sentinel):
+        if s:
+            current = spans.setdefault(int(t), [])
+        else:
+            current.append(int(t))
+    out = []
+    for e in enc:
+        out += spans[int(e)] if e >= c.vocab_size else [int(e)]
+    return np.asarray(out)
+
+
+def test_span_corruption_round_trips_and_the_loss_rebuilds_it_from_the_targets():
+    c = t5.corruption(CFG)
+    assert (c.noise, c.spans, c.encoder_length, c.decoder_length) == (5, 2, 29, 7)
+    rows = _rows()
+    tokens, targets = rows[:, :-1], rows[:, 1:]
+    mask, enc, target = jax.jit(lambda t: (m := c.noise_mask(t), c.encoder_input(t, m), c.decoder_target(t, m)))(tokens)
+    enc, target = np.asarray(enc), np.asarray(target)
+    for b in range(B):
+        np.testing.assert_array_equal(_reconstruct(enc[b], target[b], c), np.asarray(tokens[b]))
+        assert target[b][target[b] >= c.vocab_size].tolist() == [256, 257]  # the sentinels, in order
+        assert enc[b][enc[b] >= c.vocab_size].tolist() == [256, 257]
+    assert np.asarray(mask).sum(axis=1).tolist() == [c.noise] * B and not np.asarray(mask[:, 0]).any()
+    assert len({tuple(np.flatnonzero(m)) for m in np.asarray(mask)}) == B  # each row its own spans
+    # The model's loss sees only targets = row[:, 1:] and rebuilds the same decoder target: logits that predict
+    # this target have (almost) no loss, logits of another row's target a large one.
+    loss = jax.jit(t5.loss(CFG))
+    logits = 30.0 * jax.nn.one_hot(target, c.table_size)
+    assert float(loss(logits, targets)) < 1e-6
+    assert float(loss(logits[::-1], targets)) > 10
+
+
+def test_relative_buckets_are_t5s():
+    """Bidirectional: exact distances below buckets / 4, then logarithmic to max_distance, keys before and after
+    the query in separate halves; causal: only keys before the query, the same scheme over all the buckets."""
+    rel = jnp.arange(-40, 41)
+    both = np.asarray(t5.relative_bucket(rel, True, 8, 16))
+    causal = np.asarray(t5.relative_bucket(rel, False, 8, 16))
+    assert both[40] == 0 and both[41] == 5 and both[39] == 1 and both[0] == 3 and both[-1] == 7
+    assert causal[40] == 0 and causal[41:].max() == 0 and causal[39] == 1 and causal[38] == 2
+    assert causal[36] == 4 and causal[0] == 7 and list(causal[:40]) == sorted(causal[:40], reverse=True)
+
+
+# --------------------------------------------------------------------------------------------------- stages
+
+
+@functools.lru_cache(maxsize=1)
+def _init() -> dict:
+    return models.get(CFG).init(0)[1]
+
+
+def test_every_stage_initialised_alone_equals_the_whole_model_split_bit_for_bit():
+    staged = models.get(CFG)
+    names = [s.name for s in staged.stages]
+    assert names == ["embed", "encoder.0", "encoder.1", "encoder_norm", "decoder.0", "decoder.1", "head"]
+    merged = staged.merge(staged.split(_init()))
+    assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(merged), jax.tree.leaves(_init())))
+    whole = staged.split(_init())
+    for i, stage in enumerate(staged.stages):
+        alone = staged.init_stage(0, i)
+        assert jax.tree.structure(alone) == jax.tree.structure(whole[i]), stage.name
+        assert all(np.array_equal(a, w) for a, w in zip(jax.tree.leaves(alone), jax.tree.leaves(whole[i]))), stage.name
+
+
+def test_param_count_matches_the_real_leaves():
+    leaves = jax.tree_util.tree_leaves_with_path(t5.abstract_params(CFG)[1])
+    assert t5.param_count(CFG) == {
+        "total": sum(int(np.prod(leaf.shape)) for _, leaf in leaves),
+        "matmul": sum(int(np.prod(leaf.shape)) for path, leaf in leaves if path[-1].key == "kernel")}
+
+
+def test_the_planning_estimates_count_this_familys_shapes():
+    """`angel-jax plan --estimate` times each stage by the family's forward FLOPs (checked here against the real
+    kernels: 2 per weight per position it multiplies, the cross-attention's k and v at the encoder's positions), and
+    the device estimate counts both carried streams in every saved stage input."""
+    cfg = Config(model=CFG, train=TrainConfig(batch_size=B))
+    c = t5.corruption(CFG)
+    enc, dec, d = c.encoder_length, c.decoder_length, CFG.d_model
+    _, params = t5.abstract_params(CFG)
+
+    def matmul_flops(tree: dict, positions) -> int:
+        leaves = jax.tree_util.tree_leaves_with_path(tree)
+        return sum(2 * positions(path) * int(np.prod(leaf.shape[1:])) for path, leaf in leaves
+                   if path[-1].key == "kernel")
+
+    encoder = matmul_flops(params["encoder"], lambda path: enc) + 4 * enc * enc * d
+    cross_kv = {"k", "v"}
+    decoder = (matmul_flops(params["decoder"], lambda path: enc if path[0].key == "cross_attn"
+                            and path[1].key in cross_kv else dec) + 4 * dec * dec * d + 4 * dec * enc * d)
+    costs = estimate_costs(cfg, blueprint(cfg), 1e12, 1e9, 1e9)
+    assert costs[2].forward_s * 1e12 == pytest.approx(B * encoder, rel=1e-9)
+    assert costs[5].forward_s * 1e12 == pytest.approx(B * decoder, rel=1e-9)
+    assert costs[-1].backward_s * 1e12 == pytest.approx(3 * B * 2 * dec * d * c.table_size, rel=1e-9)
+    assert saved_input_bytes(cfg, B) == B * 6 * (enc + dec) * d * 4  # 6 stages after the embedding
+
+
+# ------------------------------------------------------------------------------------------------ training
+
+# Deep and narrow (state large next to activations, as test_paged's GPT), so a small device budget still holds the
+# step's activations and a streaming window.
+TRAIN_MODEL = ModelConfig(name="t5", vocab_size=256, seq_len=24, d_model=64, n_layers=4, n_heads=2, mlp_hidden=64,
+                          relative_buckets=8, relative_max_distance=16, compute_dtype="float32")
+
+
+def _reference(cfg: Config, data: list[jax.Array]) -> tuple[list[float], list[float], dict]:
+    """The whole-model trainer's losses, gradient norms and final parameters."""
+    staged = models.get(cfg.model)
+    graphdef, params = staged.init(cfg.train.seed)
+    tx, schedule = make_optimizer(cfg.optimizer, cfg.train.steps)
+    step = jax.jit(make_train_step(graphdef, tx, schedule, staged.loss))
+    state, metrics = init_state(params, tx), []
+    for batch in data:
+        state, m = step(state, batch)
+        metrics.append(m)
+    return ([float(m["loss"]) for m in metrics], [float(m["grad_norm"]) for m in metrics],
+            jax.tree.map(np.asarray, state.params))
+
+
+def _paged(cfg: Config, data: list[jax.Array]) -> tuple[list[float], list[float], dict, object]:
+    """The paged engine's losses, gradient norms and final parameters, initialised stage by stage."""
+    engine = build_paged_engine(cfg, None, data[0])
+    try:
+        metrics = [engine.executor.step(batch) for batch in data]
+        return ([float(m["loss"]) for m in metrics], [float(m["grad_norm"]) for m in metrics],
+                engine.executor.params(), engine)
+    finally:
+        engine.close()
+
+
+def test_paged_training_with_streamed_stages_matches_the_reference():
+    """Losses and gradient norms equal step by step. The paged engine runs the stages one at a time, one program
+    per kind, from stages initialised alone: its first loss is the staged forward's, the reference's the whole
+    model's (scanned blocks). Its gradients come from each stage's vjp, in which every decoder stage adds its share
+    to the encoder output's gradient; the reference differentiates the whole model at once. (SGD: its update
+    compiles fastest.)"""
+    steps = 5
+    cfg = Config(model=TRAIN_MODEL, optimizer=OptimizerConfig(name="sgd", lr=0.3, warmup_steps=0),
+                 train=TrainConfig(steps=steps, batch_size=2),
+                 memory=MemoryConfig(mode="paged", page_size=45 * 4096))  # a page holds a decoder block
+    cfg = dataclasses.replace(cfg, memory=dataclasses.replace(cfg.memory, device_budget=state_bytes(cfg) // 2))
+    data = batches(steps, model=TRAIN_MODEL)
+    ref_losses, ref_norms, ref_params = _reference(cfg, data)
+    losses, norms, params, engine = _paged(cfg, data)
+    assert len(engine.plan.streamed) >= 0.75 * len(engine.plan.home), engine.plan.home
+    assert ref_losses[-1] < ref_losses[0] - 0.2, ref_losses  # it learns, so errors would compound
+    np.testing.assert_allclose(norms, ref_norms, rtol=1e-5)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    for a, b in zip(jax.tree.leaves(ref_params), jax.tree.leaves(params)):  # (SGD: rounding is not amplified)
+        np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6)
