@@ -55,7 +55,7 @@ def main() -> None:
     out["checkpoint"] = fsdp4_with_a_checkpoint(data, out)
     paged = dataclasses.replace(cfg(), memory=dataclasses.replace(cfg().memory, mode="paged"))
     try:
-        build_engine(paged, make_mesh(MeshConfig(fsdp=4), jax.devices()))
+        build_engine(paged, make_mesh(MeshConfig(data=2, fsdp=2), jax.devices()))  # ZeRO-3 shards over all
     except AngelError as e:
         out["paged_refused"] = str(e)
     print(json.dumps(out))

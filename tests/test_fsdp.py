@@ -105,9 +105,10 @@ def test_a_checkpoint_of_sharded_state_round_trips(four_devices):
     assert ckpt["resumed"] == four_devices["losses"]["fsdp4"][SAVE_AT:]  # the steps after it, bit for bit
 
 
-def test_the_paged_engine_is_still_refused_on_several_devices(four_devices):
-    assert re.search(r"paged engine, which runs on one device of one process; this run has 4 devices in 1 "
-                     r"processes.*mesh\.fsdp", four_devices["paged_refused"]), four_devices.get("paged_refused")
+def test_the_paged_engine_refuses_a_mesh_that_does_not_shard_over_every_device(four_devices):
+    # (the paged engine over several devices: test_zero.py)
+    assert re.search(r"shards every page over all 4 devices .*set mesh\.fsdp=0", four_devices["paged_refused"]), \
+        four_devices.get("paged_refused")
 
 
 def _free_port() -> int:

@@ -1,0 +1,169 @@
+"""The paged engine with every page sharded over the devices (ZeRO-3: memory/sharded_layout.py, schedule/zero.py).
+
+The layout's arithmetic runs here; the engine runs in its own processes (zero_check.py: one process with four
+CPU devices; zero_mp_check.py: two processes of one device each, jax.distributed over gloo), each against the
+in-memory engine on one device: the same losses over 20 steps (10 for the two processes), with a device budget of three quarters of a rank's share of the
+state (most stages stream), and each device holding 1/N of the pages."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from angel_jax.config import Config, MemoryConfig, ModelConfig, OptimizerConfig, TrainConfig
+from angel_jax.memory.sharded_layout import ShardedPageLayout, chunks
+import models
+
+ROOT = Path(__file__).resolve().parents[1]
+LIMIT = 300  # seconds before a check's process is killed
+RANKS, BATCH, STEPS = 4, 8, 20
+MP_STEPS = 10  # the two-process check's (each of its collectives a message between processes: slower steps)
+MODEL = ModelConfig(d_model=64, n_layers=8, n_heads=2, seq_len=16, compute_dtype="float32")
+PAGE = 12_496 * 2  # half a rank's share of a block's parameters (199,936 B / 4): two pages each, padding only in
+# the embedding's and head's last pages (under 4% of the state)
+
+
+def cfg() -> Config:
+    return Config(model=MODEL, optimizer=OptimizerConfig(name="adamw", lr=1e-3, warmup_steps=2),
+                  train=TrainConfig(steps=STEPS, batch_size=BATCH))
+
+
+def state_bytes() -> int:
+    """fp32 parameters and Adam's two moments."""
+    return 3 * 4 * models.get(MODEL).param_count["total"]
+
+
+def paged(ranks: int = RANKS) -> Config:
+    """Pages sharded over `ranks` devices, each with a device budget of three quarters of its share of the state
+    (what is left after the activations holds one or two stages)."""
+    return dataclasses.replace(cfg(), memory=MemoryConfig(mode="paged", page_size=PAGE,
+                                                          device_budget=3 * state_bytes() // ranks // 4))
+
+
+@functools.lru_cache(maxsize=1)
+def data() -> list:
+    from test_paged import batches
+
+    return batches(STEPS, MODEL, BATCH)
+
+
+def tier_bytes(tier) -> dict[str, int]:
+    """Page bytes an array tier holds on each device (by id), from the live shards of its arrays."""
+    out: dict[str, int] = {}
+    for pid in tier.page_ids():
+        for shard in tier.get(pid).addressable_shards:
+            out[str(shard.device.id)] = out.get(str(shard.device.id), 0) + shard.data.nbytes
+    return out
+
+
+# --------------------------------------------------------------------------------------------- the layout
+
+
+def _tree(rng: np.random.Generator) -> dict:
+    return {"w": rng.normal(size=(5, 7)).astype(np.float32), "b": rng.normal(size=(3,)).astype(np.float32),
+            "n": np.arange(11, dtype=np.int32), "big": rng.normal(size=(40,)).astype(np.float32)}
+
+
+def test_a_rank_holds_one_chunk_of_every_leaf_and_the_global_pages_give_the_leaves_back():
+    tree = _tree(np.random.default_rng(0))
+    layout = ShardedPageLayout.build([("s", tree)], 64, ranks=4)  # 16 float32 per rank page: 'big' spans pages
+    stage = layout.stage("s")
+    pages = stage.pack(tree)
+    assert [p.shape[0] for p in pages] == [4 * p.length for p in stage.rank.pages] == [s.length for s in stage.pages]
+    for r in range(4):  # rank r's shard of every global page is its own pages
+        mine = stage.rank.pack(chunks(tree, 4, r))
+        for page, own in zip(pages, mine):
+            np.testing.assert_array_equal(page.reshape(4, -1)[r], own)
+    # 35 elements over 4 ranks: 9 each, the last padded with 1 zero
+    assert chunks(tree, 4, 3)["w"].tolist() == tree["w"].reshape(-1)[27:].tolist() + [0.0]
+    back = stage.unpack(pages)
+    for key in tree:
+        np.testing.assert_array_equal(back[key], tree[key])
+    on_device = stage.unpack(tuple(jnp.asarray(p) for p in pages))  # the jnp path the stage functions take
+    for key in tree:
+        np.testing.assert_array_equal(np.asarray(on_device[key]), tree[key])
+    assert layout.num_pages == len(stage.pages) and layout.total_bytes == sum(p.nbytes for p in pages)
+
+
+def test_scatter_rows_are_what_each_rank_packs():
+    tree = _tree(np.random.default_rng(1))
+    stage = ShardedPageLayout.build([("s", tree)], 64, ranks=4).stage("s")
+    rows = stage.scatter_rows(jax.tree.map(jnp.asarray, tree))
+    for got, page in zip(rows, stage.pack(tree)):
+        np.testing.assert_array_equal(np.asarray(got).reshape(-1), page)
+
+
+# --------------------------------------------------------------------------------------------- the engine
+
+
+def _check(script: str, *argv: tuple[str, ...]) -> list[subprocess.Popen]:
+    """One process running `script` per argument vector (one without arguments when none is given)."""
+    return [subprocess.Popen(["timeout", "-s", "KILL", str(LIMIT), sys.executable, str(ROOT / "tests" / script),
+                              *a], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+            for a in (argv or [()])]
+
+
+def _result(procs: list[subprocess.Popen]) -> dict:
+    outputs = [p.communicate() for p in procs]
+    for p, (_, err) in zip(procs, outputs):
+        assert p.returncode == 0, err[-3000:]
+    return json.loads(outputs[0][0].strip().splitlines()[-1])
+
+
+@pytest.fixture(scope="module")
+def checks() -> dict:
+    """Both checks, run at once: the two processes' gloo collectives leave the cores idle between messages."""
+    port = str(_free_port())
+    two = _check("zero_mp_check.py", (port, "0"), (port, "1"))
+    four = _check("zero_check.py")
+    return {"four_devices": _result(four), "two_processes": _result(two)}
+
+
+@pytest.fixture(scope="module")
+def four_devices(checks) -> dict:
+    return checks["four_devices"]
+
+
+def test_sharded_paged_losses_equal_one_device(four_devices):
+    out = four_devices
+    assert out["streamed"] >= 0.75 * out["stages"], out["report"]
+    assert out["reference"][-1] < out["reference"][0] - 0.3, "the toy stream must be learnable"
+    np.testing.assert_allclose(out["losses"], out["reference"], rtol=1e-5)
+
+
+def test_each_device_holds_a_quarter_of_the_pages(four_devices):
+    out = four_devices
+    for tier in ("device", "host"):
+        per_device = out[tier]
+        assert sorted(per_device) == ["0", "1", "2", "3"], per_device
+        assert len(set(per_device.values())) == 1, per_device  # an even split
+        assert sum(per_device.values()) == out["tier_bytes"][tier]  # the tier counts the pages' global bytes
+    mine = out["device"]["0"] + out["host"]["0"]  # parameters and optimizer state pages (gradients are transient)
+    whole = out["state"]  # the reference's measured state: parameters, moments and a step count
+    assert whole / RANKS <= mine * 1.0001 and mine <= 1.05 * whole / RANKS, (mine, whole / RANKS)
+    assert "bytes below per rank" in out["report"][0]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_two_processes_shard_the_pages_between_them(checks, four_devices):
+    out = checks["two_processes"]
+    assert len(out["losses"]) == MP_STEPS
+    np.testing.assert_allclose(out["losses"], four_devices["reference"][:MP_STEPS], rtol=1e-5)
+    assert out["streamed"] > 0
+    (mine,) = [out["device"].get(k, 0) + out["host"].get(k, 0) for k in out["device"]]
+    assert four_devices["state"] / 2 <= mine * 1.0001 and mine <= 1.05 * four_devices["state"] / 2

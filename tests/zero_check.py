@@ -1,0 +1,54 @@
+"""Run by test_zero.py in its own process with four CPU devices: the paged engine with every page sharded over
+the devices (ZeRO-3) against the in-memory engine on one device, and the bytes each device holds.
+
+    python zero_check.py
+
+Prints one JSON line: the reference's and the sharded paged engine's losses, how many stages the plan streams,
+the training state's bytes on the reference's device, and the page bytes each device holds in the device and host
+tiers (measured from the live shards of the arrays the tiers hold)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+os.environ["JAX_PLATFORMS"] = "cpu"
+sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.path.dirname(os.path.abspath(__file__))]
+
+import jax  # noqa: E402
+
+from angel_jax.config import MeshConfig  # noqa: E402
+from angel_jax.train.engines import InMemoryEngine, build_engine  # noqa: E402
+from angel_jax.train.sharding import device_bytes, make_mesh  # noqa: E402
+from test_zero import RANKS, cfg, data, paged, tier_bytes  # noqa: E402
+
+
+def run(engine, batches: list) -> list[float]:
+    return [float(engine.step(jax.device_put(b, engine.batch_sharding))["loss"]) for b in batches]
+
+
+def main() -> None:
+    batches = data()
+    one = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1], axis_types=(jax.sharding.AxisType.Auto,))
+    engine = InMemoryEngine(cfg(), one)
+    out = {"state": sum(device_bytes(engine.state).values()), "reference": run(engine, batches)}
+    engine.close()
+    engine = build_engine(paged(), make_mesh(MeshConfig(fsdp=RANKS), jax.devices()))
+    try:
+        out["streamed"], out["stages"] = len(engine.built.plan.streamed), len(engine.built.plan.home)
+        out["losses"] = run(engine, batches)
+        engine.built.updater.drain()
+        engine.built.store.wait_all()
+        store = engine.built.store
+        out["device"], out["host"] = tier_bytes(store.tiers["device"]), tier_bytes(store.tiers["host"])
+        out["tier_bytes"] = {name: store.tiers[name].bytes_used for name in ("device", "host")}
+        out["report"] = engine.memory_report()
+    finally:
+        engine.close()
+    print(json.dumps(out), flush=True)
+
+
+if __name__ == "__main__":
+    main()
