@@ -3,7 +3,7 @@ the devices (ZeRO-3) against the in-memory engine on one device, and the bytes e
 
     python zero_check.py
 
-Prints one JSON line: the reference's and the sharded paged engine's losses, how many stages the plan streams,
+Prints one JSON line: the reference's and the sharded paged engine's losses and gradient norms, how many stages the plan streams,
 the training state's bytes on the reference's device, and the page bytes each device holds in the device and host
 tiers (measured from the live shards of the arrays the tiers hold)."""
 
@@ -25,8 +25,11 @@ from angel_jax.train.sharding import device_bytes, make_mesh  # noqa: E402
 from test_zero import RANKS, cfg, data, paged, tier_bytes  # noqa: E402
 
 
-def run(engine, batches: list) -> list[float]:
-    return [float(engine.step(jax.device_put(b, engine.batch_sharding))["loss"]) for b in batches]
+def run(engine, batches: list) -> dict[str, list[float]]:
+    """Per step, the loss and the gradient norm (a gradient reduced wrongly over the ranks, e.g. summed rather than
+    averaged, could leave Adam's normalised losses close but not the norm)."""
+    metrics = [engine.step(jax.device_put(b, engine.batch_sharding)) for b in batches]
+    return {key: [float(m[key]) for m in metrics] for key in ("loss", "grad_norm")}
 
 
 def main() -> None:
@@ -38,7 +41,7 @@ def main() -> None:
     engine = build_engine(paged(), make_mesh(MeshConfig(fsdp=RANKS), jax.devices()))
     try:
         out["streamed"], out["stages"] = len(engine.built.plan.streamed), len(engine.built.plan.home)
-        out["losses"] = run(engine, batches)
+        out["paged"] = run(engine, batches)
         engine.built.updater.drain()
         engine.built.store.wait_all()
         store = engine.built.store

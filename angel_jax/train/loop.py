@@ -196,7 +196,7 @@ def _run(t: Trainer) -> TrainResult:
         # Resumed at the end from a copy that never reached the persistent tier (the process was killed while
         # persisting its final checkpoint): persist it now, or a reboot would lose the run's last steps.
         _save(t, steps)
-    step, pending = t.start_step, None  # pending: (step, its metrics still on the device, dispatch time)
+    step, pending = t.start_step, None  # pending: (step, its metrics still on the device, seconds the call took)
     last_done = time.perf_counter()
     while step < steps or pending is not None:
         dispatched = None
@@ -204,7 +204,9 @@ def _run(t: Trainer) -> TrainResult:
             step += 1
             batch = jax.make_array_from_process_local_data(t.engine.batch_sharding, _next_batch(t, step))
             controls = t.monitor.controls(update_norm=t.engine.guards_update_norm)
-            dispatched = (step, t.engine.step(batch, t.hooks.on_controls(step, controls)))
+            called = time.perf_counter()
+            metrics = t.engine.step(batch, t.hooks.on_controls(step, controls))
+            dispatched = (step, metrics, time.perf_counter() - called)
         if pending is not None:
             last_done, verdict = _finish(t, pending, last_done)
             if verdict.action is not None:
@@ -337,15 +339,17 @@ def _report_checkpoint_errors(t: Trainer) -> None:
             t.events.write("checkpoint_failed", step=error.step, stage=error.stage, message=str(error))
 
 
-def _finish(t: Trainer, pending: tuple[int, dict], last_done: float,
+def _finish(t: Trainer, pending: tuple[int, dict, float], last_done: float,
             evaluate: bool = False) -> tuple[float, Verdict]:
     """Wait for a dispatched step, judge it, (with `evaluate`, and no step dispatched after it) evaluate the
     validation loss, log it. Returns the time the step completed (before any evaluation) and the verdict."""
-    step, device_metrics = pending
+    step, device_metrics, call_s = pending
     waiting = time.perf_counter()
     values = {k: float(v) for k, v in jax.device_get(device_metrics).items()}
     done = time.perf_counter()
-    step_time = done - last_done
+    # Between completions; at least the call itself, for an engine whose step returns once it has computed (the
+    # sharded paged engine on the CPU backend): its completion was before the previous step was judged.
+    step_time = max(done - last_done, call_s)
     if step == t.start_step + 1:
         values["perf/first_step_time"] = step_time  # includes compilation
         t.hooks.on_phase(Phase.TRAINING, step)
