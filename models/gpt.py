@@ -131,18 +131,7 @@ class GPT(nnx.Module):
         self.cfg = cfg
         self.embed = Embed(cfg, nnx.Rngs(params=stage_key(key, 0)))
 
-        def make_blocks(block_keys: jax.Array, moe: bool = False) -> Block:
-            # One construction, vmapped over the per-block keys.
-            return nnx.vmap(lambda k: Block(cfg, nnx.Rngs(params=k), moe), in_axes=0, out_axes=0)(block_keys)
-
-        if cfg.moe.experts:  # dense and MoE blocks stacked apart (models/moe_decoder.py)
-            dense_keys, moe_keys = moe_decoder.block_keys(key, cfg, stage_key)
-            if dense_keys is not None:
-                self.blocks = make_blocks(dense_keys)
-            self.moe_blocks = make_blocks(moe_keys, moe=True)
-        else:
-            block_keys = jax.vmap(lambda i: stage_key(key, i))(jnp.arange(1, cfg.n_layers + 1, dtype=jnp.uint32))
-            self.blocks = make_blocks(block_keys)
+        moe_decoder.add_blocks(self, cfg, key, Block)
         self.head = Head(cfg, nnx.Rngs(params=stage_key(key, cfg.n_layers + 1)))
 
     def __call__(self, tokens: jax.Array) -> jax.Array | moe_decoder.Stream:

@@ -25,7 +25,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from angel_jax.config import ModelConfig
-from models.common import cross_entropy
+from models.common import cross_entropy, stage_key
 from models.moe import capacity
 from models.stages import Stage
 
@@ -145,6 +145,22 @@ def block_keys(key: jax.Array, cfg: ModelConfig, stage_key: Callable) -> tuple[j
         return jax.vmap(lambda i: stage_key(key, i))(jnp.asarray(ids, dtype=jnp.uint32))
 
     return (keys(dense) if dense else None), keys(routed)
+
+
+def add_blocks(model: nnx.Module, cfg: ModelConfig, key: jax.Array, block: Callable[..., nnx.Module]) -> None:
+    """The decoder's blocks on `model`: `blocks` (dense) and, with experts, `moe_blocks`, each stacked on a leading
+    axis by one construction vmapped over the per-block keys (`block(cfg, rngs, moe)`: the family's block)."""
+    def stacked(keys: jax.Array, moe: bool = False) -> nnx.Module:
+        return nnx.vmap(lambda k: block(cfg, nnx.Rngs(params=k), moe), in_axes=0, out_axes=0)(keys)
+
+    if cfg.moe.experts:  # dense and MoE blocks stacked apart
+        dense_keys, moe_keys = block_keys(key, cfg, stage_key)
+        if dense_keys is not None:
+            model.blocks = stacked(dense_keys)
+        model.moe_blocks = stacked(moe_keys, moe=True)
+    else:
+        layers = jnp.arange(1, cfg.n_layers + 1, dtype=jnp.uint32)
+        model.blocks = stacked(jax.vmap(lambda i: stage_key(key, i))(layers))
 
 
 def run_blocks(cfg: ModelConfig, block_def: nnx.GraphDef | None, dense: Any, moe_def: nnx.GraphDef, routed: Any,

@@ -216,8 +216,28 @@ def _in_group(slot: LeafSlot, group: list[PageSpec]) -> bool:
     return slot.size > 0 and slot.dtype == group[0].dtype and group[0].id <= slot.page <= group[-1].id
 
 
+class StagesByName:
+    """A layout's stages looked up by name (`PageLayout`, and the sharded one of sharded_layout.py)."""
+
+    stages: tuple
+
+    @property
+    def stage_names(self) -> tuple[str, ...]:
+        return tuple(s.name for s in self.stages)
+
+    def stage(self, name: str) -> Any:
+        for s in self.stages:
+            if s.name == name:
+                return s
+        raise KeyError(f"no stage {name!r} in the layout (stages: {', '.join(self.stage_names)})")
+
+    @property
+    def pages(self) -> tuple[PageSpec, ...]:
+        return tuple(p for s in self.stages for p in s.pages)
+
+
 @dataclass(frozen=True)
-class PageLayout:
+class PageLayout(StagesByName):
     """Pages of every stage, in access order. Immutable and hashable (usable as a static jit argument)."""
 
     page_size_bytes: int
@@ -238,20 +258,6 @@ class PageLayout:
             next_id += len(stage.pages)
             built.append(stage)
         return PageLayout(page_size_bytes, tuple(built))
-
-    @property
-    def stage_names(self) -> tuple[str, ...]:
-        return tuple(s.name for s in self.stages)
-
-    def stage(self, name: str) -> StageLayout:
-        for s in self.stages:
-            if s.name == name:
-                return s
-        raise KeyError(f"no stage {name!r} in the layout (stages: {', '.join(self.stage_names)})")
-
-    @property
-    def pages(self) -> tuple[PageSpec, ...]:
-        return tuple(p for s in self.stages for p in s.pages)
 
     @property
     def num_pages(self) -> int:

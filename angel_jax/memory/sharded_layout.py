@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from angel_jax.memory.layout import PageLayout, PageSpec, StageLayout
+from angel_jax.memory.layout import PageLayout, PageSpec, StageLayout, StagesByName
 
 PyTree = Any
 
@@ -145,7 +145,7 @@ def _groups(pages: Sequence[PageSpec]) -> list[list[PageSpec]]:
 
 
 @dataclass(frozen=True)
-class ShardedPageLayout:
+class ShardedPageLayout(StagesByName):
     """Every stage's global pages over `ranks` ranks; a `PageLayout` stand-in (ids, specs, pack and unpack)."""
 
     rank_layout: PageLayout
@@ -167,20 +167,6 @@ class ShardedPageLayout:
     @property
     def page_size_bytes(self) -> int:
         return self.rank_layout.page_size_bytes * self.ranks
-
-    @property
-    def stage_names(self) -> tuple[str, ...]:
-        return tuple(s.name for s in self.stages)
-
-    def stage(self, name: str) -> ShardedStageLayout:
-        for s in self.stages:
-            if s.name == name:
-                return s
-        raise KeyError(f"no stage {name!r} in the layout (stages: {', '.join(self.stage_names)})")
-
-    @property
-    def pages(self) -> tuple[PageSpec, ...]:
-        return tuple(p for s in self.stages for p in s.pages)
 
     @property
     def num_pages(self) -> int:
