@@ -9,7 +9,7 @@ devices (XLA_FLAGS=--xla_force_host_platform_device_count=N, one process; N = 1 
 the unsharded baseline), and 2 processes of one CPU device each (jax.distributed, gloo collectives). Each child
 runs under `timeout -s KILL` and `prlimit --as`.
 
-Model: GPT, d_model 64, 24 layers, 2 heads, seq 16, float32 compute, AdamW; a global batch of 8 rows (divisible
+Model: GPT, d_model 128, 24 layers, 2 heads, seq 16, float32 compute, AdamW; a global batch of 8 rows (divisible
 by 4). The page size is the rank's: memory.page_size is 1/N of a block's parameter bytes, rounded up (a rank's
 page holds its chunk of one block: few pages, little padding). The device budget
 per rank is half of 1/N of the training state (fp32 parameters + Adam moments, 12 B per parameter), so most
@@ -427,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--steps", type=int, default=3, help="steps per timed round")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per engine after compiling")
-    p.add_argument("--d-model", type=int, default=64)
+    p.add_argument("--d-model", type=int, default=128)
     p.add_argument("--no-save", action="store_true")
     p.add_argument("--child", choices=("devices", "processes"), help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, help=argparse.SUPPRESS)
