@@ -1,9 +1,12 @@
-"""Checkpoints of the sharded (ZeRO-3) paged engine, in one process with two CPU devices (zero_ckpt_check.py):
-the same world size restores bit for bit; another world size reshards the pages from the persistent tier."""
+"""Checkpoints of the sharded (ZeRO-3) paged engine, in one process with two CPU devices (zero_ckpt_check.py): the
+same world size restores bit for bit; another world size reshards the pages from the persistent tier. And over two
+processes of one device each (zero_ckpt_mp_check.py): pages split across the processes are gathered into the
+snapshot and restored bit for bit."""
 
 from __future__ import annotations
 
 import json
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -15,14 +18,37 @@ ROOT = Path(__file__).resolve().parent.parent
 LIMIT = 240  # seconds: a hung collective must not hang the suite
 
 
+def _start(script: str, *args: str) -> subprocess.Popen:
+    return subprocess.Popen(["timeout", "-s", "KILL", str(LIMIT), sys.executable, str(Path(__file__).with_name(script)),
+                             *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @pytest.fixture(scope="module")
-def checked() -> dict:
-    run = subprocess.run(["timeout", "-s", "KILL", str(LIMIT), sys.executable,
-                          str(Path(__file__).with_name("zero_ckpt_check.py"))], capture_output=True, text=True, cwd=ROOT)
-    assert run.returncode == 0, run.stderr[-3000:]
-    out = json.loads(run.stdout.strip().splitlines()[-1])
-    out["log"] = run.stderr
+def runs(tmp_path_factory) -> dict:
+    """The one-process check (two devices) and the two-process check, started together: mostly compilation, which
+    the cores share."""
+    port, directory = str(_free_port()), str(tmp_path_factory.mktemp("zero-mp"))
+    procs = {"one": _start("zero_ckpt_check.py"),
+             **{f"mp{rank}": _start("zero_ckpt_mp_check.py", port, str(rank), directory) for rank in (0, 1)}}
+    outputs = {name: p.communicate() for name, p in procs.items()}
+    out = {}
+    for name, p in procs.items():
+        stdout, stderr = outputs[name]
+        assert p.returncode == 0, f"{name}: {stderr[-3000:]}"
+        out[name] = json.loads(stdout.strip().splitlines()[-1])
+        out[name]["log"] = stderr
     return out
+
+
+@pytest.fixture(scope="module")
+def checked(runs) -> dict:
+    return runs["one"]
 
 
 def test_same_world_size_is_bit_exact(checked):
@@ -55,3 +81,16 @@ def test_another_layout_is_refused(checked):
     than resharded."""
     message = checked["other_layout"]
     assert "page layout differs" in message and "over the checkpoint's 2 ranks" in message and "'embed'" in message
+
+
+def test_two_processes_round_trip(runs):
+    """2 processes x 1 device, pages split across them: each process's snapshot gathers every page, process 0 saves
+    it, both restore it (memory tier) into a fresh engine: the state bit for bit on both, the uninterrupted
+    run's losses exactly, the same losses as over two devices of one process."""
+    one = runs["one"]["losses"]["uninterrupted"]
+    for rank in (0, 1):
+        out = runs[f"mp{rank}"]
+        assert out["spans_processes"] and (out["step"], out["tier"], out["ranks"]) == (3, "memory", 2)
+        assert out["bit_exact"], rank
+        assert out["resumed"] == out["uninterrupted"][3:]
+        np.testing.assert_allclose(out["uninterrupted"], one, rtol=1e-5, atol=0)

@@ -44,6 +44,7 @@ from angel_jax.schedule.timeline import Timeline
 from angel_jax.schedule.zero import Zero
 from angel_jax.train.plan_cli import plan_summary
 from angel_jax.train.protocol import StateMismatch, check_arrays
+from angel_jax.train.sharding import whole
 from angel_jax.units import human_bytes
 
 log = logging.getLogger(__name__)
@@ -181,19 +182,38 @@ class PagedTrainEngine:
     def state_snapshot(self, may_hold: bool = True) -> StateSnapshot:
         """Never held: host and disk pages are updated in place by the next step, so a checkpoint copies them
         before its save returns. Pages are `LazyArray`s, read one at a time as the checkpoint copies them: a state
-        larger than RAM (pages on disk) never has to be in memory whole."""
+        larger than RAM (pages on disk) never has to be in memory whole.
+
+        With pages sharded over the devices of several processes no process can read a page alone, and only
+        process 0 copies a checkpoint (the others release their snapshot unread), so every process gathers every
+        page here, one at a time in the same order (a collective): each process holds the whole state in host
+        memory, as the in-memory sharded engine does. Processes do not write their own shards."""
         updater_state = self.built.updater.state()  # lock-free mode: the last step's updates land first
         self.built.store.wait_all()
         store = self.built.store
         params, opt, small_names = self._names()
         out: dict[str, Any] = {}
+        gather = self._spans_processes()
         for name, pid in params + opt:
             (length,), dtype = self._page_spec(pid)
-            out[name] = LazyArray((length,), dtype, lambda pid=pid: store.read(pid))
+            out[name] = self._gathered(pid) if gather else \
+                LazyArray((length,), dtype, lambda pid=pid: store.read(pid))
         out.update({name: np.asarray(updater_state.opt_small[i][j]) for name, i, j in small_names})
         out["step"] = np.asarray(self.executor.step_count, np.int32)
         out["applied"] = np.asarray(updater_state.applied, np.int32)
         return StateSnapshot(out)
+
+    def _spans_processes(self) -> bool:
+        return self.zero is not None and len({d.process_index for d in self.zero.mesh.devices.flat}) > 1
+
+    def _gathered(self, page_id: int) -> np.ndarray:
+        """A page whole in this process, gathered from every process holding a shard of it (a collective)."""
+        store = self.built.store
+        tiers = [t for t in store.where(page_id) if t != "disk"]
+        if not tiers:
+            raise NotImplementedError(f"page {page_id} is only on disk: a checkpoint of pages sharded over several "
+                                      "processes reads them from the device or host tier only")
+        return np.array(whole(store.get(page_id, tiers[0])))
 
     @property
     def ranks(self) -> int:
