@@ -1,6 +1,6 @@
 """PagedTrainEngine: the paged engine behind the `TrainEngine` protocol (angel_jax/train/engines.py).
 
-    engine = PagedTrainEngine(cfg, mesh)          # one device, one process
+    engine = PagedTrainEngine(cfg, mesh)          # one device, or pages sharded over the mesh's devices
     metrics = engine.step(batch, controls)        # loss, grad_norm, update_norm, lr, skipped (may be computing)
     loss = engine.eval_loss(batch)                # forward only, streamed like a step; nothing changes
     snapshot, meta = engine.state_snapshot(), engine.state_meta()   # not held: pages change in place
@@ -15,9 +15,14 @@ The training state is every page family under stable names, read from wherever t
     step                     training steps taken (int32)
     applied                  updates applied, those the anomaly guard dropped not counted (int32)
 
-`state_meta` carries the engine name, the page size and a layout fingerprint (per stage: dtype and length of
-every page, dtype and shape of every small leaf); `load_state` refuses a checkpoint whose fingerprint differs,
-naming the first difference, and puts every page back in the home this run's plan gives it.
+`state_meta` carries the engine name, the page size, the number of ranks the pages are sharded over (ZeRO-3;
+absent in checkpoints from before sharding: 1) and a layout fingerprint (per stage: dtype and length of every
+page, dtype and shape of every small leaf); `load_state` refuses a checkpoint whose fingerprint differs from this
+model's pages laid out over the checkpoint's ranks, naming the first difference, and puts every page back in the
+home this run's plan gives it. A checkpoint written over another number of ranks is resharded, stage by stage
+(unpacked into whole leaves with its own layout, packed with this run's), with a warning: the losses that follow
+equal an uninterrupted run's to float rounding, not bit for bit. With pages split across processes every process
+gathers every page into its snapshot (see `state_snapshot`).
 
 Timelines: the predicted timeline is written to the run directory at the first step, the measured one once,
 after `WARMUP_STEPS` steps of this engine (recording `RECORDED_STEPS` steps; written when they are complete, at
