@@ -69,7 +69,8 @@ def test_another_world_size_reshards(checked):
     assert [(r["from"], r["to"], r["step"], r["tier"]) for r in checked["resumes"]] == \
         [(2, 1, 3, "persistent"), (1, 2, 3, "persistent")]
     for r in checked["resumes"]:
-        np.testing.assert_allclose(r["losses"], uninterrupted[3:], rtol=1e-5, atol=0, err_msg=f"{r['from']} -> {r['to']}")
+        np.testing.assert_allclose(r["losses"], uninterrupted[3:], rtol=1e-5, atol=0,
+                                   err_msg=f"{r['from']} -> {r['to']}")
     assert checked["resumes"][1]["bit_exact_with_saved"]
     assert checked["streamed"]["1"] > 0  # the one-device run streams: resharded pages went to host as well as device
     for a, b in ((2, 1), (1, 2)):

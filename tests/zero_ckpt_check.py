@@ -27,7 +27,8 @@ from pathlib import Path
 # between runs compiled alike. (Run as a script: zero_ckpt_mp_check.py imports this module for its configuration.)
 FAST_COMPILE = " --xla_backend_optimization_level=0"
 if __name__ == "__main__":
-    os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2" + FAST_COMPILE
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
+                               + FAST_COMPILE)
 os.environ["JAX_PLATFORMS"] = "cpu"
 sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.path.dirname(os.path.abspath(__file__))]
 

@@ -262,8 +262,9 @@ class PagedTrainEngine:
         updater.drain()
         store.wait_all()
         if theirs == self.ranks:
+            homes = self._homes()
             for name, pid in params + opt:  # one page at a time: never two copies of the model in flight
-                self._put(pid, np.asarray(arrays[name]))
+                self._put(pid, np.asarray(arrays[name]), homes)
         else:
             # Resharding reorders the gradient reductions: the losses that follow match an uninterrupted run's to
             # float rounding, not bit for bit, hence a warning rather than a note.
@@ -286,11 +287,11 @@ class PagedTrainEngine:
             homes.update({oid: plan.opt_home[i] for oid in model.opt_ids(i)})
         return homes
 
-    def _put(self, page_id: int, page: np.ndarray, homes: dict[int, str] | None = None) -> None:
-        """Replace a page by `page`, in the home this run's plan gives it."""
+    def _put(self, page_id: int, page: np.ndarray, homes: dict[int, str]) -> None:
+        """Replace a page by `page`, in the home this run's plan gives it (`homes`, from `_homes`)."""
         store = self.built.store
         store.remove(page_id)
-        store.add(page_id, page, home=(homes or self._homes())[page_id]).wait()
+        store.add(page_id, page, home=homes[page_id]).wait()
 
     def _reshard(self, arrays: Mapping[str, np.ndarray], layouts: tuple[Any, Any]) -> None:
         """The checkpoint's pages, laid out by `layouts`, into this run's: per stage and family, the pages unpacked
@@ -300,7 +301,8 @@ class PagedTrainEngine:
             for family, theirs, mine, ids in (("params", layouts[0], model.params_layout, model.param_ids(i)),
                                               ("opt", layouts[1], model.opt_layout, model.opt_ids(i))):
                 old = theirs.stage(stage.name)
-                leaves = old.unpack([np.asarray(arrays[f"{family}/{stage.name}/{k}"]) for k in range(len(old.pages))])
+                leaves = old.unpack([np.asarray(arrays[f"{family}/{stage.name}/{k}"])
+                                     for k in range(len(old.pages))])
                 pages = mine.stage(stage.name).pack(leaves)
                 del leaves
                 for pid, page in zip(ids, pages):
