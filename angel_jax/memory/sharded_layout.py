@@ -184,3 +184,27 @@ class ShardedPageLayout(StagesByName):
     @property
     def total_bytes(self) -> int:
         return self.ranks * self.rank_layout.total_bytes
+
+
+def stage_shapes(layout: PageLayout | ShardedPageLayout) -> list[tuple[str, PyTree]]:
+    """Each stage's leaves as whole-leaf ShapeDtypeStructs in the stage's structure: what `layout` was built
+    from, so that a layout of the same leaves over another number of ranks can be built from it."""
+    out = []
+    for stage in layout.stages:
+        if isinstance(stage, ShardedStageLayout):
+            leaves = [jax.ShapeDtypeStruct(shape, dtype) for shape, dtype in stage.full]
+        else:
+            leaves = [jax.ShapeDtypeStruct(slot.shape, slot.dtype) for slot in stage.slots]
+        out.append((stage.name, jax.tree_util.tree_unflatten(stage.treedef, leaves)))
+    return out
+
+
+def layout_over(layout: PageLayout | ShardedPageLayout, ranks: int) -> PageLayout | ShardedPageLayout:
+    """The layout of `layout`'s leaves, with its page size per rank, over `ranks` ranks: a plain `PageLayout`
+    for one (pages hold the leaves end to end, as an engine on one device lays them out), else sharded. A
+    checkpoint written over another number of ranks is read back with it."""
+    page_size = layout.rank_layout.page_size_bytes if isinstance(layout, ShardedPageLayout) else \
+        layout.page_size_bytes
+    if ranks == 1:
+        return PageLayout.build(stage_shapes(layout), page_size)
+    return ShardedPageLayout.build(stage_shapes(layout), page_size, ranks)

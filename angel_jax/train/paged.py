@@ -1,6 +1,6 @@
 """PagedTrainEngine: the paged engine behind the `TrainEngine` protocol (angel_jax/train/engines.py).
 
-    engine = PagedTrainEngine(cfg, mesh)          # one device, one process
+    engine = PagedTrainEngine(cfg, mesh)          # one device, or pages sharded over the mesh's devices
     metrics = engine.step(batch, controls)        # loss, grad_norm, update_norm, lr, skipped (may be computing)
     loss = engine.eval_loss(batch)                # forward only, streamed like a step; nothing changes
     snapshot, meta = engine.state_snapshot(), engine.state_meta()   # not held: pages change in place
@@ -15,9 +15,14 @@ The training state is every page family under stable names, read from wherever t
     step                     training steps taken (int32)
     applied                  updates applied, those the anomaly guard dropped not counted (int32)
 
-`state_meta` carries the engine name, the page size and a layout fingerprint (per stage: dtype and length of
-every page, dtype and shape of every small leaf); `load_state` refuses a checkpoint whose fingerprint differs,
-naming the first difference, and puts every page back in the home this run's plan gives it.
+`state_meta` carries the engine name, the page size, the number of ranks the pages are sharded over (ZeRO-3;
+absent in checkpoints from before sharding: 1) and a layout fingerprint (per stage: dtype and length of every
+page, dtype and shape of every small leaf); `load_state` refuses a checkpoint whose fingerprint differs from this
+model's pages laid out over the checkpoint's ranks, naming the first difference, and puts every page back in the
+home this run's plan gives it. A checkpoint written over another number of ranks is resharded, stage by stage
+(unpacked into whole leaves with its own layout, packed with this run's), with a warning: the losses that follow
+equal an uninterrupted run's to float rounding, not bit for bit. With pages split across processes every process
+gathers every page into its snapshot (see `state_snapshot`).
 
 Timelines: the predicted timeline is written to the run directory at the first step, the measured one once,
 after `WARMUP_STEPS` steps of this engine (recording `RECORDED_STEPS` steps; written when they are complete, at
@@ -38,11 +43,13 @@ from angel_jax.checkpoint.state import LazyArray, StateSnapshot
 from angel_jax.config import Config
 from angel_jax.optim.guard import StepControls
 from angel_jax.memory import PageLayout
+from angel_jax.memory.sharded_layout import layout_over
 from angel_jax.schedule.engine import PagedEngine, build_paged_engine, check_host_room, fit_micro_batch
 from angel_jax.schedule.timeline import Timeline
 from angel_jax.schedule.zero import Zero
 from angel_jax.train.plan_cli import plan_summary
 from angel_jax.train.protocol import StateMismatch, check_arrays
+from angel_jax.train.sharding import whole
 from angel_jax.units import human_bytes
 
 log = logging.getLogger(__name__)
@@ -56,14 +63,17 @@ def pages_fingerprint(layout: PageLayout, stage: str) -> list[list]:
     return [[p.dtype.name, p.length] for p in layout.stage(stage).pages]
 
 
-def layout_fingerprint(built: PagedEngine) -> dict[str, Any]:
-    """Per stage: [dtype, length] of each parameter and optimizer page, [dtype, shape] of each small leaf."""
+def layout_fingerprint(built: PagedEngine, layouts: tuple[Any, Any] | None = None) -> dict[str, Any]:
+    """Per stage: [dtype, length] of each parameter and optimizer page, [dtype, shape] of each small leaf.
+    `layouts`: (params, optimizer) layouts of the same leaves to describe instead of the engine's own (those of
+    a checkpoint written over another number of ranks)."""
     model, small = built.model, built.updater.small_specs
+    params_layout, opt_layout = layouts or (model.params_layout, model.opt_layout)
     out = {}
     for i, stage in enumerate(model.staged.stages):
         out[stage.name] = {
-            "params": pages_fingerprint(model.params_layout, stage.name),
-            "opt": pages_fingerprint(model.opt_layout, stage.name),
+            "params": pages_fingerprint(params_layout, stage.name),
+            "opt": pages_fingerprint(opt_layout, stage.name),
             "opt_small": [[np.dtype(dtype).name, list(shape)] for shape, dtype in small[i]],
         }
     return out
@@ -177,22 +187,46 @@ class PagedTrainEngine:
     def state_snapshot(self, may_hold: bool = True) -> StateSnapshot:
         """Never held: host and disk pages are updated in place by the next step, so a checkpoint copies them
         before its save returns. Pages are `LazyArray`s, read one at a time as the checkpoint copies them: a state
-        larger than RAM (pages on disk) never has to be in memory whole."""
+        larger than RAM (pages on disk) never has to be in memory whole.
+
+        With pages sharded over the devices of several processes no process can read a page alone, and only
+        process 0 copies a checkpoint (the others release their snapshot unread), so every process gathers every
+        page here, one at a time in the same order (a collective): each process holds the whole state in host
+        memory, as the in-memory sharded engine does. Processes do not write their own shards."""
         updater_state = self.built.updater.state()  # lock-free mode: the last step's updates land first
         self.built.store.wait_all()
         store = self.built.store
         params, opt, small_names = self._names()
         out: dict[str, Any] = {}
+        gather = self._spans_processes()
         for name, pid in params + opt:
             (length,), dtype = self._page_spec(pid)
-            out[name] = LazyArray((length,), dtype, lambda pid=pid: store.read(pid))
+            out[name] = self._gathered(pid) if gather else \
+                LazyArray((length,), dtype, lambda pid=pid: store.read(pid))
         out.update({name: np.asarray(updater_state.opt_small[i][j]) for name, i, j in small_names})
         out["step"] = np.asarray(self.executor.step_count, np.int32)
         out["applied"] = np.asarray(updater_state.applied, np.int32)
         return StateSnapshot(out)
 
+    def _spans_processes(self) -> bool:
+        return self.zero is not None and len({d.process_index for d in self.zero.mesh.devices.flat}) > 1
+
+    def _gathered(self, page_id: int) -> np.ndarray:
+        """A page whole in this process, gathered from every process holding a shard of it (a collective)."""
+        store = self.built.store
+        tiers = [t for t in store.where(page_id) if t != "disk"]
+        if not tiers:
+            raise NotImplementedError(f"page {page_id} is only on disk: a checkpoint of pages sharded over several "
+                                      "processes reads them from the device or host tier only")
+        return np.array(whole(store.get(page_id, tiers[0])))
+
+    @property
+    def ranks(self) -> int:
+        """Devices every page is sharded over (1: pages whole on one device)."""
+        return self.zero.ranks if self.zero else 1
+
     def state_meta(self) -> dict[str, Any]:
-        return {"engine": self.name, "page_size": self.cfg.memory.page_size,
+        return {"engine": self.name, "page_size": self.cfg.memory.page_size, "ranks": self.ranks,
                 "layout": layout_fingerprint(self.built)}
 
     def load_state(self, arrays: Mapping[str, np.ndarray], meta: Mapping[str, Any]) -> None:
@@ -202,32 +236,78 @@ class PagedTrainEngine:
         if meta.get("page_size") != self.cfg.memory.page_size:
             raise StateMismatch(f"the checkpoint's pages are {meta.get('page_size')} B, this run's "
                                 f"memory.page_size is {self.cfg.memory.page_size} B; resume with the same page size")
-        problem = first_layout_difference(layout_fingerprint(self.built), meta.get("layout"))
+        theirs = meta.get("ranks", 1)  # absent: written before pages were sharded, by one device
+        if not isinstance(theirs, int) or isinstance(theirs, bool) or theirs < 1:
+            raise StateMismatch(f"paged engine: the checkpoint's number of ranks is {theirs!r}, not a positive "
+                                "integer (a damaged or hand-edited checkpoint?)")
+        model = self.built.model
+        # The checkpoint's pages as the run that wrote them laid them out: the same leaves over its ranks.
+        layouts = (model.params_layout, model.opt_layout) if theirs == self.ranks else \
+            (layout_over(model.params_layout, theirs), layout_over(model.opt_layout, theirs))
+        problem = first_layout_difference(layout_fingerprint(self.built, layouts), meta.get("layout"))
         if problem:
-            raise StateMismatch(f"paged engine: the checkpoint's page layout differs from this run's: {problem} "
-                                "(another model or optimizer config?)")
+            raise StateMismatch(f"paged engine: the checkpoint's page layout differs from this run's model laid out "
+                                f"over the checkpoint's {theirs} rank{'s' if theirs > 1 else ''}: {problem} (another "
+                                "model or optimizer config?)")
         params, opt, small_names = self._names()
-        layout = {**{n: p for n, p in params}, **{n: o for n, o in opt}}
-        store, updater, plan = self.built.store, self.built.updater, self.built.plan
-        expected = {name: self._page_spec(pid) for name, pid in layout.items()}
+        store, updater = self.built.store, self.built.updater
+        expected: dict[str, Any] = {}
+        for stage in model.staged.stages:
+            for family, layout in zip(("params", "opt"), layouts):
+                expected.update({f"{family}/{stage.name}/{k}": ((p.length,), p.dtype)
+                                 for k, p in enumerate(layout.stage(stage.name).pages)})
         expected.update({name: updater.small_specs[i][j] for name, i, j in small_names})
         expected["step"] = expected["applied"] = ((), np.dtype(np.int32))
         check_arrays(expected, arrays, "paged engine")
         updater.drain()
         store.wait_all()
-        homes = {}
-        for i in range(len(plan.home)):
-            homes.update({pid: plan.home[i] for pid in self.built.model.param_ids(i)})
-            homes.update({oid: plan.opt_home[i] for oid in self.built.model.opt_ids(i)})
-        for name, pid in layout.items():  # one page at a time: never two copies of the model in flight
-            store.remove(pid)
-            store.add(pid, np.asarray(arrays[name]), home=homes[pid]).wait()
+        if theirs == self.ranks:
+            homes = self._homes()
+            for name, pid in params + opt:  # one page at a time: never two copies of the model in flight
+                self._put(pid, np.asarray(arrays[name]), homes)
+        else:
+            # Resharding reorders the gradient reductions: the losses that follow match an uninterrupted run's to
+            # float rounding, not bit for bit, hence a warning rather than a note.
+            log.warning("paged engine: resharding the checkpoint's pages from %d to %d ranks (a run over %d "
+                        "device%s resumes a checkpoint written over %d)", theirs, self.ranks, self.ranks,
+                        "s" if self.ranks > 1 else "", theirs)
+            self._reshard(arrays, layouts)
         small: list[list[np.ndarray]] = [[] for _ in updater.small_specs]
         for name, i, _ in small_names:  # in leaf order
             small[i].append(np.asarray(arrays[name]))
         step = int(arrays["step"])
         updater.reset(step, int(arrays["applied"]), small)
         self.executor.set_step(step)
+
+    def _homes(self) -> dict[int, str]:
+        plan, model = self.built.plan, self.built.model
+        homes = {}
+        for i in range(len(plan.home)):
+            homes.update({pid: plan.home[i] for pid in model.param_ids(i)})
+            homes.update({oid: plan.opt_home[i] for oid in model.opt_ids(i)})
+        return homes
+
+    def _put(self, page_id: int, page: np.ndarray, homes: dict[int, str]) -> None:
+        """Replace a page by `page`, in the home this run's plan gives it (`homes`, from `_homes`)."""
+        store = self.built.store
+        store.remove(page_id)
+        store.add(page_id, page, home=homes[page_id]).wait()
+
+    def _reshard(self, arrays: Mapping[str, np.ndarray], layouts: tuple[Any, Any]) -> None:
+        """The checkpoint's pages, laid out by `layouts`, into this run's: per stage and family, the pages unpacked
+        into whole leaves and packed again. One stage at a time: never the whole model in memory."""
+        model, homes = self.built.model, self._homes()
+        for i, stage in enumerate(model.staged.stages):
+            for family, theirs, mine, ids in (("params", layouts[0], model.params_layout, model.param_ids(i)),
+                                              ("opt", layouts[1], model.opt_layout, model.opt_ids(i))):
+                old = theirs.stage(stage.name)
+                leaves = old.unpack([np.asarray(arrays[f"{family}/{stage.name}/{k}"])
+                                     for k in range(len(old.pages))])
+                pages = mine.stage(stage.name).pack(leaves)
+                del leaves
+                for pid, page in zip(ids, pages):
+                    self._put(pid, page, homes)
+                del pages
 
     def _page_spec(self, page_id: int) -> tuple[tuple[int], np.dtype]:
         model = self.built.model

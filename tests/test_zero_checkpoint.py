@@ -1,0 +1,97 @@
+"""Checkpoints of the sharded (ZeRO-3) paged engine, in one process with two CPU devices (zero_ckpt_check.py): the
+same world size restores bit for bit; another world size reshards the pages from the persistent tier. And over two
+processes of one device each (zero_ckpt_mp_check.py): pages split across the processes are gathered into the
+snapshot and restored bit for bit."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+LIMIT = 240  # seconds: a hung collective must not hang the suite
+
+
+def _start(script: str, *args: str) -> subprocess.Popen:
+    return subprocess.Popen(["timeout", "-s", "KILL", str(LIMIT), sys.executable, str(Path(__file__).with_name(script)),
+                             *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    """The one-process check (two devices) and the two-process check, started together: mostly compilation, which
+    the cores share."""
+    port, directory = str(_free_port()), str(tmp_path_factory.mktemp("zero-mp"))
+    procs = {"one": _start("zero_ckpt_check.py"),
+             **{f"mp{rank}": _start("zero_ckpt_mp_check.py", port, str(rank), directory) for rank in (0, 1)}}
+    outputs = {name: p.communicate() for name, p in procs.items()}
+    out = {}
+    for name, p in procs.items():
+        stdout, stderr = outputs[name]
+        assert p.returncode == 0, f"{name}: {stderr[-3000:]}"
+        out[name] = json.loads(stdout.strip().splitlines()[-1])
+        out[name]["log"] = stderr
+    return out
+
+
+@pytest.fixture(scope="module")
+def checked(runs) -> dict:
+    return runs["one"]
+
+
+def test_same_world_size_is_bit_exact(checked):
+    """Saved at step 3 over 2 ranks, restored (memory tier) over 2 ranks: every page, small leaf and counter equal
+    the saved ones, and the remaining steps give the uninterrupted run's losses exactly."""
+    same, uninterrupted = checked["same"], checked["losses"]["uninterrupted"]
+    assert uninterrupted[-1] < uninterrupted[0]  # it trains
+    assert (same["step"], same["tier"], same["ranks"]) == (3, "memory", 2)
+    assert same["bit_exact"]
+    assert same["losses"] == uninterrupted[3:]
+
+
+def test_another_world_size_reshards(checked):
+    """2 -> 1 -> 2 ranks from the persistent tier: each resumed run continues the uninterrupted run's losses (another
+    reduction order: to float rounding), the state back on 2 ranks is the saved state bit for bit, and each
+    resharding is logged."""
+    uninterrupted = checked["losses"]["uninterrupted"]
+    assert [(r["from"], r["to"], r["step"], r["tier"]) for r in checked["resumes"]] == \
+        [(2, 1, 3, "persistent"), (1, 2, 3, "persistent")]
+    for r in checked["resumes"]:
+        np.testing.assert_allclose(r["losses"], uninterrupted[3:], rtol=1e-5, atol=0,
+                                   err_msg=f"{r['from']} -> {r['to']}")
+    assert checked["resumes"][1]["bit_exact_with_saved"]
+    assert checked["streamed"]["1"] > 0  # the one-device run streams: resharded pages went to host as well as device
+    for a, b in ((2, 1), (1, 2)):
+        assert f"resharding the checkpoint's pages from {a} to {b} ranks" in checked["log"]
+
+
+def test_another_layout_is_refused(checked):
+    """A checkpoint whose pages are not this model's over its own ranks is refused, naming the difference, rather
+    than resharded."""
+    message = checked["other_layout"]
+    assert "page layout differs" in message and "over the checkpoint's 2 ranks" in message and "'embed'" in message
+
+
+def test_two_processes_round_trip(runs):
+    """2 processes x 1 device, pages split across them: each process's snapshot gathers every page, process 0 saves
+    it, both restore it (memory tier) into a fresh engine: the state bit for bit on both, the uninterrupted
+    run's losses exactly, the same losses as over two devices of one process."""
+    one = runs["one"]["losses"]["uninterrupted"]
+    for rank in (0, 1):
+        out = runs[f"mp{rank}"]
+        assert out["spans_processes"] and (out["step"], out["tier"], out["ranks"]) == (3, "memory", 2)
+        assert out["bit_exact"], rank
+        assert out["resumed"] == out["uninterrupted"][3:]
+        np.testing.assert_allclose(out["uninterrupted"], one, rtol=1e-5, atol=0)
