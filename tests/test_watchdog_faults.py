@@ -36,6 +36,11 @@ STEPS, EVERY = 16, 4
 LIMIT = 240  # seconds: the `timeout -s KILL` guard of every launcher
 EXACT_KEYS = ("loss", "grad_norm", "update_norm", "lr")
 HANG_TIMEOUT = 6.0
+# Every worker of the module compiles without XLA's backend (LLVM) optimisations: about half the compile time of
+# each start (rank 1 compiles all its programs at every start: JAX writes the persistent cache from process 0 only).
+# The reference is compiled the same way; what is checked here is the watchdog, and that a recovered job repeats
+# the uninterrupted one bit for bit, which holds for any fixed compiler settings.
+XLA_FLAGS = " ".join(filter(None, [os.environ.get("XLA_FLAGS"), "--xla_backend_optimization_level=0"]))
 RESILIENCE = {"hang_timeout_min": HANG_TIMEOUT, "slow_phase_timeout": 120.0, "stop_grace": 3.0,
               "heartbeat_interval": 0.5, "heartbeat_lost_after": 2.0, "max_restarts": 3}
 
@@ -105,7 +110,7 @@ class Launches:
         out_path = self.directory / f"{name}.out"
         cmd = ["timeout", "-s", "KILL", str(LIMIT), sys.executable, "-m", "angel_jax.cli", "launch", "-n", "2",
                *args, str(cfg)]
-        child_env = dict(os.environ, JAX_PLATFORMS="cpu", **(env or {}))
+        child_env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=XLA_FLAGS, **(env or {}))
         child_env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), child_env.get("PYTHONPATH")) if p)
         with open(out_path, "w") as out:
             proc = subprocess.Popen(cmd, cwd=self.directory, env=child_env, stdout=out, stderr=subprocess.STDOUT,
@@ -371,7 +376,7 @@ def test_the_worker_under_slurm_without_the_launcher(launches, reference, tmp_pa
     try:
         for rank in range(2):
             env = {k: v for k, v in os.environ.items() if not k.startswith("ANGEL_JAX_")}
-            env.update(JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT), SLURM_JOB_ID=str(job_id),
+            env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=XLA_FLAGS, PYTHONPATH=str(ROOT), SLURM_JOB_ID=str(job_id),
                        SLURM_STEP_NODELIST="localhost", SLURM_NTASKS="2", SLURM_PROCID=str(rank),
                        SLURM_LOCALID=str(rank), ANGEL_JAX_HEARTBEAT_ADDR=server.address,
                        ANGEL_JAX_JOB_TOKEN="slurm-token")
