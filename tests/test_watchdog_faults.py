@@ -67,14 +67,15 @@ class Job:
         except (OSError, json.JSONDecodeError):
             return {}
 
-    def step(self) -> int:
-        """The newest step in metrics.jsonl (process 0 writes one line per step)."""
+    def step(self, since: float = 0.0) -> int:
+        """The newest step in metrics.jsonl (process 0 writes one line per step) among the lines written after
+        `since` (a wall-clock time)."""
         try:
             lines = (self.run_dir / "metrics.jsonl").read_text().splitlines()
         except OSError:
             return 0
-        steps = [json.loads(line)["step"] for line in lines if line.endswith("}")]
-        return max(steps, default=0)
+        records = [json.loads(line) for line in lines if line.endswith("}")]
+        return max((r["step"] for r in records if r["time"] > since), default=0)
 
     def wait(self, timeout: float = LIMIT) -> int:
         try:
@@ -233,7 +234,8 @@ class Rank1Faults:
 @pytest.fixture(scope="module")
 def rank1_faults(launches) -> Rank1Faults:
     """One launch for two tests: rank 1 is SIGKILLed in attempt 0 (after step 5, with forged heartbeats sent just
-    before), and SIGSTOPped in attempt 1 (after step 9, which attempt 0 did not reach).
+    before), and SIGSTOPped in attempt 1 (once attempt 1 has logged step 9: in training, past the checkpoint it
+    resumed from).
 
     hang_factor 3: the hang timeout is HANG_TIMEOUT unless the p95 step time passes HANG_TIMEOUT / 3 (the second
     step, which runs a program the first did not, takes ~1 s on a 2-core machine: with the default factor of 10
@@ -244,7 +246,9 @@ def rank1_faults(launches) -> Rank1Faults:
     _forge(job)
     os.kill(job.worker_pid(1), signal.SIGKILL)
     killed_at = time.time()
-    job.wait_for(lambda: job.status().get("attempt") == 1 and job.step() >= 9, "step 9 in attempt 1")
+    job.wait_for(lambda: job.events("restart"), "the restart")
+    (restart,) = job.events("restart")
+    job.wait_for(lambda: job.step(since=restart["time"]) >= 9, "step 9 in attempt 1")
     pid = job.worker_pid(1)
     os.kill(pid, signal.SIGSTOP)
     stopped_at = time.time()
