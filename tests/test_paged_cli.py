@@ -54,7 +54,9 @@ def test_plan_estimates_a_model_far_larger_than_this_machine(tmp_path, capsys):
 
 def test_gpu_benchmark_smoke_runs_on_the_cpu(tmp_path):
     script = REPO_ROOT / "experiments" / "bench" / "paged_gpu.py"
-    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "JAX_PLATFORMS": "cpu"}
+    # The plumbing, not the speed: compiled without XLA's backend optimisations (the run takes about a fifth less).
+    flags = " ".join(filter(None, [os.environ.get("XLA_FLAGS"), "--xla_backend_optimization_level=0"]))
+    env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "JAX_PLATFORMS": "cpu", "XLA_FLAGS": flags}
     proc = subprocess.run(["timeout", "-s", "KILL", "300", sys.executable, str(script), "--smoke",
                            "--disk-dir", str(tmp_path)], capture_output=True, text=True, env=env, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]

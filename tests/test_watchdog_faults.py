@@ -4,8 +4,10 @@ the same step every time.
 
 Each recovered job must finish every step with the same per-step numbers (metrics.jsonl) and the same final
 parameters (the final checkpoint, bit for bit) as ONE uninterrupted 2-worker launch of the same config
-(`reference`), and recompute at most one checkpoint interval. Every launcher runs under `timeout -s KILL` in its
-own session; its workers die with it (PR_SET_PDEATHSIG), and any left at teardown are killed by pid.
+(`reference`), and recompute at most one checkpoint interval per restart. A launch costs ~15 s of start-up and
+compilation, so two tests whose faults can follow one another in one job share its launch (a module fixture): one
+fault per attempt, scoped by ANGEL_JAX_ATTEMPT. Every launcher runs under `timeout -s KILL` in its own session;
+its workers die with it (PR_SET_PDEATHSIG), and any left at teardown are killed by pid.
 """
 
 from __future__ import annotations
@@ -34,6 +36,11 @@ STEPS, EVERY = 16, 4
 LIMIT = 240  # seconds: the `timeout -s KILL` guard of every launcher
 EXACT_KEYS = ("loss", "grad_norm", "update_norm", "lr")
 HANG_TIMEOUT = 6.0
+# Every worker of the module compiles without XLA's backend (LLVM) optimisations: about half the compile time of
+# each start (rank 1 compiles all its programs at every start: JAX writes the persistent cache from process 0 only).
+# The reference is compiled the same way; what is checked here is the watchdog, and that a recovered job repeats
+# the uninterrupted one bit for bit, which holds for any fixed compiler settings.
+XLA_FLAGS = " ".join(filter(None, [os.environ.get("XLA_FLAGS"), "--xla_backend_optimization_level=0"]))
 RESILIENCE = {"hang_timeout_min": HANG_TIMEOUT, "slow_phase_timeout": 120.0, "stop_grace": 3.0,
               "heartbeat_interval": 0.5, "heartbeat_lost_after": 2.0, "max_restarts": 3}
 
@@ -60,14 +67,15 @@ class Job:
         except (OSError, json.JSONDecodeError):
             return {}
 
-    def step(self) -> int:
-        """The newest step in metrics.jsonl (process 0 writes one line per step)."""
+    def step(self, since: float = 0.0) -> int:
+        """The newest step in metrics.jsonl (process 0 writes one line per step) among the lines written after
+        `since` (a wall-clock time)."""
         try:
             lines = (self.run_dir / "metrics.jsonl").read_text().splitlines()
         except OSError:
             return 0
-        steps = [json.loads(line)["step"] for line in lines if line.endswith("}")]
-        return max(steps, default=0)
+        records = [json.loads(line) for line in lines if line.endswith("}")]
+        return max((r["step"] for r in records if r["time"] > since), default=0)
 
     def wait(self, timeout: float = LIMIT) -> int:
         try:
@@ -103,7 +111,7 @@ class Launches:
         out_path = self.directory / f"{name}.out"
         cmd = ["timeout", "-s", "KILL", str(LIMIT), sys.executable, "-m", "angel_jax.cli", "launch", "-n", "2",
                *args, str(cfg)]
-        child_env = dict(os.environ, JAX_PLATFORMS="cpu", **(env or {}))
+        child_env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=XLA_FLAGS, **(env or {}))
         child_env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), child_env.get("PYTHONPATH")) if p)
         with open(out_path, "w") as out:
             proc = subprocess.Popen(cmd, cwd=self.directory, env=child_env, stdout=out, stderr=subprocess.STDOUT,
@@ -167,31 +175,34 @@ def reference(launches) -> Reference:
     return Reference(records, _final_arrays(job))
 
 
-def assert_same_as_reference(job: Job, ref: Reference) -> dict:
-    """The job finished every step with the reference's numbers and final state; one restart, and at most one
-    checkpoint interval recomputed. Returns the watchdog's 'resumed' event."""
+def assert_same_as_reference(job: Job, ref: Reference, restarts: int = 1) -> list[dict]:
+    """The job finished every step with the reference's numbers and final state after `restarts` restarts, each
+    recomputing at most one checkpoint interval. Returns the watchdog's 'resumed' events, one per restart."""
     rc = job.wait()
     assert rc == 0, job.out[-5000:]
     (end,) = job.events("job_end")
-    assert end["state"] == "succeeded" and end["restarts"] == 1, end
+    assert end["state"] == "succeeded" and end["restarts"] == restarts, end
     records = M.read_jsonl(job.run_dir / "metrics.jsonl")
-    assert [r["step"] for r in records] == list(range(1, STEPS + 1)), "one line per step after the restart"
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1)), "one line per step after the restarts"
     for r, want in zip(records, ref.records):
         assert [r[k] for k in EXACT_KEYS] == [want[k] for k in EXACT_KEYS], f"step {r['step']}"
     arrays = _final_arrays(job)
     assert arrays.keys() == ref.arrays.keys()
     for key in arrays:
         assert np.array_equal(arrays[key], ref.arrays[key]), key
-    (resumed,) = job.events("resumed")
-    assert resumed["step"] % EVERY == 0 and 0 <= resumed["lost_steps"] <= EVERY, resumed
-    # the steps after the resumed checkpoint were logged again, by the second attempt
-    (restart,) = job.events("restart")
-    later = [r["step"] for r in records if r["time"] > restart["time"]]
-    assert later == list(range(resumed["step"] + 1, STEPS + 1))
-    (rec,) = job.events("recovered")
-    assert rec["attempt"] == 1 and rec["step"] == resumed["step"] + 1
+    resumed = job.events("resumed")
+    assert len(resumed) == restarts, resumed
+    for r in resumed:
+        assert r["step"] % EVERY == 0 and 0 <= r["lost_steps"] <= EVERY, r
+    # the steps after the last resumed checkpoint were logged again, by the last attempt
+    restart_events = job.events("restart")
+    assert len(restart_events) == restarts, restart_events
+    later = [r["step"] for r in records if r["time"] > restart_events[-1]["time"]]
+    assert later == list(range(resumed[-1]["step"] + 1, STEPS + 1))
+    recovered = job.events("recovered")
+    assert [(e["attempt"], e["step"]) for e in recovered] == [(k + 1, r["step"] + 1) for k, r in enumerate(resumed)]
     goodput = json.loads((job.run_dir / "goodput.json").read_text())
-    assert goodput["restarts"] == 1 and goodput["lost_steps"] == resumed["lost_steps"]
+    assert goodput["restarts"] == restarts and goodput["lost_steps"] == sum(r["lost_steps"] for r in resumed)
     assert goodput["productive_s"] + sum(goodput["badput_s"].values()) == pytest.approx(goodput["wall_s"], abs=0.01)
     return resumed
 
@@ -212,30 +223,57 @@ def _forge(job: Job) -> None:
 # --------------------------------------------------------------------------------------------- the faults
 
 
-def test_sigkill_of_a_worker_mid_run(launches, reference):
-    job = launches.start("sigkill1")
+@dataclass
+class Rank1Faults:
+    job: Job
+    killed_at: float
+    stopped_pid: int
+    stopped_at: float
+
+
+@pytest.fixture(scope="module")
+def rank1_faults(launches) -> Rank1Faults:
+    """One launch for two tests: rank 1 is SIGKILLed in attempt 0 (after step 5, with forged heartbeats sent just
+    before), and SIGSTOPped in attempt 1 (once attempt 1 has logged step 9: in training, past the checkpoint it
+    resumed from).
+
+    hang_factor 3: the hang timeout is HANG_TIMEOUT unless the p95 step time passes HANG_TIMEOUT / 3 (the second
+    step, which runs a program the first did not, takes ~1 s on a 2-core machine: with the default factor of 10
+    it set the timeout to ~11 s, close to the bound test_sigstop_of_a_worker_is_a_hang checks, and the test
+    waited for it)."""
+    job = launches.start("rank1", resilience={"hang_factor": 3.0})
     job.wait_for(lambda: job.step() >= 5, "step 5")
     _forge(job)
     os.kill(job.worker_pid(1), signal.SIGKILL)
     killed_at = time.time()
-    assert_same_as_reference(job, reference)
+    job.wait_for(lambda: job.events("restart"), "the restart")
+    (restart,) = job.events("restart")
+    job.wait_for(lambda: job.step(since=restart["time"]) >= 9, "step 9 in attempt 1")
+    pid = job.worker_pid(1)
+    os.kill(pid, signal.SIGSTOP)
+    stopped_at = time.time()
+    job.wait()
+    return Rank1Faults(job, killed_at, pid, stopped_at)
+
+
+def test_sigkill_of_a_worker_mid_run(rank1_faults, reference):
+    job = rank1_faults.job
+    assert_same_as_reference(job, reference, restarts=2)
     (crash,) = job.events("crash")
-    assert (crash["rank"], crash["status"], crash["returncode"]) == (1, "was killed by SIGKILL", -9)
-    assert crash["time"] - killed_at <= 2.0, "a crash is noticed within 2 s"
+    assert (crash["rank"], crash["status"], crash["returncode"], crash["attempt"]) == (1, "was killed by SIGKILL",
+                                                                                      -9, 0)
+    assert crash["time"] - rank1_faults.killed_at <= 2.0, "a crash is noticed within 2 s"
     rejected = job.events("heartbeat_rejected")
     assert sorted(e["reason"].split(":")[0] for e in rejected) == ["malformed", "unauthenticated"]
     assert not job.events("anomaly"), "the forged anomaly changed nothing"
 
 
-def test_sigstop_of_a_worker_is_a_hang(launches, reference):
-    job = launches.start("sigstop")
-    job.wait_for(lambda: job.step() >= 5, "step 5")
-    pid = job.worker_pid(1)
-    os.kill(pid, signal.SIGSTOP)
-    stopped_at = time.time()
-    assert_same_as_reference(job, reference)
+def test_sigstop_of_a_worker_is_a_hang(rank1_faults, reference):
+    job, pid, stopped_at = rank1_faults.job, rank1_faults.stopped_pid, rank1_faults.stopped_at
+    assert_same_as_reference(job, reference, restarts=2)
     (hang,) = job.events("hang")
-    assert hang["rank"] == 1 and hang["heartbeat_lost"] is True and f"pid {pid})" in hang["message"]
+    assert hang["rank"] == 1 and hang["attempt"] == 1 and hang["heartbeat_lost"] is True
+    assert f"pid {pid})" in hang["message"]
     # The timeout is max(hang_timeout_min, hang_factor x p95 step time): on a loaded machine the steps' share wins.
     timeout = hang["timeout_s"]
     assert HANG_TIMEOUT <= timeout <= 2 * HANG_TIMEOUT
@@ -244,41 +282,49 @@ def test_sigstop_of_a_worker_is_a_hang(launches, reference):
     assert any(e["rank"] == 1 and e["time"] > stopped_at for e in job.events("heartbeat_lost"))
 
 
-def test_exception_in_a_worker_at_a_chosen_step(launches, reference):
-    job = launches.start("raise7", env={"ANGEL_JAX_FAULTS": "raise@7:rank=1:attempt=0"})
-    assert_same_as_reference(job, reference)
-    (crash,) = job.events("crash")
-    assert (crash["rank"], crash["returncode"], crash["step"]) == (1, 1, 7)
-    assert crash["message"].endswith("exited with status 1 at step 7 in phase training: InjectedFault: injected "
-                                     "fault: raise@7")
-
-
-def test_sigkill_of_process_0_and_the_compile_cache(launches, reference):
-    """Process 0 serves JAX's coordination service and writes the checkpoints. This job keeps its compilation
-    cache in its run directory (the default): the restarted process 0 loads its programs from it."""
-    job = launches.start("sigkill0", shared_cache=False)
+@pytest.fixture(scope="module")
+def rank0_killed(launches) -> tuple[Job, int]:
+    """One launch for two tests: process 0 is SIGKILLed from outside in attempt 0 (after step 5), then by the
+    checkpoint engine's kill point while it copies step 12's snapshot into the memory tier in attempt 1. The job
+    keeps its compilation cache in its run directory (the default), not in the module's shared one. Returns the
+    job and the pid killed first."""
+    job = launches.start("rank0", shared_cache=False, env={"ANGEL_JAX_CKPT_KILL_AT": "snapshot.copy@12:attempt=1"})
     job.wait_for(lambda: job.step() >= 5, "step 5")
-    os.kill(job.worker_pid(0), signal.SIGKILL)
-    assert_same_as_reference(job, reference)
-    (crash,) = job.events("crash")
-    assert (crash["rank"], crash["status"]) == (0, "was killed by SIGKILL")
+    pid = job.worker_pid(0)
+    os.kill(pid, signal.SIGKILL)
+    job.wait()
+    return job, pid
+
+
+def test_sigkill_of_process_0_and_the_compile_cache(rank0_killed, reference):
+    """Process 0 serves JAX's coordination service and writes the checkpoints. This job keeps its compilation
+    cache in its run directory (the default): every restarted process 0 loads its programs from it."""
+    job, pid = rank0_killed
+    assert_same_as_reference(job, reference, restarts=2)
+    crash = job.events("crash")[0]
+    assert (crash["rank"], crash["status"], crash["pid"], crash["attempt"]) == (0, "was killed by SIGKILL", pid, 0)
     assert any((job.run_dir / "compile_cache").iterdir())
-    first, second = job.events("first_step")
-    cold, warm = first["compile_cache"]["0"], second["compile_cache"]["0"]
+    first, *restarted = job.events("first_step")
+    assert len(restarted) == 2
+    cold = first["compile_cache"]["0"]
     assert cold["requests"] > 0 and cold["hits"] == 0
-    assert warm["requests"] > 0 and warm["hits"] == warm["requests"], second
+    for e in restarted:
+        warm = e["compile_cache"]["0"]
+        assert warm["requests"] > 0 and warm["hits"] == warm["requests"], e
 
 
-def test_crash_while_a_checkpoint_is_written(launches, reference):
-    """Process 0 dies by SIGKILL in the middle of copying step 8's snapshot into the memory tier: step 4 is the
-    newest valid checkpoint. (The in-memory engine's saves hold the immutable state and copy it in the background,
-    so the loop has already left the 'checkpointing' phase when the copy dies.)"""
-    job = launches.start("ckptkill", env={"ANGEL_JAX_CKPT_KILL_AT": "snapshot.copy@8:attempt=0"})
-    resumed = assert_same_as_reference(job, reference)
-    (crash,) = job.events("crash")
-    assert (crash["rank"], crash["status"], crash["step"]) == (0, "was killed by SIGKILL", 8)
-    assert (resumed["step"], resumed["lost_steps"]) == (4, 4)
-    assert [e["step"] for e in job.events("resumed", source="rank0")] == [4]  # the loop's own record agrees
+def test_crash_while_a_checkpoint_is_written(rank0_killed, reference):
+    """Process 0 dies by SIGKILL in the middle of copying step 12's snapshot into the memory tier (in the
+    attempt after the one killed above): step 8 is the newest valid checkpoint. (The in-memory engine's saves hold
+    the immutable state and copy it in the background, so the loop has already left the 'checkpointing' phase when
+    the copy dies.)"""
+    job, _ = rank0_killed
+    resumed = assert_same_as_reference(job, reference, restarts=2)
+    crash = job.events("crash")[1]
+    assert (crash["rank"], crash["status"], crash["step"], crash["attempt"]) == (0, "was killed by SIGKILL", 12, 1)
+    assert (resumed[1]["step"], resumed[1]["lost_steps"]) == (8, 4)
+    # the loop's own record agrees
+    assert [e["step"] for e in job.events("resumed", source="rank0")] == [r["step"] for r in resumed]
 
 
 def test_a_worker_that_crashes_every_time_ends_in_failed(launches):
@@ -298,9 +344,29 @@ def test_a_worker_that_crashes_every_time_ends_in_failed(launches):
     assert "job failed after 1 restart(s)" in job.out.splitlines()[-1]
 
 
-def test_a_node_that_fails_twice_is_replaced_by_a_spare(launches, reference):
-    job = launches.start("exclude", env={"ANGEL_JAX_FAULTS": "raise@6:rank=1:attempt=0,raise@6:rank=1:attempt=1"},
+@pytest.fixture(scope="module")
+def node_fails_twice(launches) -> Job:
+    """One launch for two tests: rank 1 raises at step 7 in attempt 0 and at step 10 in attempt 1 (both resume
+    from step 8: step 8 is dispatched and checkpointed before on_step(7) runs), so its node, local1, has failed
+    twice and attempt 2 runs on the spare."""
+    job = launches.start("exclude", env={"ANGEL_JAX_FAULTS": "raise@7:rank=1:attempt=0,raise@10:rank=1:attempt=1"},
                          resilience={"exclude_after": 2}, args=("--spares", "1"))
+    job.wait()
+    return job
+
+
+def test_exception_in_a_worker_at_a_chosen_step(node_fails_twice, reference):
+    job = node_fails_twice
+    assert_same_as_reference(job, reference, restarts=2)
+    crashes = job.events("crash")
+    assert [(c["rank"], c["returncode"], c["step"], c["attempt"]) for c in crashes] == [(1, 1, 7, 0), (1, 1, 10, 1)]
+    for crash in crashes:
+        assert crash["message"].endswith(f"exited with status 1 at step {crash['step']} in phase training: "
+                                         f"InjectedFault: injected fault: raise@{crash['step']}")
+
+
+def test_a_node_that_fails_twice_is_replaced_by_a_spare(node_fails_twice, reference):
+    job = node_fails_twice
     assert job.wait() == 0, job.out[-4000:]
     (exclusion,) = job.events("exclusion")
     assert (exclusion["node"], exclusion["replaced_by"], exclusion["failures"]) == ("local1", "local2", 2)
@@ -335,7 +401,7 @@ def test_the_worker_under_slurm_without_the_launcher(launches, reference, tmp_pa
     try:
         for rank in range(2):
             env = {k: v for k, v in os.environ.items() if not k.startswith("ANGEL_JAX_")}
-            env.update(JAX_PLATFORMS="cpu", PYTHONPATH=str(ROOT), SLURM_JOB_ID=str(job_id),
+            env.update(JAX_PLATFORMS="cpu", XLA_FLAGS=XLA_FLAGS, PYTHONPATH=str(ROOT), SLURM_JOB_ID=str(job_id),
                        SLURM_STEP_NODELIST="localhost", SLURM_NTASKS="2", SLURM_PROCID=str(rank),
                        SLURM_LOCALID=str(rank), ANGEL_JAX_HEARTBEAT_ADDR=server.address,
                        ANGEL_JAX_JOB_TOKEN="slurm-token")
