@@ -317,7 +317,14 @@ class PagedTrainEngine:
         return (spec.length,), spec.dtype
 
     def params(self) -> Any:
-        return self.executor.params()
+        if not self._spans_processes():
+            return self.executor.params()
+        # Pages split across processes: every process gathers every page (a collective, in the same order).
+        self.built.updater.drain()
+        self.built.store.wait_all()
+        model = self.built.model
+        return model.staged.merge([model.params_layout.stage(stage.name).unpack(
+            tuple(self._gathered(pid) for pid in model.param_ids(i))) for i, stage in enumerate(model.staged.stages)])
 
     # ------------------------------------------------------------------------------------------------ reports
     def memory_report(self) -> list[str]:
