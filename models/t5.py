@@ -303,7 +303,8 @@ class T5(nnx.Module):
         self.cfg = cfg
         self.embed = Embed(cfg, nnx.Rngs(params=stage_key(key, 0)))
         if cfg.moe.experts:  # dense and MoE blocks stacked apart, each drawn from its own stage's key
-            for name, cls, first, n in (("encoder", EncoderBlock, 1, n_enc), ("decoder", DecoderBlock, n_enc + 2, n_dec)):
+            stacks = (("encoder", EncoderBlock, 1, n_enc), ("decoder", DecoderBlock, n_enc + 2, n_dec))
+            for name, cls, first, n in stacks:
                 dense = [first + j for j in range(n) if not is_moe(cfg, j)]
                 routed = [first + j for j in range(n) if is_moe(cfg, j)]
                 if dense:
@@ -549,8 +550,8 @@ def _staged_moe(cfg: ModelConfig) -> StagedModel:
     every activation carrying the per-row auxiliary and drop-rate sums as its last two members."""
     n_enc, n_dec = cfg.n_layers, cfg.decoder_layers
     abstract = nnx.eval_shape(lambda: T5(cfg, jax.random.key(0)))
-    defs = {name: nnx.graphdef(getattr(abstract, name)) for name in
-            ("embed", "encoder", "encoder_moe", "encoder_norm", "decoder", "decoder_moe", "head") if hasattr(abstract, name)}
+    names = ("embed", "encoder", "encoder_moe", "encoder_norm", "decoder", "decoder_moe", "head")
+    defs = {name: nnx.graphdef(getattr(abstract, name)) for name in names if hasattr(abstract, name)}
     kinds = _kind_stacks(cfg)
     span_loss = loss(cfg)
 
@@ -599,7 +600,8 @@ def _staged_moe(cfg: ModelConfig) -> StagedModel:
     for kind in {k for k, _ in kinds}:
         apply[kind] = remat(encoder(kind) if kind.startswith("encoder") else decoder(kind))
     stages = ((Stage("embed", "embed"),)
-              + tuple(Stage(f"encoder.{j}", kinds[j][0]) for j in range(n_enc)) + (Stage("encoder_norm", "encoder_norm"),)
+              + tuple(Stage(f"encoder.{j}", kinds[j][0]) for j in range(n_enc))
+              + (Stage("encoder_norm", "encoder_norm"),)
               + tuple(Stage(f"decoder.{j}", kinds[n_enc + j][0]) for j in range(n_dec)) + (Stage("head", "head"),))
     c = corruption(cfg)
     d, hidden = cfg.d_model, cfg.hidden

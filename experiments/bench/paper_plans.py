@@ -8,8 +8,9 @@ on each command line.
   gradients and Adam moments, bf16 compute) at the paper's global batch of 1536 x 2048 tokens, each rank with
   device 80e9 B, host 1e12 B and a disk tier of its own; and gpt_13b at the same 256 x 2048 tokens and
   budgets as on one GPU, to show every rank's bytes shrink by 8; and a T5-MoE of 1.17 T parameters
-  (experiments/t5_moe_1t.yaml) on 64 such GPUs, InfiniBand, global batch 1024 x 568 tokens. Collective links: NVLink, 150 GB/s per GPU
-  each way (8 GPUs in one server; an H100/H200 SXM's NVLink 4 is 450 GB/s each way, of which a ring
+  (experiments/t5_moe_1t.yaml) on 64 such GPUs, InfiniBand, global batch 1024 x 568 tokens (refused: an MoE
+  stage of 384 experts, 48 B parameters, is gathered whole on one device). Collective links: NVLink, 150 GB/s
+  per GPU each way (8 GPUs in one server; an H100/H200 SXM's NVLink 4 is 450 GB/s each way, of which a ring
   all-gather reaches a part), or InfiniBand, 25 GB/s per GPU (one 200 Gb/s HDR port per GPU, 8 servers).
 
     python experiments/bench/paper_plans.py [--only NAME] [--no-save]
