@@ -1,4 +1,4 @@
-"""A mixture-of-experts MLP in Flax NNX (GShard / Switch style), for the GPT and Llama blocks.
+"""A mixture-of-experts MLP in Flax NNX (GShard / Switch style), for the GPT, Llama and T5 blocks.
 
     moe = MoE(cfg, gated=False, out_std=..., rngs=rngs)   # model.moe: experts, top_k, capacity_factor, ...
     y, figures = moe(h)                                   # h [B, T, d] -> y [B, T, d]; figures per row [B]
@@ -8,8 +8,8 @@ routing group of its own (GShard's groups): each expert has `capacity` slots per
 choices take slots before its second choices, tokens in order, and routings past an expert's last slot are dropped:
 the expert does not see the token, and a token dropped by all of its experts gets 0 from the layer (the block's
 residual carries it on). Dispatch and combine are einsums with one-hot [B, T, E, C] masks, so every shape is static
-and the layer jits as one program. The experts' weights are stacked, [E, d, h] and [E, h, d]: a GELU MLP (GPT) or a
-gated SwiGLU MLP (Llama), without biases.
+and the layer jits as one program. The experts' weights are stacked, [E, d, h] and [E, h, d]: a GELU MLP (GPT), a
+gated SwiGLU MLP (Llama) or a gated-GELU MLP (T5), without biases.
 
 Per row the layer also gives its auxiliary loss, aux_loss_coef x load balance + z_loss_coef x router z-loss, and
 its token-drop rate (see `route`). Routing is per sequence, so every figure is per row: a batch split into
@@ -93,14 +93,16 @@ class MoEFigures:
 
 
 class MoE(nnx.Module):
-    def __init__(self, cfg: ModelConfig, *, gated: bool, out_std: float, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, *, gated: bool, out_std: float, rngs: nnx.Rngs, gate_gelu: bool = False):
         """`gated`: SwiGLU experts (gate, up, down) instead of GELU ones (in, out); `out_std`: the init scale of
-        the experts' output projections (the family's residual scaling)."""
+        the experts' output projections (the family's residual scaling); `gate_gelu`: gated experts with GELU in
+        place of SiLU on the gate (T5 v1.1's gated-GELU MLP, models/t5.py)."""
         moe, d, h = cfg.moe, cfg.d_model, cfg.hidden
         pdt = jnp.dtype(cfg.param_dtype)
         self.compute_dtype = jnp.dtype(cfg.compute_dtype)
         self.experts, self.top_k, self.capacity_factor = moe.experts, moe.top_k, moe.capacity_factor
         self.aux_loss_coef, self.z_loss_coef, self.gated = moe.aux_loss_coef, moe.z_loss_coef, gated
+        self.gate_gelu = gate_gelu
         init, out_init = nnx.initializers.normal(_INIT_STD), nnx.initializers.normal(out_std)
         # The router in float32 whatever the compute dtype: its softmax decides where tokens go.
         self.router = nnx.Linear(d, moe.experts, use_bias=False, dtype=jnp.float32, param_dtype=pdt,
@@ -123,7 +125,8 @@ class MoE(nnx.Module):
         if self.gated:
             gate = jnp.einsum("becd,edh->bech", expert_in, self.gate[...].astype(cdt))
             up = jnp.einsum("becd,edh->bech", expert_in, self.up[...].astype(cdt))
-            out = jnp.einsum("bech,ehd->becd", jax.nn.silu(gate) * up, self.down[...].astype(cdt))
+            act = jax.nn.gelu(gate) if self.gate_gelu else jax.nn.silu(gate)
+            out = jnp.einsum("bech,ehd->becd", act * up, self.down[...].astype(cdt))
         else:
             hidden = jax.nn.gelu(jnp.einsum("becd,edh->bech", expert_in, self.w_in[...].astype(cdt)))
             out = jnp.einsum("bech,ehd->becd", hidden, self.w_out[...].astype(cdt))

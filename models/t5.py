@@ -34,6 +34,15 @@ takes the mean cross-entropy over the decoder's positions (no padding: the corru
 `model.vocab_size` is the tokenizer's (it must cover its ids, as for every family); the embedding table and the
 logits have `spans + 1` more ids above them, the sentinels and the decoder's start id (`SpanCorruption.table_size`).
 
+Mixture of experts (model.moe.experts > 0; the T5-MoE of GShard / Switch): encoder block j and decoder block j
+have a mixture of gated-GELU experts (models/moe.py) in place of the MLP when (j + 1) % moe.every == 0. Such blocks
+are stacked apart (`encoder_moe`, `decoder_moe`; dense ones stay in `encoder`, `decoder`) and are stages of the
+kinds 'encoder_moe' and 'decoder_moe'. Their auxiliary losses reach the loss as moe_decoder's `Stream` carries
+them: every activation between stages gets two more members, per row the running sums of the MoE layers'
+auxiliary losses and token-drop rates ((x, decoder x, aux, drops) through the encoder, (y, encoder output, aux,
+drops) through the decoder), and the head returns a `moe_decoder.Stream` of the logits and both sums, whose mean
+auxiliary sum the loss adds to the cross-entropy. A dense T5 (experts 0) passes pairs as before.
+
 Random keys: stage i draws from `fold_in(key(seed), i)` alone (0 = embed, 1 + j = encoder block j, L + 1 =
 encoder_norm, L + 2 + j = decoder block j, L + L' + 2 = head), so `init_stage` gives a stage bit-identical to the
 whole model's. No sampling: `init_cache` and `decode` are None.
@@ -48,7 +57,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from angel_jax.config import ConfigError, ModelConfig
+from models import moe_decoder
 from models.common import cross_entropy, pure_dict, stage_key
+from models.moe import MoE, MoEFigures
 from models.span_corruption import SpanCorruption
 from models.stages import Stage, StagedModel
 
@@ -175,33 +186,60 @@ class Embed(nnx.Module):
         return self.tokens(c.encoder_input(tokens, mask)), self.tokens(decoder_ids)
 
 
+def _mlp(cfg: ModelConfig, rngs: nnx.Rngs, moe: bool) -> nnx.Module:
+    """The dense gated-GELU MLP, or (`moe`) a mixture of gated-GELU experts with the same residual scaling."""
+    if not moe:
+        return GatedGelu(cfg, rngs)
+    depth = cfg.n_layers + cfg.decoder_layers
+    return MoE(cfg, gated=True, gate_gelu=True, out_std=_INIT_STD / (2 * depth) ** 0.5, rngs=rngs)
+
+
 class EncoderBlock(nnx.Module):
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, moe: bool = False):
+        """`moe`: a mixture of experts in place of the MLP; call the block with `routed`."""
         self.attn_norm = _norm(cfg, rngs)
         self.attn = Attention(cfg, rngs)
         self.position_bias = RelativeBias(cfg, bidirectional=True, rngs=rngs)
         self.mlp_norm = _norm(cfg, rngs)
-        self.mlp = GatedGelu(cfg, rngs)
+        self.mlp = _mlp(cfg, rngs, moe)
+
+    def _attend(self, x: jax.Array) -> jax.Array:
+        return x + self.attn(self.attn_norm(x), bias=self.position_bias(x.shape[1], x.dtype))
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        x = x + self.attn(self.attn_norm(x), bias=self.position_bias(x.shape[1], x.dtype))
+        x = self._attend(x)
         return x + self.mlp(self.mlp_norm(x))
+
+    def routed(self, x: jax.Array) -> tuple[jax.Array, MoEFigures]:
+        """An MoE block's forward: its output and its MoE layer's figures."""
+        x = self._attend(x)
+        y, figures = self.mlp(self.mlp_norm(x))
+        return x + y, figures
 
 
 class DecoderBlock(nnx.Module):
-    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
+    def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs, moe: bool = False):
+        """`moe`: a mixture of experts in place of the MLP; call the block with `routed`."""
         self.self_norm = _norm(cfg, rngs)
         self.self_attn = Attention(cfg, rngs)
         self.position_bias = RelativeBias(cfg, bidirectional=False, rngs=rngs)
         self.cross_norm = _norm(cfg, rngs)
         self.cross_attn = Attention(cfg, rngs)
         self.mlp_norm = _norm(cfg, rngs)
-        self.mlp = GatedGelu(cfg, rngs)
+        self.mlp = _mlp(cfg, rngs, moe)
+
+    def _attend(self, y: jax.Array, encoded: jax.Array) -> jax.Array:
+        y = y + self.self_attn(self.self_norm(y), bias=self.position_bias(y.shape[1], y.dtype), causal=True)
+        return y + self.cross_attn(self.cross_norm(y), context=encoded)
 
     def __call__(self, y: jax.Array, encoded: jax.Array) -> jax.Array:
-        y = y + self.self_attn(self.self_norm(y), bias=self.position_bias(y.shape[1], y.dtype), causal=True)
-        y = y + self.cross_attn(self.cross_norm(y), context=encoded)
+        y = self._attend(y, encoded)
         return y + self.mlp(self.mlp_norm(y))
+
+    def routed(self, y: jax.Array, encoded: jax.Array) -> tuple[jax.Array, MoEFigures]:
+        y = self._attend(y, encoded)
+        out, figures = self.mlp(self.mlp_norm(y))
+        return y + out, figures
 
 
 class Head(nnx.Module):
@@ -227,18 +265,61 @@ def _stacked(cls: type, cfg: ModelConfig, key: jax.Array, first: int, n: int) ->
     return make(jax.vmap(lambda i: stage_key(key, i))(jnp.arange(first, first + n, dtype=jnp.uint32)))
 
 
+def _stacked_blocks(cls: type, cfg: ModelConfig, key: jax.Array, first: int, stage_ids: list[int],
+                    moe: bool) -> nnx.Module:
+    """Blocks of `cls` on a leading axis, one per stage index in `stage_ids` (drawn from that stage's key)."""
+
+    @nnx.vmap(in_axes=0, out_axes=0)
+    def make(block_key: jax.Array) -> nnx.Module:
+        return cls(cfg, nnx.Rngs(params=block_key), moe)
+
+    return make(jax.vmap(lambda i: stage_key(key, i))(jnp.asarray(stage_ids, dtype=jnp.uint32)))
+
+
+def is_moe(cfg: ModelConfig, block: int) -> bool:
+    """Whether encoder (or decoder) block `block` (0-based) has an MoE MLP."""
+    return cfg.moe.experts > 0 and (block + 1) % cfg.moe.every == 0
+
+
+def moe_layers(cfg: ModelConfig) -> int:
+    """MoE MLPs in the encoder and the decoder together."""
+    return (sum(is_moe(cfg, j) for j in range(cfg.n_layers))
+            + sum(is_moe(cfg, j) for j in range(cfg.decoder_layers)))
+
+
+Carry = tuple
+"""An MoE T5's activation between blocks: (the stream a block transforms, the per-row auxiliary sum, the per-row
+drop-rate sum) inside the whole model; the stages add the passed-on stream as the second member."""
+
+
+def _zeros_per_row(x: jax.Array) -> jax.Array:
+    return jnp.zeros(x.shape[:1], jnp.float32)
+
+
 class T5(nnx.Module):
     def __init__(self, cfg: ModelConfig, key: jax.Array):
         """`key`: the model's base key (`jax.random.key(seed)`); each stage uses only `stage_key(key, i)`."""
         n_enc, n_dec = cfg.n_layers, cfg.decoder_layers
         self.cfg = cfg
         self.embed = Embed(cfg, nnx.Rngs(params=stage_key(key, 0)))
-        self.encoder = _stacked(EncoderBlock, cfg, key, 1, n_enc)
+        if cfg.moe.experts:  # dense and MoE blocks stacked apart, each drawn from its own stage's key
+            stacks = (("encoder", EncoderBlock, 1, n_enc), ("decoder", DecoderBlock, n_enc + 2, n_dec))
+            for name, cls, first, n in stacks:
+                dense = [first + j for j in range(n) if not is_moe(cfg, j)]
+                routed = [first + j for j in range(n) if is_moe(cfg, j)]
+                if dense:
+                    setattr(self, name, _stacked_blocks(cls, cfg, key, first, dense, False))
+                setattr(self, name + "_moe", _stacked_blocks(cls, cfg, key, first, routed, True))
+        else:
+            self.encoder = _stacked(EncoderBlock, cfg, key, 1, n_enc)
+            self.decoder = _stacked(DecoderBlock, cfg, key, n_enc + 2, n_dec)
         self.encoder_norm = _norm(cfg, nnx.Rngs(params=stage_key(key, n_enc + 1)))
-        self.decoder = _stacked(DecoderBlock, cfg, key, n_enc + 2, n_dec)
         self.head = Head(cfg, nnx.Rngs(params=stage_key(key, n_enc + n_dec + 2)))
 
-    def __call__(self, tokens: jax.Array) -> jax.Array:
+    def __call__(self, tokens: jax.Array) -> jax.Array | moe_decoder.Stream:
+        """Logits; with MoE blocks, a `moe_decoder.Stream` of the logits and the auxiliary sums."""
+        if self.cfg.moe.experts:
+            return self._routed(tokens)
         x, y = self.embed(tokens)
         enc_def, enc_state = nnx.split(self.encoder)
         x = _scan(lambda h, p: nnx.merge(enc_def, p)(h), x, enc_state, self.cfg)
@@ -246,6 +327,56 @@ class T5(nnx.Module):
         dec_def, dec_state = nnx.split(self.decoder)
         y = _scan(lambda h, p: nnx.merge(dec_def, p)(h, encoded), y, dec_state, self.cfg)
         return self.head(y)
+
+    def _routed(self, tokens: jax.Array) -> moe_decoder.Stream:
+        cfg = self.cfg
+        x, y = self.embed(tokens)
+
+        def stacks(name: str) -> tuple:
+            dense = getattr(self, name, None)
+            dense_def, dense_state = nnx.split(dense) if dense is not None else (None, None)
+            return (dense_def, dense_state) + nnx.split(getattr(self, name + "_moe"))
+
+        x, aux, drops = _run_groups(cfg, cfg.n_layers, *stacks("encoder"), (x, _zeros_per_row(x), _zeros_per_row(x)),
+                                    ())
+        encoded = self.encoder_norm(x)
+        y, aux, drops = _run_groups(cfg, cfg.decoder_layers, *stacks("decoder"), (y, aux, drops), (encoded,))
+        return moe_decoder.Stream(self.head(y), aux, drops)
+
+
+def _through_dense(block: Any, s: Carry, context: tuple) -> Carry:
+    return (block(s[0], *context),) + tuple(s[1:])
+
+
+def _through_moe(block: Any, s: Carry, context: tuple) -> Carry:
+    """An MoE block on a carry whose last two members are the per-row auxiliary and drop-rate sums."""
+    h, figures = block.routed(s[0], *context)
+    return (h,) + tuple(s[1:-2]) + (s[-2] + figures.aux_loss, s[-1] + figures.drop_rate)
+
+
+def _run_groups(cfg: ModelConfig, n: int, dense_def: nnx.GraphDef | None, dense: Any, moe_def: nnx.GraphDef,
+                routed: Any, s: Carry, context: tuple) -> Carry:
+    """`n` stacked blocks in order: n / every groups of (every - 1 dense blocks, one MoE block), scanned (one
+    compiled body) or unrolled as model.scan_blocks says; `dense` is None when every is 1. `context`: the extra
+    arguments of every block (the decoder's: the encoder output)."""
+    every = cfg.moe.every
+
+    def body(s: Carry, group: tuple) -> tuple[Carry, None]:
+        dense_g, moe_g = group
+        for i in range(every - 1):
+            s = _through_dense(nnx.merge(dense_def, jax.tree.map(lambda a, i=i: a[i], dense_g)), s, context)
+        return _through_moe(nnx.merge(moe_def, moe_g), s, context), None
+
+    if cfg.remat:
+        body = jax.checkpoint(body)
+    groups = n // every
+    if dense is not None:  # [groups x (every - 1), ...] -> [groups, every - 1, ...]
+        dense = jax.tree.map(lambda a: a.reshape(groups, every - 1, *a.shape[1:]), dense)
+    if cfg.scan_blocks:
+        return jax.lax.scan(body, s, (dense, routed))[0]
+    for g in range(groups):
+        s = body(s, jax.tree.map(lambda a, g=g: a[g], (dense, routed)))[0]
+    return s
 
 
 def _scan(block: Any, x: jax.Array, stacked: Any, cfg: ModelConfig) -> jax.Array:
@@ -270,6 +401,9 @@ def check(cfg: ModelConfig) -> None:
     """What this family needs beyond ModelConfig's own checks."""
     if cfg.seq_len < 2:
         raise ConfigError(f"'model.seq_len': span corruption needs at least 2 positions, got {cfg.seq_len}")
+    if cfg.moe.experts and cfg.decoder_layers % cfg.moe.every:
+        raise ConfigError(f"'model.moe.every': the decoder's {cfg.decoder_layers} blocks (model.n_decoder_layers) "
+                          f"are not a multiple of moe.every={cfg.moe.every}")
 
 
 def init(cfg: ModelConfig, seed: int) -> tuple[nnx.GraphDef, Params]:
@@ -288,11 +422,11 @@ def init_stage(cfg: ModelConfig, seed: int, stage: int) -> Params:
     if stage == 0:
         module: nnx.Module = Embed(cfg, rngs)
     elif stage <= n_enc:
-        module = EncoderBlock(cfg, rngs)
+        module = EncoderBlock(cfg, rngs, is_moe(cfg, stage - 1))
     elif stage == n_enc + 1:
         module = _norm(cfg, rngs)
     elif stage <= n_enc + n_dec + 1:
-        module = DecoderBlock(cfg, rngs)
+        module = DecoderBlock(cfg, rngs, is_moe(cfg, stage - n_enc - 2))
     else:
         module = Head(cfg, rngs)
     return pure_dict(nnx.state(module))
@@ -319,6 +453,8 @@ def loss(cfg: ModelConfig):
 def staged(cfg: ModelConfig) -> StagedModel:
     """The stage view: embed, the encoder blocks, encoder_norm, the decoder blocks, head."""
     check(cfg)
+    if cfg.moe.experts:
+        return _staged_moe(cfg)
     n_enc, n_dec = cfg.n_layers, cfg.decoder_layers
     abstract = nnx.eval_shape(lambda: T5(cfg, jax.random.key(0)))
     embed_def, enc_def, norm_def, dec_def, head_def = (
@@ -389,18 +525,127 @@ def staged(cfg: ModelConfig) -> StagedModel:
     )
 
 
+def _kind_stacks(cfg: ModelConfig) -> list[tuple[str, str]]:
+    """An MoE T5's block stages in order: (kind, whole-model stack) of each encoder then decoder block."""
+    return ([("encoder_moe", "encoder_moe") if is_moe(cfg, j) else ("encoder", "encoder") for j in range(cfg.n_layers)]
+            + [("decoder_moe", "decoder_moe") if is_moe(cfg, j) else ("decoder", "decoder")
+               for j in range(cfg.decoder_layers)])
+
+
+def figures(cfg: ModelConfig) -> Any:
+    """The step figures of an MoE T5 (moe/aux_loss: the loss's auxiliary term; moe/drop_rate: the share of routings
+    dropped, averaged over the encoder's and the decoder's MoE layers), from the model's output (a
+    `moe_decoder.Stream`) or the head's input ((y, encoder output, aux sums, drop sums)): both carry the sums."""
+    layers = moe_layers(cfg)
+
+    def of(s: Any) -> dict[str, jax.Array]:
+        aux, drops = (s.aux_loss, s.drop_rate) if isinstance(s, moe_decoder.Stream) else s[-2:]
+        return {"moe/aux_loss": jnp.mean(aux), "moe/drop_rate": jnp.mean(drops) / layers}
+
+    return of
+
+
+def _staged_moe(cfg: ModelConfig) -> StagedModel:
+    """The stage view of an MoE T5: the dense one's stages, MoE blocks of the kinds 'encoder_moe' and 'decoder_moe',
+    every activation carrying the per-row auxiliary and drop-rate sums as its last two members."""
+    n_enc, n_dec = cfg.n_layers, cfg.decoder_layers
+    abstract = nnx.eval_shape(lambda: T5(cfg, jax.random.key(0)))
+    names = ("embed", "encoder", "encoder_moe", "encoder_norm", "decoder", "decoder_moe", "head")
+    defs = {name: nnx.graphdef(getattr(abstract, name)) for name in names if hasattr(abstract, name)}
+    kinds = _kind_stacks(cfg)
+    span_loss = loss(cfg)
+
+    def embed(p: Params, tokens: jax.Array) -> Carry:
+        x, y = nnx.merge(defs["embed"], p)(tokens)
+        return x, y, _zeros_per_row(x), _zeros_per_row(x)
+
+    def encoder(kind: str) -> Any:
+        through = _through_moe if kind.endswith("_moe") else _through_dense
+        return lambda p, s: through(nnx.merge(defs[kind], p), s, ())
+
+    def decoder(kind: str) -> Any:
+        through = _through_moe if kind.endswith("_moe") else _through_dense
+        return lambda p, s: through(nnx.merge(defs[kind], p), s, (s[1],))
+
+    def encoder_norm(p: Params, s: Carry) -> Carry:
+        x, y, aux, drops = s
+        return y, nnx.merge(defs["encoder_norm"], p)(x), aux, drops
+
+    def head(p: Params, s: Carry) -> moe_decoder.Stream:
+        return moe_decoder.Stream(nnx.merge(defs["head"], p)(s[0]), s[2], s[3])
+
+    def moe_loss(out: moe_decoder.Stream, targets: jax.Array) -> jax.Array:
+        return span_loss(out.x, targets) + jnp.mean(out.aux_loss)
+
+    def split(params: Params) -> list[Params]:
+        out, taken = [params["embed"]], {}
+        for j, (_, stack) in enumerate(kinds):
+            out.append(jax.tree.map(lambda a, i=taken.get(stack, 0): a[i], params[stack]))
+            taken[stack] = taken.get(stack, 0) + 1
+            if j == n_enc - 1:
+                out.append(params["encoder_norm"])
+        return out + [params["head"]]
+
+    def merge(stage_params: list[Params]) -> Params:
+        blocks = stage_params[1:n_enc + 1] + stage_params[n_enc + 2:-1]
+        out = {"embed": stage_params[0], "encoder_norm": stage_params[n_enc + 1], "head": stage_params[-1]}
+        for stack in ("encoder", "encoder_moe", "decoder", "decoder_moe"):
+            members = [b for b, (_, s) in zip(blocks, kinds) if s == stack]
+            if members:
+                out[stack] = jax.tree.map(lambda *xs: jnp.stack(xs), *members)
+        return out
+
+    remat = jax.checkpoint if cfg.remat else (lambda f: f)
+    apply = {"embed": embed, "encoder_norm": encoder_norm, "head": head}
+    for kind in {k for k, _ in kinds}:
+        apply[kind] = remat(encoder(kind) if kind.startswith("encoder") else decoder(kind))
+    stages = ((Stage("embed", "embed"),)
+              + tuple(Stage(f"encoder.{j}", kinds[j][0]) for j in range(n_enc))
+              + (Stage("encoder_norm", "encoder_norm"),)
+              + tuple(Stage(f"decoder.{j}", kinds[n_enc + j][0]) for j in range(n_dec)) + (Stage("head", "head"),))
+    c = corruption(cfg)
+    d, hidden = cfg.d_model, cfg.hidden
+    return StagedModel(
+        stages=stages,
+        apply=apply,
+        loss=moe_loss,
+        split=split,
+        merge=merge,
+        init=lambda seed: init(cfg, seed),
+        init_stage=lambda seed, stage: init_stage(cfg, seed, stage),
+        abstract=lambda: abstract_params(cfg),
+        param_count=param_count(cfg),
+        flops_per_token=flops_per_token(cfg),
+        # the dense decoder block's peak, or the MoE block's attention inputs and its routed MLP (three hidden
+        # arrays per slot: gate, up and their product)
+        block_activation_width=max(6 * d + 3 * hidden, 6 * d + moe_decoder.routed_width(cfg, 3)),
+        figures=figures(cfg),
+        # as the dense T5's, and the two per-row sums
+        saved_input_values=(n_enc + n_dec + 2) * ((c.encoder_length + c.decoder_length) * d + 2),
+        forward_flops_per_row=forward_flops_per_row(cfg),
+    )
+
+
 def param_count(cfg: ModelConfig) -> dict[str, int]:
     """Parameter counts: total, and the part that enters matmuls (excludes the embedding, the norms and the
-    relative position biases)."""
+    relative position biases); with MoE blocks also 'active', the matmul parameters one token uses (top_k experts
+    of each MoE MLP, and its router)."""
     d, hidden, V = cfg.d_model, cfg.hidden, corruption(cfg).table_size
     attn, mlp, bias = 4 * d * d, 3 * d * hidden, cfg.relative_buckets * cfg.n_heads
+    moe = cfg.moe
+    routed = sum(is_moe(cfg, j) for j in range(cfg.n_layers)) + sum(is_moe(cfg, j) for j in range(cfg.decoder_layers))
     encoder = attn + mlp
     decoder = 2 * attn + mlp
-    return {
+    # an MoE MLP in place of a dense one: the router and `experts` copies of the MLP (all, or top_k: active)
+    extra = routed * (d * moe.experts + (moe.experts - 1) * mlp)
+    counts = {
         "total": V * d + cfg.n_layers * (encoder + bias + 2 * d) + d
-                 + cfg.decoder_layers * (decoder + bias + 3 * d) + d + d * V,
-        "matmul": cfg.n_layers * encoder + cfg.decoder_layers * decoder + d * V,
+                 + cfg.decoder_layers * (decoder + bias + 3 * d) + d + d * V + extra,
+        "matmul": cfg.n_layers * encoder + cfg.decoder_layers * decoder + d * V + extra,
     }
+    if moe.experts:
+        counts["active"] = counts["matmul"] - extra + routed * (d * moe.experts + (moe.top_k - 1) * mlp)
+    return counts
 
 
 def forward_flops_per_row(cfg: ModelConfig) -> dict[str, float]:
@@ -411,7 +656,7 @@ def forward_flops_per_row(cfg: ModelConfig) -> dict[str, float]:
     c = corruption(cfg)
     d, hidden, V = cfg.d_model, cfg.hidden, c.table_size
     enc, dec = c.encoder_length, c.decoder_length
-    return {
+    flops = {
         "embed": float((enc + dec) * d),
         "encoder": 2.0 * enc * (4 * d * d + 3 * d * hidden) + 4.0 * enc * enc * d,
         "encoder_norm": float(enc * d),
@@ -419,6 +664,11 @@ def forward_flops_per_row(cfg: ModelConfig) -> dict[str, float]:
                     + 4.0 * dec * dec * d + 4.0 * dec * enc * d),
         "head": 2.0 * dec * d * V,
     }
+    if cfg.moe.experts:  # an MoE block: its router and the top_k experts a token goes to, in place of the MLP
+        routed = 2.0 * (d * cfg.moe.experts + (cfg.moe.top_k - 1) * 3 * d * hidden)
+        flops["encoder_moe"] = flops["encoder"] + enc * routed
+        flops["decoder_moe"] = flops["decoder"] + dec * routed
+    return flops
 
 
 def flops_per_token(cfg: ModelConfig) -> float:
@@ -426,5 +676,5 @@ def flops_per_token(cfg: ModelConfig) -> float:
     forward FLOPs of the blocks and the head on one row (`forward_flops_per_row`; 6N per position plus attention,
     as the PaLM formula counts the GPT's), over seq_len. Model FLOPs: no recompute; lookups and norms are left out."""
     f = forward_flops_per_row(cfg)
-    per_row = cfg.n_layers * f["encoder"] + cfg.decoder_layers * f["decoder"] + f["head"]
+    per_row = f["head"] + sum(f[kind] for kind, _ in _kind_stacks(cfg))
     return 3.0 * per_row / cfg.seq_len

@@ -7,8 +7,10 @@ on each command line.
   bytes per tier and its budgets are one rank's): GPT-3 175B (experiments/gpt3_175b.yaml: fp32 master parameters,
   gradients and Adam moments, bf16 compute) at the paper's global batch of 1536 x 2048 tokens, each rank with
   device 80e9 B, host 1e12 B and a disk tier of its own; and gpt_13b at the same 256 x 2048 tokens and
-  budgets as on one GPU, to show every rank's bytes shrink by 8. Collective links: NVLink, 150 GB/s per GPU
-  each way (8 GPUs in one server; an H100/H200 SXM's NVLink 4 is 450 GB/s each way, of which a ring
+  budgets as on one GPU, to show every rank's bytes shrink by 8; and a T5-MoE of 1.17 T parameters
+  (experiments/t5_moe_1t.yaml) on 64 such GPUs, InfiniBand, global batch 1024 x 568 tokens (refused: an MoE
+  stage of 384 experts, 48 B parameters, is gathered whole on one device). Collective links: NVLink, 150 GB/s
+  per GPU each way (8 GPUs in one server; an H100/H200 SXM's NVLink 4 is 450 GB/s each way, of which a ring
   all-gather reaches a part), or InfiniBand, 25 GB/s per GPU (one 200 Gb/s HDR port per GPU, 8 servers).
 
     python experiments/bench/paper_plans.py [--only NAME] [--no-save]
@@ -69,6 +71,11 @@ MULTI = {
                                           "nvlink"),
     "gpt3_175b_8x80g_infiniband": MultiDevice("experiments/gpt3_175b.yaml", (), "conservative", tuple(RANK_1TB), 8,
                                               "infiniband"),
+    # The T5-MoE of 1.17 T parameters (experiments/t5_moe_1t.yaml) on 64 GPUs (8 servers of 8, InfiniBand
+    # between them), each rank with device 80e9 B, host 1e12 B and a disk tier: 64 TB of host memory in all
+    # for the fp32 parameters, gradients and Adafactor state (about 9.4 TB).
+    "t5_moe_1t_64x80g_infiniband": MultiDevice("experiments/t5_moe_1t.yaml", (), "conservative", tuple(RANK_1TB), 64,
+                                               "infiniband"),
     # gpt_13b_conservative (below) on 8 GPUs: the same global batch, links and budgets per GPU.
     "gpt_13b_8x80g_nvlink_conservative": MultiDevice("experiments/gpt_13b.yaml", (), "conservative", tuple(BUDGETS),
                                                      8, "nvlink"),
@@ -98,7 +105,8 @@ def run_case(name: str, config: str, overrides: list[str], links: str, disk_dir:
     done = subprocess.run([sys.executable, "-m", "angel_jax.cli", "plan", *args, "--out", str(out)], cwd=ROOT,
                           capture_output=True, text=True)
     if done.returncode:
-        return {"bench": "paper_plans", "case": name, "command": " ".join(command), "links": links,
+        return {"bench": "paper_plans", "case": name, "command": " ".join(command).replace(disk_dir, "DIR"),
+                "links": links,
                 "error": (done.stdout + done.stderr).strip().splitlines()[-1]}
     plan = json.loads((out / "plan.json").read_text())
     (out / "command.txt").write_text(" ".join(command).replace(disk_dir, "DIR") + "\n")
