@@ -14,6 +14,8 @@ import os
 import sys
 
 os.environ["JAX_PLATFORMS"] = "cpu"
+# (as the four-device check whose reference losses these are compared with: without LLVM's optimisations)
+os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
 sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.path.dirname(os.path.abspath(__file__))]
 
 import jax  # noqa: E402
