@@ -20,6 +20,8 @@ auxiliary losses on next to the residual stream (models/moe_decoder.py). Such a 
 
 from __future__ import annotations
 
+import sys
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -255,24 +257,9 @@ def staged(cfg: ModelConfig) -> StagedModel:
 
 
 def _staged_moe(cfg: ModelConfig, abstract: GPT) -> StagedModel:
-    """The stage view with MoE blocks (models/moe_decoder.py): stages pass a `moe_decoder.Stream` on; no sampling."""
-    block_def = nnx.graphdef(abstract.blocks) if hasattr(abstract, "blocks") else None
-    return StagedModel(
-        stages=moe_decoder.stages(cfg),
-        apply=moe_decoder.stage_apply(cfg, nnx.graphdef(abstract.embed), block_def,
-                                      nnx.graphdef(abstract.moe_blocks), nnx.graphdef(abstract.head)),
-        loss=moe_decoder.loss,
-        split=lambda params: moe_decoder.split(cfg, params),
-        merge=lambda stage_params: moe_decoder.merge(cfg, stage_params),
-        init=lambda seed: init(cfg, seed),
-        init_stage=lambda seed, stage: init_stage(cfg, seed, stage),
-        abstract=lambda: abstract_params(cfg),
-        param_count=param_count(cfg),
-        flops_per_token=flops_per_token(cfg),
-        block_activation_width=max(3 * cfg.d_model + 2 * cfg.hidden,
-                                   3 * cfg.d_model + moe_decoder.routed_width(cfg, 2)),
-        figures=moe_decoder.figures(cfg),
-    )
+    """The stage view with MoE blocks (models/moe_decoder.py)."""
+    width = max(3 * cfg.d_model + 2 * cfg.hidden, 3 * cfg.d_model + moe_decoder.routed_width(cfg, 2))
+    return moe_decoder.staged(cfg, abstract, sys.modules[__name__], width)
 
 
 def param_count(cfg: ModelConfig) -> dict[str, int]:

@@ -30,6 +30,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
+import sys
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -320,24 +322,10 @@ def staged(cfg: ModelConfig) -> StagedModel:
 
 
 def _staged_moe(cfg: ModelConfig, abstract: Llama) -> StagedModel:
-    """The stage view with MoE blocks (models/moe_decoder.py): stages pass a `moe_decoder.Stream` on; no sampling."""
-    block_def = nnx.graphdef(abstract.blocks) if hasattr(abstract, "blocks") else None
+    """The stage view with MoE blocks (models/moe_decoder.py)."""
     dense_width = (cfg.n_heads + 2 * cfg.kv_heads) * head_dim(cfg) + 3 * cfg.hidden
-    return StagedModel(
-        stages=moe_decoder.stages(cfg),
-        apply=moe_decoder.stage_apply(cfg, nnx.graphdef(abstract.embed), block_def,
-                                      nnx.graphdef(abstract.moe_blocks), nnx.graphdef(abstract.head)),
-        loss=moe_decoder.loss,
-        split=lambda params: moe_decoder.split(cfg, params),
-        merge=lambda stage_params: moe_decoder.merge(cfg, stage_params),
-        init=lambda seed: init(cfg, seed),
-        init_stage=lambda seed, stage: init_stage(cfg, seed, stage),
-        abstract=lambda: abstract_params(cfg),
-        param_count=param_count(cfg),
-        flops_per_token=flops_per_token(cfg),
-        block_activation_width=max(dense_width, dense_width - 3 * cfg.hidden + moe_decoder.routed_width(cfg, 3)),
-        figures=moe_decoder.figures(cfg),
-    )
+    width = max(dense_width, dense_width - 3 * cfg.hidden + moe_decoder.routed_width(cfg, 3))
+    return moe_decoder.staged(cfg, abstract, sys.modules[__name__], width)
 
 
 def param_count(cfg: ModelConfig) -> dict[str, int]:

@@ -27,7 +27,7 @@ from flax import nnx
 from angel_jax.config import ModelConfig
 from models.common import cross_entropy, stage_key
 from models.moe import capacity
-from models.stages import Stage
+from models.stages import Stage, StagedModel
 
 Params = dict
 
@@ -161,6 +161,28 @@ def add_blocks(model: nnx.Module, cfg: ModelConfig, key: jax.Array, block: Calla
     else:
         layers = jnp.arange(1, cfg.n_layers + 1, dtype=jnp.uint32)
         model.blocks = stacked(jax.vmap(lambda i: stage_key(key, i))(layers))
+
+
+def staged(cfg: ModelConfig, abstract: nnx.Module, family: Any, block_activation_width: int) -> StagedModel:
+    """The stage view of a decoder with MoE blocks (stages pass a `Stream` on; no sampling). `abstract`: the model
+    built abstractly (its `embed`, `blocks` if any, `moe_blocks`, `head`); `family`: its module, whose `init`,
+    `init_stage`, `abstract_params`, `param_count` and `flops_per_token` take the config."""
+    block_def = nnx.graphdef(abstract.blocks) if hasattr(abstract, "blocks") else None
+    return StagedModel(
+        stages=stages(cfg),
+        apply=stage_apply(cfg, nnx.graphdef(abstract.embed), block_def, nnx.graphdef(abstract.moe_blocks),
+                          nnx.graphdef(abstract.head)),
+        loss=loss,
+        split=lambda params: split(cfg, params),
+        merge=lambda stage_params: merge(cfg, stage_params),
+        init=lambda seed: family.init(cfg, seed),
+        init_stage=lambda seed, stage: family.init_stage(cfg, seed, stage),
+        abstract=lambda: family.abstract_params(cfg),
+        param_count=family.param_count(cfg),
+        flops_per_token=family.flops_per_token(cfg),
+        block_activation_width=block_activation_width,
+        figures=figures(cfg),
+    )
 
 
 def run_blocks(cfg: ModelConfig, block_def: nnx.GraphDef | None, dense: Any, moe_def: nnx.GraphDef, routed: Any,
