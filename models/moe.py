@@ -26,6 +26,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from angel_jax.config import ModelConfig
+from models import parallel
 
 _INIT_STD = 0.02
 
@@ -122,15 +123,47 @@ class MoE(nnx.Module):
         routing = route(self.router(x.astype(jnp.float32)), self.top_k,
                         capacity(x.shape[1], self.experts, self.top_k, self.capacity_factor))
         expert_in = jnp.einsum("btec,btd->becd", routing.dispatch.astype(cdt), x.astype(cdt))  # [B, E, C, d]
-        if self.gated:
-            gate = jnp.einsum("becd,edh->bech", expert_in, self.gate[...].astype(cdt))
-            up = jnp.einsum("becd,edh->bech", expert_in, self.up[...].astype(cdt))
-            act = jax.nn.gelu(gate) if self.gate_gelu else jax.nn.silu(gate)
-            out = jnp.einsum("bech,ehd->becd", act * up, self.down[...].astype(cdt))
+        axis, held = parallel.expert_axis(), (self.gate if self.gated else self.w_in).shape[0]
+        if axis is not None and held < self.experts:
+            # Expert parallelism (models/parallel.py): this device holds experts [r x held, (r + 1) x held) of
+            # the E, device r of the axis. Each device's slots of expert e go to the device holding e, whose
+            # experts then run on every device's tokens; the outputs go back the same way. [B, E, C, d] ->
+            # [N x B, E/N, C, d] (rows of device 0 first) -> the experts -> [B, E, C, d].
+            expert_in = jax.lax.all_to_all(expert_in, axis, split_axis=1, concat_axis=0, tiled=True)
+            out = jax.lax.all_to_all(self._experts(expert_in), axis, split_axis=0, concat_axis=1, tiled=True)
         else:
-            hidden = jax.nn.gelu(jnp.einsum("becd,edh->bech", expert_in, self.w_in[...].astype(cdt)))
-            out = jnp.einsum("bech,ehd->becd", hidden, self.w_out[...].astype(cdt))
+            out = self._experts(expert_in)
         # Combined in float32: the gates weigh the experts' outputs at full precision.
         y = jnp.einsum("btec,becd->btd", routing.combine, out.astype(jnp.float32)).astype(cdt)
         aux = self.aux_loss_coef * routing.balance + self.z_loss_coef * routing.z_loss
         return y, MoEFigures(aux, routing.drop_rate)
+
+    def _experts(self, expert_in: jax.Array) -> jax.Array:
+        """[B, E', C, d] -> [B, E', C, d]: expert e of the weights held on the slots of expert e."""
+        cdt = self.compute_dtype
+        if self.gated:
+            gate = jnp.einsum("becd,edh->bech", expert_in, self.gate[...].astype(cdt))
+            up = jnp.einsum("becd,edh->bech", expert_in, self.up[...].astype(cdt))
+            act = jax.nn.gelu(gate) if self.gate_gelu else jax.nn.silu(gate)
+            return jnp.einsum("bech,ehd->becd", act * up, self.down[...].astype(cdt))
+        hidden = jax.nn.gelu(jnp.einsum("becd,edh->bech", expert_in, self.w_in[...].astype(cdt)))
+        return jnp.einsum("bech,ehd->becd", hidden, self.w_out[...].astype(cdt))
+
+
+def exchange_values(cfg: ModelConfig, tokens: int) -> int:
+    """Values one row of `tokens` tokens sends through one MoE layer's forward with the experts split over devices
+    (`MoE.__call__`): its slots of every expert, E x capacity x d_model, out to the experts and their outputs back.
+    A device keeps the share of its own experts: the all-to-alls move (N - 1) / N of it."""
+    moe = cfg.moe
+    return 2 * moe.experts * capacity(tokens, moe.experts, moe.top_k, moe.capacity_factor) * cfg.d_model
+
+
+EXPERT_WEIGHTS = ("w_in", "w_out", "gate", "up", "down")
+"""The names of an `MoE`'s stacked expert weights, [E, ...] each."""
+
+
+def is_expert_leaf(path: str) -> bool:
+    """Whether the leaf at `path` (`jax.tree_util.keystr` of its path in a stage's parameters or in optimizer state
+    shaped like them) is an MoE layer's stacked expert weight: its last key is one of `EXPERT_WEIGHTS`. (Dense
+    layers' weights end in 'kernel', 'bias', 'scale' or 'embedding', never in these.)"""
+    return any(path.endswith(f"['{name}']") for name in EXPERT_WEIGHTS)

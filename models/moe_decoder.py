@@ -26,7 +26,7 @@ from flax import nnx
 
 from angel_jax.config import ModelConfig
 from models.common import cross_entropy, stage_key
-from models.moe import capacity
+from models.moe import capacity, exchange_values, is_expert_leaf
 from models.stages import Stage, StagedModel
 
 Params = dict
@@ -182,6 +182,8 @@ def staged(cfg: ModelConfig, abstract: nnx.Module, family: Any, block_activation
         flops_per_token=family.flops_per_token(cfg),
         block_activation_width=block_activation_width,
         figures=figures(cfg),
+        exchange_values_per_row={"moe_block": float(exchange_values(cfg, cfg.seq_len))},
+        expert_leaf=is_expert_leaf,
     )
 
 

@@ -86,6 +86,14 @@ class StagedModel:
     runs the tokens at positions pos .. pos+T-1, attending to the cache's keys and values of earlier positions and
     adding their own. Prefill is one call with the prompt at position 0; each further token is one call with T = 1,
     so a new token costs one position, not the whole sequence. Jittable, with `pos` traced."""
+    exchange_values_per_row: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Stage kind -> values (of the compute dtype) one row sends and receives in the expert all-to-alls of one
+    forward of a stage of that kind when its experts are split over devices (`moe.exchange_values` per MoE layer),
+    for `angel-jax plan --estimate`; empty: no experts."""
+    expert_leaf: Callable[[str], bool] | None = None
+    """Given a leaf's path in a stage's parameters (`jax.tree_util.keystr`), whether it is a mixture of experts'
+    stacked expert weight, [E, ...]: such leaves get pages of their own, which a sharded engine keeps on the rank
+    that holds those experts (expert parallelism); None: the family has no experts."""
 
     def forward(self, stage_params: list[PyTree], tokens: jax.Array) -> PyTree:
         """Run every stage in sequence: the meaning of the stage decomposition."""

@@ -59,7 +59,7 @@ from flax import nnx
 from angel_jax.config import ConfigError, ModelConfig
 from models import moe_decoder
 from models.common import cross_entropy, pure_dict, stage_key
-from models.moe import MoE, MoEFigures
+from models.moe import MoE, MoEFigures, exchange_values, is_expert_leaf
 from models.span_corruption import SpanCorruption
 from models.stages import Stage, StagedModel
 
@@ -623,6 +623,9 @@ def _staged_moe(cfg: ModelConfig) -> StagedModel:
         # as the dense T5's, and the two per-row sums
         saved_input_values=(n_enc + n_dec + 2) * ((c.encoder_length + c.decoder_length) * d + 2),
         forward_flops_per_row=forward_flops_per_row(cfg),
+        exchange_values_per_row={"encoder_moe": float(exchange_values(cfg, c.encoder_length)),
+                                 "decoder_moe": float(exchange_values(cfg, c.decoder_length))},
+        expert_leaf=is_expert_leaf,
     )
 
 

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from angel_jax.config import Config, MemoryConfig, ModelConfig, OptimizerConfig, TrainConfig
+from angel_jax.config import Config, MemoryConfig, ModelConfig, MoEConfig, OptimizerConfig, TrainConfig
 from angel_jax.memory.sharded_layout import ShardedPageLayout, chunks
 import models
 
@@ -33,9 +33,23 @@ PAGE = 12_496 * 2  # half a rank's share of a block's parameters (199,936 B / 4)
 # the embedding's and head's last pages (under 4% of the state)
 
 
+MOE_MODEL = ModelConfig(d_model=32, n_layers=2, n_heads=2, seq_len=16, compute_dtype="float32",
+                        moe=MoEConfig(experts=8, top_k=2, capacity_factor=1.25, every=1))
+MOE_STEPS = 6  # expert parallelism: 8 experts, 2 on each of the 4 ranks
+
+
 def cfg() -> Config:
     return Config(model=MODEL, optimizer=OptimizerConfig(name="adamw", lr=1e-3, warmup_steps=2),
                   train=TrainConfig(steps=STEPS, batch_size=BATCH))
+
+
+def moe_cfg(paged: bool = False) -> Config:
+    """The MoE model; `paged`: sharded pages, a device budget that streams 3 of its 4 stages."""
+    base = Config(model=MOE_MODEL, optimizer=OptimizerConfig(name="adamw", lr=1e-3, warmup_steps=2),
+                  train=TrainConfig(steps=MOE_STEPS, batch_size=BATCH))
+    if not paged:
+        return base
+    return dataclasses.replace(base, memory=MemoryConfig(mode="paged", page_size=4096, device_budget=1_120_000))
 
 
 def state_bytes() -> int:
@@ -103,6 +117,32 @@ def test_scatter_rows_are_what_each_rank_packs():
         np.testing.assert_array_equal(np.asarray(got).reshape(-1), page)
 
 
+def test_expert_weights_on_pages_of_their_own_stay_on_the_rank_that_holds_those_experts():
+    rng = np.random.default_rng(2)
+    tree = {"dense": rng.normal(size=(5, 7)).astype(np.float32),
+            "experts": rng.normal(size=(8, 3, 4)).astype(np.float32)}  # 8 experts: 2 per rank
+    apart = lambda stage, path: path == "['experts']"  # noqa: E731
+    stage = ShardedPageLayout.build([("s", tree)], 64, ranks=4, apart=apart).stage("s")
+    assert [p.apart for p in stage.rank.pages] == [False, True, True]  # 9 | 24 elements a rank, 16 to a page
+    assert stage.keeps_apart
+    pages = stage.pack(tree)
+    back = stage.unpack(pages)  # global pages: whole leaves, as without `apart`
+    np.testing.assert_array_equal(back["experts"], tree["experts"])
+    for r in range(4):  # what rank r's call sees: the whole dense leaf, its own 2 experts
+        mine = [jnp.asarray(p) if not spec.apart else jnp.asarray(p.reshape(4, -1)[r])
+                for p, spec in zip(pages, stage.rank.pages)]
+        local = stage.unpack(mine, local=True)
+        np.testing.assert_array_equal(np.asarray(local["dense"]), tree["dense"])
+        np.testing.assert_array_equal(np.asarray(local["experts"]), tree["experts"][2 * r:2 * r + 2])
+        rows = stage.scatter_rows(local, local=True)  # and back: the dense pages' rows, the rank's own pages
+        np.testing.assert_array_equal(np.asarray(rows[0]), pages[0].reshape(4, -1))
+        for got, page in zip(rows[1:], pages[1:]):
+            np.testing.assert_array_equal(np.asarray(got), page.reshape(4, -1)[r])
+    # 6 experts do not split over 4 ranks: their pages are apart, but gathered like the others
+    odd = {"experts": tree["experts"][:6]}
+    assert not ShardedPageLayout.build([("s", odd)], 64, ranks=4, apart=apart).stage("s").keeps_apart
+
+
 # --------------------------------------------------------------------------------------------- the engine
 
 
@@ -154,6 +194,16 @@ def test_each_device_holds_a_quarter_of_the_pages(four_devices):
     whole = out["state"]  # the reference's measured state: parameters, moments and a step count
     assert whole / RANKS <= mine * 1.0001 and mine <= 1.05 * whole / RANKS, (mine, whole / RANKS)
     assert "bytes below per rank" in out["report"][0]
+
+
+def test_experts_sharded_over_the_ranks_train_as_on_one_device(four_devices):
+    out = four_devices["moe"]
+    assert out["keeps_apart"] and out["streamed"] >= 3, out  # each rank computes with its own 2 experts
+    ref, got = out["reference"], out["paged"]
+    for key in ("loss", "grad_norm", "moe/aux_loss"):
+        np.testing.assert_allclose(got[key], ref[key], rtol=1e-5, err_msg=key)
+    assert got["moe/drop_rate"] == ref["moe/drop_rate"]  # the same tokens dropped: routing is per row
+    assert max(ref["moe/drop_rate"]) > 0  # and some are
 
 
 def _free_port() -> int:

@@ -25,14 +25,31 @@ import jax  # noqa: E402
 from angel_jax.config import MeshConfig  # noqa: E402
 from angel_jax.train.engines import InMemoryEngine, build_engine  # noqa: E402
 from angel_jax.train.sharding import device_bytes, make_mesh  # noqa: E402
-from test_zero import RANKS, cfg, data, paged, tier_bytes  # noqa: E402
+from test_paged import batches as make_batches  # noqa: E402
+from test_zero import BATCH, MOE_MODEL, MOE_STEPS, RANKS, cfg, data, moe_cfg, paged, tier_bytes  # noqa: E402
 
 
-def run(engine, batches: list) -> dict[str, list[float]]:
+def run(engine, batches: list, keys: tuple[str, ...] = ("loss", "grad_norm")) -> dict[str, list[float]]:
     """Per step, the loss and the gradient norm (a gradient reduced wrongly over the ranks, e.g. summed rather than
     averaged, could leave Adam's normalised losses close but not the norm)."""
     metrics = [engine.step(jax.device_put(b, engine.batch_sharding)) for b in batches]
-    return {key: [float(m[key]) for m in metrics] for key in ("loss", "grad_norm")}
+    return {key: [float(m[key]) for m in metrics] for key in keys}
+
+
+def experts(one, mesh) -> dict:
+    """The MoE model on one device and with its experts sharded over the ranks (2 each, expert parallelism)."""
+    batches, keys = make_batches(MOE_STEPS, MOE_MODEL, BATCH), ("loss", "grad_norm", "moe/aux_loss", "moe/drop_rate")
+    engine = InMemoryEngine(moe_cfg(), one)
+    out = {"reference": run(engine, batches, keys)}
+    engine.close()
+    engine = build_engine(moe_cfg(paged=True), mesh)
+    try:
+        out["keeps_apart"] = engine.built.layout.stage("block.0").keeps_apart
+        out["streamed"] = len(engine.built.plan.streamed)
+        out["paged"] = run(engine, batches, keys)
+    finally:
+        engine.close()
+    return out
 
 
 def main() -> None:
@@ -41,7 +58,9 @@ def main() -> None:
     engine = InMemoryEngine(cfg(), one)
     out = {"state": sum(device_bytes(engine.state).values()), "reference": run(engine, batches)}
     engine.close()
-    engine = build_engine(paged(), make_mesh(MeshConfig(fsdp=RANKS), jax.devices()))
+    mesh = make_mesh(MeshConfig(fsdp=RANKS), jax.devices())
+    out["moe"] = experts(one, mesh)
+    engine = build_engine(paged(), mesh)
     try:
         out["streamed"], out["stages"] = len(engine.built.plan.streamed), len(engine.built.plan.home)
         out["paged"] = run(engine, batches)

@@ -12,7 +12,9 @@ Rules:
 - Pages never mix stages: a stage function takes only its own pages (`layout.stage(name).page_ids`). Within a
   stage, leaves are grouped by dtype (groups in order of first appearance, leaves in `tree_flatten` order) and laid
   end to end: small leaves share a page, a leaf larger than what is left spans consecutive pages. The tail of each
-  group's last page is zero padding, reported as `waste_bytes` / `waste_fraction`.
+  group's last page is zero padding, reported as `waste_bytes` / `waste_fraction`. Leaves the caller sets apart
+  (`build(apart=...)`: a mixture of experts' expert weights) form groups of their own after the others, so they sit
+  on pages of their own, which a sharded layout can keep on their rank and a plan can count apart.
 - Page ids are global and follow access order: stage 0's pages first.
 - `pack`/`unpack` are pure (concatenate, pad, slice, reshape) and work eagerly on numpy (numpy in, numpy out),
   eagerly on jax arrays, and under `jax.jit` with the layout static, where XLA fuses them into the stage.
@@ -24,7 +26,7 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -74,6 +76,9 @@ class PageSpec:
     dtype: np.dtype
     length: int
     used: int
+    apart: bool = False
+    """Whether the page holds leaves set apart on pages of their own (`PageLayout.build(apart=...)`): a mixture of
+    experts' stacked expert weights, which a sharded layout may keep on their rank instead of gathering them."""
 
     @property
     def nbytes(self) -> int:
@@ -110,6 +115,13 @@ class StageLayout:
     @property
     def waste_bytes(self) -> int:
         return sum(p.waste_bytes for p in self.pages)
+
+    def apart_splits(self, ranks: int) -> bool:
+        """Whether the stage has leaves set apart and each one's first axis divides evenly over `ranks` (whole
+        experts per rank: the condition of expert parallelism, `ShardedStageLayout.keeps_apart`)."""
+        first = self.pages[0].id if self.pages else 0
+        shapes = [slot.shape for slot in self.slots if slot.size and self.pages[slot.page - first].apart]
+        return bool(shapes) and all(len(shape) > 0 and shape[0] % ranks == 0 for shape in shapes)
 
     def pack(self, tree: PyTree) -> tuple:
         """The stage's pytree -> tuple of pages (numpy if every leaf is numpy, else jax arrays)."""
@@ -154,14 +166,7 @@ class StageLayout:
         return jax.tree_util.tree_unflatten(self.treedef, leaves)
 
     def _groups(self) -> list[list[PageSpec]]:
-        """The stage's pages split into runs of one dtype."""
-        groups: list[list[PageSpec]] = []
-        for p in self.pages:
-            if groups and groups[-1][0].dtype == p.dtype:
-                groups[-1].append(p)
-            else:
-                groups.append([p])
-        return groups
+        return page_groups(self.pages)
 
     def _checked_leaves(self, tree: PyTree) -> list:
         paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
@@ -212,6 +217,17 @@ def _from_bits(xp: Any, x: Any, dtype: np.dtype) -> Any:
 _UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
 
 
+def page_groups(pages: Sequence[PageSpec]) -> list[list[PageSpec]]:
+    """A stage's pages split into their groups: runs of one dtype, set apart or not, whose leaves lie end to end."""
+    groups: list[list[PageSpec]] = []
+    for p in pages:
+        if groups and (groups[-1][0].dtype, groups[-1][0].apart) == (p.dtype, p.apart):
+            groups[-1].append(p)
+        else:
+            groups.append([p])
+    return groups
+
+
 def _in_group(slot: LeafSlot, group: list[PageSpec]) -> bool:
     return slot.size > 0 and slot.dtype == group[0].dtype and group[0].id <= slot.page <= group[-1].id
 
@@ -244,9 +260,12 @@ class PageLayout(StagesByName):
     stages: tuple[StageLayout, ...]
 
     @staticmethod
-    def build(stages: Iterable[tuple[str, PyTree]], page_size_bytes: int = DEFAULT_PAGE_SIZE) -> "PageLayout":
+    def build(stages: Iterable[tuple[str, PyTree]], page_size_bytes: int = DEFAULT_PAGE_SIZE,
+              apart: Callable[[str, str], bool] | None = None) -> "PageLayout":
         """Lay out `(stage name, pytree)` pairs in the order given. Leaves need only `.shape` and `.dtype`
-        (arrays or `jax.ShapeDtypeStruct`)."""
+        (arrays or `jax.ShapeDtypeStruct`). `apart`: given a stage's name and a leaf's path in it (`keystr`),
+        whether the leaf goes on pages of its own, apart from the stage's other leaves of its dtype (their group
+        follows theirs)."""
         if page_size_bytes <= 0:
             raise ValueError(f"page_size_bytes must be positive, got {page_size_bytes}")
         built: list[StageLayout] = []
@@ -254,7 +273,7 @@ class PageLayout(StagesByName):
         for name, tree in stages:
             if any(s.name == name for s in built):
                 raise ValueError(f"stage name {name!r} appears twice")
-            stage = _layout_stage(name, tree, page_size_bytes, next_id)
+            stage = _layout_stage(name, tree, page_size_bytes, next_id, apart)
             next_id += len(stage.pages)
             built.append(stage)
         return PageLayout(page_size_bytes, tuple(built))
@@ -314,24 +333,25 @@ def _leaf_dtype(stage: str, path: str, leaf: Any) -> np.dtype:
     return dtype
 
 
-def _layout_stage(name: str, tree: PyTree, page_size: int, first_id: int) -> StageLayout:
+def _layout_stage(name: str, tree: PyTree, page_size: int, first_id: int,
+                  apart: Callable[[str, str], bool] | None = None) -> StageLayout:
     paths_leaves, treedef = jax.tree_util.tree_flatten_with_path(tree)
     info = []
     for path, leaf in paths_leaves:
         key = jax.tree_util.keystr(path)
         info.append((key, tuple(int(d) for d in leaf.shape) if hasattr(leaf, "shape") else (),
-                     _leaf_dtype(name, key, leaf)))
-    dtypes = list(dict.fromkeys(dt for _, _, dt in info))
+                     _leaf_dtype(name, key, leaf), bool(apart and apart(name, key))))
+    groups = sorted(dict.fromkeys((dt, ap) for _, _, dt, ap in info), key=lambda g: g[1])  # shared ones first
     slots: dict[int, LeafSlot] = {}
     pages: list[PageSpec] = []
-    for dt in dtypes:
+    for dt, ap in groups:
         if page_size % dt.itemsize:
             raise ValueError(f"page size {page_size} is not a multiple of the {dt} item size {dt.itemsize}")
         page_len = page_size // dt.itemsize
         pos = 0  # element position within the group
         group_first = first_id + len(pages)
-        for i, (key, shape, ldt) in enumerate(info):
-            if ldt != dt:
+        for i, (key, shape, ldt, lap) in enumerate(info):
+            if (ldt, lap) != (dt, ap):
                 continue
             size = int(np.prod(shape, dtype=np.int64))
             page = group_first + pos // page_len if size else -1
@@ -340,5 +360,5 @@ def _layout_stage(name: str, tree: PyTree, page_size: int, first_id: int) -> Sta
         n_pages = -(-pos // page_len)
         for k in range(n_pages):
             used = min(page_len, pos - k * page_len)
-            pages.append(PageSpec(group_first + k, name, dt, page_len, used))
+            pages.append(PageSpec(group_first + k, name, dt, page_len, used, ap))
     return StageLayout(name, treedef, tuple(slots[i] for i in range(len(info))), tuple(pages))

@@ -24,13 +24,13 @@ zero is zero); optimizers that need a leaf's shape (Adafactor's factored moments
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from angel_jax.memory.layout import PageLayout, PageSpec, StageLayout, StagesByName
+from angel_jax.memory.layout import PageLayout, PageSpec, StageLayout, StagesByName, page_groups
 
 PyTree = Any
 
@@ -93,12 +93,32 @@ class ShardedStageLayout:
         per_rank = [self.rank.pack(chunks(tree, self.ranks, r)) for r in range(self.ranks)]
         return tuple(np.concatenate([pages[k] for pages in per_rank]) for k in range(len(self.pages)))
 
-    def unpack(self, pages: Sequence) -> PyTree:
+    @property
+    def keeps_apart(self) -> bool:
+        """Whether this stage's apart pages (expert weights, `PageLayout.build(apart=...)`) stay on their rank:
+        each apart leaf's first axis (its experts) divides evenly over the ranks, so rank r's chunk of it is whole
+        rows of it, r x E/N to (r + 1) x E/N: rank r's own experts, which it computes with and updates without
+        any gather or reduce-scatter (expert parallelism, schedule/zero.py)."""
+        shapes = [shape for slot, (shape, _) in zip(self.rank.slots, self.full) if self._apart(slot)]
+        return bool(shapes) and all(len(s) > 0 and s[0] % self.ranks == 0 for s in shapes)
+
+    def _apart(self, slot: Any) -> bool:
+        first = self.rank.pages[0].id
+        return slot.size > 0 and self.rank.pages[slot.page - first].apart
+
+    def local(self, page: PageSpec) -> bool:
+        """Whether a rank's call sees its own shard of `page` rather than the whole page (see `keeps_apart`)."""
+        return page.apart and self.keeps_apart
+
+    def unpack(self, pages: Sequence, local: bool = False) -> PyTree:
         """Global pages (numpy, or jax arrays of N x L elements) -> the stage's whole pytree. Slices, reshapes and
-        concatenations only: under jit on gathered pages XLA fuses them into the stage."""
+        concatenations only: under jit on gathered pages XLA fuses them into the stage. `local` (inside a rank's
+        call): the pages `self.local` names are the rank's own (L elements) and their leaves come back as the
+        rank's rows of them, [E/N, ...]."""
         xp = np if all(isinstance(p, np.ndarray) for p in pages) else jnp
         first = self.rank.pages[0].id if self.rank.pages else 0
-        rows = [xp.reshape(p, (self.ranks, -1)) for p in pages]  # row r: rank r's page
+        own = [local and self.local(spec) for spec in self.rank.pages]
+        rows = [xp.reshape(p, (1 if o else self.ranks, -1)) for p, o in zip(pages, own)]  # row r: rank r's page
         leaves = []
         for slot, (shape, dtype) in zip(self.rank.slots, self.full):
             size = int(np.prod(shape))
@@ -108,40 +128,37 @@ class ShardedStageLayout:
             length = self.rank.pages[slot.page - first].length
             parts = [rows[pid - first][:, a:b] for pid, a, b in slot.spans(length)]
             block = parts[0] if len(parts) == 1 else xp.concatenate(parts, axis=1)  # [ranks, chunk]
-            leaves.append(xp.reshape(xp.reshape(block, (-1,))[:size], shape))
+            if own[slot.page - first]:
+                leaves.append(xp.reshape(block, (shape[0] // self.ranks,) + tuple(shape[1:])))
+            else:
+                leaves.append(xp.reshape(xp.reshape(block, (-1,))[:size], shape))
         return jax.tree_util.tree_unflatten(self.rank.treedef, leaves)
 
-    def scatter_rows(self, tree: PyTree) -> tuple:
+    def scatter_rows(self, tree: PyTree, local: bool = False) -> tuple:
         """The stage's whole pytree (jax, under jit) -> per page a [ranks, L] array whose row r is what rank r's
-        page k would hold: the inverse of `unpack`, the input of a reduce-scatter over the ranks."""
+        page k would hold: the inverse of `unpack`, the input of a reduce-scatter over the ranks. `local`: as in
+        `unpack`, the leaves of the pages `self.local` names are the rank's rows, and their pages come back as the
+        rank's own [L]."""
         leaves = jax.tree_util.tree_leaves(tree)
         out: list = []
-        for group in _groups(self.rank.pages):
-            length = group[0].length
+        for group in page_groups(self.rank.pages):
+            length, own = group[0].length, local and self.local(group[0])
+            ranks = 1 if own else self.ranks
             parts = []
             for slot, leaf in zip(self.rank.slots, leaves):
-                if slot.size == 0 or not (slot.dtype == group[0].dtype and group[0].id <= slot.page <= group[-1].id):
+                if slot.size == 0 or not (group[0].id <= slot.page <= group[-1].id):
                     continue
                 flat = jnp.reshape(leaf, (-1,)).astype(slot.dtype)
-                flat = jnp.pad(flat, (0, slot.size * self.ranks - flat.size))
-                parts.append(jnp.reshape(flat, (self.ranks, slot.size)))
+                flat = jnp.pad(flat, (0, slot.size * ranks - flat.size))
+                parts.append(jnp.reshape(flat, (ranks, slot.size)))
             used = sum(p.shape[1] for p in parts)
             pad = len(group) * length - used
             if pad:
-                parts.append(jnp.zeros((self.ranks, pad), group[0].dtype))
+                parts.append(jnp.zeros((ranks, pad), group[0].dtype))
             rows = jnp.concatenate(parts, axis=1) if len(parts) > 1 else parts[0]
-            out.extend(rows[:, k * length:(k + 1) * length] for k in range(len(group)))
+            out.extend(rows[0, k * length:(k + 1) * length] if own else rows[:, k * length:(k + 1) * length]
+                       for k in range(len(group)))
         return tuple(out)
-
-
-def _groups(pages: Sequence[PageSpec]) -> list[list[PageSpec]]:
-    groups: list[list[PageSpec]] = []
-    for p in pages:
-        if groups and groups[-1][0].dtype == p.dtype:
-            groups[-1].append(p)
-        else:
-            groups.append([p])
-    return groups
 
 
 @dataclass(frozen=True)
@@ -153,10 +170,13 @@ class ShardedPageLayout(StagesByName):
     ranks: int
 
     @staticmethod
-    def build(stages: Iterable[tuple[str, PyTree]], page_size_bytes: int, ranks: int) -> "ShardedPageLayout":
+    def build(stages: Iterable[tuple[str, PyTree]], page_size_bytes: int, ranks: int,
+              apart: Callable[[str, str], bool] | None = None) -> "ShardedPageLayout":
+        """`apart`: as `PageLayout.build`'s, for the rank layout (whose leaves have the same paths)."""
         stages = [(name, jax.tree.map(lambda a: jax.ShapeDtypeStruct(np.shape(a), a.dtype), tree))
                   for name, tree in stages]
-        rank_layout = PageLayout.build([(name, chunk_shapes(tree, ranks)) for name, tree in stages], page_size_bytes)
+        rank_layout = PageLayout.build([(name, chunk_shapes(tree, ranks)) for name, tree in stages], page_size_bytes,
+                                       apart)
         out = []
         for (name, tree), rank in zip(stages, rank_layout.stages):
             full = tuple((tuple(a.shape), np.dtype(a.dtype)) for a in jax.tree_util.tree_leaves(tree))
@@ -199,12 +219,23 @@ def stage_shapes(layout: PageLayout | ShardedPageLayout) -> list[tuple[str, PyTr
     return out
 
 
+def apart_paths(layout: PageLayout | ShardedPageLayout) -> Callable[[str, str], bool] | None:
+    """The `apart` of `layout`'s build, read back from its pages: (stage, path) of the leaves on apart pages."""
+    paths = set()
+    for stage in layout.stages:
+        rank = stage.rank if isinstance(stage, ShardedStageLayout) else stage
+        first = rank.pages[0].id if rank.pages else 0
+        paths |= {(stage.name, slot.path) for slot in rank.slots
+                  if slot.size and rank.pages[slot.page - first].apart}
+    return (lambda stage, path: (stage, path) in paths) if paths else None
+
+
 def layout_over(layout: PageLayout | ShardedPageLayout, ranks: int) -> PageLayout | ShardedPageLayout:
-    """The layout of `layout`'s leaves, with its page size per rank, over `ranks` ranks: a plain `PageLayout`
-    for one (pages hold the leaves end to end, as an engine on one device lays them out), else sharded. A
-    checkpoint written over another number of ranks is read back with it."""
+    """The layout of `layout`'s leaves, with its page size per rank and its apart leaves, over `ranks` ranks: a
+    plain `PageLayout` for one (pages hold the leaves end to end, as an engine on one device lays them out), else
+    sharded. A checkpoint written over another number of ranks is read back with it."""
     page_size = layout.rank_layout.page_size_bytes if isinstance(layout, ShardedPageLayout) else \
         layout.page_size_bytes
     if ranks == 1:
-        return PageLayout.build(stage_shapes(layout), page_size)
-    return ShardedPageLayout.build(stage_shapes(layout), page_size, ranks)
+        return PageLayout.build(stage_shapes(layout), page_size, apart_paths(layout))
+    return ShardedPageLayout.build(stage_shapes(layout), page_size, ranks, apart_paths(layout))

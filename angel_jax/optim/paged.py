@@ -64,6 +64,14 @@ def abstract_opt_state(tx: optax.GradientTransformation, stage_params: Any) -> t
     return split_opt_state(jax.eval_shape(tx.init, stage_params))
 
 
+def paged_paths(tx: optax.GradientTransformation, stage_params: Any) -> list[str]:
+    """For each leaf `abstract_opt_state` pages (in order), the path of the parameter it belongs to: the key path
+    (`keystr`) of the leaf in the optax state, which ends with its parameter's (Adam's mu and nu, e.g.
+    `[0].mu['moe']['w_in']`)."""
+    paths_leaves, _ = jax.tree_util.tree_flatten_with_path(jax.eval_shape(tx.init, stage_params))
+    return [jax.tree_util.keystr(path) for path, leaf in paths_leaves if getattr(leaf, "ndim", 0)]
+
+
 def sqsum(pages: Pages) -> jax.Array:
     """Sum of squares of pages (float32): each stage's share of a global norm; padding contributes zero."""
     return sum((jnp.sum(jnp.square(p.astype(jnp.float32))) for p in pages), jnp.zeros((), jnp.float32))

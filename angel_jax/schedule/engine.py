@@ -21,19 +21,21 @@ import logging
 import shutil
 import threading
 from dataclasses import dataclass
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import psutil
 
 from angel_jax.config import Config, ConfigError
 from angel_jax.memory import DeviceTier, DiskTier, HostTier, PageLayout, PageStore
+from angel_jax.memory.layout import StageLayout
 from angel_jax.memory.bench_io import default_calibration_path
 from angel_jax.memory.malloc import return_large_frees_to_the_os
 from angel_jax.optim import make_optimizer
-from angel_jax.optim.paged import OptLayout, abstract_opt_state, split_opt_state
+from angel_jax.optim.paged import OptLayout, abstract_opt_state, paged_paths, split_opt_state
 from angel_jax.optim.updater import PageUpdater, Placement, StageSlot, StageUpdates
 from angel_jax.schedule.costs import profile_costs, profile_transfers
 from angel_jax.schedule.execute import PagedExecutor, PagedModel
@@ -163,10 +165,19 @@ def budgets_for(cfg: Config, device: jax.Device, local_batch: int, zero: Zero | 
     dev = cfg.memory.device_budget * n if cfg.memory.device_budget else device_free_bytes(device) * (1 if shared else n)
     host = cfg.memory.host_budget * n if cfg.memory.host_budget else host_budget(cfg, None) - (dev if shared else 0)
     disk = (cfg.memory.disk_budget * n if cfg.memory.disk_budget else disk_budget(cfg)) if cfg.memory.disk_dir else 0
-    gathered = n * 2 * max(s.nbytes for s in params_layout(cfg).stages)
+    gathered = 2 * max(gathered_bytes(s, n) for s in params_layout(cfg).stages)
     return Budgets(device=dev, host=max(0, host), disk=disk,
                    fixed_device=fixed_device_bytes(cfg, local_batch) + gathered,
                    saved_device=saved_input_bytes(cfg, local_batch))
+
+
+def gathered_bytes(stage: StageLayout, ranks: int) -> int:
+    """Device bytes one rank holds of a stage's parameters while it computes, gathered over `ranks` ranks: the whole
+    stage, but only its own experts where the experts split evenly over the ranks (`keeps_apart`)."""
+    if not stage.apart_splits(ranks):
+        return stage.nbytes
+    own = sum(p.nbytes for p in stage.pages if p.apart)
+    return stage.nbytes - own + -(-own // ranks)
 
 
 def micro_batching(cfg: Config, local_batch: int, zero: Zero | None = None) -> tuple[int, int]:
@@ -267,7 +278,34 @@ def params_layout(cfg: Config) -> PageLayout:
     shapes alone: nothing is allocated or compiled, so a checkpoint's pages can be read without building an
     engine."""
     staged = models.get(cfg.model)
-    return PageLayout.build(zip([s.name for s in staged.stages], _stage_shapes(staged)), cfg.memory.page_size)
+    return PageLayout.build(zip([s.name for s in staged.stages], _stage_shapes(staged)), cfg.memory.page_size,
+                            params_apart(staged))
+
+
+def params_apart(staged: StagedModel) -> Callable[[str, str], bool] | None:
+    """Which parameter leaves go on pages of their own: a mixture of experts' expert weights."""
+    expert = staged.expert_leaf
+    return (lambda stage, path: expert(path)) if expert else None
+
+
+def opt_apart(staged: StagedModel, tx: optax.GradientTransformation, stage_params: list[Any]
+              ) -> Callable[[str, str], bool] | None:
+    """Which optimizer-state leaves go on pages of their own: those of the expert weights (the paged leaves are a
+    list, `[i]`, in the order `paged_paths` names them)."""
+    expert = staged.expert_leaf
+    if not expert:
+        return None
+    keys = {(s.name, f"[{i}]") for s, p in zip(staged.stages, stage_params)
+            for i, path in enumerate(paged_paths(tx, p)) if expert(path)}
+    return lambda stage, path: (stage, path) in keys
+
+
+def refuse_sharded_optimizer(cfg: Config) -> None:
+    """ConfigError for an optimizer the sharded pages cannot run: one that needs each parameter's shape."""
+    if cfg.optimizer.name == "adafactor":
+        raise ConfigError("'optimizer.name': adafactor factors its moments by each parameter's shape, which a "
+                          "rank's flat shard of it does not have: use adamw, adam, lion or sgd with pages sharded "
+                          "over several devices")
 
 
 def _blueprint(cfg: Config, zero: Zero | None = None) -> Blueprint:
@@ -284,24 +322,22 @@ def _blueprint(cfg: Config, zero: Zero | None = None) -> Blueprint:
     if zero is not None and cfg.memory.staleness:
         raise ConfigError("'memory.staleness': lock-free updates (1) need pages on one device; with pages sharded "
                           "over several devices updates are exact (0)")
-    if zero is not None and cfg.optimizer.name == "adafactor":
-        raise ConfigError("'optimizer.name': adafactor factors its moments by each parameter's shape, which a "
-                          "rank's flat shard of it does not have: use adamw, adam, lion or sgd with pages sharded "
-                          "over several devices")
+    if zero is not None:
+        refuse_sharded_optimizer(cfg)
 
-    def layout(trees: Any) -> Any:
+    def layout(trees: Any, apart: Callable[[str, str], bool] | None) -> Any:
         if zero is None:
-            return PageLayout.build(trees, cfg.memory.page_size)
-        return ShardedPageLayout.build(trees, cfg.memory.page_size, zero.ranks)
+            return PageLayout.build(trees, cfg.memory.page_size, apart)
+        return ShardedPageLayout.build(trees, cfg.memory.page_size, zero.ranks, apart)
 
-    params_layout = layout(zip(names, stage_params))
+    params_layout = layout(zip(names, stage_params), params_apart(staged))
     opt_big, opt_small, structure = [], {}, {}
     for name, p in zip(names, stage_params):
         big, small, struct = abstract_opt_state(tx, p)
         opt_big.append(big)
         opt_small[name] = [np.zeros(s.shape, s.dtype) for s in small]
         structure[name] = struct
-    opt_layout = layout(zip(names, opt_big))
+    opt_layout = layout(zip(names, opt_big), opt_apart(staged, tx, stage_params))
     fns = StageFunctions(staged, params_layout, opt_layout, structure, tx, cfg.optimizer.grad_clip, zero)
     return Blueprint(staged, params_layout, opt_layout, structure, opt_small, fns,
                      StageUpdates(fns.update, fns.update_norm), schedule)

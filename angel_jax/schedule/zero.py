@@ -28,6 +28,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from angel_jax.memory.sharded_layout import ShardedStageLayout
+from models.parallel import experts_over
 
 AXIS = "fsdp"
 """The mesh axis the pages and the batch rows are sharded over."""
@@ -77,7 +78,8 @@ class Zero:
         ins, outs, reduce = _SIGNATURES[signature]
 
         def body(*args: Any) -> Any:
-            out = fn(*args)
+            with experts_over(AXIS):  # an MoE layer holding E/N experts exchanges tokens over the ranks
+                out = fn(*args)
             if not isinstance(out, tuple):
                 return _REDUCE[reduce[0]](out) if reduce else out
             return tuple(_REDUCE[r](o) if r else o for o, r in zip(out, reduce + (None,) * len(out)))
@@ -140,17 +142,26 @@ class ZeroView:
     """A stage's layout as its stage functions see it on one rank, inside shard_map: `unpack` gathers the rank's
     page shards into whole pages and unpacks the whole leaves; `pack` packs whole gradients and reduce-scatters
     them, so the rank keeps its shard of their mean over the ranks. Stands in for the `StageLayout` the stage
-    functions unpack and pack with."""
+    functions unpack and pack with.
+
+    Expert parallelism: a stage whose expert weights sit on pages of their own, their experts dividing evenly over
+    the ranks (`ShardedStageLayout.keeps_apart`), keeps those pages on their rank. Rank r computes with its own
+    E/N experts: `unpack` gives them as [E/N, ...] leaves, ungathered, and the MoE layer, told the axis by
+    `models.parallel.experts_over` (entered by `Zero.stage_jit`), sends each expert the tokens of every rank routed
+    to it and brings its outputs back with two all-to-alls. The gradient of a rank's experts then already holds
+    every rank's tokens: `pack` scales it by 1/N (the mean over the ranks' losses) and reduces nothing."""
 
     def __init__(self, layout: ShardedStageLayout):
         self.layout = layout
         self.pages = layout.rank.pages  # what a rank's call receives
+        self.own = tuple(layout.local(p) for p in layout.rank.pages)
 
     def unpack(self, pages: tuple) -> Any:
-        return self.layout.unpack(tuple(jax.lax.all_gather(p, AXIS, tiled=True) for p in pages))
+        whole = tuple(p if own else jax.lax.all_gather(p, AXIS, tiled=True) for p, own in zip(pages, self.own))
+        return self.layout.unpack(whole, local=True)
 
     def pack(self, tree: Any) -> tuple:
         scale = 1.0 / self.layout.ranks
-        return tuple((jax.lax.psum_scatter(rows.reshape(-1), AXIS, scatter_dimension=0, tiled=True)
-                      * jnp.asarray(scale, rows.dtype))
-                     for rows in self.layout.scatter_rows(tree))
+        return tuple((rows if own else jax.lax.psum_scatter(rows.reshape(-1), AXIS, scatter_dimension=0, tiled=True))
+                     * jnp.asarray(scale, rows.dtype)
+                     for rows, own in zip(self.layout.scatter_rows(tree, local=True), self.own))
