@@ -142,3 +142,35 @@ def test_plan_estimate_for_eight_devices_prints_per_rank_bytes(tmp_path, capsys)
     assert whole <= 8 * per_rank <= whole + pages * 7 * 4  # 1/8 each, up to 7 float32 of padding per page
     with pytest.raises(AngelError, match="--link-gbps"):
         _estimated_plan(cfg, blueprint(cfg), _parser().parse_args([*base, "--devices", "8"]))
+
+
+def test_a_ranks_own_experts_are_neither_gathered_nor_scattered_and_their_all_to_alls_lengthen_the_calls():
+    """Expert parallelism: of each 4 MiB shard, 3 MiB are the rank's own experts. The gathers and reduce-scatters
+    move only the other 1 MiB; the device holds whole stages of 1 MiB x ranks + 3 MiB; each call's all-to-alls
+    ((ranks - 1) / ranks of 8 MiB per forward, twice per backward) sit inside the stage calls."""
+    n, ranks, link = 4, 4, 2e9
+    dense = _costs(n)
+    moe = [replace(c, expert_bytes=3 * MB, exchange_bytes=8 * MB) for c in dense]
+    home = ("device",) * n
+    tl = simulate(moe, replace(BW, link=link), home, home, 1, ranks=ranks)
+    assert all(e.duration == pytest.approx((ranks - 1) * MB / link) for e in _on(tl, "collective", ""))
+    exchange = (ranks - 1) / ranks * 8 * MB / link
+    forward = [e for e in _on(tl, "compute", "forward")]
+    backward = [e for e in _on(tl, "compute", "backward")]
+    assert all(e.duration == pytest.approx(0.010 + exchange) for e in forward)
+    assert all(e.duration == pytest.approx(0.025 + 2 * exchange) for e in backward)
+    plan = make_plan(moe, replace(BW, link=link), Budgets(10**12, None, 0, 0), ranks=ranks)
+    accesses = len(compute_sequence(n))
+    calls = sum(1 if op == "forward" else 2 for op, _ in compute_sequence(n))  # forward-equivalents of exchange
+    assert plan.io_per_step(moe, replace(BW, link=link))["collective_bytes"] == \
+        (accesses + n) * (ranks - 1) * MB + calls * (ranks - 1) * 8 * MB // ranks
+    assert plan.gather_bytes == (plan.prefetch + 2) * (ranks * MB + 3 * MB)
+
+
+def test_a_sharded_plan_refuses_an_optimizer_that_needs_whole_parameters():
+    from angel_jax.train.plan_cli import main
+
+    base = [str(REPO_ROOT / "experiments" / "gpt_tiny.yaml"), "optimizer.name=adafactor", "--estimate",
+            "--peak-tflops", "100", "--link-gbps", "100"]
+    with pytest.raises(AngelError, match="adafactor"):
+        main([*base, "--devices", "2"])

@@ -224,9 +224,12 @@ def io_per_step(costs: list[StageCost], bandwidths: Bandwidths, home: tuple[str,
 def collective_bytes(costs: list[StageCost], passes: int, ranks: int) -> int:
     """Bytes each rank receives in the collectives of a step: per pass, an all-gather of every stage's parameters
     for each of its accesses and a reduce-scatter of its gradients after its backward, each (ranks - 1) x the
-    stage's shard bytes (the ring algorithm)."""
-    per_pass = sum(costs[i].param_bytes for _, i in compute_sequence(len(costs))) + sum(c.param_bytes for c in costs)
-    return passes * (ranks - 1) * per_pass
+    stage's shard bytes (the ring algorithm), a rank's own experts excepted; and with experts split over the ranks,
+    (ranks - 1) / ranks of each call's all-to-alls (`StageCost.exchange_bytes`, twice in a backward)."""
+    seq = compute_sequence(len(costs))
+    per_pass = sum(costs[i].gathered_bytes for _, i in seq) + sum(c.gathered_bytes for c in costs)
+    exchanged = sum(costs[i].exchange_bytes * (1 if op == "forward" else 2) for op, i in seq)
+    return int(passes * (ranks - 1) * (per_pass + exchanged / ranks))
 
 
 def fetches_per_step(n: int, passes: int = 1, prefetch: int = 1) -> list[int]:
@@ -252,10 +255,11 @@ def window_bytes(costs: list[StageCost], streamed: list[int], prefetch: int) -> 
 def gather_bytes(costs: list[StageCost], prefetch: int, ranks: int) -> int:
     """Device bytes of whole stages gathered from `ranks` shards: the parameters of the stage computing and of the
     `prefetch` accesses ahead whose gathers may run beside it, and one whole stage of gradients before their
-    reduce-scatter; each the largest stage's shard x `ranks`. Nothing with one rank."""
+    reduce-scatter; each the largest stage's shard x `ranks` (a rank's own experts once: they are not gathered).
+    Nothing with one rank."""
     if ranks <= 1 or not costs:
         return 0
-    return (prefetch + 2) * ranks * max(c.param_bytes for c in costs)
+    return (prefetch + 2) * max(ranks * c.gathered_bytes + c.expert_bytes for c in costs)
 
 
 def minimum_device_bytes(costs: list[StageCost], budgets: Budgets, passes: int = 1, ranks: int = 1) -> int:

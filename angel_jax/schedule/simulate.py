@@ -32,7 +32,8 @@ Rules (those of execute.py and optim/updater.py):
   A `collective` stream (serial, in the order the executor issues its work) carries, before every stage access
   (forward and backward, every pass; the head's one), an all-gather of the stage's parameters, and after every
   backward (and the head) a reduce-scatter of its gradients. With the ring algorithm each moves (ranks - 1) x the
-  shard's bytes through each rank's link: (ranks - 1) x param_bytes / link seconds. The gather of access k is
+  shard's bytes through each rank's link: (ranks - 1) x param_bytes / link seconds (a rank's own experts,
+  `StageCost.expert_bytes`, are neither gathered nor scattered; the expert all-to-alls lengthen the stage calls). The gather of access k is
   issued with the fetch of its shard (once access k - prefetch has started computing) and starts once the shard is
   on the device (a streamed stage: after its fetch; a resident one: after its update); access k computes once its
   gather is done. A reduce-scatter is issued when its backward ends, so the gathers issued before that (those of
@@ -84,6 +85,19 @@ class StageCost:
     host_add_s: float = 0.0
     """Seconds of one float32 add of the stage's gradient pages on the host: with several accumulation passes,
     each pass after the first adds its gradients into the stage's sum there (streamed stages)."""
+    expert_bytes: int = 0
+    """Of `param_bytes`, those of the rank's own experts (expert parallelism): they stay on the rank, neither
+    gathered nor reduce-scattered."""
+    exchange_bytes: float = 0.0
+    """Bytes of the expert all-to-alls of one forward call (a micro-batch) on one rank: the tokens' slots of every
+    expert out and their outputs back, of which a rank sends (ranks - 1) / ranks. They wait on the call's own
+    routing, so they sit inside the call: (ranks - 1) / ranks x this / link seconds per forward, twice per
+    backward (the recomputed forward's, and their transposes)."""
+
+    @property
+    def gathered_bytes(self) -> int:
+        """Parameter bytes of the stage's shard that the collectives gather and reduce-scatter."""
+        return self.param_bytes - self.expert_bytes
 
 
 @dataclass(frozen=True)
@@ -147,7 +161,8 @@ def simulate(costs: list[StageCost], bw: Bandwidths, home: tuple[str, ...], opt_
     calls = micro_batches // passes  # stage calls per access
     order = list(range(n))
     collective = ranks > 1 and bw.link > 0
-    ring_s = [(ranks - 1) * c.param_bytes / bw.link if collective else 0.0 for c in costs]  # gather or scatter
+    ring_s = [(ranks - 1) * c.gathered_bytes / bw.link if collective else 0.0 for c in costs]  # gather or scatter
+    exchange_s = [(ranks - 1) / ranks * c.exchange_bytes / bw.link if collective else 0.0 for c in costs]
     # Bytes staged from disk around each update: what is read before the backward (state) and after it (grads).
     state_read = [c.param_bytes * (h == "disk") + c.opt_bytes * (o == "disk") for c, h, o in zip(costs, home, opt_home)]
     grad_read = [c.param_bytes * (g == "disk") for c, g in zip(costs, grad_home)]
@@ -201,7 +216,8 @@ def simulate(costs: list[StageCost], bw: Bandwidths, home: tuple[str, ...], opt_
             if j not in read_done:
                 read(j, reads_from, state_read[j])
         for k, (op, i) in enumerate(seq):
-            dur = calls * (costs[i].forward_s if op == "forward" else costs[i].backward_s)
+            dur = calls * (costs[i].forward_s + exchange_s[i] if op == "forward"
+                           else costs[i].backward_s + 2 * exchange_s[i])
             ready = updated[i]
             cause = update_cause[i] if home[i] != "device" else "compute"
             if k % per_pass == 0:  # a new pass fetches every streamed stage again

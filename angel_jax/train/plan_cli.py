@@ -31,7 +31,8 @@ from angel_jax.errors import AngelError
 from angel_jax.memory.bench_io import default_calibration_path
 from angel_jax.train.plan_args import add_plan_arguments
 from angel_jax.schedule.engine import (Blueprint, blueprint, device_budget, fit_micro_batch, fixed_device_bytes,
-                                       make_store, micro_batching, plan_for, saved_input_bytes)
+                                       make_store, micro_batching, plan_for, refuse_sharded_optimizer,
+                                       saved_input_bytes)
 from angel_jax.memory.layout import StageLayout
 from angel_jax.schedule.plan import Bandwidths, Budgets, Plan, PlanError, StageCost, load_bandwidths, make_plan
 from angel_jax.units import human_bytes
@@ -45,12 +46,12 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def shard_bytes(stage: StageLayout, ranks: int) -> int:
+def shard_bytes(stage: StageLayout, ranks: int, apart: bool | None = None) -> int:
     """Bytes of one rank's shard of a stage's pages partitioned over `ranks`: every page split into `ranks` equal
     slices, its length rounded up to a multiple of `ranks` elements (at most ranks - 1 elements of padding per
     page), so every rank holds the same bytes and a rank's shards add up to 1/ranks of the stage and a little
-    more."""
-    return sum(-(-p.length // ranks) * p.dtype.itemsize for p in stage.pages)
+    more. `apart`: only the pages set apart (True: expert weights) or only the others (False)."""
+    return sum(-(-p.length // ranks) * p.dtype.itemsize for p in stage.pages if apart is None or p.apart == apart)
 
 
 def local_batch(cfg: Config, ranks: int) -> int:
@@ -97,13 +98,19 @@ def estimate_costs(cfg: Config, bp: Blueprint, peak_flops: float, device_bw: flo
             fwd = 2 * tokens * weights
         else:
             fwd = tokens * m.d_model  # an embedding lookup
-        p_bytes = shard_bytes(bp.params_layout.stage(stage.name), ranks)
+        layout = bp.params_layout.stage(stage.name)
+        p_bytes = shard_bytes(layout, ranks)
         o_bytes = shard_bytes(bp.opt_layout.stage(stage.name), ranks)
         touched = 3 * p_bytes + 2 * o_bytes
         fwd_s = fwd / peak_flops
+        experts = ranks > 1 and layout.apart_splits(ranks)
+        exchange = rows * bp.staged.exchange_values_per_row.get(stage.kind, 0.0) * np.dtype(m.compute_dtype).itemsize
         costs.append(StageCost(stage.name, p_bytes, o_bytes, 0.0 if stage.kind == "head" else fwd_s, 3 * fwd_s,
-                               touched / device_bw, touched / host_bw, host_add_s=3 * p_bytes / host_bw))
+                               touched / device_bw, touched / host_bw, host_add_s=3 * p_bytes / host_bw,
+                               expert_bytes=shard_bytes(layout, ranks, apart=True) if experts else 0,
+                               exchange_bytes=exchange if experts else 0.0))
     return costs
+
 
 
 def target_bandwidths(args: argparse.Namespace) -> tuple[Bandwidths, float, float]:
@@ -144,6 +151,8 @@ def _estimated_plan(cfg: Config, bp: Blueprint, args: argparse.Namespace
     peak = Peak(args.peak_tflops * 1e12, "--peak-tflops") if args.peak_tflops else device_peak(device)
     bw, device_bw, host_bw = target_bandwidths(args)
     ranks = target_ranks(cfg, args)
+    if ranks > 1:
+        refuse_sharded_optimizer(cfg)
     if ranks > 1 and not bw.link:
         raise AngelError(f"a plan of {ranks} data-parallel ranks (--devices) needs the bandwidth of their "
                          "collectives: give --link-gbps (GB/s each rank sends; e.g. NVLink ~150-300 per GPU within "

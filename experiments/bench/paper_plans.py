@@ -8,8 +8,10 @@ on each command line.
   gradients and Adam moments, bf16 compute) at the paper's global batch of 1536 x 2048 tokens, each rank with
   device 80e9 B, host 1e12 B and a disk tier of its own; and gpt_13b at the same 256 x 2048 tokens and
   budgets as on one GPU, to show every rank's bytes shrink by 8; and a T5-MoE of 1.17 T parameters
-  (experiments/t5_moe_1t.yaml) on 64 such GPUs, InfiniBand, global batch 1024 x 568 tokens (refused: an MoE
-  stage of 384 experts, 48 B parameters, is gathered whole on one device). Collective links: NVLink, 150 GB/s
+  (experiments/t5_moe_1t.yaml) on 64 and on 128 such GPUs, InfiniBand, global batch 1024 x 568 tokens, with
+  expert parallelism: each rank holds 384 / N whole experts of every MoE layer (never gathered; tokens reach them
+  through all-to-alls, timed inside the stage calls) and 1/N of everything else (ZeRO-3). AdamW in place of the
+  config's Adafactor: sharded pages need an elementwise optimizer. Collective links: NVLink, 150 GB/s
   per GPU each way (8 GPUs in one server; an H100/H200 SXM's NVLink 4 is 450 GB/s each way, of which a ring
   all-gather reaches a part), or InfiniBand, 25 GB/s per GPU (one 200 Gb/s HDR port per GPU, 8 servers).
 
@@ -72,10 +74,12 @@ MULTI = {
     "gpt3_175b_8x80g_infiniband": MultiDevice("experiments/gpt3_175b.yaml", (), "conservative", tuple(RANK_1TB), 8,
                                               "infiniband"),
     # The T5-MoE of 1.17 T parameters (experiments/t5_moe_1t.yaml) on 64 GPUs (8 servers of 8, InfiniBand
-    # between them), each rank with device 80e9 B, host 1e12 B and a disk tier: 64 TB of host memory in all
-    # for the fp32 parameters, gradients and Adafactor state (about 9.4 TB).
-    "t5_moe_1t_64x80g_infiniband": MultiDevice("experiments/t5_moe_1t.yaml", (), "conservative", tuple(RANK_1TB), 64,
-                                               "infiniband"),
+    # between them) and on 128 (16 servers), each rank with device 80e9 B, host 1e12 B and a disk tier, 6 or 3
+    # experts of each MoE layer its own: the fp32 parameters, gradients and AdamW moments are 18.7 TB in all.
+    "t5_moe_1t_64x80g_infiniband": MultiDevice("experiments/t5_moe_1t.yaml", ("optimizer.name=adamw",),
+                                               "conservative", tuple(RANK_1TB), 64, "infiniband"),
+    "t5_moe_1t_128x80g_infiniband": MultiDevice("experiments/t5_moe_1t.yaml", ("optimizer.name=adamw",),
+                                                "conservative", tuple(RANK_1TB), 128, "infiniband"),
     # gpt_13b_conservative (below) on 8 GPUs: the same global batch, links and budgets per GPU.
     "gpt_13b_8x80g_nvlink_conservative": MultiDevice("experiments/gpt_13b.yaml", (), "conservative", tuple(BUDGETS),
                                                      8, "nvlink"),
