@@ -24,6 +24,7 @@ from dataclasses import dataclass
 import jax
 import jax.numpy as jnp
 from flax import nnx
+from jax.sharding import PartitionSpec as P
 
 from angel_jax.config import ModelConfig
 from models import parallel
@@ -123,31 +124,46 @@ class MoE(nnx.Module):
         routing = route(self.router(x.astype(jnp.float32)), self.top_k,
                         capacity(x.shape[1], self.experts, self.top_k, self.capacity_factor))
         expert_in = jnp.einsum("btec,btd->becd", routing.dispatch.astype(cdt), x.astype(cdt))  # [B, E, C, d]
-        axis, held = parallel.expert_axis(), (self.gate if self.gated else self.w_in).shape[0]
-        if axis is not None and held < self.experts:
-            # Expert parallelism (models/parallel.py): this device holds experts [r x held, (r + 1) x held) of
-            # the E, device r of the axis. Each device's slots of expert e go to the device holding e, whose
-            # experts then run on every device's tokens; the outputs go back the same way. [B, E, C, d] ->
-            # [N x B, E/N, C, d] (rows of device 0 first) -> the experts -> [B, E, C, d].
-            expert_in = jax.lax.all_to_all(expert_in, axis, split_axis=1, concat_axis=0, tiled=True)
-            out = jax.lax.all_to_all(self._experts(expert_in), axis, split_axis=0, concat_axis=1, tiled=True)
+        axis, mesh, weights = parallel.expert_axis(), parallel.expert_mesh(), self._weights()
+        split = dict(mesh.shape).get(axis, 1) if mesh is not None else 1  # devices the experts split over
+        if axis is not None and mesh is not None and split > 1 and self.experts % split == 0:
+            # A whole-program jit over `mesh` (the in-memory engine): the exchange mapped over it, each device with
+            # its rows of the batch and its E/N experts (the weights laid out so, train/sharding.py).
+            rows, own = P(tuple(mesh.axis_names)), P(axis)
+            out = jax.shard_map(lambda x, *w: self._exchanged(axis, x, w), mesh=mesh,
+                                in_specs=(rows,) + (own,) * len(weights), out_specs=rows)(expert_in, *weights)
+        elif axis is not None and mesh is None and weights[0].shape[0] < self.experts:
+            out = self._exchanged(axis, expert_in, weights)  # already mapped: these weights are E/N experts
         else:
-            out = self._experts(expert_in)
+            out = self._experts(expert_in, weights)
         # Combined in float32: the gates weigh the experts' outputs at full precision.
         y = jnp.einsum("btec,becd->btd", routing.combine, out.astype(jnp.float32)).astype(cdt)
         aux = self.aux_loss_coef * routing.balance + self.z_loss_coef * routing.z_loss
         return y, MoEFigures(aux, routing.drop_rate)
 
-    def _experts(self, expert_in: jax.Array) -> jax.Array:
-        """[B, E', C, d] -> [B, E', C, d]: expert e of the weights held on the slots of expert e."""
+    def _weights(self) -> tuple[jax.Array, ...]:
+        return (self.gate[...], self.up[...], self.down[...]) if self.gated else (self.w_in[...], self.w_out[...])
+
+    def _exchanged(self, axis: str, expert_in: jax.Array, weights: tuple[jax.Array, ...]) -> jax.Array:
+        """Expert parallelism, on one device of the axis `axis` (inside a mapped function): this device holds
+        experts [r x E/N, (r + 1) x E/N) of the E, device r of the axis. Each device's slots of expert e go to the
+        device holding e, whose experts then run on every device's tokens; the outputs go back the same way.
+        [B, E, C, d] -> [N x B, E/N, C, d] (rows of device 0 first) -> the experts -> [B, E, C, d]."""
+        expert_in = jax.lax.all_to_all(expert_in, axis, split_axis=1, concat_axis=0, tiled=True)
+        return jax.lax.all_to_all(self._experts(expert_in, weights), axis, split_axis=0, concat_axis=1, tiled=True)
+
+    def _experts(self, expert_in: jax.Array, weights: tuple[jax.Array, ...]) -> jax.Array:
+        """[B, E', C, d] -> [B, E', C, d]: expert e of `weights` (the E' experts held) on the slots of expert e."""
         cdt = self.compute_dtype
         if self.gated:
-            gate = jnp.einsum("becd,edh->bech", expert_in, self.gate[...].astype(cdt))
-            up = jnp.einsum("becd,edh->bech", expert_in, self.up[...].astype(cdt))
+            gate_w, up_w, down_w = (w.astype(cdt) for w in weights)
+            gate = jnp.einsum("becd,edh->bech", expert_in, gate_w)
+            up = jnp.einsum("becd,edh->bech", expert_in, up_w)
             act = jax.nn.gelu(gate) if self.gate_gelu else jax.nn.silu(gate)
-            return jnp.einsum("bech,ehd->becd", act * up, self.down[...].astype(cdt))
-        hidden = jax.nn.gelu(jnp.einsum("becd,edh->bech", expert_in, self.w_in[...].astype(cdt)))
-        return jnp.einsum("bech,ehd->becd", hidden, self.w_out[...].astype(cdt))
+            return jnp.einsum("bech,ehd->becd", act * up, down_w)
+        w_in, w_out = (w.astype(cdt) for w in weights)
+        hidden = jax.nn.gelu(jnp.einsum("becd,edh->bech", expert_in, w_in))
+        return jnp.einsum("bech,ehd->becd", hidden, w_out)
 
 
 def exchange_values(cfg: ModelConfig, tokens: int) -> int:

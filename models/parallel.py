@@ -4,32 +4,44 @@
         y = stage(params, x)           # an MoE layer given E/N of its experts exchanges tokens over "fsdp"
 
 Today that is one thing: the mesh axis a mixture of experts' experts are split over (expert parallelism). The
-engine that shards the experts (angel_jax/schedule/zero.py) enters it while it traces its stage functions; a layer
-that finds fewer experts in its weights than it routes to knows each device holds an even share of them, in axis
-order, and sends the tokens routed to the others there with `jax.lax.all_to_all` (models/moe.py). Outside the
-context, or with every expert in its weights, a layer computes alone.
+engines that shard the experts enter it while they trace: the sharded paged engine's stage functions, already
+mapped over the devices (angel_jax/schedule/zero.py), where a layer that finds fewer experts in its weights than it
+routes to knows each device holds an even share of them, in axis order; and the in-memory engine's step, a
+whole-program jit over a mesh (angel_jax/train/engines.py), where the layer maps its exchange over the mesh
+itself. Either way the tokens routed to other devices' experts go there and back with `jax.lax.all_to_all`
+(models/moe.py). Outside the context, or with every expert in its weights, a layer computes alone.
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Iterator
+from typing import Any, Iterator
 
-_EXPERT_AXIS: contextvars.ContextVar[str | None] = contextvars.ContextVar("expert_axis", default=None)
+_EXPERTS: contextvars.ContextVar[tuple[str, Any] | None] = contextvars.ContextVar("experts", default=None)
 
 
 @contextlib.contextmanager
-def experts_over(axis: str) -> Iterator[None]:
-    """While tracing inside it, MoE layers whose weights hold a share of their experts exchange tokens over the
-    mesh axis `axis`."""
-    token = _EXPERT_AXIS.set(axis)
+def experts_over(axis: str, mesh: Any = None) -> Iterator[None]:
+    """While tracing inside it, MoE layers split their experts over the mesh axis `axis`. Without `mesh` the code
+    traced is already mapped over the devices (inside `shard_map`) and a layer whose weights hold a share of its
+    experts exchanges tokens over `axis`. With `mesh` (a `jax.sharding.Mesh`) the code traced is a whole-program
+    jit over that mesh (XLA's partitioner lays it out) and a layer whose experts divide evenly over `axis` maps
+    its exchange over the mesh itself, rows of the batch over every axis, its experts over `axis`."""
+    token = _EXPERTS.set((axis, mesh))
     try:
         yield
     finally:
-        _EXPERT_AXIS.reset(token)
+        _EXPERTS.reset(token)
 
 
 def expert_axis() -> str | None:
     """The mesh axis experts are split over here, or None."""
-    return _EXPERT_AXIS.get()
+    found = _EXPERTS.get()
+    return found[0] if found else None
+
+
+def expert_mesh() -> Any:
+    """The mesh of a whole-program jit whose MoE layers split their experts (`experts_over(axis, mesh)`), or None."""
+    found = _EXPERTS.get()
+    return found[1] if found else None

@@ -24,6 +24,7 @@ import jax  # noqa: E402
 
 from angel_jax.config import MeshConfig  # noqa: E402
 from angel_jax.train.engines import InMemoryEngine, build_engine  # noqa: E402
+from angel_jax.train.step import StepControls  # noqa: E402
 from angel_jax.train.sharding import device_bytes, make_mesh  # noqa: E402
 from test_paged import batches as make_batches  # noqa: E402
 from test_zero import BATCH, MOE_MODEL, MOE_STEPS, RANKS, cfg, data, moe_cfg, paged, tier_bytes  # noqa: E402
@@ -37,10 +38,20 @@ def run(engine, batches: list, keys: tuple[str, ...] = ("loss", "grad_norm")) ->
 
 
 def experts(one, mesh) -> dict:
-    """The MoE model on one device and with its experts sharded over the ranks (2 each, expert parallelism)."""
+    """The MoE model on one device and with its experts split over the ranks (2 each, expert parallelism): in the
+    in-memory engine and in the paged one."""
     batches, keys = make_batches(MOE_STEPS, MOE_MODEL, BATCH), ("loss", "grad_norm", "moe/aux_loss", "moe/drop_rate")
     engine = InMemoryEngine(moe_cfg(), one)
     out = {"reference": run(engine, batches, keys)}
+    engine.close()
+    engine = InMemoryEngine(moe_cfg(), mesh)  # the in-memory engine's expert parallelism
+    out["expert_shards"] = sorted({str(a.addressable_shards[0].data.shape) for path, a in
+                                   jax.tree_util.tree_leaves_with_path(engine.state.params)
+                                   if jax.tree_util.keystr(path).endswith("['w_in']")})
+    out["in_memory"] = run(engine, batches, keys)
+    step = engine._judge.lower(engine.state, jax.device_put(batches[0], engine.batch_sharding),
+                               StepControls().as_numpy()).as_text()
+    out["in_memory_all_to_alls"] = step.count("all_to_all")  # the tokens go to the experts
     engine.close()
     engine = build_engine(moe_cfg(paged=True), mesh)
     try:

@@ -165,7 +165,7 @@ def budgets_for(cfg: Config, device: jax.Device, local_batch: int, zero: Zero | 
     dev = cfg.memory.device_budget * n if cfg.memory.device_budget else device_free_bytes(device) * (1 if shared else n)
     host = cfg.memory.host_budget * n if cfg.memory.host_budget else host_budget(cfg, None) - (dev if shared else 0)
     disk = (cfg.memory.disk_budget * n if cfg.memory.disk_budget else disk_budget(cfg)) if cfg.memory.disk_dir else 0
-    gathered = 2 * max(gathered_bytes(s, n) for s in params_layout(cfg).stages)
+    gathered = n * 2 * max(gathered_bytes(s, n) for s in params_layout(cfg).stages)  # each rank holds its own
     return Budgets(device=dev, host=max(0, host), disk=disk,
                    fixed_device=fixed_device_bytes(cfg, local_batch) + gathered,
                    saved_device=saved_input_bytes(cfg, local_batch))

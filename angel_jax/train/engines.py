@@ -19,9 +19,10 @@ Two implementations, no `if paged` branches in the loop:
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
-from typing import Any, Mapping
+from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -34,10 +35,11 @@ from angel_jax.errors import AngelError
 from angel_jax.optim import split_optimizer
 from angel_jax.train.paged import PagedTrainEngine
 from angel_jax.train.protocol import StateMismatch, TrainEngine, check_arrays, named_leaves, path_name  # noqa: F401
-from angel_jax.train.sharding import batch_sharding, device_bytes, fsdp_size, state_shardings, whole
+from angel_jax.train.sharding import FSDP, batch_sharding, device_bytes, fsdp_size, state_shardings, whole
 from angel_jax.train.step import StepControls, TrainState, init_state, make_micro_loss_fn, make_step_phases
 from angel_jax.units import device_free_bytes, human_bytes
 import models
+from models.parallel import experts_over
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +73,8 @@ class InMemoryEngine:
         opt = split_optimizer(cfg.optimizer, cfg.train.steps)
         model = models.get(cfg.model)
         graphdef, abstract = model.abstract()
-        self.shardings: TrainState = state_shardings(jax.eval_shape(lambda p: init_state(p, opt.tx), abstract), mesh)
+        self.shardings: TrainState = state_shardings(jax.eval_shape(lambda p: init_state(p, opt.tx), abstract), mesh,
+                                                     model.expert_leaf)
         # Created directly with their final shardings: no host copy of the initial parameters, no device holding
         # more than its shard. The parameters first, then the optimizer state from them: one jitted function
         # making both would hold the parameter initialisers' temporaries next to the whole optimizer state.
@@ -91,7 +94,9 @@ class InMemoryEngine:
         phases = make_step_phases(graphdef, opt, model.loss, micro_batches, mesh.devices.size,
                                   lambda tree: jax.lax.with_sharding_constraint(tree, by_rank), model.figures)
         # The clipped gradients come out laid out like the parameters, the new state like the old one.
-        self._judge = jax.jit(phases.judge, out_shardings=(self.shardings.params, self.replicated, self.replicated))
+        traced = _experts_split(mesh) if model.expert_leaf and fsdp_size(mesh) > 1 else (lambda fn: fn)
+        self._judge = jax.jit(traced(phases.judge),
+                              out_shardings=(self.shardings.params, self.replicated, self.replicated))
         self._apply_fn = phases.apply
         self._apply = jax.jit(phases.apply, out_shardings=self.shardings, donate_argnums=0)
         self._keeping: list[StateSnapshot] = []  # held snapshots not yet released: no donation while any is
@@ -102,7 +107,8 @@ class InMemoryEngine:
         self._keep_compile: threading.Thread | None = None
         # Reads the parameters and donates nothing: the state a held snapshot keeps stays valid. By micro-batches
         # as a step: the activations a step holds are those of one micro-batch.
-        self._eval = jax.jit(make_micro_loss_fn(graphdef, model.loss, micro_batches), out_shardings=self.replicated)
+        self._eval = jax.jit(traced(make_micro_loss_fn(graphdef, model.loss, micro_batches)),
+                             out_shardings=self.replicated)
 
     def step(self, batch: jax.Array, controls: StepControls | None = None) -> dict[str, jax.Array]:
         # numpy scalars: jit treats host values as replicated inputs, in multi-process runs too.
@@ -188,6 +194,20 @@ class InMemoryEngine:
     def close(self) -> None:
         if self._keep_compile is not None:
             self._keep_compile.join()
+
+
+def _experts_split(mesh: jax.sharding.Mesh) -> Callable[[Callable], Callable]:
+    """A model function traced with its MoE layers' experts split over the mesh's 'fsdp' axis (expert parallelism:
+    models/parallel.py), as `state_shardings` lays the expert weights out."""
+    def wrap(fn: Callable) -> Callable:
+        @functools.wraps(fn)
+        def traced(*args: Any) -> Any:
+            with experts_over(FSDP, mesh):
+                return fn(*args)
+
+        return traced
+
+    return wrap
 
 
 def _place(host: np.ndarray, sharding: NamedSharding) -> jax.Array:

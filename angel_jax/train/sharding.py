@@ -8,6 +8,10 @@ Why a per-leaf rule and nothing else: once every parameter and optimizer-state l
 its gradient; the step's code is the replicated one. Each device then holds 1/fsdp of the state (plus the leaves
 too small to split), each 'data' group of fsdp devices one whole copy of it.
 
+Expert parallelism: a mixture of experts' stacked expert weights are split by whole experts instead
+(`expert_spec`), and the engine traces its step inside `models.parallel.experts_over`, so each MoE layer sends
+its tokens to the devices holding their experts with all-to-alls rather than gathering the experts.
+
 The rule (`fsdp_spec`) shards a leaf's largest dimension that the fsdp size divides and replicates the rest
 (scalars such as the step and Adam's count, and leaves no dimension of which divides). It depends on shapes
 only, so the parameters and their optimizer moments, which have the same shapes, are laid out alike. With an
@@ -16,7 +20,7 @@ fsdp size of 1 (or a mesh without an 'fsdp' axis) every leaf is replicated: the 
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
@@ -49,10 +53,28 @@ def fsdp_spec(shape: Sequence[int], fsdp: int) -> P:
     return P()
 
 
-def state_shardings(tree: Any, mesh: Mesh) -> Any:
-    """One NamedSharding per leaf of `tree` (arrays or ShapeDtypeStructs), by `fsdp_spec`."""
+def state_shardings(tree: Any, mesh: Mesh, expert_leaf: Callable[[str], bool] | None = None) -> Any:
+    """One NamedSharding per leaf of `tree` (arrays or ShapeDtypeStructs), by `fsdp_spec`; `expert_leaf` (a
+    model's `StagedModel.expert_leaf`, given a leaf's path): stacked expert weights and their optimizer moments
+    whose experts divide evenly over 'fsdp' are split by expert instead (`expert_spec`)."""
     fsdp = fsdp_size(mesh)
-    return jax.tree.map(lambda a: NamedSharding(mesh, fsdp_spec(a.shape, fsdp)), tree)
+
+    def spec(path: Any, a: Any) -> NamedSharding:
+        if expert_leaf and expert_leaf(jax.tree_util.keystr(path)) and expert_spec(a.shape, fsdp) is not None:
+            return NamedSharding(mesh, expert_spec(a.shape, fsdp))
+        return NamedSharding(mesh, fsdp_spec(a.shape, fsdp))
+
+    return jax.tree_util.tree_map_with_path(spec, tree)
+
+
+def expert_spec(shape: Sequence[int], fsdp: int) -> P | None:
+    """Expert parallelism: a stacked expert weight [E, d_in, d_out] (with the model's blocks stacked in front:
+    [L, E, d_in, d_out]) split by whole experts over 'fsdp' (E/fsdp on each device, which computes with them; the
+    tokens come to them, models/moe.py), or None when fsdp is 1 or does not divide E."""
+    axis = len(shape) - 3
+    if fsdp > 1 and axis >= 0 and shape[axis] % fsdp == 0:
+        return P(*(FSDP if d == axis else None for d in range(len(shape))))
+    return None
 
 
 def batch_sharding(mesh: Mesh) -> NamedSharding:
