@@ -9,9 +9,11 @@ tiers (measured from the live shards of the arrays the tiers hold)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import sys
+import tempfile
 
 # (Without LLVM's optimisations the programs compile in about half the time; every comparison here is between runs
 # compiled alike.)
@@ -27,7 +29,7 @@ from angel_jax.train.engines import InMemoryEngine, build_engine  # noqa: E402
 from angel_jax.train.step import StepControls  # noqa: E402
 from angel_jax.train.sharding import device_bytes, make_mesh  # noqa: E402
 from test_paged import batches as make_batches  # noqa: E402
-from test_zero import BATCH, MOE_MODEL, MOE_STEPS, RANKS, cfg, data, moe_cfg, paged, tier_bytes  # noqa: E402
+from test_zero import BATCH, DISK_STEPS, MOE_MODEL, MOE_STEPS, RANKS, cfg, data, moe_cfg, paged, tier_bytes  # noqa: E402
 
 
 def run(engine, batches: list, keys: tuple[str, ...] = ("loss", "grad_norm")) -> dict[str, list[float]]:
@@ -83,7 +85,24 @@ def main() -> None:
         out["report"] = engine.memory_report()
     finally:
         engine.close()
+    out["disk"] = on_disk(mesh, batches[:DISK_STEPS])
     print(json.dumps(out), flush=True)
+
+
+def on_disk(mesh, batches: list) -> dict:
+    """The same sharded pages with every page family of every stage homed on the disk tier (a host budget of the
+    host window's minimum; the stage functions are the run's above, compiled once)."""
+    with tempfile.TemporaryDirectory() as disk:
+        base = paged()
+        engine = build_engine(dataclasses.replace(base, memory=dataclasses.replace(
+            base.memory, disk_dir=disk, host_budget=520_000)), mesh)
+        try:
+            plan = engine.built.plan
+            homes = {"params": plan.home.count("disk"), "gradients": plan.grad_home.count("disk"),
+                     "optimizer": plan.opt_home.count("disk")}
+            return {"homes": homes, "stages": len(plan.home), "losses": run(engine, batches)["loss"]}
+        finally:
+            engine.close()
 
 
 if __name__ == "__main__":

@@ -313,12 +313,12 @@ def _blueprint(cfg: Config, zero: Zero | None = None) -> Blueprint:
     stage_params = _stage_shapes(staged)
     tx, schedule = make_optimizer(cfg.optimizer, cfg.train.steps, clip=False)
     names = [s.name for s in staged.stages]
-    if zero is not None and cfg.memory.disk_dir:
-        # Ran (families of 16 of 26 stages on disk, the losses of one device), but an update once found a disk-homed
-        # page's staged host copy already deleted: a race between the store's disk landings and the updates
-        # dispatched on the training thread that is not understood yet.
-        raise ConfigError("'memory.disk_dir': with pages sharded over several devices the disk tier is not "
-                          "supported yet; give the pages device and host room instead (memory.host_budget)")
+    if zero is not None and cfg.memory.disk_dir and jax.process_count() > 1:
+        # The disk tier writes and reads whole global pages; across processes a page's shards are not all
+        # addressable in any one process, and per-process shard files are not built.
+        raise ConfigError("'memory.disk_dir': with pages sharded over several processes the disk tier is not "
+                          "supported yet (it is over several devices of one process); give the pages device and "
+                          "host room instead (memory.host_budget)")
     if zero is not None and cfg.memory.staleness:
         raise ConfigError("'memory.staleness': lock-free updates (1) need pages on one device; with pages sharded "
                           "over several devices updates are exact (0)")
