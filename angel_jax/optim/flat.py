@@ -9,17 +9,17 @@ the result does not depend on how the elements are grouped into leaves, so the u
 *segments* instead: runs of elements that are contiguous in every page family at once (parameters, gradients and
 each moment), cut where any family's page ends. With pages as large as the stage there is one segment per page.
 
-    plan = FlatPlan.build(tx, params_rep, opt_rep, layout)   # None: the layouts do not allow it
-    update = make_flat_update(plan, tx, grad_clip, reduce)    # the signature and results of make_stage_update
+    plan = FlatPlan.build(tx, params_rep, opt_rep, layout.paged)  # None: the layouts do not allow it
+    update = make_flat_update(plan, tx, grad_clip, reduce)         # make_stage_update's arguments and results
 
 It applies the same optax transformation to the segments, so its arithmetic is optax's: the leaf-wise update's
 results element for element, up to the last bit XLA may round differently in differently fused loops (the tests
 check 1e-6; a dropped update leaves every page bit for bit). Element-wise means no per-leaf choices either: a
-weight-decay mask by leaf would be lost (the optimizers `make_optimizer` builds have none). What it needs from the layouts, checked by `build`:
-the stage's parameters are one floating dtype laid end to end from the first page's start (no zero-size or
-scalar leaves), and the optax state's paged leaves are whole mirrors of the parameters (Adam's mu, nu), in the
-parameters' order, each family end to end in the optimizer pages, all of one dtype. Page padding stays zero.
-Everything here is pure.
+weight-decay mask by leaf would be lost (the optimizers `make_optimizer` builds have none). What it needs from
+the layouts, checked by `build`: the stage's parameters are one floating dtype laid end to end from the first
+page's start (no zero-size or scalar leaves), and the optax state's paged leaves are whole mirrors of the
+parameters (Adam's mu, nu), in the parameters' order, each family end to end in the optimizer pages, all of one
+dtype. Page padding stays zero. Everything here is pure.
 """
 
 from __future__ import annotations
