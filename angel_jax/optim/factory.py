@@ -54,6 +54,13 @@ def make_optimizer(cfg: OptimizerConfig, total_steps: int, *,
     return core, lr
 
 
+def is_elementwise(cfg: OptimizerConfig) -> bool:
+    """Whether `make_optimizer(cfg)` updates every parameter element from that element alone (its gradient, its
+    state, the step), never from a leaf's shape or its other elements: every optimizer here but Adafactor, which
+    factors its second moment by rows and columns. Such an update may run on flat pages (optim/flat.py)."""
+    return cfg.name != "adafactor"
+
+
 @dataclass(frozen=True)
 class SplitOptimizer:
     """`make_optimizer`'s transformation taken apart at the clipping, for a step that clips with a gradient norm

@@ -25,6 +25,7 @@ import optax
 
 from angel_jax.memory.layout import StageLayout
 from angel_jax.optim.factory import clip_with_norm
+from angel_jax.optim.flat import FlatPlan, make_flat_update
 
 Pages = tuple
 
@@ -87,8 +88,8 @@ def global_norm(sqsums: list[jax.Array]) -> jax.Array:
 
 
 def make_stage_update(tx: optax.GradientTransformation, params_rep: StageLayout, opt_rep: StageLayout,
-                      layout: OptLayout, grad_clip: float, reduce: Callable[[jax.Array], jax.Array] | None = None
-                      ) -> Callable:
+                      layout: OptLayout, grad_clip: float, reduce: Callable[[jax.Array], jax.Array] | None = None,
+                      elementwise: bool = False) -> Callable:
     """The update of one stage over pages (pure; jit it):
 
         update(param_pages, grad_pages, opt_pages, opt_small, norm, ok, lr_scale)
@@ -100,7 +101,11 @@ def make_stage_update(tx: optax.GradientTransformation, params_rep: StageLayout,
     The sum of squares is that of the computed update either way (what the update norm reports).
     `params_rep`/`opt_rep` may be any stage of the same kind: only page shapes and offsets relative to the
     stage's first page are used. `reduce`: how the update's sum of squares becomes the stage's (ZeRO-3: the pages
-    are a rank's shard, the sum is taken over the ranks, schedule/zero.py), before it decides `applied`."""
+    are a rank's shard, the sum is taken over the ranks, schedule/zero.py), before it decides `applied`.
+    `elementwise`: `tx` treats every element alike (not Adafactor, `factory.is_elementwise`): the update then runs
+    on flat segments of the pages where the layouts allow it (flat.py: a few times fewer bytes moved on the CPU)."""
+    if elementwise and (plan := FlatPlan.build(tx, params_rep, opt_rep, layout.paged)) is not None:
+        return make_flat_update(plan, tx, grad_clip, reduce)
 
     def update(param_pages: Pages, grad_pages: Pages, opt_pages: Pages, opt_small: list, norm: jax.Array,
                ok: jax.Array, lr_scale: jax.Array) -> tuple:
@@ -122,11 +127,11 @@ def make_stage_update(tx: optax.GradientTransformation, params_rep: StageLayout,
 
 
 def make_stage_update_norm(tx: optax.GradientTransformation, params_rep: StageLayout, opt_rep: StageLayout,
-                           layout: OptLayout, grad_clip: float, reduce: Callable[[jax.Array], jax.Array] | None = None
-                           ) -> Callable:
+                           layout: OptLayout, grad_clip: float, reduce: Callable[[jax.Array], jax.Array] | None = None,
+                           elementwise: bool = False) -> Callable:
     """Only the sum of squares of the stage's update, nothing written: the first pass when the step's update may
     be dropped for its global norm (`max_update_norm`), which is known only once every stage's update is."""
-    full = make_stage_update(tx, params_rep, opt_rep, layout, grad_clip, reduce)
+    full = make_stage_update(tx, params_rep, opt_rep, layout, grad_clip, reduce, elementwise)
 
     def update_sq(param_pages: Pages, grad_pages: Pages, opt_pages: Pages, opt_small: list, norm: jax.Array,
                   lr_scale: jax.Array) -> jax.Array:

@@ -55,9 +55,10 @@ class StageFunctions:
 
     def __init__(self, staged: StagedModel, params_layout: PageLayout, opt_layout: PageLayout,
                  opt_structure: dict[str, OptLayout], tx: optax.GradientTransformation, grad_clip: float,
-                 zero: Zero | None = None):
+                 zero: Zero | None = None, elementwise: bool = False):
         """`zero`: the layouts are `ShardedPageLayout`s over its mesh (ZeRO-3, schedule/zero.py): the stage
-        functions gather and reduce-scatter the pages across the ranks, the updates run on each rank's shards."""
+        functions gather and reduce-scatter the pages across the ranks, the updates run on each rank's shards.
+        `elementwise`: `tx` is element-wise (`optim.is_elementwise`): its updates may run on flat pages."""
         self.staged = staged
         kinds = staged.kinds()
         rep: dict[str, StageLayout] = {k: params_layout.stage(staged.stages[idx[0]].name) for k, idx in kinds.items()}
@@ -127,11 +128,12 @@ class StageFunctions:
                 self.backward[kind] = jit(bwd, "backward")
             args = (tx, update_rep[kind], update_opt_rep[kind], self.opt_structure[kind], grad_clip)
             if zero is None:
-                self.update[kind] = make_stage_update(*args)
-                self.update_norm[kind] = make_stage_update_norm(*args)
+                self.update[kind] = make_stage_update(*args, elementwise=elementwise)
+                self.update_norm[kind] = make_stage_update_norm(*args, elementwise=elementwise)
             else:
-                self.update[kind] = zero.update_spmd(make_stage_update(*args, reduce=psum))
-                self.update_norm[kind] = zero.update_spmd(make_stage_update_norm(*args, reduce=psum), norm_only=True)
+                self.update[kind] = zero.update_spmd(make_stage_update(*args, reduce=psum, elementwise=elementwise))
+                self.update_norm[kind] = zero.update_spmd(
+                    make_stage_update_norm(*args, reduce=psum, elementwise=elementwise), norm_only=True)
 
     @staticmethod
     def accumulate(acc: Pages | None, dpages: Pages) -> Pages:

@@ -34,7 +34,11 @@ Figures (one JSON line each, appended to experiments/results/host_optimizer_<pla
                    The update is timed in child processes: started as the launcher starts its workers, with
                    malloc's huge pages (GLIBC_TUNABLES, angel_jax/memory/malloc.py); without them
                    (`without_huge_pages_s`, `speedup_huge_pages`); and with them, pinned to one core
-                   (`one_core_s`, `speedup_all_cores`)
+                   (`one_core_s`, `speedup_all_cores`); and, with them, the leaf-wise update the engine runs for
+                   optimizers that are not element-wise (optim/paged.py: unpack, optax per leaf, pack), which was
+                   every optimizer's before the flat update (optim/flat.py): `leafwise_s`,
+                   `leafwise_xla_bytes_per_byte_needed`, `speedup_flat` (= leafwise_s / the update's median: both
+                   timed in the same run, under the same load)
 """
 
 from __future__ import annotations
@@ -117,8 +121,10 @@ def bandwidths(gib: float, repeats: int) -> dict[str, float]:
     return {k: round(v / 1e9, 3) for k, v in out.items()}
 
 
-def time_update(config: str, overrides: list[str], repeats: int) -> dict[str, Any]:
-    """The engine's host stage update of one block: seconds per call, bytes it must move, CPU time / wall."""
+def time_update(config: str, overrides: list[str], repeats: int, leafwise: bool = False) -> dict[str, Any]:
+    """The engine's host stage update of one block: seconds per call, bytes it must move, CPU time / wall.
+    `leafwise`: the leaf-wise update instead (`make_stage_update` with elementwise=False), jitted as the engine
+    jits its updates."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -138,7 +144,16 @@ def time_update(config: str, overrides: list[str], repeats: int) -> dict[str, An
     pl, ol = bp.params_layout.stage(block), bp.opt_layout.stage(block)
     device = jax.devices()[0]
     place = placements(device, HostTier(device, budget=None).sharding)["host"]
-    fn = bp.updates.get(stage.kind, place.compute, donate_params=True)
+    updates = bp.updates
+    if leafwise:
+        from angel_jax.optim import make_optimizer
+        from angel_jax.optim.paged import make_stage_update
+        from angel_jax.optim.updater import StageUpdates
+
+        tx, _ = make_optimizer(cfg.optimizer, cfg.train.steps, clip=False)  # as blueprint() makes it
+        pure = make_stage_update(tx, pl, ol, bp.opt_structure[block], cfg.optimizer.grad_clip)
+        updates = StageUpdates({stage.kind: pure}, {})
+    fn = updates.get(stage.kind, place.compute, donate_params=True)
 
     def pages(layout: Any, value: float) -> tuple:
         return tuple(jax.device_put(jnp.full((p.length,), value, p.dtype), place.compute) for p in layout.pages)
@@ -182,12 +197,13 @@ def time_update(config: str, overrides: list[str], repeats: int) -> dict[str, An
 PLAIN_ENV = {k: v for k, v in os.environ.items() if k != "GLIBC_TUNABLES"}
 
 
-def child_update(args: argparse.Namespace, env: dict[str, str], one_core: bool) -> dict[str, Any]:
+def child_update(args: argparse.Namespace, env: dict[str, str], one_core: bool, leafwise: bool = False
+                 ) -> dict[str, Any]:
     """`time_update` in a child process started with `env` (glibc reads its tunables at start), optionally pinned
     to one core before JAX starts (XLA sizes its thread pool from the CPUs the process may run on)."""
     cmd = [sys.executable, __file__, args.config, *args.overrides, "--update-only", "--repeats", str(args.repeats)]
-    done = subprocess.run(cmd + (["--one-core"] if one_core else []), cwd=ROOT, env=env, capture_output=True,
-                          text=True)
+    cmd += (["--one-core"] if one_core else []) + (["--leafwise"] if leafwise else [])
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
     if done.returncode:
         sys.exit(f"{' '.join(cmd)} failed ({done.returncode}):\n{done.stderr[-3000:]}")
     return json.loads(done.stdout.strip().splitlines()[-1])
@@ -202,6 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-save", action="store_true", help="print only, do not append to experiments/results")
     p.add_argument("--update-only", action="store_true", help=argparse.SUPPRESS)  # a child: time the update
     p.add_argument("--one-core", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--leafwise", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if "=" in args.config:  # overrides alone: the default config
         args.config, args.overrides = p.get_default("config"), [args.config, *args.overrides]
@@ -209,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.update_only:
         if args.one_core:
             os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
-        print(json.dumps(time_update(args.config, overrides, args.repeats)))
+        print(json.dumps(time_update(args.config, overrides, args.repeats, args.leafwise)))
         return 0
 
     from angel_jax.benchinfo import emit, results_path
@@ -222,10 +239,10 @@ def main(argv: list[str] | None = None) -> int:
     emit({**common, "figure": "bandwidth", "gib": args.gib, "gbs": bw, "bound_gbs": bound,
           "bound_from": max(bw, key=bw.get)}, out)
 
-    runs = {name: child_update(args, env, one_core) for name, env, one_core in (
-        ("huge_pages", with_huge_pages(PLAIN_ENV), False), ("plain", PLAIN_ENV, False),
-        ("one_core", with_huge_pages(PLAIN_ENV), True))}
-    upd, plain, one = runs["huge_pages"], runs["plain"], runs["one_core"]
+    runs = {name: child_update(args, env, one_core, leafwise) for name, env, one_core, leafwise in (
+        ("huge_pages", with_huge_pages(PLAIN_ENV), False, False), ("plain", PLAIN_ENV, False, False),
+        ("one_core", with_huge_pages(PLAIN_ENV), True, False), ("leafwise", with_huge_pages(PLAIN_ENV), False, True))}
+    upd, plain, one, leaf = runs["huge_pages"], runs["plain"], runs["one_core"], runs["leafwise"]
     achieved = upd["bytes_moved"] / upd["update_s_median"] / 1e9
     traffic = upd["xla_bytes_accessed"] / upd["update_s_median"] / 1e9
     emit({**common, "figure": "update", "env": "GLIBC_TUNABLES=" + with_huge_pages(PLAIN_ENV)["GLIBC_TUNABLES"],
@@ -237,7 +254,10 @@ def main(argv: list[str] | None = None) -> int:
           "without_huge_pages_faults_per_call": plain["page_faults_per_call"],
           "speedup_huge_pages": round(plain["update_s_median"] / upd["update_s_median"], 3),
           "one_core_s": one["update_s_median"], "one_core_cpu_per_wall": one["cpu_per_wall"],
-          "speedup_all_cores": round(one["update_s_median"] / upd["update_s_median"], 3)}, out)
+          "speedup_all_cores": round(one["update_s_median"] / upd["update_s_median"], 3),
+          "leafwise_s": leaf["update_s_median"],
+          "leafwise_xla_bytes_per_byte_needed": round(leaf["xla_bytes_accessed"] / leaf["bytes_moved"], 3),
+          "speedup_flat": round(leaf["update_s_median"] / upd["update_s_median"], 3)}, out)
     return 0
 
 
