@@ -61,6 +61,12 @@ def test_same_world_size_is_bit_exact(checked):
     assert same["losses"] == uninterrupted[3:]
 
 
+def test_the_weights_of_a_checkpoint_over_two_ranks_read_back_whole(checked):
+    """`load_params` (what export and sample read) unpacks pages written over 2 ranks into the whole parameters the
+    engine held, bit for bit."""
+    assert checked["weights_bit_exact"]
+
+
 def test_another_world_size_reshards(checked):
     """2 -> 1 -> 2 ranks from the persistent tier: each resumed run continues the uninterrupted run's losses (another
     reduction order: to float rounding), the state back on 2 ranks is the saved state bit for bit, and each

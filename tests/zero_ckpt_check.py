@@ -35,11 +35,12 @@ sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
-from angel_jax.config import MeshConfig, ModelConfig  # noqa: E402
+from angel_jax.config import MeshConfig, ModelConfig, dump_yaml  # noqa: E402
 from angel_jax.train.checkpointing import TrainCheckpointer  # noqa: E402
 from angel_jax.train.engines import build_engine  # noqa: E402
 from angel_jax.train.protocol import StateMismatch  # noqa: E402
 from angel_jax.train.sharding import make_mesh  # noqa: E402
+from angel_jax.train.weights import load_params  # noqa: E402
 import test_paged as tp  # noqa: E402
 
 MODEL = ModelConfig(d_model=32, n_layers=2, n_heads=2, seq_len=8, compute_dtype="float32")
@@ -127,8 +128,14 @@ def main() -> None:
         losses = run(e, data[:SAVE_AT])
         saved = state(e)
         save(c2, e, SAVE_AT)
+        whole = jax.tree.map(np.asarray, e.params())
         out["losses"]["uninterrupted"] = losses + run(e, data[SAVE_AT:])
         e.close()
+        # The weights reader (export, sample): the parameters of a checkpoint written over 2 ranks, bit for bit.
+        (c2.run_dir / "config.yaml").write_text(dump_yaml(c2))
+        loaded = load_params(c2.run_dir).params
+        out["weights_bit_exact"] = jax.tree.structure(loaded) == jax.tree.structure(whole) and all(
+            np.array_equal(a, b) for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(whole)))
         # Same world size: memory tier, bit for bit.
         step, arrays, meta, tier = restore(c2, persistent_only=False)
         e = engine(c2, 2)

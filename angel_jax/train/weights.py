@@ -29,6 +29,7 @@ import numpy as np
 
 from angel_jax.checkpoint import CheckpointEngine, CheckpointError, CheckpointOptions
 from angel_jax.config import Config, ConfigError, load_recorded_config
+from angel_jax.memory.sharded_layout import layout_over
 from angel_jax.schedule.engine import params_layout
 from angel_jax.train.checkpointing import check_same_model, checkpoint_options, owns_memory_tier
 from angel_jax.train.paged import first_layout_difference, pages_fingerprint
@@ -123,11 +124,15 @@ def _from_leaves(cfg: Config, arrays: Mapping[str, Any], where: str) -> Any:
 
 def _unpack_pages(cfg: Config, arrays: Mapping[str, Any], engine_meta: Mapping[str, Any], where: str) -> Any:
     """The paged engine's checkpoint: pages `params/<stage>/<k>`, unpacked stage by stage with the layout the
-    engine built from the config (checked against the checkpoint's fingerprint first)."""
+    engine built from the config, over the checkpoint's ranks (pages sharded over N devices are N ranks' pages
+    end to end: `ShardedPageLayout`), checked against the checkpoint's fingerprint first."""
     if engine_meta.get("page_size") != cfg.memory.page_size:
         raise StateMismatch(f"{where}: the checkpoint's pages are {engine_meta.get('page_size')} B, the run's "
                             f"config says memory.page_size={cfg.memory.page_size}")
-    layout = params_layout(cfg)
+    ranks = engine_meta.get("ranks", 1)  # absent: written before pages were sharded, by one device
+    if not isinstance(ranks, int) or ranks < 1:
+        raise StateMismatch(f"{where}: the checkpoint's number of ranks is {ranks!r}, not a positive integer")
+    layout = layout_over(params_layout(cfg), ranks)
     mine = {s.name: {"params": pages_fingerprint(layout, s.name)} for s in layout.stages}
     problem = first_layout_difference(mine, engine_meta.get("layout"), families=("params",))
     if problem:
