@@ -27,7 +27,7 @@ import models
 ROOT = Path(__file__).resolve().parents[1]
 LIMIT = 300  # seconds before a check's process is killed
 RANKS, BATCH, STEPS = 4, 8, 20
-DISK_STEPS = 8  # the check with every page on disk
+DISK_STEPS = 8  # the checks with every page on disk, and in accumulation passes
 MP_STEPS = 10  # the two-process check's (each of its collectives a message between processes: slower steps)
 MODEL = ModelConfig(d_model=64, n_layers=8, n_heads=2, seq_len=16, compute_dtype="float32")
 PAGE = 12_496 * 2  # half a rank's share of a block's parameters (199,936 B / 4): two pages each, padding only in
@@ -200,6 +200,14 @@ def test_each_device_holds_a_quarter_of_the_pages(four_devices):
 def test_sharded_pages_homed_on_disk_train_as_on_one_device(four_devices):
     out = four_devices["disk"]
     assert out["homes"] == {"params": 9, "gradients": 9, "optimizer": 9} and out["stages"] == 10, out
+    np.testing.assert_allclose(out["losses"], four_devices["reference"]["loss"][:DISK_STEPS], rtol=1e-5)
+
+
+def test_sharded_pages_in_accumulation_passes_train_as_on_one_device(four_devices):
+    """Two micro-batches of one row per rank, one per pass: streamed stages' gradients summed on each rank's host
+    between the passes (their sum of squares a collective), the whole batch's step."""
+    out = four_devices["passes"]
+    assert (out["passes"], out["micro_batches"]) == (2, 2) and out["streamed"] > 0, out
     np.testing.assert_allclose(out["losses"], four_devices["reference"]["loss"][:DISK_STEPS], rtol=1e-5)
 
 

@@ -85,24 +85,27 @@ def main() -> None:
         out["report"] = engine.memory_report()
     finally:
         engine.close()
-    out["disk"] = on_disk(mesh, batches[:DISK_STEPS])
+    with tempfile.TemporaryDirectory() as disk:  # every page family of every stage homed on the disk tier
+        out["disk"] = variant(mesh, batches[:DISK_STEPS], disk_dir=disk, host_budget=520_000)
+    out["passes"] = variant(mesh, batches[:DISK_STEPS], passes=2, micro_batch_size=1)
     print(json.dumps(out), flush=True)
 
 
-def on_disk(mesh, batches: list) -> dict:
-    """The same sharded pages with every page family of every stage homed on the disk tier (a host budget of the
-    host window's minimum; the stage functions are the run's above, compiled once)."""
-    with tempfile.TemporaryDirectory() as disk:
-        base = paged()
-        engine = build_engine(dataclasses.replace(base, memory=dataclasses.replace(
-            base.memory, disk_dir=disk, host_budget=520_000)), mesh)
-        try:
-            plan = engine.built.plan
-            homes = {"params": plan.home.count("disk"), "gradients": plan.grad_home.count("disk"),
-                     "optimizer": plan.opt_home.count("disk")}
-            return {"homes": homes, "stages": len(plan.home), "losses": run(engine, batches)["loss"]}
-        finally:
-            engine.close()
+def variant(mesh, batches: list, micro_batch_size: int = 0, **memory) -> dict:
+    """The same sharded pages with other `memory` settings (the stage functions are the run's above, compiled
+    once): where the plan homes each family, how many passes it makes, the losses."""
+    base = paged()
+    engine = build_engine(dataclasses.replace(
+        base, memory=dataclasses.replace(base.memory, **memory),
+        train=dataclasses.replace(base.train, micro_batch_size=micro_batch_size)), mesh)
+    try:
+        plan = engine.built.plan
+        homes = {"params": plan.home.count("disk"), "gradients": plan.grad_home.count("disk"),
+                 "optimizer": plan.opt_home.count("disk")}
+        return {"homes": homes, "stages": len(plan.home), "passes": plan.passes, "streamed": len(plan.streamed),
+                "micro_batches": plan.micro_batches, "losses": run(engine, batches)["loss"]}
+    finally:
+        engine.close()
 
 
 if __name__ == "__main__":

@@ -382,7 +382,7 @@ def plan_for(cfg: Config, bp: Blueprint, store: PageStore, example_batch: jax.Ar
     budgets = dataclasses.replace(budgets_for(cfg, device, example_batch.shape[0], zero),
                                   host=store.tiers["host"].budget)
     plan = make_plan(costs, bw, budgets, staleness=cfg.memory.staleness, shared_cpu=device.platform == "cpu",
-                     micro_batches=micro_batches, passes=1 if zero else cfg.memory.passes or None)
+                     micro_batches=micro_batches, passes=cfg.memory.passes or None)
     return plan, costs, bw, budgets
 
 

@@ -66,7 +66,7 @@ from angel_jax.optim.guard import StepControls, before_update_ok
 from angel_jax.optim.paged import global_norm, join_opt_state
 from angel_jax.optim.updater import GRAD_SPILL, Guard, PageUpdater, StepOrder
 from angel_jax.schedule.plan import Plan
-from angel_jax.schedule.stagefns import HostSums, StageFunctions
+from angel_jax.schedule.stagefns import HostSums, StageFunctions, scalar_sharding
 from angel_jax.schedule.timeline import Recorder, Timeline
 from angel_jax.schedule.trace import compute_sequence, split_batch
 from models.stages import StagedModel
@@ -342,7 +342,7 @@ class PagedExecutor:
             return None
         grads, sq = self._host_sums.mean_grads(host_sums.pop(i), micro, self._grad_dtypes[i])
         self.updater.submit(step, i, grads)
-        return jax.device_put(sq, self.store.tiers["device"].sharding)
+        return jax.device_put(sq, scalar_sharding(self.store.tiers["device"].sharding))
 
     def _to_host(self, i: int, dpages: tuple, rec: Recorder | None) -> tuple:
         """Gradient pages copied to the host tier (D2H, asynchronous)."""

@@ -145,12 +145,12 @@ class StageFunctions:
 
     @staticmethod
     def mean_grads(acc: Pages, micro_batches: int, dtypes: tuple) -> tuple[Pages, jax.Array]:
-        """(sums x 1/micro_batches in the pages' `dtypes`, their sum of squares); float32 sums are donated."""
+        """(sums x 1/micro_batches in the pages' `dtypes`, their sum of squares); float32 sums are donated. Over
+        pages sharded over several CPU devices the sum of squares is a collective: waited for (`Zero.serial`)."""
         scale = jnp.float32(1 / micro_batches)
         dtypes = tuple(jnp.dtype(d).name for d in dtypes)
-        if all(d == "float32" for d in dtypes):
-            return _mean_in_place(acc, scale, dtypes)
-        return _mean(acc, scale, dtypes)
+        out = (_mean_in_place if all(d == "float32" for d in dtypes) else _mean)(acc, scale, dtypes)
+        return jax.block_until_ready(out) if serial(acc[0].sharding) else out
 
     def _head_backward(self, apply: Callable, rep: StageLayout) -> Callable:
         loss_fn = self.staged.loss
@@ -197,16 +197,32 @@ class HostSums:
         scale = np.float32(1 / micro_batches)
         in_place = all(d == "float32" for d in dtypes)
         fn = self._jit(("mean", micro_batches, dtypes), lambda a: _mean_pages(a, scale, dtypes),
-                       (0,) if in_place else ())
-        return fn(acc)
+                       (0,) if in_place else (), (self.compute, scalar_sharding(self.compute)))
+        out = fn(acc)
+        return jax.block_until_ready(out) if serial(self.compute) else out
 
-    def _jit(self, key: tuple, fn: Callable, donate: tuple) -> Callable:
+    def _jit(self, key: tuple, fn: Callable, donate: tuple, out: Any = None) -> Callable:
         jitted = self._jitted.get(key)
         if jitted is None:
             if self.compute.memory_kind in HOST_MEMORY_KINDS:
                 fn = in_host_memory(fn)
-            jitted = self._jitted[key] = jax.jit(fn, donate_argnums=donate, out_shardings=self.compute)
+            jitted = self._jitted[key] = jax.jit(fn, donate_argnums=donate, out_shardings=out or self.compute)
         return jitted
+
+
+def scalar_sharding(sharding: jax.sharding.Sharding) -> jax.sharding.Sharding:
+    """Where a scalar computed from arrays laid out as `sharding` lives: the same place, replicated over a mesh."""
+    if isinstance(sharding, jax.sharding.NamedSharding):
+        return jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec(),
+                                          memory_kind=sharding.memory_kind)
+    return sharding
+
+
+def serial(sharding: jax.sharding.Sharding) -> bool:
+    """Whether a program over arrays laid out as `sharding`, whose reductions are collectives over several CPU
+    devices, must be waited for before the next one is dispatched (`Zero.serial`)."""
+    devices = sharding.device_set
+    return len(devices) > 1 and next(iter(devices)).platform == "cpu"
 
 
 def _float32_pages(dpages: Pages) -> Pages:
