@@ -15,7 +15,8 @@ that a prefill and single-token steps give the logits of the whole-sequence forw
 
 Mixture of experts (model.moe.experts > 0): every moe.every-th block has a mixture of GELU experts
 (models/moe.py) in place of its MLP; such blocks are stacked apart (`moe_blocks`), and the stages pass the
-auxiliary losses on next to the residual stream (models/moe_decoder.py). Such a model does not sample (yet).
+auxiliary losses on next to the residual stream (models/moe_decoder.py); it samples with the same cache, its
+experts routing without drops (`moe_decoder.decoder`).
 """
 
 from __future__ import annotations
@@ -105,6 +106,14 @@ class Block(nnx.Module):
         x = self._attention_residual(x, causal_attention(q, k, v))
         y, figures = self.moe(self.ln_mlp(x))
         return x + y, figures
+
+    def routed_decode(self, x: jax.Array, cache_k: jax.Array, cache_v: jax.Array,
+                      pos: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """An MoE block's `decode`: its experts route without dropping a token (`MoE.__call__(drop=False)`)."""
+        q, k, v = self._qkv(x)
+        attn, cache_k, cache_v = cached_attention(q, k, v, cache_k, cache_v, pos)
+        x = self._attention_residual(x, attn)
+        return x + self.moe(self.ln_mlp(x), drop=False)[0], cache_k, cache_v
 
     def _residual(self, x: jax.Array, attn: jax.Array) -> jax.Array:
         """Attention's projection and the MLP, each added to the residual stream."""
@@ -215,13 +224,6 @@ def staged(cfg: ModelConfig) -> StagedModel:
         stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *blocks)
         return {"embed": embed, "blocks": stacked, "head": head}
 
-    def init_cache(batch: int, max_len: int) -> Params:
-        if not 0 < max_len <= cfg.seq_len:  # learned positions exist for 0 .. seq_len-1 only
-            raise ValueError(f"a key/value cache of {max_len} positions: must be between 1 and the model's "
-                             f"context, model.seq_len={cfg.seq_len}")
-        shape = (cfg.n_layers, batch, max_len, cfg.n_heads, cfg.d_model // cfg.n_heads)
-        return {"k": jnp.zeros(shape, cfg.compute_dtype), "v": jnp.zeros(shape, cfg.compute_dtype)}
-
     def decode(params: Params, cache: Params, tokens: jax.Array, pos: jax.Array) -> tuple[jax.Array, Params]:
         x = nnx.merge(embed_def, params["embed"]).at(tokens, pos)
 
@@ -251,9 +253,23 @@ def staged(cfg: ModelConfig) -> StagedModel:
         param_count=param_count(cfg),
         flops_per_token=flops_per_token(cfg),
         block_activation_width=3 * cfg.d_model + 2 * cfg.hidden,  # qkv, the MLP in and out
-        init_cache=init_cache,
+        init_cache=lambda batch, max_len: init_cache(cfg, batch, max_len),
         decode=decode,
     )
+
+
+def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> Params:
+    """An empty key/value cache, [n_layers, batch, max_len, n_heads, head_dim] for keys and for values."""
+    if not 0 < max_len <= cfg.seq_len:  # learned positions exist for 0 .. seq_len-1 only
+        raise ValueError(f"a key/value cache of {max_len} positions: must be between 1 and the model's "
+                         f"context, model.seq_len={cfg.seq_len}")
+    shape = (cfg.n_layers, batch, max_len, cfg.n_heads, cfg.d_model // cfg.n_heads)
+    return {"k": jnp.zeros(shape, cfg.compute_dtype), "v": jnp.zeros(shape, cfg.compute_dtype)}
+
+
+def embed_at(embed: Embed, tokens: jax.Array, pos: jax.Array) -> jax.Array:
+    """Tokens [B, T] at positions pos .. pos+T-1, embedded (learned positions)."""
+    return embed.at(tokens, pos)
 
 
 def _staged_moe(cfg: ModelConfig, abstract: GPT) -> StagedModel:

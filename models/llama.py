@@ -23,7 +23,7 @@ Sampling runs through a key/value cache stacked over the layers ([L, B, S, K, D]
 blocks.
 
 Mixture of experts (model.moe.experts > 0): every moe.every-th block has a mixture of SwiGLU experts
-(models/moe.py) in place of its MLP, as in the GPT (models/moe_decoder.py); such a model does not sample (yet).
+(models/moe.py) in place of its MLP, as in the GPT (models/moe_decoder.py); it samples with the same cache.
 """
 
 from __future__ import annotations
@@ -159,6 +159,14 @@ class Block(nnx.Module):
         attn, cache_k, cache_v = cached_attention(q, k, v, cache_k, cache_v, pos)
         return self._rest(x, attn), cache_k, cache_v
 
+    def routed_decode(self, x: jax.Array, cache_k: jax.Array, cache_v: jax.Array, pos: jax.Array
+                      ) -> tuple[jax.Array, jax.Array, jax.Array]:
+        """An MoE block's `decode`: its experts route without dropping a token (`MoE.__call__(drop=False)`)."""
+        q, k, v = self._qkv(x, pos + jnp.arange(x.shape[1]))
+        attn, cache_k, cache_v = cached_attention(q, k, v, cache_k, cache_v, pos)
+        x = self._attention_residual(x, attn)
+        return x + self.moe(self.mlp_norm(x), drop=False)[0], cache_k, cache_v
+
 
 class Head(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
@@ -267,6 +275,11 @@ def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> Cache:
     max_len may exceed seq_len, the length trained on)."""
     shape = (cfg.n_layers, batch, max_len, cfg.kv_heads, head_dim(cfg))
     return {"k": jnp.zeros(shape, cfg.compute_dtype), "v": jnp.zeros(shape, cfg.compute_dtype)}
+
+
+def embed_at(embed: Embed, tokens: jax.Array, pos: jax.Array) -> jax.Array:
+    """Tokens [B, T] embedded (positions enter through the rotary attention, not here)."""
+    return embed(tokens)
 
 
 def staged(cfg: ModelConfig) -> StagedModel:

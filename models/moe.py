@@ -118,11 +118,13 @@ class MoE(nnx.Module):
             self.w_in = nnx.Param(init(rngs.params(), (e, d, h), pdt))
             self.w_out = nnx.Param(out_init(rngs.params(), (e, h, d), pdt))
 
-    def __call__(self, x: jax.Array) -> tuple[jax.Array, MoEFigures]:
-        """x [B, T, d] (the block's normalised stream) -> (the experts' output [B, T, d], the layer's figures)."""
+    def __call__(self, x: jax.Array, drop: bool = True) -> tuple[jax.Array, MoEFigures]:
+        """x [B, T, d] (the block's normalised stream) -> (the experts' output [B, T, d], the layer's figures).
+        `drop=False`: every expert has a slot for every token, so none is dropped (sampling: a prompt and the
+        tokens after it are routed alike however they are cut into calls)."""
         cdt = self.compute_dtype
-        routing = route(self.router(x.astype(jnp.float32)), self.top_k,
-                        capacity(x.shape[1], self.experts, self.top_k, self.capacity_factor))
+        slots = capacity(x.shape[1], self.experts, self.top_k, self.capacity_factor) if drop else x.shape[1]
+        routing = route(self.router(x.astype(jnp.float32)), self.top_k, slots)
         expert_in = jnp.einsum("btec,btd->becd", routing.dispatch.astype(cdt), x.astype(cdt))  # [B, E, C, d]
         axis, mesh, weights = parallel.expert_axis(), parallel.expert_mesh(), self._weights()
         split = dict(mesh.shape).get(axis, 1) if mesh is not None else 1  # devices the experts split over

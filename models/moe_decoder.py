@@ -164,7 +164,7 @@ def add_blocks(model: nnx.Module, cfg: ModelConfig, key: jax.Array, block: Calla
 
 
 def staged(cfg: ModelConfig, abstract: nnx.Module, family: Any, block_activation_width: int) -> StagedModel:
-    """The stage view of a decoder with MoE blocks (stages pass a `Stream` on; no sampling). `abstract`: the model
+    """The stage view of a decoder with MoE blocks (stages pass a `Stream` on; `decoder` samples). `abstract`: the model
     built abstractly (its `embed`, `blocks` if any, `moe_blocks`, `head`); `family`: its module, whose `init`,
     `init_stage`, `abstract_params`, `param_count` and `flops_per_token` take the config."""
     block_def = nnx.graphdef(abstract.blocks) if hasattr(abstract, "blocks") else None
@@ -182,9 +182,44 @@ def staged(cfg: ModelConfig, abstract: nnx.Module, family: Any, block_activation
         flops_per_token=family.flops_per_token(cfg),
         block_activation_width=block_activation_width,
         figures=figures(cfg),
+        init_cache=lambda batch, max_len: family.init_cache(cfg, batch, max_len),
+        decode=decoder(cfg, nnx.graphdef(abstract.embed), block_def, nnx.graphdef(abstract.moe_blocks),
+                       nnx.graphdef(abstract.head), family.embed_at),
         exchange_values_per_row={"moe_block": float(exchange_values(cfg, cfg.seq_len))},
         expert_leaf=is_expert_leaf,
     )
+
+
+def decoder(cfg: ModelConfig, embed_def: nnx.GraphDef, block_def: nnx.GraphDef | None, moe_def: nnx.GraphDef,
+            head_def: nnx.GraphDef, embed_at: Callable) -> Callable:
+    """`StagedModel.decode` of a decoder with MoE blocks: the family's cache ([n_layers, ...] keys and values, in
+    block order), its blocks' `decode` and `routed_decode` (experts routing without drops), its `embed_at(embed,
+    tokens, pos)`; the groups of `run_blocks` scanned, each with its blocks' slices of the cache."""
+    every, groups = cfg.moe.every, cfg.n_layers // cfg.moe.every
+
+    def decode(params: Params, cache: Params, tokens: jax.Array, pos: jax.Array) -> tuple[jax.Array, Params]:
+        pos = jnp.asarray(pos, jnp.int32)
+        x = embed_at(nnx.merge(embed_def, params["embed"]), tokens, pos)
+        dense = params.get("blocks")
+        if dense is not None:  # [groups x (every - 1), ...] -> [groups, every - 1, ...]
+            dense = jax.tree.map(lambda a: a.reshape(groups, every - 1, *a.shape[1:]), dense)
+        per_group = {k: c.reshape(groups, every, *c.shape[1:]) for k, c in cache.items()}
+
+        def body(h: jax.Array, group: tuple) -> tuple[jax.Array, dict]:
+            dense_g, moe_g, cache_g = group
+            ks, vs = [], []
+            for i in range(every - 1):
+                block = nnx.merge(block_def, jax.tree.map(lambda a, i=i: a[i], dense_g))
+                h, k, v = block.decode(h, cache_g["k"][i], cache_g["v"][i], pos)
+                ks.append(k)
+                vs.append(v)
+            h, k, v = nnx.merge(moe_def, moe_g).routed_decode(h, cache_g["k"][-1], cache_g["v"][-1], pos)
+            return h, {"k": jnp.stack(ks + [k]), "v": jnp.stack(vs + [v])}
+
+        x, new = jax.lax.scan(body, x, (dense, params["moe_blocks"], per_group))
+        return nnx.merge(head_def, params["head"])(x), {k: c.reshape(cache[k].shape) for k, c in new.items()}
+
+    return decode
 
 
 def run_blocks(cfg: ModelConfig, block_def: nnx.GraphDef | None, dense: Any, moe_def: nnx.GraphDef, routed: Any,
