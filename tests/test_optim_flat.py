@@ -25,22 +25,25 @@ def _tree(seed: int, scale: float = 1.0) -> dict:
     return {k: (rng.standard_normal(s) * scale).astype(np.float32) for k, s in shapes.items()}
 
 
-def _setup(tx: optax.GradientTransformation, grads: dict):
+def _setup(tx: optax.GradientTransformation, grads: dict, apart: tuple[str, ...] = ()):
+    """`apart`: leaves on pages of their own (an MoE layer's experts), and their optimizer moments likewise."""
     params = _tree(0)
-    prep = PageLayout.build([("s", params)], PAGE).stage("s")
+    keys = sorted(params)  # the leaves' order
+    prep = PageLayout.build([("s", params)], PAGE, lambda _, path: path.strip("[']") in apart).stage("s")
     state = tx.init(params)
     state = jax.tree.map(lambda x: x + 0, state)
     # a state that is not all zeros: one update from other gradients first
     _, state = tx.update(_tree(2, 0.01), state, params)
     big, small, layout = split_opt_state(state)
-    orep = PageLayout.build([("s", [np.asarray(b) for b in big])], PAGE).stage("s")
+    mirrors = {f"[{i}]" for i in range(len(big)) if keys[i % len(keys)] in apart}  # family by family
+    orep = PageLayout.build([("s", [np.asarray(b) for b in big])], PAGE, lambda _, path: path in mirrors).stage("s")
     inputs = (prep.pack(params), prep.pack(grads), orep.pack([np.asarray(b) for b in big]),
               [jnp.asarray(s) for s in small])
     return prep, orep, layout, inputs
 
 
-def _both(tx, grads, ok=True, norm=3.0, lr_scale=0.5, clip=1.0):
-    prep, orep, layout, (pp, gp, op, small) = _setup(tx, grads)
+def _both(tx, grads, ok=True, norm=3.0, lr_scale=0.5, clip=1.0, apart=()):
+    prep, orep, layout, (pp, gp, op, small) = _setup(tx, grads, apart)
     plan = FlatPlan.build(tx, prep, orep, layout.paged)
     assert plan is not None and len(plan.bounds) > 1  # several segments: page ends inside leaves (and families)
     args = (pp, gp, op, small, jnp.float32(norm), jnp.bool_(ok), jnp.float32(lr_scale))
@@ -71,6 +74,13 @@ def test_flat_update_equals_the_leafwise_one(tx):
     _assert_same(leafwise, flat)
     assert bool(flat[4])
     assert not np.array_equal(np.asarray(flat[0][0]), np.asarray(pp[0]))  # it did update
+
+
+def test_leaves_on_pages_of_their_own_update_flat_too():
+    """Expert weights on pages of their own (and their moments): the flat range runs group by group."""
+    leafwise, flat, (pp, _, _) = _both(ADAMW, _tree(1), apart=("w2", "b"))
+    _assert_same(leafwise, flat)
+    assert not np.array_equal(np.asarray(flat[0][-1]), np.asarray(pp[-1]))  # the apart pages did update
 
 
 @pytest.mark.parametrize("ok, grad", [(False, 1.0), (True, np.inf)], ids=["guard-says-no", "not-finite"])

@@ -17,9 +17,10 @@ results element for element, up to the last bit XLA may round differently in dif
 check 1e-6; a dropped update leaves every page bit for bit). Element-wise means no per-leaf choices either: a
 weight-decay mask by leaf would be lost (the optimizers `make_optimizer` builds have none). What it needs from
 the layouts, checked by `build`: the stage's parameters are one floating dtype laid end to end from the first
-page's start (no zero-size or scalar leaves), and the optax state's paged leaves are whole mirrors of the
-parameters (Adam's mu, nu), in the parameters' order, each family end to end in the optimizer pages, all of one
-dtype. Page padding stays zero. Everything here is pure.
+page's start of each page group (no zero-size or scalar leaves; an MoE layer's experts form a group of their
+own, `PageLayout.build(apart=...)`, and the flat range runs group by group), and the optax state's paged leaves
+are whole mirrors of the parameters (Adam's mu, nu), in the parameters' order, each family end to end in the
+matching optimizer page group, all of one dtype. Page padding stays zero. Everything here is pure.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from angel_jax.memory.layout import StageLayout
+from angel_jax.memory.layout import StageLayout, page_groups
 from angel_jax.optim.factory import clip_with_norm
 
 Pages = tuple
@@ -66,6 +67,11 @@ class FlatPlan:
     """Tree structure of the optax state over a tuple of segments."""
     paged: tuple[bool, ...]
     """Per leaf of that state: whether it is one of the families' segments (else a small leaf, a step count)."""
+    groups: tuple[tuple[int, int, int, int], ...] = ()
+    """The stage's page groups (`memory.layout.page_groups`: leaves set apart, an MoE layer's experts, have pages
+    of their own), in page order: (first element of the flat range, elements, first parameter page, first
+    optimizer page). The flat range is the groups' leaves end to end, group by group; within a group the
+    parameters, and each optimizer family after the other, lie end to end from the group's first page."""
 
     @staticmethod
     def build(tx: optax.GradientTransformation, params_rep: StageLayout, opt_rep: StageLayout,
@@ -79,7 +85,8 @@ class FlatPlan:
         if not jnp.issubdtype(dtype, jnp.floating) or any(p.dtype != dtype for p in p_pages):
             return None
         param_len, size = p_pages[0].length, sum(s.size for s in p_slots)
-        if _positions(params_rep) != _running(s.size for s in p_slots):
+        p_groups = _leaf_groups(params_rep)
+        if p_groups is None:
             return None
         # The optax state over the parameters: its paged leaves must be whole mirrors of the parameters.
         abstract = jax.tree.unflatten(params_rep.treedef,
@@ -106,14 +113,24 @@ class FlatPlan:
         o_slots, o_pages = opt_rep.slots, opt_rep.pages
         opt_len = o_pages[0].length if o_pages else 1
         if len(o_slots) != len(big) or any(p.dtype != o_pages[0].dtype for p in o_pages) or \
-                any(s.dtype != o_pages[0].dtype for s in o_slots) or \
-                _positions(opt_rep) != _running(s.size for s in o_slots):
+                any(s.dtype != o_pages[0].dtype for s in o_slots):
             return None
-        cuts = {0, size}
-        cuts.update(range(param_len, size, param_len))
-        for f in range(families):  # family f holds opt elements [f * size, (f + 1) * size)
-            first = -(-(f * size) // opt_len) * opt_len
-            cuts.update(c - f * size for c in range(first, (f + 1) * size, opt_len))
+        o_groups = _leaf_groups(opt_rep) if o_pages else [(0, [])] * len(p_groups)
+        # Optimizer group g must hold, end to end, every family's mirror of parameter group g's leaves.
+        if o_groups is None or len(o_groups) != len(p_groups):
+            return None
+        if families and any(o_leaves != [f * n + i for f in range(families) for i in p_leaves]
+                            for (_, p_leaves), (_, o_leaves) in zip(p_groups, o_groups)):
+            return None
+        groups, cuts, start = [], {0, size}, 0
+        for (p_page, p_leaves), (o_page, _) in zip(p_groups, o_groups):
+            g_size = sum(p_slots[i].size for i in p_leaves)
+            groups.append((start, g_size, p_page, o_page))
+            cuts.update(range(start, start + g_size, param_len))  # parameter pages end (the group starts one)
+            for f in range(families):  # family f: the group's opt elements [f x g_size, (f + 1) x g_size)
+                first = -(-(f * g_size) // opt_len) * opt_len
+                cuts.update(start + c - f * g_size for c in range(first, (f + 1) * g_size, opt_len))
+            start += g_size
         edges = sorted(cuts)
         segments = tuple(zip(edges, edges[1:]))
         seg_params = tuple(jax.ShapeDtypeStruct((b - a,), dtype) for a, b in segments)
@@ -125,28 +142,42 @@ class FlatPlan:
                 [(leaf.shape, leaf.dtype) for (_, leaf), p in zip(with_paths, opt_paged) if not p]:
             return None
         return FlatPlan(size, segments, param_len, len(p_pages), opt_len, len(o_pages), families, state_treedef,
-                        paged)
+                        paged, tuple(groups))
+
+    def _group(self, a: int) -> tuple[int, int, int, int]:
+        return next(g for g in self.groups if g[0] <= a < g[0] + g[1])
 
     def param_pieces(self) -> list[Piece]:
-        return [Piece(a // self.param_len, a % self.param_len) for a, _ in self.bounds]
+        out = []
+        for a, _ in self.bounds:
+            start, _, page, _ = self._group(a)
+            out.append(Piece(page + (a - start) // self.param_len, (a - start) % self.param_len))
+        return out
 
     def opt_pieces(self, family: int) -> list[Piece]:
-        at = family * self.size
-        return [Piece((at + a) // self.opt_len, (at + a) % self.opt_len) for a, _ in self.bounds]
+        out = []
+        for a, _ in self.bounds:
+            start, g_size, _, page = self._group(a)
+            at = family * g_size + a - start
+            out.append(Piece(page + at // self.opt_len, at % self.opt_len))
+        return out
 
 
-def _positions(layout: StageLayout) -> list[int]:
-    """Each leaf's first element as a position in the concatenation of the stage's pages."""
-    first = layout.pages[0].id if layout.pages else 0
-    return [(s.page - first) * layout.pages[0].length + s.offset for s in layout.slots]
-
-
-def _running(sizes) -> list[int]:
-    """Where leaves of these sizes start when laid end to end from 0."""
-    out, at = [], 0
-    for n in sizes:
-        out.append(at)
-        at += n
+def _leaf_groups(layout: StageLayout) -> list[tuple[int, list[int]]] | None:
+    """Per page group of the stage (in page order): (index of its first page, the indices of the leaves in it, in
+    slot order), or None unless each group's leaves lie end to end, in slot order, from its first page's start."""
+    first = layout.pages[0].id
+    out = []
+    for group in page_groups(layout.pages):
+        lo, hi = group[0].id, group[-1].id
+        leaves = [i for i, s in enumerate(layout.slots) if lo <= s.page <= hi]
+        at = 0
+        for i in leaves:
+            s = layout.slots[i]
+            if (s.page - lo) * group[0].length + s.offset != at:
+                return None
+            at += s.size
+        out.append((lo - first, leaves))
     return out
 
 
