@@ -164,6 +164,9 @@ def test_a_ranks_own_experts_are_neither_gathered_nor_scattered_and_their_all_to
     calls = sum(1 if op == "forward" else 2 for op, _ in compute_sequence(n))  # forward-equivalents of exchange
     assert plan.io_per_step(moe, replace(BW, link=link))["collective_bytes"] == \
         (accesses + n) * (ranks - 1) * MB + calls * (ranks - 1) * 8 * MB // ranks
+    two = make_plan(moe, replace(BW, link=link), Budgets(10**12, None, 0, 0), ranks=ranks, micro_batches=2)
+    assert two.io_per_step(moe, replace(BW, link=link))["collective_bytes"] == \
+        (accesses + n) * (ranks - 1) * MB + 2 * calls * (ranks - 1) * 8 * MB // ranks  # each micro-batch's
     assert plan.gather_bytes == (plan.prefetch + 2) * (ranks * MB + 3 * MB)
 
 

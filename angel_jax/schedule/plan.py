@@ -154,7 +154,7 @@ class Plan:
         and written after it; disk-homed gradients are written once and read once; disk-homed optimizer state is
         read and written once per update. `io_bound_s` is the slowest path's time: no step can be shorter."""
         return io_per_step(costs, bandwidths, self.home, self.grad_home, self.opt_home, self.passes, self.prefetch,
-                           self.ranks)
+                           self.ranks, self.micro_batches)
 
     def stream_seconds(self, first_stage: str) -> dict[str, float]:
         """Seconds each stream of the predicted timeline works in one steady-state step: the events between the
@@ -193,7 +193,8 @@ class Plan:
 
 
 def io_per_step(costs: list[StageCost], bandwidths: Bandwidths, home: tuple[str, ...], grad_home: tuple[str, ...],
-                opt_home: tuple[str, ...], passes: int = 1, prefetch: int = 1, ranks: int = 1) -> dict[str, float]:
+                opt_home: tuple[str, ...], passes: int = 1, prefetch: int = 1, ranks: int = 1,
+                micro_batches: int = 1) -> dict[str, float]:
     """See `Plan.io_per_step`; with several passes, every pass fetches the streamed stages and sends their gradients
     to the host. With several ranks, also the bytes each rank receives in collectives (`collective_bytes`) and
     their seconds at `bandwidths.link` (0 when no link is given)."""
@@ -213,7 +214,7 @@ def io_per_step(costs: list[StageCost], bandwidths: Bandwidths, home: tuple[str,
     disk_s = seconds["disk_read_s"] + seconds["disk_write_s"]
     collective = {}
     if ranks > 1:
-        received = collective_bytes(costs, passes, ranks)
+        received = collective_bytes(costs, passes, ranks, micro_batches)
         collective = {"collective_bytes": received,
                       "collective_s": received / bandwidths.link if bandwidths.link > 0 else 0.0}
     return {"h2d_bytes": h2d, "d2h_bytes": d2h, "disk_read_bytes": read, "disk_write_bytes": write, **seconds,
@@ -221,15 +222,21 @@ def io_per_step(costs: list[StageCost], bandwidths: Bandwidths, home: tuple[str,
                                             collective.get("collective_s", 0.0))}
 
 
-def collective_bytes(costs: list[StageCost], passes: int, ranks: int) -> int:
+def collective_bytes(costs: list[StageCost], passes: int, ranks: int, micro_batches: int = 1) -> int:
     """Bytes each rank receives in the collectives of a step: per pass, an all-gather of every stage's parameters
     for each of its accesses and a reduce-scatter of its gradients after its backward, each (ranks - 1) x the
     stage's shard bytes (the ring algorithm), a rank's own experts excepted; and with experts split over the ranks,
-    (ranks - 1) / ranks of each call's all-to-alls (`StageCost.exchange_bytes`, twice in a backward)."""
-    seq = compute_sequence(len(costs))
-    per_pass = sum(costs[i].gathered_bytes for _, i in seq) + sum(c.gathered_bytes for c in costs)
-    exchanged = sum(costs[i].exchange_bytes * (1 if op == "forward" else 2) for op, i in seq)
-    return int(passes * (ranks - 1) * (per_pass + exchanged / ranks))
+    (ranks - 1) / ranks of each micro-batch's all-to-alls (`StageCost.exchange_bytes`, twice in a backward)."""
+    per_pass = sum(costs[i].gathered_bytes for _, i in compute_sequence(len(costs))) + \
+        sum(c.gathered_bytes for c in costs)
+    return int(passes * (ranks - 1) * per_pass + (ranks - 1) * exchange_bytes(costs, micro_batches) / ranks)
+
+
+def exchange_bytes(costs: list[StageCost], micro_batches: int) -> float:
+    """Bytes of a step's expert all-to-alls on one rank, its own share included: every micro-batch's forward
+    (`StageCost.exchange_bytes`), twice over in its backward."""
+    return micro_batches * sum(costs[i].exchange_bytes * (1 if op == "forward" else 2)
+                               for op, i in compute_sequence(len(costs)))
 
 
 def fetches_per_step(n: int, passes: int = 1, prefetch: int = 1) -> list[int]:

@@ -34,7 +34,8 @@ from angel_jax.schedule.engine import (Blueprint, blueprint, device_budget, fit_
                                        make_store, micro_batching, plan_for, refuse_sharded_optimizer,
                                        saved_input_bytes)
 from angel_jax.memory.layout import StageLayout
-from angel_jax.schedule.plan import Bandwidths, Budgets, Plan, PlanError, StageCost, load_bandwidths, make_plan
+from angel_jax.schedule.plan import (Bandwidths, Budgets, Plan, PlanError, StageCost, exchange_bytes,
+                                     load_bandwidths, make_plan)
 from angel_jax.units import human_bytes
 import models
 
@@ -251,6 +252,14 @@ def report(cfg: Config, plan: Plan, costs: list[StageCost], budgets: Budgets, bw
         lines.append(f"  collectives per step  each rank receives {human_bytes(io['collective_bytes'])} (all-gathers "
                      f"of every stage per access, reduce-scatters per backward: (ranks - 1) x shard bytes each), "
                      f"{io['collective_s']:.4f} s at {bw.link / 1e9:g} GB/s per rank")
+        own = sum(c.expert_bytes for c in costs)
+        if own:  # expert parallelism
+            calls = exchange_bytes(costs, plan.micro_batches)
+            lines.append(f"  expert parallelism    each rank holds {cfg.model.moe.experts // plan.ranks} of the "
+                         f"{cfg.model.moe.experts} experts of every MoE layer whole ({human_bytes(own)} of its "
+                         f"parameter shards, never gathered); its all-to-alls move "
+                         f"{human_bytes(calls * (plan.ranks - 1) // plan.ranks)} per step, inside the stage calls "
+                         f"(counted above)")
     bound, shares = plan.bound(costs[0].name)
     busy = ", ".join(f"{s} {v:.0%}" for s, v in shares.items())
     waits = plan.predicted.waits
