@@ -44,7 +44,7 @@ from angel_jax.memory.layout import PageLayout, StageLayout
 from angel_jax.memory.tiers import HOST_MEMORY_KINDS
 from angel_jax.optim.paged import OptLayout, make_stage_update, make_stage_update_norm, sqsum
 from angel_jax.optim.updater import in_host_memory
-from angel_jax.schedule.zero import Zero, psum
+from angel_jax.schedule.zero import Zero, psum, serial
 from models.stages import StagedModel
 
 Pages = tuple
@@ -146,7 +146,7 @@ class StageFunctions:
     @staticmethod
     def mean_grads(acc: Pages, micro_batches: int, dtypes: tuple) -> tuple[Pages, jax.Array]:
         """(sums x 1/micro_batches in the pages' `dtypes`, their sum of squares); float32 sums are donated. Over
-        pages sharded over several CPU devices the sum of squares is a collective: waited for (`Zero.serial`)."""
+        pages sharded over several CPU devices the sum of squares is a collective: waited for (`zero.serial`)."""
         scale = jnp.float32(1 / micro_batches)
         dtypes = tuple(jnp.dtype(d).name for d in dtypes)
         out = (_mean_in_place if all(d == "float32" for d in dtypes) else _mean)(acc, scale, dtypes)
@@ -217,12 +217,6 @@ def scalar_sharding(sharding: jax.sharding.Sharding) -> jax.sharding.Sharding:
                                           memory_kind=sharding.memory_kind)
     return sharding
 
-
-def serial(sharding: jax.sharding.Sharding) -> bool:
-    """Whether a program over arrays laid out as `sharding`, whose reductions are collectives over several CPU
-    devices, must be waited for before the next one is dispatched (`Zero.serial`)."""
-    devices = sharding.device_set
-    return len(devices) > 1 and next(iter(devices)).platform == "cpu"
 
 
 def _float32_pages(dpages: Pages) -> Pages:

@@ -89,12 +89,8 @@ class Zero:
 
     @property
     def serial(self) -> bool:
-        """Whether programs with collectives must run one at a time: on the CPU backend, whose in-process
-        collectives wait for every device's part on one shared thread pool, and which may start two independent
-        programs in different orders on different devices, so two such programs in flight can each hold the
-        threads the other needs (measured: an abort after 40 s waiting at a rendezvous). An accelerator runs each
-        device's programs in order on its own stream."""
-        return self.mesh.devices.flat[0].platform == "cpu"
+        """Whether programs with collectives over this mesh must run one at a time (`serial`)."""
+        return serial(self.pages())
 
     def update_spmd(self, update: Callable, norm_only: bool = False) -> Callable:
         """A stage update over a rank's own pages (`make_stage_update` with `reduce=psum`) under shard_map:
@@ -106,6 +102,16 @@ class Zero:
         return jax.shard_map(update, mesh=self.mesh,
                              in_specs=(PAGES, PAGES, PAGES, SCALAR, SCALAR, SCALAR, SCALAR),
                              out_specs=(PAGES, PAGES, SCALAR, SCALAR, SCALAR), check_vma=False)
+
+
+def serial(sharding: jax.sharding.Sharding) -> bool:
+    """Whether programs over arrays laid out as `sharding` whose collectives span several devices must run one at
+    a time: on the CPU backend, whose in-process collectives wait for every device's part on one shared thread
+    pool, and which may start two independent programs in different orders on different devices, so two such
+    programs in flight can each hold the threads the other needs (measured: an abort after 40 s waiting at a
+    rendezvous). An accelerator runs each device's programs in order on its own stream."""
+    devices = sharding.device_set
+    return len(devices) > 1 and next(iter(devices)).platform == "cpu"
 
 
 def _waited(fn: Callable) -> Callable:
