@@ -200,9 +200,7 @@ def decoder(cfg: ModelConfig, embed_def: nnx.GraphDef, block_def: nnx.GraphDef |
     def decode(params: Params, cache: Params, tokens: jax.Array, pos: jax.Array) -> tuple[jax.Array, Params]:
         pos = jnp.asarray(pos, jnp.int32)
         x = embed_at(nnx.merge(embed_def, params["embed"]), tokens, pos)
-        dense = params.get("blocks")
-        if dense is not None:  # [groups x (every - 1), ...] -> [groups, every - 1, ...]
-            dense = jax.tree.map(lambda a: a.reshape(groups, every - 1, *a.shape[1:]), dense)
+        dense = grouped(params.get("blocks"), groups, every)
         per_group = {k: c.reshape(groups, every, *c.shape[1:]) for k, c in cache.items()}
 
         def body(h: jax.Array, group: tuple) -> tuple[jax.Array, dict]:
@@ -234,16 +232,30 @@ def run_blocks(cfg: ModelConfig, block_def: nnx.GraphDef | None, dense: Any, moe
             s = through_dense(nnx.merge(block_def, jax.tree.map(lambda a, i=i: a[i], dense_g)), s)
         return through_moe(nnx.merge(moe_def, moe_g), s), None
 
+    return scan_groups(cfg, cfg.n_layers, body, s, dense, routed)
+
+
+def scan_groups(cfg: ModelConfig, n: int, body: Callable[[Any, tuple], tuple[Any, None]], carry: Any, dense: Any,
+                routed: Any) -> Any:
+    """Thread `carry` through the n / every groups of `n` stacked blocks, `body(carry, (dense group, MoE block))`
+    each: rematerialised as model.remat says, scanned (one compiled body) or unrolled as model.scan_blocks says.
+    `dense`: the dense blocks stacked [n - n / every, ...] (None when every is 1); `routed`: the MoE blocks."""
     if cfg.remat:
         body = jax.checkpoint(body)
-    groups = cfg.n_layers // every
-    if dense is not None:  # [groups x (every - 1), ...] -> [groups, every - 1, ...]
-        dense = jax.tree.map(lambda a: a.reshape(groups, every - 1, *a.shape[1:]), dense)
+    groups = n // cfg.moe.every
+    dense = grouped(dense, groups, cfg.moe.every)
     if cfg.scan_blocks:
-        return jax.lax.scan(body, s, (dense, routed))[0]
+        return jax.lax.scan(body, carry, (dense, routed))[0]
     for g in range(groups):
-        s = body(s, jax.tree.map(lambda a, g=g: a[g], (dense, routed)))[0]
-    return s
+        carry = body(carry, jax.tree.map(lambda a, g=g: a[g], (dense, routed)))[0]
+    return carry
+
+
+def grouped(dense: Any, groups: int, every: int) -> Any:
+    """Dense blocks stacked [groups x (every - 1), ...] as [groups, every - 1, ...] (None stays None)."""
+    if dense is None:
+        return None
+    return jax.tree.map(lambda a: a.reshape(groups, every - 1, *a.shape[1:]), dense)
 
 
 def split(cfg: ModelConfig, params: Params) -> list[Params]:

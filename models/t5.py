@@ -367,16 +367,7 @@ def _run_groups(cfg: ModelConfig, n: int, dense_def: nnx.GraphDef | None, dense:
             s = _through_dense(nnx.merge(dense_def, jax.tree.map(lambda a, i=i: a[i], dense_g)), s, context)
         return _through_moe(nnx.merge(moe_def, moe_g), s, context), None
 
-    if cfg.remat:
-        body = jax.checkpoint(body)
-    groups = n // every
-    if dense is not None:  # [groups x (every - 1), ...] -> [groups, every - 1, ...]
-        dense = jax.tree.map(lambda a: a.reshape(groups, every - 1, *a.shape[1:]), dense)
-    if cfg.scan_blocks:
-        return jax.lax.scan(body, s, (dense, routed))[0]
-    for g in range(groups):
-        s = body(s, jax.tree.map(lambda a, g=g: a[g], (dense, routed)))[0]
-    return s
+    return moe_decoder.scan_groups(cfg, n, body, s, dense, routed)
 
 
 def _scan(block: Any, x: jax.Array, stacked: Any, cfg: ModelConfig) -> jax.Array:
