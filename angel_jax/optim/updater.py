@@ -54,6 +54,7 @@ import optax
 
 from angel_jax.errors import AngelError
 from angel_jax.memory import PageStore
+from angel_jax.memory.crossing import onto
 from angel_jax.memory.tiers import HOST_MEMORY_KINDS
 from angel_jax.optim.guard import StepControls, update_norm_ok
 
@@ -555,7 +556,7 @@ class PageUpdater:
 
     def _inputs(self, slot: StageSlot, place: Placement, grads: tuple, i: int) -> tuple:
         def to_compute(arrays: Any) -> Any:
-            return jax.device_put(arrays, place.compute)
+            return onto(arrays, place.compute)
 
         params = to_compute(tuple(self.store.get(p, slot.where) for p in slot.param_ids))
         opt = to_compute(tuple(self.store.get(o, slot.opt_where) for o in slot.opt_ids))
@@ -602,9 +603,9 @@ class PageUpdater:
             jax.block_until_ready(update_sq)
         del params, opt, grads
         self._opt_small[i] = small
-        new_params = jax.device_put(new_params, place.tier)
+        new_params = onto(new_params, place.tier)
         writes = []
-        for oid, arr in zip(slot.opt_ids, jax.device_put(new_opt, place.tier)):
+        for oid, arr in zip(slot.opt_ids, onto(new_opt, place.tier)):
             store.put(oid, arr, slot.opt_where)
             if slot.opt_home == "disk":
                 handle = store.evict(oid, "host")  # written back home; the host copy is freed once it lands

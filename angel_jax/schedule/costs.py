@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from angel_jax.memory.crossing import onto
 from angel_jax.memory.layout import PageLayout
 from angel_jax.optim.updater import Placement, StageUpdates
 from angel_jax.schedule.simulate import Bandwidths, StageCost
@@ -92,11 +93,17 @@ def profile_costs(fns: StageFunctions, updates: StageUpdates, params_layout: Pag
                 fn = updates.get(kind, place.compute, donate_params=True)
 
                 def setup(name=stage.name, place=place) -> tuple:
-                    return (_zeros(params_layout, name, place.compute), _zeros(params_layout, name, place.compute),
-                            _zeros(opt_layout, name, place.compute), jax.device_put(opt_small[name], place.scalar),
+                    return (_zeros(params_layout, name, place.tier), _zeros(params_layout, name, place.tier),
+                            _zeros(opt_layout, name, place.tier), jax.device_put(opt_small[name], place.scalar),
                             jax.device_put((norm, jnp.bool_(True), jnp.float32(1.0)), place.scalar))
 
-                update_s[where] = _time(lambda args, fn=fn: fn(*args[:4], *args[4]), setup)
+                def update(args: tuple, fn=fn, place=place) -> Any:
+                    # As the updater runs it: the tier's pages onto the compute placement (on an accelerator, the
+                    # host tier's pages cross to the CPU backend), the update, the new pages back into the tier.
+                    new_params, new_opt, *rest = fn(*onto(args[:3], place.compute), args[3], *args[4])
+                    return onto((new_params, new_opt), place.tier), rest
+
+                update_s[where] = _time(update, setup)
             # A pass's gradients, arrived in the host tier, added into the sum where host updates compute.
             add_s = _time(lambda args: host_sums.accumulate(*args), lambda name=stage.name: (
                 _float32_zeros(params_layout, name, placements["host"].compute),

@@ -41,6 +41,7 @@ import numpy as np
 import optax
 
 from angel_jax.memory.layout import PageLayout, StageLayout
+from angel_jax.memory.crossing import onto
 from angel_jax.memory.tiers import HOST_MEMORY_KINDS
 from angel_jax.optim.paged import OptLayout, make_stage_update, make_stage_update_norm, sqsum
 from angel_jax.optim.updater import in_host_memory
@@ -184,7 +185,7 @@ class HostSums:
 
     def accumulate(self, acc: Pages | None, dpages: Pages) -> Pages:
         """`dpages` as float32 (acc None), else `acc + dpages`, written over `acc`."""
-        dpages = jax.device_put(dpages, self.compute)
+        dpages = onto(dpages, self.compute)
         if acc is None:
             if all(d.dtype == jnp.float32 for d in dpages):
                 return dpages
