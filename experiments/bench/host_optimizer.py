@@ -103,10 +103,12 @@ def xla_bandwidth(n: int, repeats: int) -> float:
     """Bytes/s of a triad b + 3c on the XLA CPU backend, b donated (updated in place), over `n` float32s."""
     import jax
     import jax.numpy as jnp
+    import numpy as np
 
+    cpu = jax.local_devices(backend="cpu")[0]  # the host updates' backend, also on a GPU machine
     triad = jax.jit(lambda b, c: b + jnp.float32(3.0) * c, donate_argnums=0)
-    state = {"b": jnp.ones((n,), jnp.float32)}
-    c = jnp.full((n,), 2.0, jnp.float32)
+    state = {"b": jax.device_put(np.ones((n,), np.float32), cpu)}
+    c = jax.device_put(np.full((n,), 2.0, np.float32), cpu)
 
     def run() -> None:
         state["b"] = triad(state["b"], c).block_until_ready()
