@@ -156,7 +156,8 @@ def rung(mode: str, sizes_name: str, layers: int, disk_dir: str, steps: int) -> 
             plan = engine.built.plan
             placement = {"streamed": len(plan.streamed), "stages": len(plan.home),
                          "params_on_disk": plan.home.count("disk"), "grads_on_disk": plan.grad_home.count("disk"),
-                         "opt_on_disk": plan.opt_home.count("disk"), "peak_bytes": plan.peak_bytes}
+                         "opt_on_disk": plan.opt_home.count("disk"), "peak_bytes": plan.peak_bytes,
+                         "predicted_step_s": round(plan.predicted.step_time, 4)}
     finally:
         engine.close()
     return {"ok": True, "mode": mode, "layers": layers, "params": gpt.param_count(cfg.model)["total"],
