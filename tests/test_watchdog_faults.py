@@ -102,12 +102,12 @@ class Launches:
         self.jobs: list[Job] = []
 
     def start(self, name: str, *, env: dict[str, str] | None = None, resilience: dict | None = None,
-              args: tuple[str, ...] = (), shared_cache: bool = True) -> Job:
+              args: tuple[str, ...] = (), shared_cache: bool = True, memory: dict | None = None) -> Job:
         res = {**RESILIENCE, **(resilience or {})}
         if shared_cache:  # one cold compilation for the whole module; the compile-cache test uses its run dir
             res["compile_cache_dir"] = str(self.cache)
         cfg = self.write_config(self.directory, name, train={"steps": STEPS},
-                                checkpoint={"every": EVERY, "keep": 2}, resilience=res)
+                                checkpoint={"every": EVERY, "keep": 2}, resilience=res, memory=memory or {})
         out_path = self.directory / f"{name}.out"
         cmd = ["timeout", "-s", "KILL", str(LIMIT), sys.executable, "-m", "angel_jax.cli", "launch", "-n", "2",
                *args, str(cfg)]
@@ -325,6 +325,32 @@ def test_crash_while_a_checkpoint_is_written(rank0_killed, reference):
     assert (resumed[1]["step"], resumed[1]["lost_steps"]) == (8, 4)
     # the loop's own record agrees
     assert [e["step"] for e in job.events("resumed", source="rank0")] == [r["step"] for r in resumed]
+
+
+def test_sigkill_of_a_worker_with_sharded_paged_state(launches, reference):
+    """The sharded paged engine under the watchdog: every page family split over the two processes (ZeRO-3),
+    blocks streamed through host memory. Rank 1 is SIGKILLed after step 5; the job resumes from its last checkpoint
+    and ends with the numbers of the uninterrupted in-memory launch (`reference`), within the float tolerance the
+    two engines agree to (their arithmetic differs: pages, gathers, reduce-scatters)."""
+    job = launches.start("paged", memory={"mode": "paged", "page_size": 16384, "device_budget": 470_000})
+    job.wait_for(lambda: job.step() >= 5, "step 5")
+    os.kill(job.worker_pid(1), signal.SIGKILL)
+    assert job.wait() == 0, job.out[-5000:]
+    (end,) = job.events("job_end")
+    assert end["state"] == "succeeded" and end["restarts"] == 1, end
+    (crash,) = job.events("crash")
+    assert (crash["rank"], crash["status"]) == (1, "was killed by SIGKILL")
+    (resumed,) = job.events("resumed")
+    assert resumed["step"] % EVERY == 0 and 0 < resumed["step"] <= 5, resumed
+    assert json.loads((job.run_dir / "plan.json").read_text())["streamed"] > 0  # blocks streamed, not resident
+    for attempt in (0, 1):  # every page split over the two processes, in both attempts
+        assert "each of 2 devices (every page sharded over them: ZeRO-3" in \
+            (job.run_dir / "logs" / f"attempt{attempt}-rank0.log").read_text()
+    records = M.read_jsonl(job.run_dir / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    for r, want in zip(records, reference.records):
+        for key in ("loss", "grad_norm"):
+            assert r[key] == pytest.approx(want[key], rel=1e-5, abs=1e-6), (r["step"], key)
 
 
 def test_a_worker_that_crashes_every_time_ends_in_failed(launches):
