@@ -301,6 +301,7 @@ def child(args: argparse.Namespace) -> None:
     for engine, data in engines.values():
         timed_round(engine.step, data, args.warmup)
     store = paged.built.store
+    paged.built.updater.drain()  # every update installed: no page is between its donation and its new version
     store.wait_all()
     tiers, homes = tier_bytes(store), home_bytes(store)
     times: dict[str, list[float]] = {name: [] for name in engines}
@@ -311,6 +312,7 @@ def child(args: argparse.Namespace) -> None:
     timed_round(paged.step, engines["paged"][1], 1)
     counter.active = False
     uninstall()
+    paged.built.updater.drain()
     store.wait_all()
     plan = paged.built.plan
     out = {
