@@ -16,7 +16,8 @@ per rank is half of 1/N of the training state (fp32 parameters + Adam moments, 1
 stages stream. The same synthetic token batches feed every engine.
 
 Engines timed in one child, in alternating rounds (each round: S steps dispatched back to back, timed until the
-last one's loss exists; the median over rounds is reported):
+last one's loss exists and, for the paged engine, its host updates are installed; the median over rounds is
+reported):
 
     paged             the paged engine (build_engine, memory.mode=paged, mesh.fsdp=N): ZeRO-3 pages for N > 1
     reference         the in-memory engine on one device, same model and batch (the single-device reference);
@@ -75,6 +76,8 @@ from typing import Any, Callable
 ROOT = Path(__file__).resolve().parents[2]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+from angel_jax.memory.malloc import with_huge_pages  # noqa: E402  (children start as the launcher starts workers)
 
 BATCH = 8
 SEQ = 16
@@ -248,7 +251,10 @@ def _closed_over_jit(fn: Callable) -> Any:
     raise RuntimeError("Zero.stage_jit returned a function without a jitted program to read")
 
 
-def timed_round(step: Callable, data: list, steps: int) -> float:
+def timed_round(step: Callable, data: list, steps: int, settle: Callable[[], None] = lambda: None) -> float:
+    """Seconds per step over `steps` steps dispatched back to back, until the last one's loss exists and
+    `settle()` returned (the paged engine's: its updates installed, so that none runs on into the next engine's
+    round, where the CPU backend would serialise it with that engine's collectives)."""
     import jax
     import numpy as np
 
@@ -256,6 +262,7 @@ def timed_round(step: Callable, data: list, steps: int) -> float:
     for k in range(steps):
         metrics = step(data[k % len(data)])
     jax.block_until_ready(np.asarray(metrics["loss"]))
+    settle()
     return (time.perf_counter() - t0) / steps
 
 
@@ -307,7 +314,8 @@ def child(args: argparse.Namespace) -> None:
     times: dict[str, list[float]] = {name: [] for name in engines}
     for _ in range(args.rounds):
         for name, (engine, data) in engines.items():
-            times[name].append(timed_round(engine.step, data, args.steps))
+            settle = paged.built.updater.drain if name == "paged" else (lambda: None)
+            times[name].append(timed_round(engine.step, data, args.steps, settle))
     counter.active = True
     timed_round(paged.step, engines["paged"][1], 1)
     counter.active = False
@@ -354,7 +362,7 @@ def _result(stdout: str) -> dict:
 
 
 def run_devices(args: argparse.Namespace, n: int) -> dict:
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT),
+    env = {**with_huge_pages(os.environ), "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT),
            "XLA_FLAGS": f"--xla_force_host_platform_device_count={n}"}
     proc = subprocess.run(_command(args, "--child", "devices"), env=env, capture_output=True, text=True, cwd=ROOT)
     if proc.returncode != 0:
@@ -363,7 +371,7 @@ def run_devices(args: argparse.Namespace, n: int) -> dict:
 
 
 def run_processes(args: argparse.Namespace) -> dict:
-    env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
+    env = {**with_huge_pages(os.environ), "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(ROOT)}
     env.pop("XLA_FLAGS", None)
     port = str(_free_port())
     procs = [subprocess.Popen(_command(args, "--child", "processes", "--port", port, "--process-id", str(r)), env=env,
