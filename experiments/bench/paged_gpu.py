@@ -147,10 +147,16 @@ def rung(mode: str, sizes_name: str, layers: int, disk_dir: str, steps: int) -> 
     engine = build_engine(cfg, _mesh())
     try:
         build_s = time.perf_counter() - t0
+        plan = getattr(getattr(engine, "built", None), "plan", None)
+        _progress(f"{mode} {layers} layers: {engine.name} engine built in {build_s:.1f} s"
+                  + (f"; {len(plan.streamed)} of {len(plan.home)} stages streamed, predicted step "
+                     f"{plan.predicted.step_time:.3f} s" if plan is not None else ""))
         batches = _batches(cfg, engine.batch_sharding)
         first = timed(engine, batches, 1)
+        _progress(f"first step {first:.2f} s")
         timed(engine, batches, 2)  # the rest of the warm-up (first uses of small host-side computations)
         step_s = timed(engine, batches, steps)
+        _progress(f"step {step_s:.3f} s")
         placement = {}
         if engine.name == "paged":
             plan = engine.built.plan
@@ -165,6 +171,11 @@ def rung(mode: str, sizes_name: str, layers: int, disk_dir: str, steps: int) -> 
             "first_step_s": round(first, 3), "step_s": round(step_s, 4), **perf(cfg, step_s), **placement}
 
 
+def _progress(line: str) -> None:
+    """A rung's progress on stderr: a rung killed at its time limit still says how far it got."""
+    print(f"# {line}", file=sys.stderr, flush=True)
+
+
 def run_rung(mode: str, sizes_name: str, layers: int, disk_dir: str, steps: int, timeout: float) -> dict:
     if sizes_name == "smoke":  # tiny models cannot run out of memory: spare the process start-ups
         try:
@@ -176,8 +187,11 @@ def run_rung(mode: str, sizes_name: str, layers: int, disk_dir: str, steps: int,
     env = {**os.environ, "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    except subprocess.TimeoutExpired:
-        return {"ok": False, "mode": mode, "layers": layers, "error": f"timed out after {timeout:.0f} s"}
+    except subprocess.TimeoutExpired as e:
+        err = e.stderr.decode(errors="replace") if isinstance(e.stderr, bytes) else (e.stderr or "")
+        got = " | ".join(line for line in err.splitlines() if line.startswith("# "))
+        return {"ok": False, "mode": mode, "layers": layers,
+                "error": f"timed out after {timeout:.0f} s" + (f"; got to: {got}"[-400:] if got else "")}
     lines = [line for line in proc.stdout.splitlines() if line.startswith('{"ok"')]
     if proc.returncode == 0 and lines:
         return json.loads(lines[-1])
