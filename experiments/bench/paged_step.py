@@ -10,6 +10,10 @@ activations and a streaming window: most stages stream. Both engines train on th
 timed in alternating rounds of N steps (each round: dispatch N steps, wait for the last one, updates included), so
 machine noise hits both alike, and every ratio is taken within a round ("rounds" are these timing rounds).
 
+The run restarts itself with malloc's huge pages (GLIBC_TUNABLES=glibc.malloc.hugetlb=1) unless that is set: the
+workers `angel-jax launch` starts have them, and without them the profiled host updates, and with them the
+prediction, move from one run to the next.
+
 --micro-batches M (gradient accumulation; default 1): the global batch is M micro-batches of train.batch_size rows
 (train.batch_size becomes M x those rows, train.micro_batch_size those rows); the device budget stays one eighth of
 the training state. The paged engine runs them layer-major (a streamed stage fetched once, run for every
@@ -36,12 +40,20 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
-import jax
+from angel_jax.memory.malloc import with_huge_pages
+
+if "glibc.malloc.hugetlb" not in os.environ.get("GLIBC_TUNABLES", ""):
+    # Measured as `angel-jax launch` runs its workers: malloc maps large buffers with huge pages. glibc reads the
+    # tunable once, at process start, hence the restart (both engines of the run get it alike).
+    os.execve(sys.executable, [sys.executable, *sys.argv], with_huge_pages(os.environ))
+
+import jax  # noqa: E402
 import numpy as np
 
 from angel_jax.benchinfo import emit, results_path
