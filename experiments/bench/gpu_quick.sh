@@ -14,6 +14,8 @@ cd "$(dirname "$0")/../.."
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export GLIBC_TUNABLES="${GLIBC_TUNABLES:-glibc.malloc.hugetlb=1}"  # as `angel-jax launch` starts its workers
 PY="${PYTHON:-python3}"
+"$PY" -c "import jax, sys; sys.exit(jax.devices()[0].platform != 'gpu')" \
+  || { echo "gpu_quick.sh: no GPU visible to jax (these figures go to *_gpu.jsonl)" >&2; exit 2; }
 run() {  # run LIMIT_S NAME COMMAND...: one figure under its own limit
   local limit=$1 name=$2; shift 2
   echo "== $name (limit ${limit} s)"
