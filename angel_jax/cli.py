@@ -267,6 +267,10 @@ def main(argv: list[str] | None = None) -> int:
     # `train CONFIG --print-config key=value`: argparse stops filling a nargs='*' positional at the first
     # optional, so overrides after one come back as extras; take them, refuse anything else.
     args, extra = parser.parse_known_args(argv)
+    if argv is None and args.command in ("train", "worker"):
+        from angel_jax.memory.malloc import restart_with_huge_pages
+
+        restart_with_huge_pages(sys.argv[1:])  # host updates run ~2x faster (memory/malloc.py); same pid
     if extra:
         if not hasattr(args, "overrides") or any(x.startswith("-") or "=" not in x for x in extra):
             parser.error(f"unrecognized arguments: {' '.join(extra)}")

@@ -69,3 +69,21 @@ def test_the_launcher_starts_its_workers_with_huge_pages(tmp_path, write_tiny_co
     launcher = Launcher(write_tiny_config(tmp_path), [], workers=2)
     env = launcher._env(co.Spawn(attempt=0, nodes=("n0", "n1"), resume=False), rank=1, port=1234)
     assert HUGE_PAGES in env["GLIBC_TUNABLES"].split(":")
+
+
+def test_train_restarts_itself_with_huge_pages_once(monkeypatch):
+    """`angel-jax train` / `worker` started without the tunable exec themselves again with it (same arguments);
+    with it set, whatever its value, nothing happens."""
+    from angel_jax.memory.malloc import restart_with_huge_pages
+
+    calls = []
+    monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=2")
+    restart_with_huge_pages(["train", "c.yaml", "train.steps=3"], execve=lambda *a: calls.append(a))
+    ((exe, argv, env),) = calls
+    assert exe == sys.executable and argv == [sys.executable, "-m", "angel_jax.cli", "train", "c.yaml",
+                                              "train.steps=3"]
+    assert env["GLIBC_TUNABLES"] == f"glibc.malloc.arena_max=2:{HUGE_PAGES}"
+    for value in (HUGE_PAGES, "glibc.malloc.hugetlb=0"):
+        monkeypatch.setenv("GLIBC_TUNABLES", value)
+        restart_with_huge_pages(["train", "c.yaml"], execve=lambda *a: calls.append(a))
+    assert len(calls) == 1

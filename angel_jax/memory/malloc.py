@@ -12,8 +12,8 @@ block took 196,715 faults per call. With glibc's `glibc.malloc.hugetlb=1` tunabl
 use transparent huge pages (2 MiB): 1,003 faults, and the update ran in 0.205 s instead of 0.424 s on a 2-core
 VM (experiments/bench/host_optimizer.py; experiments/results/host_optimizer_cpu.jsonl). glibc reads tunables
 once, at process start, from the environment (`GLIBC_TUNABLES`), so the launcher starts its workers with it
-(`with_huge_pages`); a process started by hand gets it with `GLIBC_TUNABLES=glibc.malloc.hugetlb=1 angel-jax
-train ...`. It needs transparent huge pages in `madvise` or `always` mode (/sys/kernel/mm/transparent_hugepage)
+(`with_huge_pages`), and `angel-jax train` and `angel-jax worker` started by hand (or by srun) restart themselves
+with it (`restart_with_huge_pages`) before anything is allocated. It needs transparent huge pages in `madvise` or `always` mode (/sys/kernel/mm/transparent_hugepage)
 and glibc 2.35 or later; elsewhere it changes nothing.
 """
 
@@ -22,7 +22,9 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import logging
-from typing import Mapping
+import os
+import sys
+from typing import Callable, Mapping
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +62,20 @@ def with_huge_pages(environ: Mapping[str, str]) -> dict[str, str]:
     """`environ` for a child process whose malloc maps large buffers with huge pages: `HUGE_PAGES` added to
     GLIBC_TUNABLES (colon-separated), unless that already sets `glibc.malloc.hugetlb` (left as it is)."""
     env = dict(environ)
-    tunables = [t for t in env.get("GLIBC_TUNABLES", "").split(":") if t]
-    if not any(t.split("=", 1)[0] == "glibc.malloc.hugetlb" for t in tunables):
-        env["GLIBC_TUNABLES"] = ":".join([*tunables, HUGE_PAGES])
+    if not has_huge_pages(env):
+        env["GLIBC_TUNABLES"] = ":".join([*(t for t in env.get("GLIBC_TUNABLES", "").split(":") if t), HUGE_PAGES])
     return env
+
+
+def has_huge_pages(environ: Mapping[str, str]) -> bool:
+    """Whether GLIBC_TUNABLES in `environ` sets `glibc.malloc.hugetlb` (to any value: a user's choice stands)."""
+    return any(t.split("=", 1)[0] == "glibc.malloc.hugetlb" for t in environ.get("GLIBC_TUNABLES", "").split(":"))
+
+
+def restart_with_huge_pages(argv: list[str], execve: Callable[..., None] = os.execve) -> None:
+    """Replace this process with `python -m angel_jax.cli ARGV` under `with_huge_pages` (same pid, same
+    arguments), unless its environment already sets the tunable: glibc reads it only at process start. Call it
+    before anything large is allocated; it returns only when there is nothing to do."""
+    if has_huge_pages(os.environ):
+        return
+    execve(sys.executable, [sys.executable, "-m", "angel_jax.cli", *argv], with_huge_pages(os.environ))
