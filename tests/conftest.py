@@ -24,6 +24,12 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
 
+# Every program of the session, and of every process a test starts (they inherit the flag), compiled without
+# XLA's backend (LLVM) optimisations: the suite's programs are tiny, so compiling dominates and running them
+# slower costs less than it saves. What the tests compare is computed under the same settings on both sides.
+if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
+    os.environ["XLA_FLAGS"] = " ".join(filter(None, [os.environ.get("XLA_FLAGS"), "--xla_backend_optimization_level=0"]))
+
 import pytest  # noqa: E402
 import yaml  # noqa: E402
 from hypothesis import settings  # noqa: E402
