@@ -22,6 +22,7 @@ import numpy as np
 
 from angel_jax.memory.tiers import HOST_MEMORY_KINDS
 
+
 def _platform(sharding: jax.sharding.Sharding) -> str:
     return next(iter(sharding.device_set)).platform
 

@@ -13,8 +13,8 @@ use transparent huge pages (2 MiB): 1,003 faults, and the update ran in 0.205 s 
 VM (experiments/bench/host_optimizer.py; experiments/results/host_optimizer_cpu.jsonl). glibc reads tunables
 once, at process start, from the environment (`GLIBC_TUNABLES`), so the launcher starts its workers with it
 (`with_huge_pages`), and `angel-jax train` and `angel-jax worker` started by hand (or by srun) restart themselves
-with it (`restart_with_huge_pages`) before anything is allocated. It needs transparent huge pages in `madvise` or `always` mode (/sys/kernel/mm/transparent_hugepage)
-and glibc 2.35 or later; elsewhere it changes nothing.
+with it (`restart_with_huge_pages`) before anything is allocated. It needs transparent huge pages in `madvise` or
+`always` mode (/sys/kernel/mm/transparent_hugepage) and glibc 2.35 or later; elsewhere it changes nothing.
 """
 
 from __future__ import annotations
