@@ -28,7 +28,8 @@ os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
 # XLA's backend (LLVM) optimisations: the suite's programs are tiny, so compiling dominates and running them
 # slower costs less than it saves. What the tests compare is computed under the same settings on both sides.
 if "xla_backend_optimization_level" not in os.environ.get("XLA_FLAGS", ""):
-    os.environ["XLA_FLAGS"] = " ".join(filter(None, [os.environ.get("XLA_FLAGS"), "--xla_backend_optimization_level=0"]))
+    _flags = [os.environ.get("XLA_FLAGS"), "--xla_backend_optimization_level=0"]
+    os.environ["XLA_FLAGS"] = " ".join(filter(None, _flags))
 
 import pytest  # noqa: E402
 import yaml  # noqa: E402
