@@ -270,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     if argv is None and args.command in ("train", "worker"):
         from angel_jax.memory.malloc import restart_with_huge_pages
 
-        restart_with_huge_pages(sys.argv[1:])  # host updates run ~2x faster (memory/malloc.py); same pid
+        restart_with_huge_pages(["-m", "angel_jax.cli", *sys.argv[1:]])  # host updates ~2x faster; same pid
     if extra:
         if not hasattr(args, "overrides") or any(x.startswith("-") or "=" not in x for x in extra):
             parser.error(f"unrecognized arguments: {' '.join(extra)}")

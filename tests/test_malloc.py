@@ -78,12 +78,13 @@ def test_train_restarts_itself_with_huge_pages_once(monkeypatch):
 
     calls = []
     monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=2")
-    restart_with_huge_pages(["train", "c.yaml", "train.steps=3"], execve=lambda *a: calls.append(a))
+    restart_with_huge_pages(["-m", "angel_jax.cli", "train", "c.yaml", "train.steps=3"],
+                            execve=lambda *a: calls.append(a))
     ((exe, argv, env),) = calls
     assert exe == sys.executable and argv == [sys.executable, "-m", "angel_jax.cli", "train", "c.yaml",
                                               "train.steps=3"]
     assert env["GLIBC_TUNABLES"] == f"glibc.malloc.arena_max=2:{HUGE_PAGES}"
     for value in (HUGE_PAGES, "glibc.malloc.hugetlb=0"):
         monkeypatch.setenv("GLIBC_TUNABLES", value)
-        restart_with_huge_pages(["train", "c.yaml"], execve=lambda *a: calls.append(a))
+        restart_with_huge_pages(["-m", "angel_jax.cli", "train", "c.yaml"], execve=lambda *a: calls.append(a))
     assert len(calls) == 1

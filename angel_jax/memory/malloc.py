@@ -72,10 +72,11 @@ def has_huge_pages(environ: Mapping[str, str]) -> bool:
     return any(t.split("=", 1)[0] == "glibc.malloc.hugetlb" for t in environ.get("GLIBC_TUNABLES", "").split(":"))
 
 
-def restart_with_huge_pages(argv: list[str], execve: Callable[..., None] = os.execve) -> None:
-    """Replace this process with `python -m angel_jax.cli ARGV` under `with_huge_pages` (same pid, same
-    arguments), unless its environment already sets the tunable: glibc reads it only at process start. Call it
-    before anything large is allocated; it returns only when there is nothing to do."""
+def restart_with_huge_pages(args: list[str], execve: Callable[..., None] = os.execve) -> None:
+    """Replace this process with `python ARGS` under `with_huge_pages` (same pid; ARGS as this process was started,
+    e.g. `-m angel_jax.cli train ...` or a script and its arguments), unless its environment already sets the
+    tunable: glibc reads it only at process start. Call it before anything large is allocated; it returns only
+    when there is nothing to do."""
     if has_huge_pages(os.environ):
         return
-    execve(sys.executable, [sys.executable, "-m", "angel_jax.cli", *argv], with_huge_pages(os.environ))
+    execve(sys.executable, [sys.executable, *args], with_huge_pages(os.environ))

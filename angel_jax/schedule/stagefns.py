@@ -40,8 +40,8 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
-from angel_jax.memory.layout import PageLayout, StageLayout
 from angel_jax.memory.crossing import onto
+from angel_jax.memory.layout import PageLayout, StageLayout
 from angel_jax.memory.tiers import HOST_MEMORY_KINDS
 from angel_jax.optim.paged import OptLayout, make_stage_update, make_stage_update_norm, sqsum
 from angel_jax.optim.updater import in_host_memory

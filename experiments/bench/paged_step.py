@@ -40,18 +40,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import statistics
 import sys
 import time
 from pathlib import Path
 
-from angel_jax.memory.malloc import with_huge_pages
+from angel_jax.memory.malloc import restart_with_huge_pages
 
-if "glibc.malloc.hugetlb" not in os.environ.get("GLIBC_TUNABLES", ""):
-    # Measured as `angel-jax launch` runs its workers: malloc maps large buffers with huge pages. glibc reads the
-    # tunable once, at process start, hence the restart (both engines of the run get it alike).
-    os.execve(sys.executable, [sys.executable, *sys.argv], with_huge_pages(os.environ))
+# Measured as `angel-jax launch` runs its workers: malloc maps large buffers with huge pages. glibc reads the
+# tunable once, at process start, hence the restart (both engines of the run get it alike).
+restart_with_huge_pages(sys.argv)
 
 import jax  # noqa: E402
 import numpy as np
