@@ -26,6 +26,7 @@ import optax
 from angel_jax.memory.layout import StageLayout
 from angel_jax.optim.factory import clip_with_norm
 from angel_jax.optim.flat import FlatPlan, make_flat_update
+from angel_jax.optim.fused import HostAdamW, make_kernel_update, make_kernel_update_norm
 
 Pages = tuple
 
@@ -89,7 +90,7 @@ def global_norm(sqsums: list[jax.Array]) -> jax.Array:
 
 def make_stage_update(tx: optax.GradientTransformation, params_rep: StageLayout, opt_rep: StageLayout,
                       layout: OptLayout, grad_clip: float, reduce: Callable[[jax.Array], jax.Array] | None = None,
-                      elementwise: bool = False) -> Callable:
+                      elementwise: bool = False, kernel: HostAdamW | None = None) -> Callable:
     """The update of one stage over pages (pure; jit it):
 
         update(param_pages, grad_pages, opt_pages, opt_small, norm, ok, lr_scale)
@@ -103,9 +104,13 @@ def make_stage_update(tx: optax.GradientTransformation, params_rep: StageLayout,
     stage's first page are used. `reduce`: how the update's sum of squares becomes the stage's (ZeRO-3: the pages
     are a rank's shard, the sum is taken over the ranks, schedule/zero.py), before it decides `applied`.
     `elementwise`: `tx` treats every element alike (not Adafactor, `factory.is_elementwise`): the update then runs
-    on flat segments of the pages where the layouts allow it (flat.py: a few times fewer bytes moved on the CPU)."""
+    on flat segments of the pages where the layouts allow it (flat.py: a few times fewer bytes moved on the CPU).
+    `kernel`: `tx` is the Adam/AdamW it describes (`fused.host_adamw`): on the CPU backend the flat update then
+    runs as the host kernel (fused.py: one pass, every core)."""
     if elementwise and (plan := FlatPlan.build(tx, params_rep, opt_rep, layout.paged)) is not None:
-        return make_flat_update(plan, tx, grad_clip, reduce)
+        flat = make_flat_update(plan, tx, grad_clip, reduce)
+        fused = kernel and make_kernel_update(plan, kernel, grad_clip, reduce, flat)
+        return fused or flat
 
     def update(param_pages: Pages, grad_pages: Pages, opt_pages: Pages, opt_small: list, norm: jax.Array,
                ok: jax.Array, lr_scale: jax.Array) -> tuple:
@@ -128,7 +133,7 @@ def make_stage_update(tx: optax.GradientTransformation, params_rep: StageLayout,
 
 def make_stage_update_norm(tx: optax.GradientTransformation, params_rep: StageLayout, opt_rep: StageLayout,
                            layout: OptLayout, grad_clip: float, reduce: Callable[[jax.Array], jax.Array] | None = None,
-                           elementwise: bool = False) -> Callable:
+                           elementwise: bool = False, kernel: HostAdamW | None = None) -> Callable:
     """Only the sum of squares of the stage's update, nothing written: the first pass when the step's update may
     be dropped for its global norm (`max_update_norm`), which is known only once every stage's update is."""
     full = make_stage_update(tx, params_rep, opt_rep, layout, grad_clip, reduce, elementwise)
@@ -137,4 +142,6 @@ def make_stage_update_norm(tx: optax.GradientTransformation, params_rep: StageLa
                   lr_scale: jax.Array) -> jax.Array:
         return full(param_pages, grad_pages, opt_pages, opt_small, norm, jnp.bool_(False), lr_scale)[3]
 
+    if kernel and elementwise and (plan := FlatPlan.build(tx, params_rep, opt_rep, layout.paged)) is not None:
+        return make_kernel_update_norm(plan, kernel, grad_clip, reduce, update_sq) or update_sq
     return update_sq

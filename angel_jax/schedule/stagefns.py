@@ -43,6 +43,7 @@ import optax
 from angel_jax.memory.crossing import onto
 from angel_jax.memory.layout import PageLayout, StageLayout
 from angel_jax.memory.tiers import HOST_MEMORY_KINDS
+from angel_jax.optim.fused import HostAdamW
 from angel_jax.optim.paged import OptLayout, make_stage_update, make_stage_update_norm, sqsum
 from angel_jax.optim.updater import in_host_memory
 from angel_jax.schedule.zero import Zero, psum, serial
@@ -56,10 +57,11 @@ class StageFunctions:
 
     def __init__(self, staged: StagedModel, params_layout: PageLayout, opt_layout: PageLayout,
                  opt_structure: dict[str, OptLayout], tx: optax.GradientTransformation, grad_clip: float,
-                 zero: Zero | None = None, elementwise: bool = False):
+                 zero: Zero | None = None, elementwise: bool = False, kernel: HostAdamW | None = None):
         """`zero`: the layouts are `ShardedPageLayout`s over its mesh (ZeRO-3, schedule/zero.py): the stage
         functions gather and reduce-scatter the pages across the ranks, the updates run on each rank's shards.
-        `elementwise`: `tx` is element-wise (`optim.is_elementwise`): its updates may run on flat pages."""
+        `elementwise`: `tx` is element-wise (`optim.is_elementwise`): its updates may run on flat pages.
+        `kernel`: `tx` is this Adam/AdamW (`optim.fused.host_adamw`): its host updates run as the host kernel."""
         self.staged = staged
         kinds = staged.kinds()
         rep: dict[str, StageLayout] = {k: params_layout.stage(staged.stages[idx[0]].name) for k, idx in kinds.items()}
@@ -129,12 +131,13 @@ class StageFunctions:
                 self.backward[kind] = jit(bwd, "backward")
             args = (tx, update_rep[kind], update_opt_rep[kind], self.opt_structure[kind], grad_clip)
             if zero is None:
-                self.update[kind] = make_stage_update(*args, elementwise=elementwise)
-                self.update_norm[kind] = make_stage_update_norm(*args, elementwise=elementwise)
+                self.update[kind] = make_stage_update(*args, elementwise=elementwise, kernel=kernel)
+                self.update_norm[kind] = make_stage_update_norm(*args, elementwise=elementwise, kernel=kernel)
             else:
-                self.update[kind] = zero.update_spmd(make_stage_update(*args, reduce=psum, elementwise=elementwise))
+                self.update[kind] = zero.update_spmd(make_stage_update(*args, reduce=psum, elementwise=elementwise,
+                                                                        kernel=kernel))
                 self.update_norm[kind] = zero.update_spmd(
-                    make_stage_update_norm(*args, reduce=psum, elementwise=elementwise), norm_only=True)
+                    make_stage_update_norm(*args, reduce=psum, elementwise=elementwise, kernel=kernel), norm_only=True)
 
     @staticmethod
     def accumulate(acc: Pages | None, dpages: Pages) -> Pages:

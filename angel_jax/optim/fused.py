@@ -1,0 +1,139 @@
+"""The stage update of Adam and AdamW by the host kernel (kernels/adamw_cpu.cc): one pass over the pages, every
+core, each byte read and written once.
+
+    spec = host_adamw(cfg.optimizer, schedule)                      # None: not Adam/AdamW in float32, or no kernel
+    update = make_kernel_update(plan, spec, grad_clip, reduce, fallback)   # make_stage_update's arguments/results
+
+Why: XLA's CPU backend runs the flat update (flat.py) at 2.1x the bytes an AdamW update must move, and splits a
+memory-bound loop into at most ceil(sqrt(cores)) parts (4 of 16 cores on the GPU machines' hosts). Host updates
+bound paged training wherever stages stream (experiments/results/gpu_h200.md); the kernel moves 28 B per
+float32 parameter and uses every core.
+
+The kernel runs only on the CPU backend (`jax.lax.platform_dependent`): updates on an accelerator keep XLA's flat
+update (`fallback`), where XLA is fast. Its arithmetic is optax's, operation for operation, in float32; the step
+counts and coefficients (bias corrections, the learning rate at the step, the clipping trigger) are computed here
+with optax's own expressions, so the results equal the XLA update's up to float32 rounding (measured: an element
+now and then one unit in the last place apart, as XLA's own differently fused loops are; tests/test_host_kernel.py).
+
+One difference, stated in the guard's terms: the kernel writes the new pages only where the step's verdict `ok`
+(loss and gradient norm finite and within bounds) holds, known before the update, and cannot also withhold them
+when the update itself comes out non-finite. For Adam and AdamW that cannot happen with finite gradients and
+state: |mu_hat| / sqrt(nu_hat) is bounded and the denominator is at least eps. `applied` is `ok`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from angel_jax.config import OptimizerConfig
+from angel_jax.optim.flat import FlatPlan
+from angel_jax.optim.kernels import HOST_ADAMW, load_host_adamw
+
+Pages = tuple
+
+
+@dataclass(frozen=True)
+class HostAdamW:
+    """The arithmetic of `make_optimizer`'s Adam or AdamW (clipping aside): what the kernel needs to know."""
+
+    b1: float
+    b2: float
+    eps: float
+    weight_decay: float
+    """0 for Adam."""
+    schedule: optax.Schedule
+
+
+def host_adamw(cfg: OptimizerConfig, schedule: optax.Schedule) -> HostAdamW | None:
+    """The kernel's description of `make_optimizer(cfg)`, or None where the kernel does not apply (not Adam or
+    AdamW, state not float32, `host_kernel` off) or cannot be built here (the reason is logged once)."""
+    if not cfg.host_kernel or cfg.name not in ("adamw", "adam") or cfg.state_dtype != "float32":
+        return None
+    if load_host_adamw() is not None:
+        return None
+    return HostAdamW(cfg.b1, cfg.b2, cfg.eps, cfg.weight_decay if cfg.name == "adamw" else 0.0, schedule)
+
+
+def _table(plan: FlatPlan) -> np.ndarray | None:
+    """Per segment: parameter page, offset, mu page, offset, nu page, offset, length (the kernel's `table`); None
+    unless the plan is Adam's (two state families; the small leaves its count and the schedule's)."""
+    k = len(plan.bounds)
+    if plan.families != 2 or plan.paged != (False,) + (True,) * (2 * k) + (False,):
+        return None
+    rows = [(p.page, p.offset, m.page, m.offset, n.page, n.offset, b - a) for p, m, n, (a, b) in
+            zip(plan.param_pieces(), plan.opt_pieces(0), plan.opt_pieces(1), plan.bounds)]
+    return np.asarray(rows, np.int64).reshape(-1)
+
+
+def _coefficients(spec: HostAdamW, grad_clip: float, small: list, norm: jax.Array, ok: jax.Array,
+                  lr_scale: jax.Array, apply: bool) -> tuple[jax.Array, list]:
+    """(the kernel's float32 coefficients, the new small leaves if the update is applied), with optax's
+    expressions (scale_by_adam, tree_bias_correction, scale_by_schedule) for identical values."""
+    count, sched_count = small
+    count_inc = optax.safe_increment(count)
+    bc1 = 1 - spec.b1 ** count_inc
+    bc2 = 1 - spec.b2 ** count_inc
+    step_size = -1 * spec.schedule(sched_count)
+    trigger = norm < grad_clip if grad_clip > 0 else jnp.bool_(True)
+    values = (1 - spec.b1, spec.b1, 1 - spec.b2, spec.b2, bc1, bc2, 0.0, spec.eps, spec.weight_decay, step_size,
+              lr_scale, norm, max(grad_clip, 0.0), trigger, ok if apply else False)
+    coeffs = jnp.stack([jnp.asarray(v).astype(jnp.float32) for v in values])
+    return coeffs, [count_inc, optax.safe_increment(sched_count)]
+
+
+def make_kernel_update(plan: FlatPlan, spec: HostAdamW, grad_clip: float,
+                       reduce: Callable[[jax.Array], jax.Array] | None, fallback: Callable) -> Callable | None:
+    """`make_stage_update`'s update by the kernel on the CPU backend, `fallback` elsewhere; None where the plan
+    is not Adam's."""
+    table = _table(plan)
+    if table is None:
+        return None
+    n_params, n_opt = plan.param_pages, plan.opt_pages
+    # Results alias the pages they replace: written in place when the caller donates them, else XLA copies first.
+    aliases = {1 + i: 1 + i for i in range(n_params)} | {1 + 2 * n_params + j: 1 + n_params + j for j in range(n_opt)}
+
+    def kernel(param_pages: Pages, grad_pages: Pages, opt_pages: Pages, opt_small: list, norm: jax.Array,
+               ok: jax.Array, lr_scale: jax.Array) -> tuple:
+        coeffs, new_small = _coefficients(spec, grad_clip, list(opt_small), norm, ok, lr_scale, apply=True)
+        shapes = [jax.ShapeDtypeStruct(p.shape, p.dtype) for p in (*param_pages, *opt_pages)]
+        call = jax.ffi.ffi_call(HOST_ADAMW, (jax.ShapeDtypeStruct((), jnp.float32), *shapes),
+                                input_output_aliases=aliases)
+        sq, *pages = call(coeffs, *param_pages, *grad_pages, *opt_pages, table=table, param_pages=np.int64(n_params),
+                          opt_pages=np.int64(n_opt), threads=np.int64(0))
+        if reduce is not None:
+            sq = reduce(sq)
+        small = [jnp.where(ok, new, old) for new, old in zip(new_small, opt_small)]
+        return tuple(pages[:n_params]), tuple(pages[n_params:]), small, sq, ok
+
+    def update(*args: object) -> tuple:
+        return jax.lax.platform_dependent(*args, cpu=kernel, default=fallback)
+
+    return update
+
+
+def make_kernel_update_norm(plan: FlatPlan, spec: HostAdamW, grad_clip: float,
+                            reduce: Callable[[jax.Array], jax.Array] | None, fallback: Callable) -> Callable | None:
+    """`make_stage_update_norm`'s first pass by the kernel: the update's sum of squares, nothing written."""
+    table = _table(plan)
+    if table is None:
+        return None
+    n_params, n_opt = plan.param_pages, plan.opt_pages
+
+    def kernel(param_pages: Pages, grad_pages: Pages, opt_pages: Pages, opt_small: list, norm: jax.Array,
+               lr_scale: jax.Array) -> jax.Array:
+        coeffs, _ = _coefficients(spec, grad_clip, list(opt_small), norm, jnp.bool_(False), lr_scale, apply=False)
+        call = jax.ffi.ffi_call(HOST_ADAMW, jax.ShapeDtypeStruct((), jnp.float32))
+        sq = call(coeffs, *param_pages, *grad_pages, *opt_pages, table=table, param_pages=np.int64(n_params),
+                  opt_pages=np.int64(n_opt), threads=np.int64(0))
+        return sq if reduce is None else reduce(sq)
+
+    def update_sq(*args: object) -> jax.Array:
+        return jax.lax.platform_dependent(*args, cpu=kernel, default=fallback)
+
+    return update_sq

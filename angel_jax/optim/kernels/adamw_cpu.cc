@@ -1,0 +1,208 @@
+// AdamW (and Adam) on the host, in one pass over the pages, on every core: an XLA FFI target for the CPU backend.
+//
+// Why: XLA's CPU backend emits one loop per array an update writes, and keeps intermediates two of those loops
+// share in memory. The best the stage update could be arranged to (optim/flat.py) still moves 2.1x the bytes an
+// AdamW update must (parameters, gradients and both moments read; parameters and moments written: 28 B per
+// float32 parameter), and XLA splits a memory-bound loop into at most ceil(sqrt(cores)) parts. Here each element
+// is read once and written once, and every core the process may use takes chunks of the pages.
+//
+// The arithmetic is optax's, operation for operation, in float32 (compiled without contraction into fused
+// multiply-adds, as XLA compiles it), so the results equal the XLA update's up to the last bit of an element now
+// and then:
+//   g  = trigger ? g : (g / norm) * max_norm                       clip_with_norm
+//   mu = (1 - b1) * g + b1 * mu                                     optax.tree.update_moment
+//   nu = (1 - b2) * (g * g) + b2 * nu                               ... per_elem_norm, order 2
+//   u  = (mu / bc1) / (sqrt(nu / bc2 + eps_root) + eps)             scale_by_adam, bias-corrected
+//   u  = u + wd * p                                                 add_decayed_weights (AdamW; wd = 0: Adam)
+//   u  = (step_size * u) * lr_scale                                 scale_by_learning_rate, the guard's lr scale
+//   p  = p + u                                                      optax.apply_updates
+// The results are written only where `apply` is set (the step's verdict, known before the update: with finite
+// gradients and state the update is finite); the sum of squares of u is computed either way, per chunk in a fixed
+// order, so it is the same whatever the number of threads.
+//
+// Operands: coeffs f32[15] (enum Coeff: the betas, bias corrections, eps, weight decay, step size, the guard's
+// lr scale, the gradient norm and clip bound, whether the norm is under it, whether to apply), then P parameter pages, P gradient pages, O optimizer pages (float32, 1-D).
+// Results: the update's sum of squares f32[], then P parameter pages and O optimizer pages (aliased by the caller
+// to the pages they replace; none: only the sum of squares, nothing written). Attribute `table`: per segment (a run of elements contiguous in every family) seven
+// int64s: parameter page, offset in it (the gradient page and offset are the same), mu's page and offset, nu's
+// page and offset, length.
+
+#include <sched.h>
+
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <thread>
+#include <vector>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+enum Coeff { kOneMinusB1, kB1, kOneMinusB2, kB2, kBc1, kBc2, kEpsRoot, kEps, kWd, kStepSize, kLrScale, kNorm,
+             kMaxNorm, kTrigger, kApply, kCount };
+
+constexpr int64_t kChunk = 1 << 16;  // elements per unit of work
+constexpr int kLanes = 16;           // independent partial sums: the sum of squares vectorises, in a fixed order
+constexpr int kBlock = 256;          // elements per block of a chunk's loop (the update kept on the stack)
+
+struct Segment {
+  const float* p;
+  const float* g;
+  const float* m;
+  const float* v;
+  float* po;
+  float* mo;
+  float* vo;
+  int64_t length;
+};
+
+struct Chunk {
+  int segment;
+  int64_t start, stop;
+};
+
+struct Coefficients {
+  float omb1, b1, omb2, b2, bc1, bc2, eps_root, eps, wd, step, lr_scale, norm, max_norm;
+};
+
+// One block: new values into the block buffers (which alias nothing, so the loop vectorises), the update into u.
+template <bool kClip>
+inline void compute_block(int n, const Coefficients& k, const float* __restrict p, const float* __restrict g,
+                          const float* __restrict m, const float* __restrict v, float* __restrict po,
+                          float* __restrict mo, float* __restrict vo, float* __restrict u) {
+  for (int j = 0; j < n; ++j) {
+    float gj = g[j];
+    if (kClip) gj = (gj / k.norm) * k.max_norm;
+    const float mj = k.omb1 * gj + k.b1 * m[j];
+    const float vj = k.omb2 * (gj * gj) + k.b2 * v[j];
+    float uj = (mj / k.bc1) / (std::sqrt(vj / k.bc2 + k.eps_root) + k.eps);
+    uj = uj + k.wd * p[j];
+    uj = (k.step * uj) * k.lr_scale;
+    po[j] = p[j] + uj;
+    mo[j] = mj;
+    vo[j] = vj;
+    u[j] = uj;
+  }
+}
+
+// One chunk of one segment; returns the sum of squares of its update.
+template <bool kClip>
+double run_chunk(const Segment& s, int64_t a, int64_t b, const Coefficients& k, bool apply) {
+  alignas(64) float lanes[kLanes] = {0};
+  alignas(64) float pb[kBlock], mb[kBlock], vb[kBlock], u[kBlock];
+  for (int64_t i0 = a; i0 < b; i0 += kBlock) {
+    const int n = static_cast<int>(b - i0 < kBlock ? b - i0 : kBlock);
+    compute_block<kClip>(n, k, s.p + i0, s.g + i0, s.m + i0, s.v + i0, pb, mb, vb, u);
+    if (apply) {  // read before written: the results may replace the operands in place
+      std::memcpy(s.po + i0, pb, n * sizeof(float));
+      std::memcpy(s.mo + i0, mb, n * sizeof(float));
+      std::memcpy(s.vo + i0, vb, n * sizeof(float));
+    }
+    int j = 0;
+    for (; j + kLanes <= n; j += kLanes)
+      for (int l = 0; l < kLanes; ++l) lanes[l] += u[j + l] * u[j + l];
+    for (; j < n; ++j) lanes[j % kLanes] += u[j] * u[j];
+  }
+  double sum = 0.0;
+  for (int l = 0; l < kLanes; ++l) sum += lanes[l];
+  return sum;
+}
+
+double run_chunk_any(const Segment& s, int64_t a, int64_t b, const float* c) {
+  const Coefficients k{c[kOneMinusB1], c[kB1], c[kOneMinusB2], c[kB2], c[kBc1], c[kBc2], c[kEpsRoot],
+                       c[kEps], c[kWd], c[kStepSize], c[kLrScale], c[kNorm], c[kMaxNorm]};
+  const bool apply = c[kApply] != 0.0f;
+  return c[kTrigger] == 0.0f ? run_chunk<true>(s, a, b, k, apply) : run_chunk<false>(s, a, b, k, apply);
+}
+
+int usable_cores() {
+  cpu_set_t set;
+  if (sched_getaffinity(0, sizeof(set), &set) == 0) {
+    const int n = CPU_COUNT(&set);
+    if (n > 0) return n;
+  }
+  const unsigned n = std::thread::hardware_concurrency();
+  return n ? static_cast<int>(n) : 1;
+}
+
+ffi::Error AdamWImpl(ffi::Buffer<ffi::F32> coeffs, ffi::RemainingArgs args, ffi::Result<ffi::Buffer<ffi::F32>> sq,
+                     ffi::RemainingRets rets, ffi::Span<const int64_t> table, int64_t param_pages,
+                     int64_t opt_pages, int64_t threads) {
+  if (coeffs.element_count() != kCount)
+    return ffi::Error::InvalidArgument("angel_host_adamw: coeffs must hold one float32 per coefficient (15)");
+  if (table.size() % 7 != 0) return ffi::Error::InvalidArgument("angel_host_adamw: table is not 7 int64s per segment");
+  // No page results: the first pass of a step whose update norm is bounded (its sum of squares only).
+  const bool norm_only = rets.size() == 0;
+  if (static_cast<int64_t>(args.size()) != 2 * param_pages + opt_pages ||
+      (!norm_only && static_cast<int64_t>(rets.size()) != param_pages + opt_pages))
+    return ffi::Error::InvalidArgument("angel_host_adamw: operand or result count does not match the page counts");
+  if (norm_only && coeffs.typed_data()[kApply] != 0.0f)
+    return ffi::Error::InvalidArgument("angel_host_adamw: an update to apply needs its page results");
+  std::vector<const float*> in(args.size());
+  std::vector<int64_t> in_len(args.size());
+  for (size_t i = 0; i < args.size(); ++i) {
+    auto b = args.get<ffi::Buffer<ffi::F32>>(i);
+    if (!b.has_value()) return b.error();
+    in[i] = b->typed_data();
+    in_len[i] = static_cast<int64_t>(b->element_count());
+  }
+  std::vector<float*> out(rets.size());
+  for (size_t i = 0; i < rets.size(); ++i) {
+    auto r = rets.get<ffi::Buffer<ffi::F32>>(i);
+    if (!r.has_value()) return r.error();
+    out[i] = (*r)->typed_data();
+    if (static_cast<int64_t>((*r)->element_count()) != in_len[i < static_cast<size_t>(param_pages) ? i : i + param_pages])
+      return ffi::Error::InvalidArgument("angel_host_adamw: a result page differs in length from its operand");
+  }
+  const int64_t P = param_pages;
+  std::vector<Segment> segments;
+  std::vector<Chunk> chunks;
+  for (size_t k = 0; k < table.size(); k += 7) {
+    const int64_t pp = table[k], po = table[k + 1], mp = table[k + 2], mo = table[k + 3], np = table[k + 4],
+                  no = table[k + 5], n = table[k + 6];
+    if (pp < 0 || pp >= P || mp < 0 || mp >= opt_pages || np < 0 || np >= opt_pages || n < 0 || po < 0 ||
+        mo < 0 || no < 0 || po + n > in_len[pp] || mo + n > in_len[2 * P + mp] || no + n > in_len[2 * P + np])
+      return ffi::Error::InvalidArgument("angel_host_adamw: a segment lies outside its pages");
+    segments.push_back({in[pp] + po, in[P + pp] + po, in[2 * P + mp] + mo, in[2 * P + np] + no,
+                        norm_only ? nullptr : out[pp] + po, norm_only ? nullptr : out[P + mp] + mo,
+                        norm_only ? nullptr : out[P + np] + no, n});
+    for (int64_t a = 0; a < n; a += kChunk)
+      chunks.push_back({static_cast<int>(segments.size() - 1), a, a + kChunk < n ? a + kChunk : n});
+  }
+  const float* c = coeffs.typed_data();
+  std::vector<double> partial(chunks.size(), 0.0);
+  std::atomic<size_t> next{0};
+  auto work = [&]() {
+    for (size_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < chunks.size();) {
+      const Chunk& ch = chunks[i];
+      partial[i] = run_chunk_any(segments[ch.segment], ch.start, ch.stop, c);
+    }
+  };
+  int n_threads = threads > 0 ? static_cast<int>(threads) : usable_cores();
+  if (static_cast<size_t>(n_threads) > chunks.size()) n_threads = static_cast<int>(chunks.size());
+  std::vector<std::thread> pool;
+  for (int t = 1; t < n_threads; ++t) pool.emplace_back(work);
+  work();
+  for (auto& t : pool) t.join();
+  double total = 0.0;
+  for (double x : partial) total += x;  // chunk order: independent of the threads
+  *sq->typed_data() = static_cast<float>(total);
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AngelAdamW, AdamWImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .RemainingArgs()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .RemainingRets()
+                                  .Attr<ffi::Span<const int64_t>>("table")
+                                  .Attr<int64_t>("param_pages")
+                                  .Attr<int64_t>("opt_pages")
+                                  .Attr<int64_t>("threads"));

@@ -1,0 +1,113 @@
+"""The host AdamW kernel (optim/kernels/adamw_cpu.cc through optim/fused.py) against XLA's flat update
+(optim/flat.py), which tests/test_optim_flat.py holds to the leaf-wise optax update: the same pages, step counts,
+sum of squares and verdict, on pages cut so that segments start mid-page (and the optimizer families mid-page),
+with and without clipping, for AdamW and Adam; a dropped update leaves every page bit for bit; the first pass
+writes nothing; and a compiler that fails is reported, not hidden."""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from angel_jax.config import OptimizerConfig
+from angel_jax.optim.factory import make_optimizer
+from angel_jax.optim.fused import host_adamw
+from angel_jax.optim.kernels import HOST_ADAMW, build
+from angel_jax.optim.paged import make_stage_update, make_stage_update_norm
+from tests.test_optim_flat import _setup, _tree
+
+STEPS = 10
+
+
+def _updates(name: str, clip: float):
+    cfg = OptimizerConfig(name=name, lr=1e-2, warmup_steps=3, b1=0.9, b2=0.95, weight_decay=0.1, grad_clip=clip)
+    tx, schedule = make_optimizer(cfg, STEPS, clip=False)
+    spec = host_adamw(cfg, schedule)
+    assert spec is not None, "the host kernel could not be built here"
+    prep, orep, layout, inputs = _setup(tx, _tree(1))
+    xla = make_stage_update(tx, prep, orep, layout, clip, elementwise=True)
+    kernel = make_stage_update(tx, prep, orep, layout, clip, elementwise=True, kernel=spec)
+    norms = (make_stage_update_norm(tx, prep, orep, layout, clip, elementwise=True),
+             make_stage_update_norm(tx, prep, orep, layout, clip, elementwise=True, kernel=spec))
+    return xla, kernel, norms, inputs
+
+
+def _assert_equal(a, b, *, exact: bool = False):
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
+        x, y = np.asarray(x), np.asarray(y)
+        if exact:
+            np.testing.assert_array_equal(x, y)
+        else:
+            np.testing.assert_allclose(y, x, rtol=2e-6, atol=1e-12)
+
+
+@pytest.mark.parametrize("name,clip,norm", [("adamw", 1.0, 3.0), ("adamw", 1.0, 0.5), ("adam", 0.0, 3.0)],
+                         ids=["adamw-clipped", "adamw-under-the-clip", "adam-no-clip"])
+def test_kernel_steps_equal_xla_steps(name, clip, norm):
+    """Ten steps fed back into themselves (warm-up, bias corrections and the schedule's count move each step)."""
+    xla, kernel, _, (pp, gp, op, small) = _updates(name, clip)
+    assert HOST_ADAMW in jax.jit(kernel).lower(pp, gp, op, small, jnp.float32(norm), jnp.bool_(True),
+                                               jnp.float32(0.5)).as_text()
+    a = b = (pp, op, small)
+    rng = np.random.default_rng(3)
+    for _ in range(STEPS):
+        grads = tuple(jnp.asarray(rng.standard_normal(g.shape).astype(np.float32)) for g in gp)
+        args = (jnp.float32(norm), jnp.bool_(True), jnp.float32(0.5))
+        ra, rb = jax.jit(xla)(a[0], grads, a[1], a[2], *args), jax.jit(kernel)(b[0], grads, b[1], b[2], *args)
+        _assert_equal(ra[:3], rb[:3])  # XLA rounds some elements differently by one unit in the last place
+        np.testing.assert_allclose(float(rb[3]), float(ra[3]), rtol=1e-5)
+        assert bool(ra[4]) and bool(rb[4])
+        a, b = ra[:3], rb[:3]
+    assert not np.array_equal(np.asarray(b[0][0]), np.asarray(pp[0]))  # it did train
+
+
+def test_a_dropped_update_leaves_every_page_and_count_bit_for_bit():
+    xla, kernel, _, (pp, gp, op, small) = _updates("adamw", 1.0)
+    out = jax.jit(kernel)(pp, gp, op, small, jnp.float32(3.0), jnp.bool_(False), jnp.float32(1.0))
+    _assert_equal((pp, op, small), out[:3], exact=True)
+    assert not bool(out[4])
+    ref = jax.jit(xla)(pp, gp, op, small, jnp.float32(3.0), jnp.bool_(False), jnp.float32(1.0))
+    np.testing.assert_allclose(float(out[3]), float(ref[3]), rtol=1e-5)  # the update's norm is still reported
+
+
+def test_donated_pages_are_updated_in_place():
+    """As the updater calls it (parameters and optimizer pages donated): no copy of a page, the results live in
+    the buffers the operands did."""
+    _, kernel, _, (pp, gp, op, small) = _updates("adamw", 1.0)
+    fn = jax.jit(kernel, donate_argnums=(0, 2))
+    args = (jnp.float32(3.0), jnp.bool_(True), jnp.float32(1.0))
+    hlo = fn.lower(pp, gp, op, small, *args).compile().as_text()
+    assert not re.search(r"f32\[\d+\]\{0\} copy\(", hlo)  # scalars may be copied, never a page
+    pp, op = tuple(jnp.asarray(p) + 0 for p in pp), tuple(jnp.asarray(o) + 0 for o in op)  # buffers of its own
+    before = [p.unsafe_buffer_pointer() for p in (*pp, *op)]
+    out = fn(pp, gp, op, small, *args)
+    assert [p.unsafe_buffer_pointer() for p in (*out[0], *out[1])] == before
+
+
+def test_the_first_pass_computes_the_norm_and_writes_nothing():
+    _, _, (xla_norm, kernel_norm), (pp, gp, op, small) = _updates("adamw", 1.0)
+    hlo = jax.jit(kernel_norm).lower(pp, gp, op, small, jnp.float32(3.0), jnp.float32(1.0)).as_text()
+    assert HOST_ADAMW in hlo
+    np.testing.assert_allclose(float(jax.jit(kernel_norm)(pp, gp, op, small, jnp.float32(3.0), jnp.float32(1.0))),
+                               float(jax.jit(xla_norm)(pp, gp, op, small, jnp.float32(3.0), jnp.float32(1.0))),
+                               rtol=1e-5)
+
+
+def test_other_optimizers_and_bfloat16_state_keep_xla():
+    schedule = optax.constant_schedule(1e-3)
+    assert host_adamw(OptimizerConfig(name="lion"), schedule) is None
+    assert host_adamw(OptimizerConfig(state_dtype="bfloat16"), schedule) is None
+    assert host_adamw(OptimizerConfig(host_kernel=False), schedule) is None
+
+
+def test_a_compiler_that_fails_is_reported(tmp_path, monkeypatch):
+    monkeypatch.setenv("ANGEL_JAX_KERNEL_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", "false")  # found on PATH, exits 1
+    with pytest.raises(RuntimeError, match="failed"):
+        build()
+    assert not list(tmp_path.iterdir())  # nothing half-built left in the cache
