@@ -24,8 +24,9 @@ from tests.test_optim_flat import _setup, _tree
 STEPS = 10
 
 
-def _updates(name: str, clip: float):
-    cfg = OptimizerConfig(name=name, lr=1e-2, warmup_steps=3, b1=0.9, b2=0.95, weight_decay=0.1, grad_clip=clip)
+def _updates(name: str, clip: float, state_dtype: str = "float32"):
+    cfg = OptimizerConfig(name=name, lr=1e-2, warmup_steps=3, b1=0.9, b2=0.95, weight_decay=0.1, grad_clip=clip,
+                          state_dtype=state_dtype)
     tx, schedule = make_optimizer(cfg, STEPS, clip=False)
     spec = host_adamw(cfg, schedule)
     assert spec is not None, "the host kernel could not be built here"
@@ -46,11 +47,13 @@ def _assert_equal(a, b, *, exact: bool = False):
             np.testing.assert_allclose(y, x, rtol=2e-6, atol=1e-12)
 
 
-@pytest.mark.parametrize("name,clip,norm", [("adamw", 1.0, 3.0), ("adamw", 1.0, 0.5), ("adam", 0.0, 3.0)],
-                         ids=["adamw-clipped", "adamw-under-the-clip", "adam-no-clip"])
-def test_kernel_steps_equal_xla_steps(name, clip, norm):
+@pytest.mark.parametrize("name,clip,norm,state_dtype", [
+    ("adamw", 1.0, 3.0, "float32"), ("adamw", 1.0, 0.5, "float32"), ("adam", 0.0, 3.0, "float32"),
+    ("adamw", 1.0, 3.0, "bfloat16")], ids=["adamw-clipped", "adamw-under-the-clip", "adam-no-clip", "bf16-state"])
+def test_kernel_steps_equal_xla_steps(name, clip, norm, state_dtype):
     """Ten steps fed back into themselves (warm-up, bias corrections and the schedule's count move each step)."""
-    xla, kernel, _, (pp, gp, op, small) = _updates(name, clip)
+    xla, kernel, _, (pp, gp, op, small) = _updates(name, clip, state_dtype)
+    assert op[0].dtype == state_dtype
     assert HOST_ADAMW in jax.jit(kernel).lower(pp, gp, op, small, jnp.float32(norm), jnp.bool_(True),
                                                jnp.float32(0.5)).as_text()
     a = b = (pp, op, small)
@@ -98,10 +101,10 @@ def test_the_first_pass_computes_the_norm_and_writes_nothing():
                                rtol=1e-5)
 
 
-def test_other_optimizers_and_bfloat16_state_keep_xla():
+def test_other_optimizers_keep_xla():
     schedule = optax.constant_schedule(1e-3)
     assert host_adamw(OptimizerConfig(name="lion"), schedule) is None
-    assert host_adamw(OptimizerConfig(state_dtype="bfloat16"), schedule) is None
+    assert host_adamw(OptimizerConfig(name="sgd"), schedule) is None
     assert host_adamw(OptimizerConfig(host_kernel=False), schedule) is None
 
 

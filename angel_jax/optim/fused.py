@@ -52,8 +52,9 @@ class HostAdamW:
 
 def host_adamw(cfg: OptimizerConfig, schedule: optax.Schedule) -> HostAdamW | None:
     """The kernel's description of `make_optimizer(cfg)`, or None where the kernel does not apply (not Adam or
-    AdamW, state not float32, `host_kernel` off) or cannot be built here (the reason is logged once)."""
-    if not cfg.host_kernel or cfg.name not in ("adamw", "adam") or cfg.state_dtype != "float32":
+    AdamW, `host_kernel` off) or cannot be built here (the reason is logged once). The state may be float32 or
+    bfloat16 (`stored_as`: the kernel widens the moments, updates in float32, rounds them to nearest even)."""
+    if not cfg.host_kernel or cfg.name not in ("adamw", "adam"):
         return None
     if load_host_adamw() is not None:
         return None

@@ -30,7 +30,7 @@ HOST_ADAMW = "angel_host_adamw"
 """The FFI target name of kernels/adamw_cpu.cc."""
 
 SOURCE = Path(__file__).with_name("adamw_cpu.cc")
-FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-std=c++17", "-fPIC", "-shared",
+FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-std=c++20", "-fPIC", "-shared",
          "-pthread")
 """No contraction into fused multiply-adds: XLA's CPU backend does not contract either, so the kernel's
 float32 results equal the XLA update's. No errno from sqrt: lets the loop vectorise (the value is the same)."""

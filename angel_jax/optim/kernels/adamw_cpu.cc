@@ -30,6 +30,7 @@
 #include <sched.h>
 
 #include <atomic>
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -52,11 +53,11 @@ constexpr int kBlock = 256;          // elements per block of a chunk's loop (th
 struct Segment {
   const float* p;
   const float* g;
-  const float* m;
-  const float* v;
+  const void* m;  // the moments: float, or bfloat16 bits (optimizer.state_dtype)
+  const void* v;
   float* po;
-  float* mo;
-  float* vo;
+  void* mo;
+  void* vo;
   int64_t length;
 };
 
@@ -69,38 +70,56 @@ struct Coefficients {
   float omb1, b1, omb2, b2, bc1, bc2, eps_root, eps, wd, step, lr_scale, norm, max_norm;
 };
 
+// Moments stored as float32 (as they are) or bfloat16 (widened exactly; rounded to nearest even, as XLA's convert
+// does: optim/factory.py `stored_as`). The update uses the unrounded float32 moments, as `stored_as` does.
+inline float widen(float x) { return x; }
+inline float widen(uint16_t x) { return std::bit_cast<float>(static_cast<uint32_t>(x) << 16); }
+template <typename M>
+inline M narrow(float x);
+template <>
+inline float narrow<float>(float x) { return x; }
+template <>
+inline uint16_t narrow<uint16_t>(float x) {
+  const uint32_t u = std::bit_cast<uint32_t>(x);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((u >> 16) | 0x40u);  // NaN stays NaN
+  return static_cast<uint16_t>((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
 // One block: new values into the block buffers (which alias nothing, so the loop vectorises), the update into u.
-template <bool kClip>
+template <bool kClip, typename M>
 inline void compute_block(int n, const Coefficients& k, const float* __restrict p, const float* __restrict g,
-                          const float* __restrict m, const float* __restrict v, float* __restrict po,
-                          float* __restrict mo, float* __restrict vo, float* __restrict u) {
+                          const M* __restrict m, const M* __restrict v, float* __restrict po,
+                          M* __restrict mo, M* __restrict vo, float* __restrict u) {
   for (int j = 0; j < n; ++j) {
     float gj = g[j];
     if (kClip) gj = (gj / k.norm) * k.max_norm;
-    const float mj = k.omb1 * gj + k.b1 * m[j];
-    const float vj = k.omb2 * (gj * gj) + k.b2 * v[j];
+    const float mj = k.omb1 * gj + k.b1 * widen(m[j]);
+    const float vj = k.omb2 * (gj * gj) + k.b2 * widen(v[j]);
     float uj = (mj / k.bc1) / (std::sqrt(vj / k.bc2 + k.eps_root) + k.eps);
     uj = uj + k.wd * p[j];
     uj = (k.step * uj) * k.lr_scale;
     po[j] = p[j] + uj;
-    mo[j] = mj;
-    vo[j] = vj;
+    mo[j] = narrow<M>(mj);
+    vo[j] = narrow<M>(vj);
     u[j] = uj;
   }
 }
 
 // One chunk of one segment; returns the sum of squares of its update.
-template <bool kClip>
+template <bool kClip, typename M>
 double run_chunk(const Segment& s, int64_t a, int64_t b, const Coefficients& k, bool apply) {
   alignas(64) float lanes[kLanes] = {0};
-  alignas(64) float pb[kBlock], mb[kBlock], vb[kBlock], u[kBlock];
+  alignas(64) float pb[kBlock], u[kBlock];
+  alignas(64) M mb[kBlock], vb[kBlock];
+  const M* m = static_cast<const M*>(s.m);
+  const M* v = static_cast<const M*>(s.v);
   for (int64_t i0 = a; i0 < b; i0 += kBlock) {
     const int n = static_cast<int>(b - i0 < kBlock ? b - i0 : kBlock);
-    compute_block<kClip>(n, k, s.p + i0, s.g + i0, s.m + i0, s.v + i0, pb, mb, vb, u);
+    compute_block<kClip, M>(n, k, s.p + i0, s.g + i0, m + i0, v + i0, pb, mb, vb, u);
     if (apply) {  // read before written: the results may replace the operands in place
       std::memcpy(s.po + i0, pb, n * sizeof(float));
-      std::memcpy(s.mo + i0, mb, n * sizeof(float));
-      std::memcpy(s.vo + i0, vb, n * sizeof(float));
+      std::memcpy(static_cast<M*>(s.mo) + i0, mb, n * sizeof(M));
+      std::memcpy(static_cast<M*>(s.vo) + i0, vb, n * sizeof(M));
     }
     int j = 0;
     for (; j + kLanes <= n; j += kLanes)
@@ -112,11 +131,12 @@ double run_chunk(const Segment& s, int64_t a, int64_t b, const Coefficients& k, 
   return sum;
 }
 
+template <typename M>
 double run_chunk_any(const Segment& s, int64_t a, int64_t b, const float* c) {
   const Coefficients k{c[kOneMinusB1], c[kB1], c[kOneMinusB2], c[kB2], c[kBc1], c[kBc2], c[kEpsRoot],
                        c[kEps], c[kWd], c[kStepSize], c[kLrScale], c[kNorm], c[kMaxNorm]};
   const bool apply = c[kApply] != 0.0f;
-  return c[kTrigger] == 0.0f ? run_chunk<true>(s, a, b, k, apply) : run_chunk<false>(s, a, b, k, apply);
+  return c[kTrigger] == 0.0f ? run_chunk<true, M>(s, a, b, k, apply) : run_chunk<false, M>(s, a, b, k, apply);
 }
 
 int usable_cores() {
@@ -142,23 +162,42 @@ ffi::Error AdamWImpl(ffi::Buffer<ffi::F32> coeffs, ffi::RemainingArgs args, ffi:
     return ffi::Error::InvalidArgument("angel_host_adamw: operand or result count does not match the page counts");
   if (norm_only && coeffs.typed_data()[kApply] != 0.0f)
     return ffi::Error::InvalidArgument("angel_host_adamw: an update to apply needs its page results");
-  std::vector<const float*> in(args.size());
+  // Parameters and gradients are float32; the optimizer pages all float32 or all bfloat16.
+  const int64_t P = param_pages;
+  std::vector<const void*> in(args.size());
   std::vector<int64_t> in_len(args.size());
+  ffi::DataType moments = ffi::DataType::F32;
   for (size_t i = 0; i < args.size(); ++i) {
-    auto b = args.get<ffi::Buffer<ffi::F32>>(i);
+    auto b = args.get<ffi::AnyBuffer>(i);
     if (!b.has_value()) return b.error();
-    in[i] = b->typed_data();
+    const ffi::DataType type = b->element_type();
+    if (static_cast<int64_t>(i) < 2 * P) {
+      if (type != ffi::DataType::F32)
+        return ffi::Error::InvalidArgument("angel_host_adamw: parameter and gradient pages must be float32");
+    } else if (static_cast<int64_t>(i) == 2 * P) {
+      moments = type;
+      if (type != ffi::DataType::F32 && type != ffi::DataType::BF16)
+        return ffi::Error::InvalidArgument("angel_host_adamw: optimizer pages must be float32 or bfloat16");
+    } else if (type != moments) {
+      return ffi::Error::InvalidArgument("angel_host_adamw: optimizer pages must share one dtype");
+    }
+    in[i] = b->untyped_data();
     in_len[i] = static_cast<int64_t>(b->element_count());
   }
-  std::vector<float*> out(rets.size());
+  std::vector<void*> out(rets.size());
   for (size_t i = 0; i < rets.size(); ++i) {
-    auto r = rets.get<ffi::Buffer<ffi::F32>>(i);
+    auto r = rets.get<ffi::AnyBuffer>(i);
     if (!r.has_value()) return r.error();
-    out[i] = (*r)->typed_data();
-    if (static_cast<int64_t>((*r)->element_count()) != in_len[i < static_cast<size_t>(param_pages) ? i : i + param_pages])
-      return ffi::Error::InvalidArgument("angel_host_adamw: a result page differs in length from its operand");
+    out[i] = (*r)->untyped_data();
+    const size_t from = static_cast<int64_t>(i) < P ? i : i + P;
+    if ((*r)->element_type() != args.get<ffi::AnyBuffer>(from)->element_type() ||
+        static_cast<int64_t>((*r)->element_count()) != in_len[from])
+      return ffi::Error::InvalidArgument("angel_host_adamw: a result page differs from its operand");
   }
-  const int64_t P = param_pages;
+  const size_t width = moments == ffi::DataType::BF16 ? 2 : 4;
+  auto at = [](const void* base, int64_t offset, size_t bytes) {
+    return static_cast<const char*>(base) + offset * static_cast<int64_t>(bytes);
+  };
   std::vector<Segment> segments;
   std::vector<Chunk> chunks;
   for (size_t k = 0; k < table.size(); k += 7) {
@@ -167,9 +206,11 @@ ffi::Error AdamWImpl(ffi::Buffer<ffi::F32> coeffs, ffi::RemainingArgs args, ffi:
     if (pp < 0 || pp >= P || mp < 0 || mp >= opt_pages || np < 0 || np >= opt_pages || n < 0 || po < 0 ||
         mo < 0 || no < 0 || po + n > in_len[pp] || mo + n > in_len[2 * P + mp] || no + n > in_len[2 * P + np])
       return ffi::Error::InvalidArgument("angel_host_adamw: a segment lies outside its pages");
-    segments.push_back({in[pp] + po, in[P + pp] + po, in[2 * P + mp] + mo, in[2 * P + np] + no,
-                        norm_only ? nullptr : out[pp] + po, norm_only ? nullptr : out[P + mp] + mo,
-                        norm_only ? nullptr : out[P + np] + no, n});
+    segments.push_back({static_cast<const float*>(in[pp]) + po, static_cast<const float*>(in[P + pp]) + po,
+                        at(in[2 * P + mp], mo, width), at(in[2 * P + np], no, width),
+                        norm_only ? nullptr : static_cast<float*>(out[pp]) + po,
+                        norm_only ? nullptr : const_cast<char*>(at(out[P + mp], mo, width)),
+                        norm_only ? nullptr : const_cast<char*>(at(out[P + np], no, width)), n});
     for (int64_t a = 0; a < n; a += kChunk)
       chunks.push_back({static_cast<int>(segments.size() - 1), a, a + kChunk < n ? a + kChunk : n});
   }
@@ -179,7 +220,8 @@ ffi::Error AdamWImpl(ffi::Buffer<ffi::F32> coeffs, ffi::RemainingArgs args, ffi:
   auto work = [&]() {
     for (size_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < chunks.size();) {
       const Chunk& ch = chunks[i];
-      partial[i] = run_chunk_any(segments[ch.segment], ch.start, ch.stop, c);
+      partial[i] = width == 2 ? run_chunk_any<uint16_t>(segments[ch.segment], ch.start, ch.stop, c)
+                              : run_chunk_any<float>(segments[ch.segment], ch.start, ch.stop, c);
     }
   };
   int n_threads = threads > 0 ? static_cast<int>(threads) : usable_cores();
