@@ -204,12 +204,14 @@ class StageUpdates:
         self._jitted: dict[tuple, Callable] = {}
         self._lock = threading.Lock()
 
-    def get(self, kind: str, compute: jax.sharding.Sharding, donate_params: bool) -> Callable:
+    def get(self, kind: str, compute: jax.sharding.Sharding, donate_params: bool,
+            donate_grads: bool = True) -> Callable:
         # The outputs (new parameter and optimizer pages) reuse donated input buffers: the old parameters and
         # optimizer pages, or, in lock-free mode, where the training thread may still be reading the old
-        # parameters, the gradients in their place.
-        return self._jit(("update", kind, compute, donate_params), self._pure[kind],
-                         (0, 2) if donate_params else (1, 2), compute)
+        # parameters, the gradients in their place, unless they are the store's copies of disk-homed gradient
+        # pages (`donate_grads` False), which a write to the disk may still be reading.
+        donate = (0, 2) if donate_params else (1, 2) if donate_grads else (2,)
+        return self._jit(("update", kind, compute, donate), self._pure[kind], donate, compute)
 
     def norm_pass(self, kind: str, compute: jax.sharding.Sharding) -> Callable:
         return self._jit(("norm", kind, compute), self._pure_norm[kind], (), compute)
@@ -593,7 +595,8 @@ class PageUpdater:
         slot, store, record = self.slots[i], self.store, order.record
         place = self.placements[slot.where]
         lock_free = self._lock_free(slot)
-        fn = self.updates.get(slot.kind, place.compute, donate_params=not lock_free)
+        # (Disk-homed gradients are the store's pages: a spill of them to the disk may still be reading the array.)
+        fn = self.updates.get(slot.kind, place.compute, donate_params=not lock_free, donate_grads=grads is not None)
         params, grads, opt, small = self._inputs(slot, place, self._grads(slot, grads, order.step), i)
         ready_when = grads if record is not None else None  # the update starts once its gradients are home
         new_params, new_opt, small, update_sq, applied = fn(
