@@ -339,8 +339,7 @@ def _blueprint(cfg: Config, zero: Zero | None = None) -> Blueprint:
         opt_small[name] = [np.zeros(s.shape, s.dtype) for s in small]
         structure[name] = struct
     opt_layout = layout(zip(names, opt_big), opt_apart(staged, tx, stage_params))
-    # The host kernel for unsharded pages (over a mesh, each rank's update keeps XLA's flat update).
-    kernel = host_adamw(cfg.optimizer, schedule) if zero is None else None
+    kernel = host_adamw(cfg.optimizer, schedule)
     fns = StageFunctions(staged, params_layout, opt_layout, structure, tx, cfg.optimizer.grad_clip, zero,
                          elementwise=is_elementwise(cfg.optimizer), kernel=kernel)
     return Blueprint(staged, params_layout, opt_layout, structure, opt_small, fns,
