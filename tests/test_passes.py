@@ -152,3 +152,13 @@ def test_the_predicted_step_spans_every_pass():
     plan = make_plan(costs, Bandwidths(), Budgets(device=10**9, host=None, disk=0, fixed_device=0),
                      micro_batches=4)
     assert plan.passes == 1 and not plan.streamed
+
+
+def test_a_host_too_small_for_the_gradient_sums_is_named_not_the_device():
+    """Passes keep the streamed stages' gradient sums on the host: when that is what no plan fits, the refusal
+    says so (it blamed the device, with a negative number of bytes 'missing')."""
+    costs = [StageCost(f"s{i}", 10**6, 2 * 10**6, 0.01, 0.03, 0.001, 0.002, 0.0005) for i in range(6)]
+    budgets = Budgets(device=4 * 10**6, host=3 * 10**6, disk=10**9, fixed_device=10**6, saved_device=8 * 10**5)
+    with pytest.raises(PlanError, match=r"host budget 3,000,000 B .* every streamed stage's gradients, summed on the "
+                                        r"host between the step's 4 accumulation passes"):
+        make_plan(costs, Bandwidths(), budgets, micro_batches=4, passes=4)

@@ -305,6 +305,10 @@ def make_plan(costs: list[StageCost], bw: Bandwidths, budgets: Budgets, *, stale
     if best is None:
         most = passes or micro_batches  # the fewest activations any plan holds
         need = minimum_device_bytes(costs, budgets, most, ranks)
+        if need <= budgets.device and most > 1:
+            # The device holds the step: what refused every plan is the host, which keeps the streamed stages'
+            # gradient sums between passes. Name that, not the device.
+            place_streamed(costs, budgets, list(range(n)), staleness, most)
         gathered = gather_bytes(costs, 1, ranks)
         whole = f" + whole stages gathered from {ranks} ranks' shards {gathered:,} B" if gathered else ""
         raise PlanError(f"device budget {budgets.device:,} B cannot hold the step's minimum {need:,} B "
@@ -407,10 +411,13 @@ def place_streamed(costs: list[StageCost], budgets: Budgets, streamed: list[int]
                             f"and optimizer state ({least:,} B) and there is no disk tier: set memory.disk_dir, or "
                             f"raise memory.host_budget to at least {least:,} B or memory.device_budget")
         if not moves:
+            grads = f"and {GRAD_SPILL} stages of gradients on their way to disk" if passes == 1 else \
+                f"and every streamed stage's gradients, summed on the host between the step's {passes} " \
+                "accumulation passes"
             raise PlanError(f"host budget {budgets.host:,} B cannot hold the paged engine's host window ({least:,} B "
                             f"with every streamed page on disk: {OPT_STAGING} stages staged around their update "
-                            f"and {GRAD_SPILL} stages of gradients on their way to disk): raise memory.host_budget to "
-                            f"at least {least:,} B or memory.device_budget")
+                            f"{grads}): raise memory.host_budget to at least {least:,} B or "
+                            f"memory.device_budget{' (resident stages sum their gradients on the device)' if passes > 1 else ''}")
         family, i = moves.pop(0)
         homes[family][i] = "disk"
     placed = frozen()
