@@ -19,7 +19,7 @@ from angel_jax.optim.factory import make_optimizer
 from angel_jax.optim.fused import host_adamw
 from angel_jax.optim.kernels import HOST_ADAMW, build
 from angel_jax.optim.paged import make_stage_update, make_stage_update_norm
-from tests.test_optim_flat import _setup, _tree
+from test_optim_flat import _setup, _tree
 
 STEPS = 10
 
@@ -114,3 +114,16 @@ def test_a_compiler_that_fails_is_reported(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match="failed"):
         build()
     assert not list(tmp_path.iterdir())  # nothing half-built left in the cache
+
+
+def test_lowered_for_a_gpu_the_update_is_xlas():
+    """Device-resident stages on an accelerator compile the same update function: lowered for CUDA (no GPU needed
+    to lower) it must not call the CPU-only kernel, and for the CPU it must."""
+    _, kernel, (_, kernel_norm), (pp, gp, op, small) = _updates("adamw", 1.0)
+    args = (jnp.float32(3.0), jnp.bool_(True), jnp.float32(1.0))
+    for platform, calls in (("cpu", True), ("cuda", False)):
+        text = jax.jit(kernel).trace(pp, gp, op, small, *args).lower(lowering_platforms=(platform,)).as_text()
+        assert (HOST_ADAMW in text) is calls, platform
+    text = jax.jit(kernel_norm).trace(pp, gp, op, small, jnp.float32(3.0), jnp.float32(1.0)).lower(
+        lowering_platforms=("cuda",)).as_text()
+    assert HOST_ADAMW not in text
