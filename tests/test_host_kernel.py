@@ -16,7 +16,7 @@ import pytest
 
 from angel_jax.config import OptimizerConfig
 from angel_jax.optim.factory import make_optimizer
-from angel_jax.optim.fused import host_adamw
+from angel_jax.optim.fused import host_adamw, host_update_by
 from angel_jax.optim.kernels import HOST_ADAMW, build
 from angel_jax.optim.paged import make_stage_update, make_stage_update_norm
 from test_optim_flat import _setup, _tree
@@ -106,6 +106,9 @@ def test_other_optimizers_keep_xla():
     assert host_adamw(OptimizerConfig(name="lion"), schedule) is None
     assert host_adamw(OptimizerConfig(name="sgd"), schedule) is None
     assert host_adamw(OptimizerConfig(host_kernel=False), schedule) is None
+    assert host_update_by(OptimizerConfig(name="lion")) == "XLA (the kernel is Adam/AdamW's, the optimizer is lion)"
+    assert host_update_by(OptimizerConfig(host_kernel=False)) == "XLA (optimizer.host_kernel is off)"
+    assert host_update_by(OptimizerConfig()) == "the fused AdamW kernel, on every core"
 
 
 def test_a_compiler_that_fails_is_reported(tmp_path, monkeypatch):

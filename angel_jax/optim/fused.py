@@ -61,6 +61,17 @@ def host_adamw(cfg: OptimizerConfig, schedule: optax.Schedule) -> HostAdamW | No
     return HostAdamW(cfg.b1, cfg.b2, cfg.eps, cfg.weight_decay if cfg.name == "adamw" else 0.0, schedule)
 
 
+def host_update_by(cfg: OptimizerConfig) -> str:
+    """Who runs host updates under `cfg`, and why not the kernel where it does not: for the engine's report."""
+    if not cfg.host_kernel:
+        return "XLA (optimizer.host_kernel is off)"
+    if cfg.name not in ("adamw", "adam"):
+        return f"XLA (the kernel is Adam/AdamW's, the optimizer is {cfg.name})"
+    reason = load_host_adamw()
+    return "the fused AdamW kernel, on every core" if reason is None else \
+        f"XLA (the AdamW kernel could not be built: {reason.splitlines()[0]})"
+
+
 def _table(plan: FlatPlan) -> np.ndarray | None:
     """Per segment: parameter page, offset, mu page, offset, nu page, offset, length (the kernel's `table`); None
     unless the plan is Adam's (two state families; the small leaves its count and the schedule's)."""

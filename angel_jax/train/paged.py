@@ -41,6 +41,7 @@ import numpy as np
 
 from angel_jax.checkpoint.state import LazyArray, StateSnapshot
 from angel_jax.config import Config
+from angel_jax.optim.fused import host_update_by
 from angel_jax.optim.guard import StepControls
 from angel_jax.memory import PageLayout
 from angel_jax.memory.sharded_layout import layout_over
@@ -346,6 +347,8 @@ class PagedTrainEngine:
                      f"{human_bytes(built.budgets.device // n)} budget (activations and working set "
                      f"{human_bytes(built.plan.fixed_device // n)}), host {human_bytes(peak['host'] // n)}, "
                      f"disk {human_bytes(peak['disk'] // n)}")
+        if plan.streamed:  # streamed stages update on the host
+            lines.append(f"  host updates       {host_update_by(self.cfg.optimizer)}")
         lines.append(f"  predicted step     {plan.predicted.step_time:.3f} s (bandwidths: {built.bandwidths.source})")
         return lines
 
