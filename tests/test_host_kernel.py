@@ -130,3 +130,26 @@ def test_lowered_for_a_gpu_the_update_is_xlas():
     text = jax.jit(kernel_norm).trace(pp, gp, op, small, jnp.float32(3.0), jnp.float32(1.0)).lower(
         lowering_platforms=("cuda",)).as_text()
     assert HOST_ADAMW not in text
+
+
+def test_any_number_of_threads_gives_the_same_bits():
+    """The kernel's chunks (64 Ki elements) spread over threads; its sum of squares is summed per chunk in chunk
+    order, so one thread and several give the same pages and the same sum, bit for bit."""
+    n = 5 * 65536 + 123  # six chunks, the last one short
+    rng = np.random.default_rng(0)
+    p, g, m = (jnp.asarray(rng.standard_normal(n).astype(np.float32)) for _ in range(3))
+    v = jnp.asarray(rng.random(n).astype(np.float32))
+    coeffs = jnp.asarray([0.1, 0.9, 0.05, 0.95, 0.2, 0.1, 0.0, 1e-8, 0.1, -1e-3, 0.5, 3.0, 1.0, 0.0, 1.0],
+                         jnp.float32)  # clipping on (trigger 0), applied
+    table = np.asarray([0, 0, 0, 0, 1, 0, n], np.int64)
+
+    def run(threads: int):
+        shapes = [jax.ShapeDtypeStruct((n,), jnp.float32)] * 3
+        call = jax.ffi.ffi_call(HOST_ADAMW, (jax.ShapeDtypeStruct((), jnp.float32), *shapes))
+        return call(coeffs, p, g, m, v, table=table, param_pages=np.int64(1), opt_pages=np.int64(2),
+                    threads=np.int64(threads))
+
+    one = run(1)
+    for threads in (2, 5):
+        _assert_equal(one, run(threads), exact=True)
+    assert float(one[0]) > 0 and not np.array_equal(np.asarray(one[1]), np.asarray(p))

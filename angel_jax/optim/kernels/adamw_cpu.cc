@@ -49,6 +49,7 @@ enum Coeff { kOneMinusB1, kB1, kOneMinusB2, kB2, kBc1, kBc2, kEpsRoot, kEps, kWd
 constexpr int64_t kChunk = 1 << 16;  // elements per unit of work
 constexpr int kLanes = 16;           // independent partial sums: the sum of squares vectorises, in a fixed order
 constexpr int kBlock = 256;          // elements per block of a chunk's loop (the update kept on the stack)
+constexpr int64_t kPerThread = 1 << 19;  // elements a thread must have to be worth starting (~0.4 ms of work)
 
 struct Segment {
   const float* p;
@@ -224,8 +225,14 @@ ffi::Error AdamWImpl(ffi::Buffer<ffi::F32> coeffs, ffi::RemainingArgs args, ffi:
                               : run_chunk_any<float>(segments[ch.segment], ch.start, ch.stop, c);
     }
   };
+  int64_t elements = 0;
+  for (const Segment& s : segments) elements += s.length;
+  // Every usable core, but no thread for less than kPerThread elements: a small stage's update is over before
+  // threads would have started.
   int n_threads = threads > 0 ? static_cast<int>(threads) : usable_cores();
+  if (threads <= 0 && n_threads > elements / kPerThread) n_threads = static_cast<int>(elements / kPerThread);
   if (static_cast<size_t>(n_threads) > chunks.size()) n_threads = static_cast<int>(chunks.size());
+  if (n_threads < 1) n_threads = 1;
   std::vector<std::thread> pool;
   for (int t = 1; t < n_threads; ++t) pool.emplace_back(work);
   work();
