@@ -411,13 +411,13 @@ def place_streamed(costs: list[StageCost], budgets: Budgets, streamed: list[int]
                             f"and optimizer state ({least:,} B) and there is no disk tier: set memory.disk_dir, or "
                             f"raise memory.host_budget to at least {least:,} B or memory.device_budget")
         if not moves:
-            grads = f"and {GRAD_SPILL} stages of gradients on their way to disk" if passes == 1 else \
-                f"and every streamed stage's gradients, summed on the host between the step's {passes} " \
-                "accumulation passes"
+            grads, device = (f"and {GRAD_SPILL} stages of gradients on their way to disk", "") if passes == 1 else (
+                f"and every streamed stage's gradients, summed on the host between the step's {passes} "
+                "accumulation passes", " (resident stages sum their gradients on the device)")
             raise PlanError(f"host budget {budgets.host:,} B cannot hold the paged engine's host window ({least:,} B "
                             f"with every streamed page on disk: {OPT_STAGING} stages staged around their update "
                             f"{grads}): raise memory.host_budget to at least {least:,} B or "
-                            f"memory.device_budget{' (resident stages sum their gradients on the device)' if passes > 1 else ''}")
+                            f"memory.device_budget{device}")
         family, i = moves.pop(0)
         homes[family][i] = "disk"
     placed = frozen()

@@ -191,7 +191,8 @@ def time_update(config: str, overrides: list[str], repeats: int, leafwise: bool 
     moved = 2 * param_bytes + param_bytes + 2 * opt_bytes  # params r+w, grads r, optimizer state r+w
     from angel_jax.optim.kernels import HOST_ADAMW
 
-    return {"stage": block, "update_by": "host kernel" if HOST_ADAMW in hlo else "xla", "optimizer": cfg.optimizer.name, "state_dtype": cfg.optimizer.state_dtype,
+    return {"stage": block, "update_by": "host kernel" if HOST_ADAMW in hlo else "xla",
+            "optimizer": cfg.optimizer.name, "state_dtype": cfg.optimizer.state_dtype,
             "params": sum(int(np.prod(s.shape)) for s in pl.slots), "param_bytes": param_bytes,
             "opt_bytes": opt_bytes, "bytes_moved": moved, "update_s": [round(t, 5) for t in wall],
             "update_s_median": round(statistics.median(wall), 5), "update_s_best": round(min(wall), 5),
@@ -260,7 +261,8 @@ def main(argv: list[str] | None = None) -> int:
 
     runs = {name: child_update(args, env, one_core, leafwise, xla) for name, env, one_core, leafwise, xla in (
         ("huge_pages", huge, False, False, False), ("plain", PLAIN_ENV, False, False, False),
-        ("one_core", huge, True, False, False), ("xla", huge, False, False, True), ("leafwise", huge, False, True, True))}
+        ("one_core", huge, True, False, False), ("xla", huge, False, False, True),
+        ("leafwise", huge, False, True, True))}
     upd, plain, one, leaf, xla = runs["huge_pages"], runs["plain"], runs["one_core"], runs["leafwise"], runs["xla"]
     achieved = upd["bytes_moved"] / upd["update_s_median"] / 1e9
     # XLA's cost analysis describes an update XLA compiled; of the kernel (a custom call) it knows nothing.
