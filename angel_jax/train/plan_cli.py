@@ -29,6 +29,7 @@ import numpy as np
 from angel_jax.config import Config, ConfigError, load_config
 from angel_jax.errors import AngelError
 from angel_jax.memory.bench_io import default_calibration_path
+from angel_jax.optim.fused import host_update_by
 from angel_jax.train.plan_args import add_plan_arguments
 from angel_jax.schedule.engine import (Blueprint, blueprint, device_budget, fit_micro_batch, fixed_device_bytes,
                                        make_store, micro_batching, plan_for, refuse_sharded_optimizer,
@@ -266,6 +267,8 @@ def report(cfg: Config, plan: Plan, costs: list[StageCost], budgets: Budgets, bw
     idle = (f"; the compute waits {sum(waits.values()):.4g} s per step for: "
             + ", ".join(f"{k} {v:.4g} s" for k, v in sorted(waits.items(), key=lambda kv: -kv[1]))) if waits else ""
     lines.append(f"  bound by              {bound} (streams busy: {busy}{idle})")
+    if plan.streamed:  # streamed stages update on the host
+        lines.append(f"  host updates          {host_update_by(cfg.optimizer)}")
     if peak_flops:
         lines.append(f"  predicted MFU         {predicted_mfu(cfg, plan, peak_flops):.1%} (model FLOPs per step, "
                      f"6N + attention per token, over step time x {peak_flops / 1e12:.1f} TFLOP/s"
