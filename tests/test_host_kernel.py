@@ -153,3 +153,22 @@ def test_any_number_of_threads_gives_the_same_bits():
     for threads in (2, 5):
         _assert_equal(one, run(threads), exact=True)
     assert float(one[0]) > 0 and not np.array_equal(np.asarray(one[1]), np.asarray(p))
+
+
+def test_fresh_outputs_for_pages_that_cannot_be_donated():
+    """Pages aliased from an accelerator's pinned memory cannot be donated: the kernel's variant writes buffers of
+    its own instead of in place (no copy of the operands first), with the same results; a dropped update fills
+    them with the old pages, bit for bit, and the operands are never written."""
+    _, kernel, _, (pp, gp, op, small) = _updates("adamw", 1.0)
+    pp, op = tuple(jnp.asarray(p) for p in pp), tuple(jnp.asarray(o) for o in op)
+    before = [np.array(a) for a in (*pp, *op)]
+    fresh = jax.jit(kernel.fresh_outputs)
+    hlo = fresh.lower(pp, gp, op, small, jnp.float32(3.0), jnp.bool_(True), jnp.float32(1.0)).compile().as_text()
+    assert "output_to_operand_aliasing" not in hlo and not re.search(r"f32\[\d+\]\{0\} copy\(", hlo)
+    for ok in (True, False):
+        args = (jnp.float32(3.0), jnp.bool_(ok), jnp.float32(1.0))
+        _assert_equal(jax.jit(kernel)(pp, gp, op, small, *args)[:4], fresh(pp, gp, op, small, *args)[:4],
+                      exact=True)
+    _assert_equal(before, [np.asarray(a) for a in (*pp, *op)], exact=True)  # the operands kept their bytes
+    _assert_equal((pp, op), fresh(pp, gp, op, small, jnp.float32(3.0), jnp.bool_(False), jnp.float32(1.0))[:2],
+                  exact=True)

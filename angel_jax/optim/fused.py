@@ -107,15 +107,18 @@ def make_kernel_update(plan: FlatPlan, spec: HostAdamW, grad_clip: float,
     if table is None:
         return None
     n_params, n_opt = plan.param_pages, plan.opt_pages
-    # Results alias the pages they replace: written in place when the caller donates them, else XLA copies first.
+    # In place: results alias the pages they replace, written in place when the caller donates them (else XLA
+    # copies them first). Not in place (`fresh_outputs`): results in buffers of their own, for pages that cannot
+    # be donated (an accelerator's pinned pages aliased onto the CPU backend, memory/crossing.py), which would
+    # otherwise be copied before the kernel runs.
     aliases = {1 + i: 1 + i for i in range(n_params)} | {1 + 2 * n_params + j: 1 + n_params + j for j in range(n_opt)}
 
     def kernel(param_pages: Pages, grad_pages: Pages, opt_pages: Pages, opt_small: list, norm: jax.Array,
-               ok: jax.Array, lr_scale: jax.Array) -> tuple:
+               ok: jax.Array, lr_scale: jax.Array, in_place: bool = True) -> tuple:
         coeffs, new_small = _coefficients(spec, grad_clip, list(opt_small), norm, ok, lr_scale, apply=True)
         shapes = [jax.ShapeDtypeStruct(p.shape, p.dtype) for p in (*param_pages, *opt_pages)]
         call = jax.ffi.ffi_call(HOST_ADAMW, (jax.ShapeDtypeStruct((), jnp.float32), *shapes),
-                                input_output_aliases=aliases)
+                                input_output_aliases=aliases if in_place else None)
         sq, *pages = call(coeffs, *param_pages, *grad_pages, *opt_pages, table=table, param_pages=np.int64(n_params),
                           opt_pages=np.int64(n_opt), threads=np.int64(0))
         if reduce is not None:
@@ -126,6 +129,10 @@ def make_kernel_update(plan: FlatPlan, spec: HostAdamW, grad_clip: float,
     def update(*args: object) -> tuple:
         return jax.lax.platform_dependent(*args, cpu=kernel, default=fallback)
 
+    def fresh_outputs(*args: object) -> tuple:
+        return jax.lax.platform_dependent(*args, cpu=lambda *a: kernel(*a, in_place=False), default=fallback)
+
+    update.fresh_outputs = fresh_outputs  # type: ignore[attr-defined]
     return update
 
 

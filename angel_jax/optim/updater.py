@@ -205,13 +205,16 @@ class StageUpdates:
         self._lock = threading.Lock()
 
     def get(self, kind: str, compute: jax.sharding.Sharding, donate_params: bool,
-            donate_grads: bool = True) -> Callable:
+            donate_grads: bool = True, in_place: bool = True) -> Callable:
         # The outputs (new parameter and optimizer pages) reuse donated input buffers: the old parameters and
         # optimizer pages, or, in lock-free mode, where the training thread may still be reading the old
         # parameters, the gradients in their place, unless they are the store's copies of disk-homed gradient
-        # pages (`donate_grads` False), which a write to the disk may still be reading.
+        # pages (`donate_grads` False), which a write to the disk may still be reading. `in_place` False: the
+        # pages cannot be donated at all (they crossed from an accelerator's pinned memory, memory/crossing.py);
+        # an update that has a variant writing buffers of its own (the host kernel's) uses it.
         donate = (0, 2) if donate_params else (1, 2) if donate_grads else (2,)
-        return self._jit(("update", kind, compute, donate), self._pure[kind], donate, compute)
+        pure = self._pure[kind] if in_place else getattr(self._pure[kind], "fresh_outputs", self._pure[kind])
+        return self._jit(("update", kind, compute, donate, in_place), pure, donate, compute)
 
     def norm_pass(self, kind: str, compute: jax.sharding.Sharding) -> Callable:
         return self._jit(("norm", kind, compute), self._pure_norm[kind], (), compute)
@@ -596,7 +599,8 @@ class PageUpdater:
         place = self.placements[slot.where]
         lock_free = self._lock_free(slot)
         # (Disk-homed gradients are the store's pages: a spill of them to the disk may still be reading the array.)
-        fn = self.updates.get(slot.kind, place.compute, donate_params=not lock_free, donate_grads=grads is not None)
+        fn = self.updates.get(slot.kind, place.compute, donate_params=not lock_free, donate_grads=grads is not None,
+                              in_place=place.compute == place.tier)
         params, grads, opt, small = self._inputs(slot, place, self._grads(slot, grads, order.step), i)
         ready_when = grads if record is not None else None  # the update starts once its gradients are home
         new_params, new_opt, small, update_sq, applied = fn(

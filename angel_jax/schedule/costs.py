@@ -90,7 +90,7 @@ def profile_costs(fns: StageFunctions, updates: StageUpdates, params_layout: Pag
             for where, place in placements.items():
                 if where == "device" and place.compute.device_set == placements["host"].compute.device_set:
                     continue  # one device for both (the CPU backend): the same cores, the same time
-                fn = updates.get(kind, place.compute, donate_params=True)
+                fn = updates.get(kind, place.compute, donate_params=True, in_place=place.compute == place.tier)
 
                 def setup(name=stage.name, place=place) -> tuple:
                     return (_zeros(params_layout, name, place.tier), _zeros(params_layout, name, place.tier),

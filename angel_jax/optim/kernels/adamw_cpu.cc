@@ -23,18 +23,21 @@
 // Operands: coeffs f32[15] (enum Coeff: the betas, bias corrections, eps, weight decay, step size, the guard's
 // lr scale, the gradient norm and clip bound, whether the norm is under it, whether to apply), then P parameter pages, P gradient pages, O optimizer pages (float32, 1-D).
 // Results: the update's sum of squares f32[], then P parameter pages and O optimizer pages (aliased by the caller
-// to the pages they replace; none: only the sum of squares, nothing written). Attribute `table`: per segment (a run of elements contiguous in every family) seven
+// to the pages they replace, or buffers of their own, which a dropped update fills with the old values; none: only
+// the sum of squares, nothing written). Attribute `table`: per segment (a run of elements contiguous in every family) seven
 // int64s: parameter page, offset in it (the gradient page and offset are the same), mu's page and offset, nu's
 // page and offset, length.
 
 #include <sched.h>
 
+#include <algorithm>
 #include <atomic>
 #include <bit>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <thread>
+#include <utility>
 #include <vector>
 
 #include "xla/ffi/api/ffi.h"
@@ -121,6 +124,10 @@ double run_chunk(const Segment& s, int64_t a, int64_t b, const Coefficients& k, 
       std::memcpy(s.po + i0, pb, n * sizeof(float));
       std::memcpy(static_cast<M*>(s.mo) + i0, mb, n * sizeof(M));
       std::memcpy(static_cast<M*>(s.vo) + i0, vb, n * sizeof(M));
+    } else if (s.po != nullptr) {  // a dropped update: results in buffers of their own keep the old values
+      if (s.po != s.p) std::memcpy(s.po + i0, s.p + i0, n * sizeof(float));
+      if (s.mo != s.m) std::memcpy(static_cast<M*>(s.mo) + i0, m + i0, n * sizeof(M));
+      if (s.vo != s.v) std::memcpy(static_cast<M*>(s.vo) + i0, v + i0, n * sizeof(M));
     }
     int j = 0;
     for (; j + kLanes <= n; j += kLanes)
@@ -214,6 +221,32 @@ ffi::Error AdamWImpl(ffi::Buffer<ffi::F32> coeffs, ffi::RemainingArgs args, ffi:
                         norm_only ? nullptr : const_cast<char*>(at(out[P + np], no, width)), n});
     for (int64_t a = 0; a < n; a += kChunk)
       chunks.push_back({static_cast<int>(segments.size() - 1), a, a + kChunk < n ? a + kChunk : n});
+  }
+  // Results in buffers of their own (not aliased to their operands) get the operands' elements no segment covers
+  // (page padding) copied over: the segments write only their own elements.
+  if (!norm_only) {
+    std::vector<std::vector<std::pair<int64_t, int64_t>>> covered(rets.size());
+    for (size_t k = 0; k < table.size(); k += 7) {
+      const int64_t n = table[k + 6];
+      covered[table[k]].push_back({table[k + 1], table[k + 1] + n});
+      covered[P + table[k + 2]].push_back({table[k + 3], table[k + 3] + n});
+      covered[P + table[k + 4]].push_back({table[k + 5], table[k + 5] + n});
+    }
+    for (size_t i = 0; i < rets.size(); ++i) {
+      const size_t from = static_cast<int64_t>(i) < P ? i : i + P;
+      if (out[i] == in[from]) continue;
+      const size_t bytes = static_cast<int64_t>(i) < P ? sizeof(float) : width;
+      auto& spans = covered[i];
+      std::sort(spans.begin(), spans.end());
+      int64_t at = 0;
+      spans.push_back({in_len[from], in_len[from]});
+      for (const auto& [a, b] : spans) {
+        if (a > at)
+          std::memcpy(static_cast<char*>(out[i]) + at * bytes, static_cast<const char*>(in[from]) + at * bytes,
+                      (a - at) * bytes);
+        at = std::max(at, b);
+      }
+    }
   }
   const float* c = coeffs.typed_data();
   std::vector<double> partial(chunks.size(), 0.0);
