@@ -36,6 +36,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <system_error>
 #include <thread>
 #include <utility>
 #include <vector>
@@ -267,7 +268,11 @@ ffi::Error AdamWImpl(ffi::Buffer<ffi::F32> coeffs, ffi::RemainingArgs args, ffi:
   if (static_cast<size_t>(n_threads) > chunks.size()) n_threads = static_cast<int>(chunks.size());
   if (n_threads < 1) n_threads = 1;
   std::vector<std::thread> pool;
-  for (int t = 1; t < n_threads; ++t) pool.emplace_back(work);
+  try {
+    for (int t = 1; t < n_threads; ++t) pool.emplace_back(work);
+  } catch (const std::system_error&) {
+    // No more threads to be had (a process at its limit): the chunks are shared by those that started.
+  }
   work();
   for (auto& t : pool) t.join();
   double total = 0.0;
