@@ -16,7 +16,7 @@ import pytest
 
 from angel_jax.config import OptimizerConfig
 from angel_jax.optim.factory import make_optimizer
-from angel_jax.optim.fused import host_adamw, host_update_by
+from angel_jax.optim.fused import host_adamw, host_update_by, kernel_threads
 from angel_jax.optim.kernels import HOST_ADAMW, build
 from angel_jax.optim.paged import make_stage_update, make_stage_update_norm
 from test_optim_flat import _setup, _tree
@@ -101,6 +101,14 @@ def test_the_first_pass_computes_the_norm_and_writes_nothing():
                                rtol=1e-5)
 
 
+def test_processes_on_one_machine_share_its_cores():
+    assert kernel_threads({}, cores=16) == 16
+    assert kernel_threads({"ANGEL_JAX_LOCAL_PROCESSES": "4"}, cores=16) == 4
+    assert kernel_threads({"SLURM_NTASKS_PER_NODE": "8(x2)"}, cores=16) == 2
+    assert kernel_threads({"ANGEL_JAX_LOCAL_PROCESSES": "4"}, cores=2) == 1
+    assert kernel_threads({"SLURM_NTASKS_PER_NODE": "odd"}, cores=2) == 2
+
+
 def test_other_optimizers_keep_xla():
     schedule = optax.constant_schedule(1e-3)
     assert host_adamw(OptimizerConfig(name="lion"), schedule) is None
@@ -149,8 +157,8 @@ def test_any_number_of_threads_gives_the_same_bits():
         return call(coeffs, p, g, m, v, table=table, param_pages=np.int64(1), opt_pages=np.int64(2),
                     threads=np.int64(threads))
 
-    one = run(1)
-    for threads in (2, 5):
+    one = run(-1)  # (negative: exactly that many threads, however few elements each gets)
+    for threads in (-2, -5):
         _assert_equal(one, run(threads), exact=True)
     assert float(one[0]) > 0 and not np.array_equal(np.asarray(one[1]), np.asarray(p))
 

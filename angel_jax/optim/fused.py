@@ -23,8 +23,9 @@ state: |mu_hat| / sqrt(nu_hat) is bounded and the denominator is at least eps. `
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Mapping
 
 import jax
 import jax.numpy as jnp
@@ -72,6 +73,20 @@ def host_update_by(cfg: OptimizerConfig) -> str:
         f"XLA (the AdamW kernel could not be built: {reason.splitlines()[0]})"
 
 
+def kernel_threads(env: Mapping[str, str] | None = None, cores: int | None = None) -> int:
+    """Threads one process's kernel calls use: the cores this process may run on, shared with the other training
+    processes on the same machine (`angel-jax launch -n N` starts N there; srun says how many tasks per node), so
+    that N processes updating at once do not start N x cores threads."""
+    env = os.environ if env is None else env
+    cores = len(os.sched_getaffinity(0)) if cores is None else cores
+    local = env.get("ANGEL_JAX_LOCAL_PROCESSES") or env.get("SLURM_NTASKS_PER_NODE") or "1"
+    try:
+        local_n = int(local.split("(")[0].split(",")[0])  # SLURM may say e.g. "4(x2)"
+    except ValueError:
+        local_n = 1
+    return max(1, cores // max(1, local_n))
+
+
 def _table(plan: FlatPlan) -> np.ndarray | None:
     """Per segment: parameter page, offset, mu page, offset, nu page, offset, length (the kernel's `table`); None
     unless the plan is Adam's (two state families; the small leaves its count and the schedule's)."""
@@ -112,6 +127,7 @@ def make_kernel_update(plan: FlatPlan, spec: HostAdamW, grad_clip: float,
     # be donated (an accelerator's pinned pages aliased onto the CPU backend, memory/crossing.py), which would
     # otherwise be copied before the kernel runs.
     aliases = {1 + i: 1 + i for i in range(n_params)} | {1 + 2 * n_params + j: 1 + n_params + j for j in range(n_opt)}
+    threads = kernel_threads()
 
     def kernel(param_pages: Pages, grad_pages: Pages, opt_pages: Pages, opt_small: list, norm: jax.Array,
                ok: jax.Array, lr_scale: jax.Array, in_place: bool = True) -> tuple:
@@ -120,7 +136,7 @@ def make_kernel_update(plan: FlatPlan, spec: HostAdamW, grad_clip: float,
         call = jax.ffi.ffi_call(HOST_ADAMW, (jax.ShapeDtypeStruct((), jnp.float32), *shapes),
                                 input_output_aliases=aliases if in_place else None)
         sq, *pages = call(coeffs, *param_pages, *grad_pages, *opt_pages, table=table, param_pages=np.int64(n_params),
-                          opt_pages=np.int64(n_opt), threads=np.int64(0))
+                          opt_pages=np.int64(n_opt), threads=np.int64(threads))
         if reduce is not None:
             sq = reduce(sq)
         small = [jnp.where(ok, new, old) for new, old in zip(new_small, opt_small)]
@@ -149,7 +165,7 @@ def make_kernel_update_norm(plan: FlatPlan, spec: HostAdamW, grad_clip: float,
         coeffs, _ = _coefficients(spec, grad_clip, list(opt_small), norm, jnp.bool_(False), lr_scale, apply=False)
         call = jax.ffi.ffi_call(HOST_ADAMW, jax.ShapeDtypeStruct((), jnp.float32))
         sq = call(coeffs, *param_pages, *grad_pages, *opt_pages, table=table, param_pages=np.int64(n_params),
-                  opt_pages=np.int64(n_opt), threads=np.int64(0))
+                  opt_pages=np.int64(n_opt), threads=np.int64(kernel_threads()))
         return sq if reduce is None else reduce(sq)
 
     def update_sq(*args: object) -> jax.Array:

@@ -197,6 +197,7 @@ class Launcher:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         env.update({
             "ANGEL_JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "ANGEL_JAX_NUM_PROCESSES": str(self.n),
+            "ANGEL_JAX_LOCAL_PROCESSES": str(self.n),  # all on this machine: they share its cores
             "ANGEL_JAX_PROCESS_ID": str(rank), "ANGEL_JAX_HEARTBEAT_ADDR": self.heartbeat_addr,
             "ANGEL_JAX_JOB_TOKEN": self.token, "ANGEL_JAX_ATTEMPT": str(action.attempt),
             "ANGEL_JAX_NODE": action.nodes[rank], "ANGEL_JAX_WATCHDOG_PID": str(os.getpid()),

@@ -27,6 +27,8 @@
 // the sum of squares, nothing written). Attribute `table`: per segment (a run of elements contiguous in every family) seven
 // int64s: parameter page, offset in it (the gradient page and offset are the same), mu's page and offset, nu's
 // page and offset, length.
+// Attribute `threads`: at most this many threads (0: one per core this process may run on), each with at least
+// kPerThread elements; negative: exactly that many (tests).
 
 #include <sched.h>
 
@@ -264,7 +266,8 @@ ffi::Error AdamWImpl(ffi::Buffer<ffi::F32> coeffs, ffi::RemainingArgs args, ffi:
   // Every usable core, but no thread for less than kPerThread elements: a small stage's update is over before
   // threads would have started.
   int n_threads = threads > 0 ? static_cast<int>(threads) : usable_cores();
-  if (threads <= 0 && n_threads > elements / kPerThread) n_threads = static_cast<int>(elements / kPerThread);
+  if (n_threads > elements / kPerThread) n_threads = static_cast<int>(elements / kPerThread);
+  if (threads < 0) n_threads = static_cast<int>(-threads);  // exactly this many (tests)
   if (static_cast<size_t>(n_threads) > chunks.size()) n_threads = static_cast<int>(chunks.size());
   if (n_threads < 1) n_threads = 1;
   std::vector<std::thread> pool;
