@@ -1,7 +1,7 @@
-"""The host AdamW kernel (optim/kernels/adamw_cpu.cc through optim/fused.py) against XLA's flat update
+"""The host optimizer kernel (optim/kernels/host_optimizer_cpu.cc through optim/fused.py) against XLA's flat update
 (optim/flat.py), which tests/test_optim_flat.py holds to the leaf-wise optax update: the same pages, step counts,
 sum of squares and verdict, on pages cut so that segments start mid-page (and the optimizer families mid-page),
-with and without clipping, for AdamW and Adam; a dropped update leaves every page bit for bit; the first pass
+with and without clipping, for AdamW, Adam and Lion; a dropped update leaves every page bit for bit; the first pass
 writes nothing; and a compiler that fails is reported, not hidden."""
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ import pytest
 
 from angel_jax.config import OptimizerConfig
 from angel_jax.optim.factory import make_optimizer
-from angel_jax.optim.fused import host_adamw, host_update_by, kernel_threads
-from angel_jax.optim.kernels import HOST_ADAMW, build
+from angel_jax.optim.fused import host_optimizer, host_update_by, kernel_threads
+from angel_jax.optim.kernels import HOST_OPTIMIZER, build
 from angel_jax.optim.paged import make_stage_update, make_stage_update_norm
 from test_optim_flat import _setup, _tree
 
@@ -28,7 +28,7 @@ def _updates(name: str, clip: float, state_dtype: str = "float32"):
     cfg = OptimizerConfig(name=name, lr=1e-2, warmup_steps=3, b1=0.9, b2=0.95, weight_decay=0.1, grad_clip=clip,
                           state_dtype=state_dtype)
     tx, schedule = make_optimizer(cfg, STEPS, clip=False)
-    spec = host_adamw(cfg, schedule)
+    spec = host_optimizer(cfg, schedule)
     assert spec is not None, "the host kernel could not be built here"
     prep, orep, layout, inputs = _setup(tx, _tree(1))
     xla = make_stage_update(tx, prep, orep, layout, clip, elementwise=True)
@@ -49,12 +49,13 @@ def _assert_equal(a, b, *, exact: bool = False):
 
 @pytest.mark.parametrize("name,clip,norm,state_dtype", [
     ("adamw", 1.0, 3.0, "float32"), ("adamw", 1.0, 0.5, "float32"), ("adam", 0.0, 3.0, "float32"),
-    ("adamw", 1.0, 3.0, "bfloat16")], ids=["adamw-clipped", "adamw-under-the-clip", "adam-no-clip", "bf16-state"])
+    ("adamw", 1.0, 3.0, "bfloat16"), ("lion", 1.0, 3.0, "float32"), ("lion", 0.0, 3.0, "bfloat16")],
+    ids=["adamw-clipped", "adamw-under-the-clip", "adam-no-clip", "bf16-state", "lion", "lion-bf16-state"])
 def test_kernel_steps_equal_xla_steps(name, clip, norm, state_dtype):
     """Ten steps fed back into themselves (warm-up, bias corrections and the schedule's count move each step)."""
     xla, kernel, _, (pp, gp, op, small) = _updates(name, clip, state_dtype)
     assert op[0].dtype == state_dtype
-    assert HOST_ADAMW in jax.jit(kernel).lower(pp, gp, op, small, jnp.float32(norm), jnp.bool_(True),
+    assert HOST_OPTIMIZER in jax.jit(kernel).lower(pp, gp, op, small, jnp.float32(norm), jnp.bool_(True),
                                                jnp.float32(0.5)).as_text()
     a = b = (pp, op, small)
     rng = np.random.default_rng(3)
@@ -95,7 +96,7 @@ def test_donated_pages_are_updated_in_place():
 def test_the_first_pass_computes_the_norm_and_writes_nothing():
     _, _, (xla_norm, kernel_norm), (pp, gp, op, small) = _updates("adamw", 1.0)
     hlo = jax.jit(kernel_norm).lower(pp, gp, op, small, jnp.float32(3.0), jnp.float32(1.0)).as_text()
-    assert HOST_ADAMW in hlo
+    assert HOST_OPTIMIZER in hlo
     np.testing.assert_allclose(float(jax.jit(kernel_norm)(pp, gp, op, small, jnp.float32(3.0), jnp.float32(1.0))),
                                float(jax.jit(xla_norm)(pp, gp, op, small, jnp.float32(3.0), jnp.float32(1.0))),
                                rtol=1e-5)
@@ -111,12 +112,13 @@ def test_processes_on_one_machine_share_its_cores():
 
 def test_other_optimizers_keep_xla():
     schedule = optax.constant_schedule(1e-3)
-    assert host_adamw(OptimizerConfig(name="lion"), schedule) is None
-    assert host_adamw(OptimizerConfig(name="sgd"), schedule) is None
-    assert host_adamw(OptimizerConfig(host_kernel=False), schedule) is None
-    assert host_update_by(OptimizerConfig(name="lion")) == "XLA (the kernel is Adam/AdamW's, the optimizer is lion)"
+    assert host_optimizer(OptimizerConfig(name="sgd"), schedule) is None
+    assert host_optimizer(OptimizerConfig(name="adafactor"), schedule) is None
+    assert host_optimizer(OptimizerConfig(host_kernel=False), schedule) is None
+    assert host_update_by(OptimizerConfig(name="sgd")) == \
+        "XLA (the host kernel updates adamw, adam, lion; the optimizer is sgd)"
     assert host_update_by(OptimizerConfig(host_kernel=False)) == "XLA (optimizer.host_kernel is off)"
-    assert host_update_by(OptimizerConfig()) == "the fused AdamW kernel, on every core"
+    assert host_update_by(OptimizerConfig(name="lion")) == "the fused host kernel (lion), on every core"
 
 
 def test_a_compiler_that_fails_is_reported(tmp_path, monkeypatch):
@@ -134,10 +136,10 @@ def test_lowered_for_a_gpu_the_update_is_xlas():
     args = (jnp.float32(3.0), jnp.bool_(True), jnp.float32(1.0))
     for platform, calls in (("cpu", True), ("cuda", False)):
         text = jax.jit(kernel).trace(pp, gp, op, small, *args).lower(lowering_platforms=(platform,)).as_text()
-        assert (HOST_ADAMW in text) is calls, platform
+        assert (HOST_OPTIMIZER in text) is calls, platform
     text = jax.jit(kernel_norm).trace(pp, gp, op, small, jnp.float32(3.0), jnp.float32(1.0)).lower(
         lowering_platforms=("cuda",)).as_text()
-    assert HOST_ADAMW not in text
+    assert HOST_OPTIMIZER not in text
 
 
 def test_any_number_of_threads_gives_the_same_bits():
@@ -153,9 +155,9 @@ def test_any_number_of_threads_gives_the_same_bits():
 
     def run(threads: int):
         shapes = [jax.ShapeDtypeStruct((n,), jnp.float32)] * 3
-        call = jax.ffi.ffi_call(HOST_ADAMW, (jax.ShapeDtypeStruct((), jnp.float32), *shapes))
+        call = jax.ffi.ffi_call(HOST_OPTIMIZER, (jax.ShapeDtypeStruct((), jnp.float32), *shapes))
         return call(coeffs, p, g, m, v, table=table, param_pages=np.int64(1), opt_pages=np.int64(2),
-                    threads=np.int64(threads))
+                    threads=np.int64(threads), lion=np.int64(0))
 
     one = run(-1)  # (negative: exactly that many threads, however few elements each gets)
     for threads in (-2, -5):

@@ -18,7 +18,7 @@ def test_plan_prints_the_page_table_and_writes_the_predicted_timeline(tmp_path, 
     assert cli.main(["plan", str(config), *overrides, "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "predicted step time" in out and "predicted peak bytes" in out and "I/O per step" in out
-    assert "host updates          the fused AdamW kernel, on every core" in out
+    assert "host updates          the fused host kernel (adamw), on every core" in out
     rows = {line.split()[0]: line for line in out.splitlines()
             if line.strip().startswith(("device ", "host ", "disk "))}
     assert set(rows) == {"device", "host", "disk"}, out

@@ -150,7 +150,7 @@ def test_engine_writes_predicted_and_measured_timelines(tmp_path):
     try:
         report = "\n".join(engine.memory_report())
         assert "paged" in report and "predicted step" in report and "disk" in report
-        assert "host updates       the fused AdamW kernel" in report
+        assert "host updates       the fused host kernel (adamw)" in report
         _steps(engine, batches(7, MODEL, 2))
     finally:
         engine.close()

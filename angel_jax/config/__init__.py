@@ -179,7 +179,7 @@ class OptimizerConfig:
     grad_clip: float = doc(1.0, "Clip gradients to this global norm (0 = off).")
     state_dtype: Literal["float32", "bfloat16"] = doc("float32", "Dtype the optimizer's state is stored in "
                                                       "(bfloat16 halves its bytes; the update computes in float32).")
-    host_kernel: bool = doc(True, "Update host-resident stages of Adam/AdamW with the fused C++ "
+    host_kernel: bool = doc(True, "Update host-resident stages of Adam/AdamW/Lion with the fused C++ "
                                   "kernel, built on first use with the system's g++; XLA's update where it cannot be.")
 
     def validate(self) -> list[tuple[str, str]]:

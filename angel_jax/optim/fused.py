@@ -1,13 +1,13 @@
-"""The stage update of Adam and AdamW by the host kernel (kernels/adamw_cpu.cc): one pass over the pages, every
-core, each byte read and written once.
+"""The stage update of Adam, AdamW and Lion by the host kernel (kernels/host_optimizer_cpu.cc): one pass over the
+pages, every core, each byte read and written once.
 
-    spec = host_adamw(cfg.optimizer, schedule)                      # None: not Adam/AdamW in float32, or no kernel
+    spec = host_optimizer(cfg.optimizer, schedule)                # None: not Adam/AdamW/Lion, or no kernel here
     update = make_kernel_update(plan, spec, grad_clip, reduce, fallback)   # make_stage_update's arguments/results
 
 Why: XLA's CPU backend runs the flat update (flat.py) at 2.1x the bytes an AdamW update must move, and splits a
 memory-bound loop into at most ceil(sqrt(cores)) parts (4 of 16 cores on the GPU machines' hosts). Host updates
 bound paged training wherever stages stream (experiments/results/gpu_h200.md); the kernel moves 28 B per
-float32 parameter and uses every core.
+float32 parameter (AdamW; Lion 20 B) and uses every core.
 
 The kernel runs only on the CPU backend (`jax.lax.platform_dependent`): updates on an accelerator keep XLA's flat
 update (`fallback`), where XLA is fast. Its arithmetic is optax's, operation for operation, in float32; the step
@@ -17,8 +17,9 @@ now and then one unit in the last place apart, as XLA's own differently fused lo
 
 One difference, stated in the guard's terms: the kernel writes the new pages only where the step's verdict `ok`
 (loss and gradient norm finite and within bounds) holds, known before the update, and cannot also withhold them
-when the update itself comes out non-finite. For Adam and AdamW that cannot happen with finite gradients and
-state: |mu_hat| / sqrt(nu_hat) is bounded and the denominator is at least eps. `applied` is `ok`.
+when the update itself comes out non-finite. For these optimizers that cannot happen with finite gradients and
+state: Adam's |mu_hat| / sqrt(nu_hat) is bounded and its denominator is at least eps; Lion's step is a sign.
+`applied` is `ok`.
 """
 
 from __future__ import annotations
@@ -34,15 +35,20 @@ import optax
 
 from angel_jax.config import OptimizerConfig
 from angel_jax.optim.flat import FlatPlan
-from angel_jax.optim.kernels import HOST_ADAMW, load_host_adamw
+from angel_jax.optim.kernels import HOST_OPTIMIZER, load_host_optimizer
 
 Pages = tuple
 
 
-@dataclass(frozen=True)
-class HostAdamW:
-    """The arithmetic of `make_optimizer`'s Adam or AdamW (clipping aside): what the kernel needs to know."""
+KERNEL_OPTIMIZERS = ("adamw", "adam", "lion")
 
+
+@dataclass(frozen=True)
+class HostOptimizer:
+    """The arithmetic of `make_optimizer`'s Adam, AdamW or Lion (clipping aside): what the kernel needs to know."""
+
+    lion: bool
+    """Lion (one moment, a sign step) rather than Adam."""
     b1: float
     b2: float
     eps: float
@@ -51,26 +57,27 @@ class HostAdamW:
     schedule: optax.Schedule
 
 
-def host_adamw(cfg: OptimizerConfig, schedule: optax.Schedule) -> HostAdamW | None:
-    """The kernel's description of `make_optimizer(cfg)`, or None where the kernel does not apply (not Adam or
-    AdamW, `host_kernel` off) or cannot be built here (the reason is logged once). The state may be float32 or
+def host_optimizer(cfg: OptimizerConfig, schedule: optax.Schedule) -> HostOptimizer | None:
+    """The kernel's description of `make_optimizer(cfg)`, or None where the kernel does not apply (not Adam, AdamW
+    or Lion, `host_kernel` off) or cannot be built here (the reason is logged once). The state may be float32 or
     bfloat16 (`stored_as`: the kernel widens the moments, updates in float32, rounds them to nearest even)."""
-    if not cfg.host_kernel or cfg.name not in ("adamw", "adam"):
+    if not cfg.host_kernel or cfg.name not in KERNEL_OPTIMIZERS:
         return None
-    if load_host_adamw() is not None:
+    if load_host_optimizer() is not None:
         return None
-    return HostAdamW(cfg.b1, cfg.b2, cfg.eps, cfg.weight_decay if cfg.name == "adamw" else 0.0, schedule)
+    return HostOptimizer(cfg.name == "lion", cfg.b1, cfg.b2, cfg.eps,
+                         0.0 if cfg.name == "adam" else cfg.weight_decay, schedule)
 
 
 def host_update_by(cfg: OptimizerConfig) -> str:
     """Who runs host updates under `cfg`, and why not the kernel where it does not: for the engine's report."""
     if not cfg.host_kernel:
         return "XLA (optimizer.host_kernel is off)"
-    if cfg.name not in ("adamw", "adam"):
-        return f"XLA (the kernel is Adam/AdamW's, the optimizer is {cfg.name})"
-    reason = load_host_adamw()
-    return "the fused AdamW kernel, on every core" if reason is None else \
-        f"XLA (the AdamW kernel could not be built: {reason.splitlines()[0]})"
+    if cfg.name not in KERNEL_OPTIMIZERS:
+        return f"XLA (the host kernel updates {', '.join(KERNEL_OPTIMIZERS)}; the optimizer is {cfg.name})"
+    reason = load_host_optimizer()
+    return f"the fused host kernel ({cfg.name}), on every core" if reason is None else \
+        f"XLA (the host kernel could not be built: {reason.splitlines()[0]})"
 
 
 def kernel_threads(env: Mapping[str, str] | None = None, cores: int | None = None) -> int:
@@ -87,25 +94,26 @@ def kernel_threads(env: Mapping[str, str] | None = None, cores: int | None = Non
     return max(1, cores // max(1, local_n))
 
 
-def _table(plan: FlatPlan) -> np.ndarray | None:
-    """Per segment: parameter page, offset, mu page, offset, nu page, offset, length (the kernel's `table`); None
-    unless the plan is Adam's (two state families; the small leaves its count and the schedule's)."""
-    k = len(plan.bounds)
-    if plan.families != 2 or plan.paged != (False,) + (True,) * (2 * k) + (False,):
+def _table(plan: FlatPlan, lion: bool) -> np.ndarray | None:
+    """Per segment: parameter page, offset, mu page, offset, nu page, offset (Lion: -1, 0), length (the kernel's
+    `table`); None unless the plan is the optimizer's (Adam: two state families, Lion: one; the small leaves its
+    count and the schedule's)."""
+    k, families = len(plan.bounds), 1 if lion else 2
+    if plan.families != families or plan.paged != (False,) + (True,) * (families * k) + (False,):
         return None
-    rows = [(p.page, p.offset, m.page, m.offset, n.page, n.offset, b - a) for p, m, n, (a, b) in
-            zip(plan.param_pieces(), plan.opt_pieces(0), plan.opt_pieces(1), plan.bounds)]
+    nus = [None] * k if lion else plan.opt_pieces(1)
+    rows = [(p.page, p.offset, m.page, m.offset, -1 if n is None else n.page, 0 if n is None else n.offset, b - a)
+            for p, m, n, (a, b) in zip(plan.param_pieces(), plan.opt_pieces(0), nus, plan.bounds)]
     return np.asarray(rows, np.int64).reshape(-1)
 
 
-def _coefficients(spec: HostAdamW, grad_clip: float, small: list, norm: jax.Array, ok: jax.Array,
+def _coefficients(spec: HostOptimizer, grad_clip: float, small: list, norm: jax.Array, ok: jax.Array,
                   lr_scale: jax.Array, apply: bool) -> tuple[jax.Array, list]:
     """(the kernel's float32 coefficients, the new small leaves if the update is applied), with optax's
-    expressions (scale_by_adam, tree_bias_correction, scale_by_schedule) for identical values."""
+    expressions (scale_by_adam or scale_by_lion, tree_bias_correction, scale_by_schedule) for identical values."""
     count, sched_count = small
     count_inc = optax.safe_increment(count)
-    bc1 = 1 - spec.b1 ** count_inc
-    bc2 = 1 - spec.b2 ** count_inc
+    bc1, bc2 = (1.0, 1.0) if spec.lion else (1 - spec.b1 ** count_inc, 1 - spec.b2 ** count_inc)
     step_size = -1 * spec.schedule(sched_count)
     trigger = norm < grad_clip if grad_clip > 0 else jnp.bool_(True)
     values = (1 - spec.b1, spec.b1, 1 - spec.b2, spec.b2, bc1, bc2, 0.0, spec.eps, spec.weight_decay, step_size,
@@ -114,11 +122,11 @@ def _coefficients(spec: HostAdamW, grad_clip: float, small: list, norm: jax.Arra
     return coeffs, [count_inc, optax.safe_increment(sched_count)]
 
 
-def make_kernel_update(plan: FlatPlan, spec: HostAdamW, grad_clip: float,
+def make_kernel_update(plan: FlatPlan, spec: HostOptimizer, grad_clip: float,
                        reduce: Callable[[jax.Array], jax.Array] | None, fallback: Callable) -> Callable | None:
     """`make_stage_update`'s update by the kernel on the CPU backend, `fallback` elsewhere; None where the plan
-    is not Adam's."""
-    table = _table(plan)
+    is not the optimizer's."""
+    table = _table(plan, spec.lion)
     if table is None:
         return None
     n_params, n_opt = plan.param_pages, plan.opt_pages
@@ -133,10 +141,10 @@ def make_kernel_update(plan: FlatPlan, spec: HostAdamW, grad_clip: float,
                ok: jax.Array, lr_scale: jax.Array, in_place: bool = True) -> tuple:
         coeffs, new_small = _coefficients(spec, grad_clip, list(opt_small), norm, ok, lr_scale, apply=True)
         shapes = [jax.ShapeDtypeStruct(p.shape, p.dtype) for p in (*param_pages, *opt_pages)]
-        call = jax.ffi.ffi_call(HOST_ADAMW, (jax.ShapeDtypeStruct((), jnp.float32), *shapes),
+        call = jax.ffi.ffi_call(HOST_OPTIMIZER, (jax.ShapeDtypeStruct((), jnp.float32), *shapes),
                                 input_output_aliases=aliases if in_place else None)
         sq, *pages = call(coeffs, *param_pages, *grad_pages, *opt_pages, table=table, param_pages=np.int64(n_params),
-                          opt_pages=np.int64(n_opt), threads=np.int64(threads))
+                          opt_pages=np.int64(n_opt), threads=np.int64(threads), lion=np.int64(spec.lion))
         if reduce is not None:
             sq = reduce(sq)
         small = [jnp.where(ok, new, old) for new, old in zip(new_small, opt_small)]
@@ -152,10 +160,10 @@ def make_kernel_update(plan: FlatPlan, spec: HostAdamW, grad_clip: float,
     return update
 
 
-def make_kernel_update_norm(plan: FlatPlan, spec: HostAdamW, grad_clip: float,
+def make_kernel_update_norm(plan: FlatPlan, spec: HostOptimizer, grad_clip: float,
                             reduce: Callable[[jax.Array], jax.Array] | None, fallback: Callable) -> Callable | None:
     """`make_stage_update_norm`'s first pass by the kernel: the update's sum of squares, nothing written."""
-    table = _table(plan)
+    table = _table(plan, spec.lion)
     if table is None:
         return None
     n_params, n_opt = plan.param_pages, plan.opt_pages
@@ -163,9 +171,9 @@ def make_kernel_update_norm(plan: FlatPlan, spec: HostAdamW, grad_clip: float,
     def kernel(param_pages: Pages, grad_pages: Pages, opt_pages: Pages, opt_small: list, norm: jax.Array,
                lr_scale: jax.Array) -> jax.Array:
         coeffs, _ = _coefficients(spec, grad_clip, list(opt_small), norm, jnp.bool_(False), lr_scale, apply=False)
-        call = jax.ffi.ffi_call(HOST_ADAMW, jax.ShapeDtypeStruct((), jnp.float32))
+        call = jax.ffi.ffi_call(HOST_OPTIMIZER, jax.ShapeDtypeStruct((), jnp.float32))
         sq = call(coeffs, *param_pages, *grad_pages, *opt_pages, table=table, param_pages=np.int64(n_params),
-                  opt_pages=np.int64(n_opt), threads=np.int64(kernel_threads()))
+                  opt_pages=np.int64(n_opt), threads=np.int64(kernel_threads()), lion=np.int64(spec.lion))
         return sq if reduce is None else reduce(sq)
 
     def update_sq(*args: object) -> jax.Array:

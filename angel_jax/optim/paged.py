@@ -26,7 +26,7 @@ import optax
 from angel_jax.memory.layout import StageLayout
 from angel_jax.optim.factory import clip_with_norm
 from angel_jax.optim.flat import FlatPlan, make_flat_update
-from angel_jax.optim.fused import HostAdamW, make_kernel_update, make_kernel_update_norm
+from angel_jax.optim.fused import HostOptimizer, make_kernel_update, make_kernel_update_norm
 
 Pages = tuple
 
@@ -90,7 +90,7 @@ def global_norm(sqsums: list[jax.Array]) -> jax.Array:
 
 def make_stage_update(tx: optax.GradientTransformation, params_rep: StageLayout, opt_rep: StageLayout,
                       layout: OptLayout, grad_clip: float, reduce: Callable[[jax.Array], jax.Array] | None = None,
-                      elementwise: bool = False, kernel: HostAdamW | None = None) -> Callable:
+                      elementwise: bool = False, kernel: HostOptimizer | None = None) -> Callable:
     """The update of one stage over pages (pure; jit it):
 
         update(param_pages, grad_pages, opt_pages, opt_small, norm, ok, lr_scale)
@@ -105,7 +105,7 @@ def make_stage_update(tx: optax.GradientTransformation, params_rep: StageLayout,
     are a rank's shard, the sum is taken over the ranks, schedule/zero.py), before it decides `applied`.
     `elementwise`: `tx` treats every element alike (not Adafactor, `factory.is_elementwise`): the update then runs
     on flat segments of the pages where the layouts allow it (flat.py: a few times fewer bytes moved on the CPU).
-    `kernel`: `tx` is the Adam/AdamW it describes (`fused.host_adamw`): on the CPU backend the flat update then
+    `kernel`: `tx` is the Adam, AdamW or Lion it describes (`fused.host_optimizer`): on the CPU backend the flat update then
     runs as the host kernel (fused.py: one pass, every core)."""
     if elementwise and (plan := FlatPlan.build(tx, params_rep, opt_rep, layout.paged)) is not None:
         flat = make_flat_update(plan, tx, grad_clip, reduce)
@@ -133,7 +133,7 @@ def make_stage_update(tx: optax.GradientTransformation, params_rep: StageLayout,
 
 def make_stage_update_norm(tx: optax.GradientTransformation, params_rep: StageLayout, opt_rep: StageLayout,
                            layout: OptLayout, grad_clip: float, reduce: Callable[[jax.Array], jax.Array] | None = None,
-                           elementwise: bool = False, kernel: HostAdamW | None = None) -> Callable:
+                           elementwise: bool = False, kernel: HostOptimizer | None = None) -> Callable:
     """Only the sum of squares of the stage's update, nothing written: the first pass when the step's update may
     be dropped for its global norm (`max_update_norm`), which is known only once every stage's update is."""
     full = make_stage_update(tx, params_rep, opt_rep, layout, grad_clip, reduce, elementwise)

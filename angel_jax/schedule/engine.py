@@ -35,7 +35,7 @@ from angel_jax.memory.layout import StageLayout
 from angel_jax.memory.bench_io import default_calibration_path
 from angel_jax.memory.malloc import return_large_frees_to_the_os
 from angel_jax.optim import is_elementwise, make_optimizer
-from angel_jax.optim.fused import host_adamw
+from angel_jax.optim.fused import host_optimizer
 from angel_jax.optim.paged import OptLayout, abstract_opt_state, paged_paths, split_opt_state
 from angel_jax.optim.updater import PageUpdater, Placement, StageSlot, StageUpdates
 from angel_jax.schedule.costs import profile_costs, profile_transfers
@@ -339,7 +339,7 @@ def _blueprint(cfg: Config, zero: Zero | None = None) -> Blueprint:
         opt_small[name] = [np.zeros(s.shape, s.dtype) for s in small]
         structure[name] = struct
     opt_layout = layout(zip(names, opt_big), opt_apart(staged, tx, stage_params))
-    kernel = host_adamw(cfg.optimizer, schedule)
+    kernel = host_optimizer(cfg.optimizer, schedule)
     fns = StageFunctions(staged, params_layout, opt_layout, structure, tx, cfg.optimizer.grad_clip, zero,
                          elementwise=is_elementwise(cfg.optimizer), kernel=kernel)
     return Blueprint(staged, params_layout, opt_layout, structure, opt_small, fns,

@@ -43,7 +43,7 @@ import optax
 from angel_jax.memory.crossing import onto
 from angel_jax.memory.layout import PageLayout, StageLayout
 from angel_jax.memory.tiers import HOST_MEMORY_KINDS
-from angel_jax.optim.fused import HostAdamW
+from angel_jax.optim.fused import HostOptimizer
 from angel_jax.optim.paged import OptLayout, make_stage_update, make_stage_update_norm, sqsum
 from angel_jax.optim.updater import in_host_memory
 from angel_jax.schedule.zero import Zero, psum, serial
@@ -57,11 +57,11 @@ class StageFunctions:
 
     def __init__(self, staged: StagedModel, params_layout: PageLayout, opt_layout: PageLayout,
                  opt_structure: dict[str, OptLayout], tx: optax.GradientTransformation, grad_clip: float,
-                 zero: Zero | None = None, elementwise: bool = False, kernel: HostAdamW | None = None):
+                 zero: Zero | None = None, elementwise: bool = False, kernel: HostOptimizer | None = None):
         """`zero`: the layouts are `ShardedPageLayout`s over its mesh (ZeRO-3, schedule/zero.py): the stage
         functions gather and reduce-scatter the pages across the ranks, the updates run on each rank's shards.
         `elementwise`: `tx` is element-wise (`optim.is_elementwise`): its updates may run on flat pages.
-        `kernel`: `tx` is this Adam/AdamW (`optim.fused.host_adamw`): its host updates run as the host kernel."""
+        `kernel`: `tx` is this Adam/AdamW/Lion (`optim.fused.host_optimizer`): its host updates run as the host kernel."""
         self.staged = staged
         kinds = staged.kinds()
         rep: dict[str, StageLayout] = {k: params_layout.stage(staged.stages[idx[0]].name) for k, idx in kinds.items()}

@@ -189,9 +189,9 @@ def time_update(config: str, overrides: list[str], repeats: int, leafwise: bool 
     param_bytes = sum(s.nbytes for s in pl.slots)
     opt_bytes = sum(s.nbytes for s in ol.slots)
     moved = 2 * param_bytes + param_bytes + 2 * opt_bytes  # params r+w, grads r, optimizer state r+w
-    from angel_jax.optim.kernels import HOST_ADAMW
+    from angel_jax.optim.kernels import HOST_OPTIMIZER
 
-    return {"stage": block, "update_by": "host kernel" if HOST_ADAMW in hlo else "xla",
+    return {"stage": block, "update_by": "host kernel" if HOST_OPTIMIZER in hlo else "xla",
             "optimizer": cfg.optimizer.name, "state_dtype": cfg.optimizer.state_dtype,
             "params": sum(int(np.prod(s.shape)) for s in pl.slots), "param_bytes": param_bytes,
             "opt_bytes": opt_bytes, "bytes_moved": moved, "update_s": [round(t, 5) for t in wall],

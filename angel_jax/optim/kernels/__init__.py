@@ -1,6 +1,6 @@
 """Host kernels, compiled on first use and registered with XLA as FFI targets of the CPU backend.
 
-    if (reason := load_host_adamw()) is None:   # None: `HOST_ADAMW` is registered and may be called
+    if (reason := load_host_optimizer()) is None:   # None: `HOST_OPTIMIZER` is registered and may be called
         ...
 
 The source ships beside this file. It is compiled once per machine with the system's C++ compiler (`CXX`, else
@@ -26,10 +26,10 @@ from pathlib import Path
 
 log = logging.getLogger(__name__)
 
-HOST_ADAMW = "angel_host_adamw"
-"""The FFI target name of kernels/adamw_cpu.cc."""
+HOST_OPTIMIZER = "angel_host_optimizer"
+"""The FFI target name of kernels/host_optimizer_cpu.cc."""
 
-SOURCE = Path(__file__).with_name("adamw_cpu.cc")
+SOURCE = Path(__file__).with_name("host_optimizer_cpu.cc")
 FLAGS = ("-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-std=c++20", "-fPIC", "-shared",
          "-pthread")
 """No contraction into fused multiply-adds: XLA's CPU backend does not contract either, so the kernel's
@@ -88,14 +88,14 @@ def build(source: Path = SOURCE) -> Path:
 
 
 @functools.cache
-def load_host_adamw() -> str | None:
-    """Build and register the host AdamW kernel once per process; None when it is registered, else why not."""
+def load_host_optimizer() -> str | None:
+    """Build and register the host optimizer kernel once per process; None when it is registered, else why not."""
     import jax
 
     try:
         lib = ctypes.cdll.LoadLibrary(str(build()))
-        jax.ffi.register_ffi_target(HOST_ADAMW, jax.ffi.pycapsule(lib.AngelAdamW), platform="cpu")
+        jax.ffi.register_ffi_target(HOST_OPTIMIZER, jax.ffi.pycapsule(lib.AngelHostOptimizer), platform="cpu")
     except (RuntimeError, OSError, AttributeError) as e:
-        log.warning("the host AdamW kernel is unavailable, host updates run XLA's: %s", e)
+        log.warning("the host optimizer kernel is unavailable, host updates run XLA's: %s", e)
         return str(e)
     return None

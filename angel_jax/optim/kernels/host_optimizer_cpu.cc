@@ -1,4 +1,5 @@
-// AdamW (and Adam) on the host, in one pass over the pages, on every core: an XLA FFI target for the CPU backend.
+// The host optimizer: AdamW, Adam and Lion in one pass over the pages, on every core, as an XLA FFI target of the
+// CPU backend.
 //
 // Why: XLA's CPU backend emits one loop per array an update writes, and keeps intermediates two of those loops
 // share in memory. The best the stage update could be arranged to (optim/flat.py) still moves 2.1x the bytes an
@@ -10,10 +11,13 @@
 // multiply-adds, as XLA compiles it), so the results equal the XLA update's up to the last bit of an element now
 // and then:
 //   g  = trigger ? g : (g / norm) * max_norm                       clip_with_norm
+//   Adam, AdamW:
 //   mu = (1 - b1) * g + b1 * mu                                     optax.tree.update_moment
 //   nu = (1 - b2) * (g * g) + b2 * nu                               ... per_elem_norm, order 2
 //   u  = (mu / bc1) / (sqrt(nu / bc2 + eps_root) + eps)             scale_by_adam, bias-corrected
-//   u  = u + wd * p                                                 add_decayed_weights (AdamW; wd = 0: Adam)
+//   Lion:
+//   u  = sign((1 - b1) * g + b1 * mu); mu = (1 - b2) * g + b2 * mu  scale_by_lion
+//   u  = u + wd * p                                                 add_decayed_weights (wd = 0: Adam)
 //   u  = (step_size * u) * lr_scale                                 scale_by_learning_rate, the guard's lr scale
 //   p  = p + u                                                      optax.apply_updates
 // The results are written only where `apply` is set (the step's verdict, known before the update: with finite
@@ -21,14 +25,15 @@
 // order, so it is the same whatever the number of threads.
 //
 // Operands: coeffs f32[15] (enum Coeff: the betas, bias corrections, eps, weight decay, step size, the guard's
-// lr scale, the gradient norm and clip bound, whether the norm is under it, whether to apply), then P parameter pages, P gradient pages, O optimizer pages (float32, 1-D).
-// Results: the update's sum of squares f32[], then P parameter pages and O optimizer pages (aliased by the caller
-// to the pages they replace, or buffers of their own, which a dropped update fills with the old values; none: only
-// the sum of squares, nothing written). Attribute `table`: per segment (a run of elements contiguous in every family) seven
-// int64s: parameter page, offset in it (the gradient page and offset are the same), mu's page and offset, nu's
-// page and offset, length.
-// Attribute `threads`: at most this many threads (0: one per core this process may run on), each with at least
-// kPerThread elements; negative: exactly that many (tests).
+// lr scale, the gradient norm and clip bound, whether the norm is under it, whether to apply), then P parameter
+// pages, P gradient pages, O optimizer pages (1-D; parameters and gradients float32, the moments float32 or
+// bfloat16). Results: the update's sum of squares f32[], then P parameter pages and O optimizer pages (aliased by
+// the caller to the pages they replace, or buffers of their own, which a dropped update fills with the old values;
+// none: only the sum of squares, nothing written).
+// Attributes: `table`, per segment (a run of elements contiguous in every family) seven int64s: parameter page,
+// offset in it (the gradient page and offset are the same), mu's page and offset, nu's page and offset (Lion: -1,
+// 0), length. `threads`: at most this many threads (0: one per core this process may run on), each with at least
+// kPerThread elements; negative: exactly that many (tests). `lion`: 1 for Lion, 0 for Adam(W).
 
 #include <sched.h>
 
@@ -93,44 +98,52 @@ inline uint16_t narrow<uint16_t>(float x) {
 }
 
 // One block: new values into the block buffers (which alias nothing, so the loop vectorises), the update into u.
-template <bool kClip, typename M>
+// Lion (optax.lion): u = sign((1 - b1) g + b1 mu), mu = (1 - b2) g + b2 mu; one moment, no bias correction.
+template <bool kClip, bool kLion, typename M>
 inline void compute_block(int n, const Coefficients& k, const float* __restrict p, const float* __restrict g,
                           const M* __restrict m, const M* __restrict v, float* __restrict po,
                           M* __restrict mo, M* __restrict vo, float* __restrict u) {
   for (int j = 0; j < n; ++j) {
     float gj = g[j];
     if (kClip) gj = (gj / k.norm) * k.max_norm;
-    const float mj = k.omb1 * gj + k.b1 * widen(m[j]);
-    const float vj = k.omb2 * (gj * gj) + k.b2 * widen(v[j]);
-    float uj = (mj / k.bc1) / (std::sqrt(vj / k.bc2 + k.eps_root) + k.eps);
+    float uj;
+    if (kLion) {
+      const float x = k.omb1 * gj + k.b1 * widen(m[j]);
+      uj = x > 0.0f ? 1.0f : x < 0.0f ? -1.0f : x;  // jnp.sign: zeros and NaN as they are
+      mo[j] = narrow<M>(k.omb2 * gj + k.b2 * widen(m[j]));
+    } else {
+      const float mj = k.omb1 * gj + k.b1 * widen(m[j]);
+      const float vj = k.omb2 * (gj * gj) + k.b2 * widen(v[j]);
+      uj = (mj / k.bc1) / (std::sqrt(vj / k.bc2 + k.eps_root) + k.eps);
+      mo[j] = narrow<M>(mj);
+      vo[j] = narrow<M>(vj);
+    }
     uj = uj + k.wd * p[j];
     uj = (k.step * uj) * k.lr_scale;
     po[j] = p[j] + uj;
-    mo[j] = narrow<M>(mj);
-    vo[j] = narrow<M>(vj);
     u[j] = uj;
   }
 }
 
 // One chunk of one segment; returns the sum of squares of its update.
-template <bool kClip, typename M>
+template <bool kClip, bool kLion, typename M>
 double run_chunk(const Segment& s, int64_t a, int64_t b, const Coefficients& k, bool apply) {
   alignas(64) float lanes[kLanes] = {0};
   alignas(64) float pb[kBlock], u[kBlock];
   alignas(64) M mb[kBlock], vb[kBlock];
   const M* m = static_cast<const M*>(s.m);
-  const M* v = static_cast<const M*>(s.v);
+  const M* v = static_cast<const M*>(s.v);  // (Lion: none)
   for (int64_t i0 = a; i0 < b; i0 += kBlock) {
     const int n = static_cast<int>(b - i0 < kBlock ? b - i0 : kBlock);
-    compute_block<kClip, M>(n, k, s.p + i0, s.g + i0, m + i0, v + i0, pb, mb, vb, u);
+    compute_block<kClip, kLion, M>(n, k, s.p + i0, s.g + i0, m + i0, kLion ? nullptr : v + i0, pb, mb, vb, u);
     if (apply) {  // read before written: the results may replace the operands in place
       std::memcpy(s.po + i0, pb, n * sizeof(float));
       std::memcpy(static_cast<M*>(s.mo) + i0, mb, n * sizeof(M));
-      std::memcpy(static_cast<M*>(s.vo) + i0, vb, n * sizeof(M));
+      if (!kLion) std::memcpy(static_cast<M*>(s.vo) + i0, vb, n * sizeof(M));
     } else if (s.po != nullptr) {  // a dropped update: results in buffers of their own keep the old values
       if (s.po != s.p) std::memcpy(s.po + i0, s.p + i0, n * sizeof(float));
       if (s.mo != s.m) std::memcpy(static_cast<M*>(s.mo) + i0, m + i0, n * sizeof(M));
-      if (s.vo != s.v) std::memcpy(static_cast<M*>(s.vo) + i0, v + i0, n * sizeof(M));
+      if (!kLion && s.vo != s.v) std::memcpy(static_cast<M*>(s.vo) + i0, v + i0, n * sizeof(M));
     }
     int j = 0;
     for (; j + kLanes <= n; j += kLanes)
@@ -143,11 +156,12 @@ double run_chunk(const Segment& s, int64_t a, int64_t b, const Coefficients& k, 
 }
 
 template <typename M>
-double run_chunk_any(const Segment& s, int64_t a, int64_t b, const float* c) {
+double run_chunk_any(const Segment& s, int64_t a, int64_t b, const float* c, bool lion) {
   const Coefficients k{c[kOneMinusB1], c[kB1], c[kOneMinusB2], c[kB2], c[kBc1], c[kBc2], c[kEpsRoot],
                        c[kEps], c[kWd], c[kStepSize], c[kLrScale], c[kNorm], c[kMaxNorm]};
-  const bool apply = c[kApply] != 0.0f;
-  return c[kTrigger] == 0.0f ? run_chunk<true, M>(s, a, b, k, apply) : run_chunk<false, M>(s, a, b, k, apply);
+  const bool apply = c[kApply] != 0.0f, clip = c[kTrigger] == 0.0f;
+  if (lion) return clip ? run_chunk<true, true, M>(s, a, b, k, apply) : run_chunk<false, true, M>(s, a, b, k, apply);
+  return clip ? run_chunk<true, false, M>(s, a, b, k, apply) : run_chunk<false, false, M>(s, a, b, k, apply);
 }
 
 int usable_cores() {
@@ -162,17 +176,18 @@ int usable_cores() {
 
 ffi::Error AdamWImpl(ffi::Buffer<ffi::F32> coeffs, ffi::RemainingArgs args, ffi::Result<ffi::Buffer<ffi::F32>> sq,
                      ffi::RemainingRets rets, ffi::Span<const int64_t> table, int64_t param_pages,
-                     int64_t opt_pages, int64_t threads) {
+                     int64_t opt_pages, int64_t threads, int64_t lion) {
   if (coeffs.element_count() != kCount)
-    return ffi::Error::InvalidArgument("angel_host_adamw: coeffs must hold one float32 per coefficient (15)");
-  if (table.size() % 7 != 0) return ffi::Error::InvalidArgument("angel_host_adamw: table is not 7 int64s per segment");
+    return ffi::Error::InvalidArgument("angel_host_optimizer: coeffs must hold one float32 per coefficient");
+  if (table.size() % 7 != 0)
+    return ffi::Error::InvalidArgument("angel_host_optimizer: table is not 7 int64s per segment");
   // No page results: the first pass of a step whose update norm is bounded (its sum of squares only).
   const bool norm_only = rets.size() == 0;
   if (static_cast<int64_t>(args.size()) != 2 * param_pages + opt_pages ||
       (!norm_only && static_cast<int64_t>(rets.size()) != param_pages + opt_pages))
-    return ffi::Error::InvalidArgument("angel_host_adamw: operand or result count does not match the page counts");
+    return ffi::Error::InvalidArgument("angel_host_optimizer: operand or result count differs from the page counts");
   if (norm_only && coeffs.typed_data()[kApply] != 0.0f)
-    return ffi::Error::InvalidArgument("angel_host_adamw: an update to apply needs its page results");
+    return ffi::Error::InvalidArgument("angel_host_optimizer: an update to apply needs its page results");
   // Parameters and gradients are float32; the optimizer pages all float32 or all bfloat16.
   const int64_t P = param_pages;
   std::vector<const void*> in(args.size());
@@ -184,13 +199,13 @@ ffi::Error AdamWImpl(ffi::Buffer<ffi::F32> coeffs, ffi::RemainingArgs args, ffi:
     const ffi::DataType type = b->element_type();
     if (static_cast<int64_t>(i) < 2 * P) {
       if (type != ffi::DataType::F32)
-        return ffi::Error::InvalidArgument("angel_host_adamw: parameter and gradient pages must be float32");
+        return ffi::Error::InvalidArgument("angel_host_optimizer: parameter and gradient pages must be float32");
     } else if (static_cast<int64_t>(i) == 2 * P) {
       moments = type;
       if (type != ffi::DataType::F32 && type != ffi::DataType::BF16)
-        return ffi::Error::InvalidArgument("angel_host_adamw: optimizer pages must be float32 or bfloat16");
+        return ffi::Error::InvalidArgument("angel_host_optimizer: optimizer pages must be float32 or bfloat16");
     } else if (type != moments) {
-      return ffi::Error::InvalidArgument("angel_host_adamw: optimizer pages must share one dtype");
+      return ffi::Error::InvalidArgument("angel_host_optimizer: optimizer pages must share one dtype");
     }
     in[i] = b->untyped_data();
     in_len[i] = static_cast<int64_t>(b->element_count());
@@ -203,7 +218,7 @@ ffi::Error AdamWImpl(ffi::Buffer<ffi::F32> coeffs, ffi::RemainingArgs args, ffi:
     const size_t from = static_cast<int64_t>(i) < P ? i : i + P;
     if ((*r)->element_type() != args.get<ffi::AnyBuffer>(from)->element_type() ||
         static_cast<int64_t>((*r)->element_count()) != in_len[from])
-      return ffi::Error::InvalidArgument("angel_host_adamw: a result page differs from its operand");
+      return ffi::Error::InvalidArgument("angel_host_optimizer: a result page differs from its operand");
   }
   const size_t width = moments == ffi::DataType::BF16 ? 2 : 4;
   auto at = [](const void* base, int64_t offset, size_t bytes) {
@@ -214,14 +229,16 @@ ffi::Error AdamWImpl(ffi::Buffer<ffi::F32> coeffs, ffi::RemainingArgs args, ffi:
   for (size_t k = 0; k < table.size(); k += 7) {
     const int64_t pp = table[k], po = table[k + 1], mp = table[k + 2], mo = table[k + 3], np = table[k + 4],
                   no = table[k + 5], n = table[k + 6];
-    if (pp < 0 || pp >= P || mp < 0 || mp >= opt_pages || np < 0 || np >= opt_pages || n < 0 || po < 0 ||
-        mo < 0 || no < 0 || po + n > in_len[pp] || mo + n > in_len[2 * P + mp] || no + n > in_len[2 * P + np])
-      return ffi::Error::InvalidArgument("angel_host_adamw: a segment lies outside its pages");
+    const bool has_nu = !lion;  // Lion's rows name no nu page (-1)
+    if (pp < 0 || pp >= P || mp < 0 || mp >= opt_pages || (has_nu && (np < 0 || np >= opt_pages)) || n < 0 ||
+        po < 0 || mo < 0 || no < 0 || po + n > in_len[pp] || mo + n > in_len[2 * P + mp] ||
+        (has_nu && no + n > in_len[2 * P + np]))
+      return ffi::Error::InvalidArgument("angel_host_optimizer: a segment lies outside its pages");
     segments.push_back({static_cast<const float*>(in[pp]) + po, static_cast<const float*>(in[P + pp]) + po,
-                        at(in[2 * P + mp], mo, width), at(in[2 * P + np], no, width),
+                        at(in[2 * P + mp], mo, width), has_nu ? at(in[2 * P + np], no, width) : nullptr,
                         norm_only ? nullptr : static_cast<float*>(out[pp]) + po,
                         norm_only ? nullptr : const_cast<char*>(at(out[P + mp], mo, width)),
-                        norm_only ? nullptr : const_cast<char*>(at(out[P + np], no, width)), n});
+                        norm_only || !has_nu ? nullptr : const_cast<char*>(at(out[P + np], no, width)), n});
     for (int64_t a = 0; a < n; a += kChunk)
       chunks.push_back({static_cast<int>(segments.size() - 1), a, a + kChunk < n ? a + kChunk : n});
   }
@@ -233,7 +250,7 @@ ffi::Error AdamWImpl(ffi::Buffer<ffi::F32> coeffs, ffi::RemainingArgs args, ffi:
       const int64_t n = table[k + 6];
       covered[table[k]].push_back({table[k + 1], table[k + 1] + n});
       covered[P + table[k + 2]].push_back({table[k + 3], table[k + 3] + n});
-      covered[P + table[k + 4]].push_back({table[k + 5], table[k + 5] + n});
+      if (!lion) covered[P + table[k + 4]].push_back({table[k + 5], table[k + 5] + n});
     }
     for (size_t i = 0; i < rets.size(); ++i) {
       const size_t from = static_cast<int64_t>(i) < P ? i : i + P;
@@ -257,8 +274,8 @@ ffi::Error AdamWImpl(ffi::Buffer<ffi::F32> coeffs, ffi::RemainingArgs args, ffi:
   auto work = [&]() {
     for (size_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < chunks.size();) {
       const Chunk& ch = chunks[i];
-      partial[i] = width == 2 ? run_chunk_any<uint16_t>(segments[ch.segment], ch.start, ch.stop, c)
-                              : run_chunk_any<float>(segments[ch.segment], ch.start, ch.stop, c);
+      partial[i] = width == 2 ? run_chunk_any<uint16_t>(segments[ch.segment], ch.start, ch.stop, c, lion)
+                              : run_chunk_any<float>(segments[ch.segment], ch.start, ch.stop, c, lion);
     }
   };
   int64_t elements = 0;
@@ -286,7 +303,7 @@ ffi::Error AdamWImpl(ffi::Buffer<ffi::F32> coeffs, ffi::RemainingArgs args, ffi:
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(AngelAdamW, AdamWImpl,
+XLA_FFI_DEFINE_HANDLER_SYMBOL(AngelHostOptimizer, AdamWImpl,
                               ffi::Ffi::Bind()
                                   .Arg<ffi::Buffer<ffi::F32>>()
                                   .RemainingArgs()
@@ -295,4 +312,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(AngelAdamW, AdamWImpl,
                                   .Attr<ffi::Span<const int64_t>>("table")
                                   .Attr<int64_t>("param_pages")
                                   .Attr<int64_t>("opt_pages")
-                                  .Attr<int64_t>("threads"));
+                                  .Attr<int64_t>("threads")
+                                  .Attr<int64_t>("lion"));
