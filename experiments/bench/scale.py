@@ -262,7 +262,7 @@ def run_trial(runner: str, n_layers: int, args: argparse.Namespace) -> dict:
     stderr_tail = (scratch / "stderr.log").read_text()[-4000:]
     ok = bool(child and child.get("ok")) and proc.returncode == 0 and not killed
     record = {
-        "bench": "scale", "runner": runner, **model_fields(n_layers, args.dry),
+        "bench": "scale", "runner": runner, **model_fields(n_layers, args.dry, args.set),
         **({"overrides": list(args.set), "device_budget_gib": args.device_budget_gib,
             "host_budget_gib": args.host_budget_gib} if runner == "paged" else {}),
         "ok": ok, "why_not": None if ok else failure_reason(proc.returncode, killed, child, stderr_tail),
@@ -285,12 +285,13 @@ def run_trial(runner: str, n_layers: int, args: argparse.Namespace) -> dict:
     return record
 
 
-def model_fields(n_layers: int, dry: bool) -> dict:
-    """n_layers, parameter count and the model's shape, from the config alone (nothing allocated)."""
+def model_fields(n_layers: int, dry: bool, sets: list[str] = ()) -> dict:
+    """n_layers, parameter count and the model's shape, from the config alone (nothing allocated), with the run's
+    --set overrides (a model.compute_dtype given there is the one recorded)."""
     import models
     from angel_jax.config import load_config
 
-    cfg = load_config(CONFIG, MODEL + (DRY_MODEL if dry else []) + [f"model.n_layers={n_layers}"])
+    cfg = load_config(CONFIG, MODEL + (DRY_MODEL if dry else []) + [f"model.n_layers={n_layers}", *sets])
     m = cfg.model
     n = models.get(m).param_count["total"]
     # fp32 parameters, gradients and Adam's two moments: the bytes any runner must hold at least.
@@ -362,7 +363,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 best = search(lambda n: trial(runner, n), args.max_layers)
                 emit({"bench": "scale", "figure": "largest", "runner": runner,
-                      **(model_fields(best, args.dry) if best else {"n_layers": 0}),
+                      **(model_fields(best, args.dry, args.set) if best else {"n_layers": 0}),
                       "cap_bytes": int(args.cap_gib * GIB), "max_layers": args.max_layers}, results, machine)
     finally:
         if own_scratch and not args.keep_scratch:
