@@ -61,9 +61,7 @@ def host_optimizer(cfg: OptimizerConfig, schedule: optax.Schedule) -> HostOptimi
     """The kernel's description of `make_optimizer(cfg)`, or None where the kernel does not apply (not Adam, AdamW
     or Lion, `host_kernel` off) or cannot be built here (the reason is logged once). The state may be float32 or
     bfloat16 (`stored_as`: the kernel widens the moments, updates in float32, rounds them to nearest even)."""
-    if not cfg.host_kernel or cfg.name not in KERNEL_OPTIMIZERS:
-        return None
-    if load_host_optimizer() is not None:
+    if _why_not_the_kernel(cfg) is not None:
         return None
     return HostOptimizer(cfg.name == "lion", cfg.b1, cfg.b2, cfg.eps,
                          0.0 if cfg.name == "adam" else cfg.weight_decay, schedule)
@@ -71,13 +69,18 @@ def host_optimizer(cfg: OptimizerConfig, schedule: optax.Schedule) -> HostOptimi
 
 def host_update_by(cfg: OptimizerConfig) -> str:
     """Who runs host updates under `cfg`, and why not the kernel where it does not: for the engine's report."""
+    why = _why_not_the_kernel(cfg)
+    return f"the fused host kernel ({cfg.name}), on every core" if why is None else f"XLA ({why})"
+
+
+def _why_not_the_kernel(cfg: OptimizerConfig) -> str | None:
+    """None where the kernel updates `cfg`'s optimizer here (building it if need be), else the reason."""
     if not cfg.host_kernel:
-        return "XLA (optimizer.host_kernel is off)"
+        return "optimizer.host_kernel is off"
     if cfg.name not in KERNEL_OPTIMIZERS:
-        return f"XLA (the host kernel updates {', '.join(KERNEL_OPTIMIZERS)}; the optimizer is {cfg.name})"
+        return f"the host kernel updates {', '.join(KERNEL_OPTIMIZERS)}; the optimizer is {cfg.name}"
     reason = load_host_optimizer()
-    return f"the fused host kernel ({cfg.name}), on every core" if reason is None else \
-        f"XLA (the host kernel could not be built: {reason.splitlines()[0]})"
+    return None if reason is None else f"the host kernel could not be built: {reason.splitlines()[0]}"
 
 
 def kernel_threads(env: Mapping[str, str] | None = None, cores: int | None = None) -> int:
@@ -125,7 +128,8 @@ def _coefficients(spec: HostOptimizer, grad_clip: float, small: list, norm: jax.
 def make_kernel_update(plan: FlatPlan, spec: HostOptimizer, grad_clip: float,
                        reduce: Callable[[jax.Array], jax.Array] | None, fallback: Callable) -> Callable | None:
     """`make_stage_update`'s update by the kernel on the CPU backend, `fallback` elsewhere; None where the plan
-    is not the optimizer's."""
+    is not the optimizer's. Two variants hang on it: `fresh_outputs` (below) and `norm_only`, the first pass of
+    `make_stage_update_norm` (the update's sum of squares, nothing written)."""
     table = _table(plan, spec.lion)
     if table is None:
         return None
@@ -156,27 +160,21 @@ def make_kernel_update(plan: FlatPlan, spec: HostOptimizer, grad_clip: float,
     def fresh_outputs(*args: object) -> tuple:
         return jax.lax.platform_dependent(*args, cpu=lambda *a: kernel(*a, in_place=False), default=fallback)
 
-    update.fresh_outputs = fresh_outputs  # type: ignore[attr-defined]
-    return update
-
-
-def make_kernel_update_norm(plan: FlatPlan, spec: HostOptimizer, grad_clip: float,
-                            reduce: Callable[[jax.Array], jax.Array] | None, fallback: Callable) -> Callable | None:
-    """`make_stage_update_norm`'s first pass by the kernel: the update's sum of squares, nothing written."""
-    table = _table(plan, spec.lion)
-    if table is None:
-        return None
-    n_params, n_opt = plan.param_pages, plan.opt_pages
-
-    def kernel(param_pages: Pages, grad_pages: Pages, opt_pages: Pages, opt_small: list, norm: jax.Array,
-               lr_scale: jax.Array) -> jax.Array:
+    def norm_kernel(param_pages: Pages, grad_pages: Pages, opt_pages: Pages, opt_small: list, norm: jax.Array,
+                    lr_scale: jax.Array) -> jax.Array:
         coeffs, _ = _coefficients(spec, grad_clip, list(opt_small), norm, jnp.bool_(False), lr_scale, apply=False)
         call = jax.ffi.ffi_call(HOST_OPTIMIZER, jax.ShapeDtypeStruct((), jnp.float32))
         sq = call(coeffs, *param_pages, *grad_pages, *opt_pages, table=table, param_pages=np.int64(n_params),
-                  opt_pages=np.int64(n_opt), threads=np.int64(kernel_threads()), lion=np.int64(spec.lion))
+                  opt_pages=np.int64(n_opt), threads=np.int64(threads), lion=np.int64(spec.lion))
         return sq if reduce is None else reduce(sq)
 
-    def update_sq(*args: object) -> jax.Array:
-        return jax.lax.platform_dependent(*args, cpu=kernel, default=fallback)
+    def norm_fallback(param_pages: Pages, grad_pages: Pages, opt_pages: Pages, opt_small: list, norm: jax.Array,
+                      lr_scale: jax.Array) -> jax.Array:
+        return fallback(param_pages, grad_pages, opt_pages, opt_small, norm, jnp.bool_(False), lr_scale)[3]
 
-    return update_sq
+    def norm_only(*args: object) -> jax.Array:
+        return jax.lax.platform_dependent(*args, cpu=norm_kernel, default=norm_fallback)
+
+    update.fresh_outputs = fresh_outputs  # type: ignore[attr-defined]
+    update.norm_only = norm_only  # type: ignore[attr-defined]
+    return update

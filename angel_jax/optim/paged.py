@@ -26,7 +26,7 @@ import optax
 from angel_jax.memory.layout import StageLayout
 from angel_jax.optim.factory import clip_with_norm
 from angel_jax.optim.flat import FlatPlan, make_flat_update
-from angel_jax.optim.fused import HostOptimizer, make_kernel_update, make_kernel_update_norm
+from angel_jax.optim.fused import HostOptimizer, make_kernel_update
 
 Pages = tuple
 
@@ -136,12 +136,12 @@ def make_stage_update_norm(tx: optax.GradientTransformation, params_rep: StageLa
                            elementwise: bool = False, kernel: HostOptimizer | None = None) -> Callable:
     """Only the sum of squares of the stage's update, nothing written: the first pass when the step's update may
     be dropped for its global norm (`max_update_norm`), which is known only once every stage's update is."""
-    full = make_stage_update(tx, params_rep, opt_rep, layout, grad_clip, reduce, elementwise)
+    full = make_stage_update(tx, params_rep, opt_rep, layout, grad_clip, reduce, elementwise, kernel)
+    if hasattr(full, "norm_only"):  # the host kernel's own first pass
+        return full.norm_only
 
     def update_sq(param_pages: Pages, grad_pages: Pages, opt_pages: Pages, opt_small: list, norm: jax.Array,
                   lr_scale: jax.Array) -> jax.Array:
         return full(param_pages, grad_pages, opt_pages, opt_small, norm, jnp.bool_(False), lr_scale)[3]
 
-    if kernel and elementwise and (plan := FlatPlan.build(tx, params_rep, opt_rep, layout.paged)) is not None:
-        return make_kernel_update_norm(plan, kernel, grad_clip, reduce, update_sq) or update_sq
     return update_sq
