@@ -13,7 +13,7 @@ import pytest
 
 from angel_jax.memory import PageLayout
 from angel_jax.schedule.plan import (Budgets, PlanError, fetches_per_step, load_bandwidths, make_plan,
-                                     minimum_device_bytes)
+                                     minimum_device_bytes, without_overlap)
 from angel_jax.schedule.simulate import Bandwidths, StageCost, simulate
 
 MB = 2**20
@@ -238,3 +238,25 @@ def test_simulated_passes_fetch_per_pass_and_step_once():
     assert compute(two) == pytest.approx(compute(one))  # the same stage calls, split over passes
     assert two.step_time >= compute(two) / 3 and one.step_time >= compute(one) / 3
     assert any(e.label == "forward s0 (pass 2)" for e in two.events)
+
+
+def test_without_overlap_the_step_is_the_sum_of_its_parts():
+    """`memory.overlap: false` waits for every piece of work before the next: the predicted step is every
+    computation, copy, host update and disk transfer of one step, end to end; the plan's own step is shorter by
+    what overlap hides."""
+    costs = _costs(4)
+    home, opt_home = ("host",) * 4, ("disk",) * 4
+    serial = simulate(costs, BW, home, opt_home, 1, overlap=False)
+    compute = 3 * 0.010 + 4 * 0.025  # forward of 3 stages, the head's loss and backward, 3 backwards
+    fetches = 7 * 4 * MB / BW.h2d  # every access but none held in the window: f0 f1 f2 h3 b2 b1 b0
+    grads = 4 * 4 * MB / BW.d2h
+    updates = 4 * 0.004
+    disk = 4 * 8 * MB / BW.disk_read + 4 * 8 * MB / BW.disk_write  # Adam state read and written once
+    assert serial.step_time == pytest.approx(compute + fetches + grads + updates + disk, rel=1e-9)
+    assert not any(e.stream == "io_cpu" for e in simulate(  # a transfer's CPU work is inside its own time
+        costs, replace(BW, disk_read_cpu=1e-9), home, opt_home, 1, shared_cpu=True, overlap=False).events)
+    overlapped = simulate(costs, BW, home, opt_home, 1)
+    assert overlapped.step_time < 0.8 * serial.step_time
+    budgets = Budgets(device=6 * 4 * MB, host=None, disk=None, fixed_device=0)
+    plan = make_plan(costs, BW, budgets)
+    assert plan.serial_step_time == without_overlap(plan, costs, BW, False).step_time > plan.predicted.step_time

@@ -278,6 +278,9 @@ class MemoryConfig:
     passes: int = doc(0, "Paged engine: accumulation passes per step, each running its share of the micro-batches "
                          "layer-major (fewer saved activations, streamed stages fetched once per pass); 0 = the "
                          "planner chooses.")
+    overlap: bool = doc(True, "Paged engine: false runs every copy, disk transfer, computation and update alone, "
+                              "each waited for before the next starts: the baseline that shows what overlap "
+                              "gains (slow; exact updates only).")
 
     def validate(self) -> list[tuple[str, str]]:
         errs = []
@@ -285,6 +288,8 @@ class MemoryConfig:
             errs.append(("page_size", "must be >= 4096 bytes"))
         if self.staleness not in (0, 1):
             errs.append(("staleness", "must be 0 (exact) or 1 (lock-free)"))
+        if not self.overlap and self.staleness:
+            errs.append(("overlap", "false runs every update in turn, which is exact: it needs staleness 0"))
         if self.passes < 0:
             errs.append(("passes", "must be >= 0 (0 = the planner chooses)"))
         for key in ("device_budget", "host_budget", "disk_budget"):

@@ -34,6 +34,7 @@ from angel_jax.memory import DeviceTier, DiskTier, HostTier, PageLayout, PageSto
 from angel_jax.memory.layout import StageLayout
 from angel_jax.memory.bench_io import default_calibration_path
 from angel_jax.memory.malloc import return_large_frees_to_the_os
+from angel_jax.memory.serial import SerialStore
 from angel_jax.optim import is_elementwise, make_optimizer
 from angel_jax.optim.fused import host_optimizer
 from angel_jax.optim.paged import OptLayout, abstract_opt_state, paged_paths, split_opt_state
@@ -41,7 +42,7 @@ from angel_jax.optim.updater import PageUpdater, Placement, StageSlot, StageUpda
 from angel_jax.schedule.costs import profile_costs, profile_transfers
 from angel_jax.schedule.execute import PagedExecutor, PagedModel
 from angel_jax.schedule.plan import (Bandwidths, Budgets, Plan, StageCost, load_bandwidths, make_plan,
-                                     minimum_device_bytes)
+                                     minimum_device_bytes, without_overlap)
 from angel_jax.schedule.stagefns import StageFunctions
 from angel_jax.schedule.zero import Zero
 from angel_jax.memory.sharded_layout import ShardedPageLayout
@@ -383,8 +384,11 @@ def plan_for(cfg: Config, bp: Blueprint, store: PageStore, example_batch: jax.Ar
         costs, bw = _agreed(costs, bw)
     budgets = dataclasses.replace(budgets_for(cfg, device, example_batch.shape[0], zero),
                                   host=store.tiers["host"].budget)
-    plan = make_plan(costs, bw, budgets, staleness=cfg.memory.staleness, shared_cpu=device.platform == "cpu",
+    shared_cpu = device.platform == "cpu"
+    plan = make_plan(costs, bw, budgets, staleness=cfg.memory.staleness, shared_cpu=shared_cpu,
                      micro_batches=micro_batches, passes=cfg.memory.passes or None)
+    if not cfg.memory.overlap:  # the same homes, every piece of work alone: that is the step to predict
+        plan = dataclasses.replace(plan, predicted=without_overlap(plan, costs, bw, shared_cpu))
     return plan, costs, bw, budgets
 
 
@@ -469,11 +473,13 @@ def build_paged_engine(cfg: Config, params: Any, example_batch: jax.Array, *,
         store.close()
         raise
     del whole
+    if not cfg.memory.overlap:  # every move waited for; the updates run in turn on the training thread (inline)
+        store = SerialStore(store)
     updater = PageUpdater(store, slots, bp.updates, small, where, bp.schedule, staleness=cfg.memory.staleness,
-                          inline=zero is not None)
+                          inline=zero is not None or not cfg.memory.overlap)
     executor = PagedExecutor(model, bp.fns, plan, store, updater,
                              micro_batch_size=micro_batching(cfg, example_batch.shape[0], zero)[1],
-                             host_compute=where["host"].compute)
+                             host_compute=where["host"].compute, overlap=cfg.memory.overlap)
     log.info("paged engine: %d stages, %d resident, prefetch %d, predicted step %.3f s",
              len(staged.stages), len(plan.resident), plan.prefetch, plan.predicted.step_time)
     return PagedEngine(executor, plan, costs, bw, budgets, model, store, updater)

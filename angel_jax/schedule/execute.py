@@ -46,6 +46,11 @@ With `staleness: 0` the arithmetic is the reference trainer's: the same stage fu
 clipping by the same global norm; only where the bytes sit differs. So streamed and resident placements give
 bitwise-identical results, and both match the whole-model trainer to float rounding.
 
+With `memory.overlap: false` nothing overlaps: every computation and copy is waited for as it is dispatched, the
+store waits for every move it starts (`SerialStore`), and the updates run in turn on the training thread, each
+waited for. The step is then the sum of its parts, the baseline against which overlap is measured
+(`plan.without_overlap` predicts it).
+
 The executor runs on the training thread and shares no field with the updater's worker: each step it sends the
 stage gradients and one immutable `StepOrder` (the step, its global norm, its guard, and the timeline hook when
 the step is recorded), and reads the answers from the deferred results.
@@ -110,8 +115,12 @@ class PagedExecutor:
     change the executor only through them (`set_step` after a checkpoint is loaded, `record_steps`)."""
 
     def __init__(self, model: PagedModel, fns: StageFunctions, plan: Plan, store: PageStore, updater: PageUpdater,
-                 micro_batch_size: int = 0, host_compute: jax.sharding.Sharding | None = None):
+                 micro_batch_size: int = 0, host_compute: jax.sharding.Sharding | None = None,
+                 overlap: bool = True):
         self.model, self.fns, self.plan, self.store, self.updater = model, fns, plan, store, updater
+        self._settle: Callable[[Any], Any] = (lambda x: x) if overlap else jax.block_until_ready
+        """`memory.overlap: false`: each computation and copy is waited for as it is dispatched (with a store
+        that waits for its moves, memory/serial.py, and the updates run in turn: nothing overlaps)."""
         self.micro_batch_size = micro_batch_size
         """Rows per micro-batch (0: the whole batch in one go); a batch is split into batch rows / this many."""
         assert plan.passes == 1 or "disk" not in plan.grad_home, \
@@ -238,6 +247,7 @@ class PagedExecutor:
                                                                    last_pass)
                     saved[i] = None
                 marks.append(mark)
+                self._settle((out, x, mark))
                 if rec:
                     # (labelled as the planner's timeline labels them: later passes with their number)
                     rec.record("compute", f"{op} {staged.stages[i].name}" + (f" (pass {p + 1})" if p else ""), out)
@@ -335,18 +345,18 @@ class PagedExecutor:
         its sum of squares is returned, on the device (where the global norm is formed)."""
         moved = self._to_host(i, dpages, rec)
         first = i not in host_sums
-        host_sums[i] = self._host_sums.accumulate(host_sums.get(i), moved)
+        host_sums[i] = self._settle(self._host_sums.accumulate(host_sums.get(i), moved))
         if rec and not first:
             rec.record("host", f"add {self.model.staged.stages[i].name}", host_sums[i], after=moved)
         if not last_pass:
             return None
-        grads, sq = self._host_sums.mean_grads(host_sums.pop(i), micro, self._grad_dtypes[i])
+        grads, sq = self._settle(self._host_sums.mean_grads(host_sums.pop(i), micro, self._grad_dtypes[i]))
         self.updater.submit(step, i, grads)
         return jax.device_put(sq, scalar_sharding(self.store.tiers["device"].sharding))
 
     def _to_host(self, i: int, dpages: tuple, rec: Recorder | None) -> tuple:
         """Gradient pages copied to the host tier (D2H, asynchronous)."""
-        moved = tuple(jax.device_put(g, self.store.tiers["host"].sharding) for g in dpages)
+        moved = self._settle(tuple(jax.device_put(g, self.store.tiers["host"].sharding) for g in dpages))
         if rec:
             rec.record("d2h", f"grad {self.model.staged.stages[i].name}", moved, after=dpages)
         return moved

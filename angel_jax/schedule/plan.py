@@ -39,6 +39,7 @@ Every refusal is a `PlanError` that says how many bytes are missing and which `m
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 from dataclasses import dataclass, field
@@ -130,6 +131,9 @@ class Plan:
     """Data-parallel ranks the pages are partitioned over (ZeRO-3); bytes and times are one rank's."""
     gather_bytes: int = 0
     """Device bytes of whole stages gathered from the ranks' shards (0 with one rank)."""
+    serial_step_time: float = 0.0
+    """Predicted seconds of the same step with nothing overlapped (`without_overlap`): what overlap saves is the
+    difference from `predicted.step_time`."""
 
     @property
     def streamed(self) -> tuple[int, ...]:
@@ -189,7 +193,8 @@ class Plan:
                 "params_on_disk": self.home.count("disk"), "grads_on_disk": self.grad_home.count("disk"),
                 "opt_on_disk": self.opt_home.count("disk"), "staleness": self.staleness,
                 "micro_batches": self.micro_batches, "passes": self.passes,
-                "predicted_step_s": self.predicted.step_time, "peak_bytes": dict(self.peak_bytes)}
+                "predicted_step_s": self.predicted.step_time, "serial_step_s": self.serial_step_time,
+                "peak_bytes": dict(self.peak_bytes)}
 
 
 def io_per_step(costs: list[StageCost], bandwidths: Bandwidths, home: tuple[str, ...], grad_home: tuple[str, ...],
@@ -317,7 +322,15 @@ def make_plan(costs: list[StageCost], bw: Bandwidths, budgets: Budgets, *, stale
                         f"{need - budgets.fixed_for(most) - gathered:,} B{whole}): {need - budgets.device:,} B "
                         "missing; raise "
                         "memory.device_budget, or lower train.micro_batch_size / model.seq_len")
-    return best
+    return dataclasses.replace(best, serial_step_time=without_overlap(best, costs, bw, shared_cpu).step_time)
+
+
+def without_overlap(plan: Plan, costs: list[StageCost], bw: Bandwidths, shared_cpu: bool) -> Timeline:
+    """The plan's step with every copy, disk transfer, computation and update alone, one after another (what the
+    executor runs with `memory.overlap: false`): the sum of the step's parts."""
+    return simulate(costs, bw, plan.home, plan.opt_home, plan.prefetch, grad_home=plan.grad_home,
+                    staleness=plan.staleness, shared_cpu=shared_cpu, micro_batches=plan.micro_batches,
+                    passes=plan.passes, ranks=plan.ranks, overlap=False)
 
 
 def _resident_bytes(c: StageCost) -> int:

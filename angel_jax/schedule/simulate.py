@@ -50,6 +50,9 @@ Rules (those of execute.py and optim/updater.py):
   (`Bandwidths.disk_read_cpu`/`disk_write_cpu`, measured by `angel-jax bench io`), charged to the compute clock
   (`io_cpu` row) from the transfer's start: without it, a step with every page family on disk was predicted
   30% faster than measured (2 CPU-s per GB written on the 2-vCPU VM).
+- `overlap=False` (`memory.overlap: false`): the executor waits for every piece of work before it issues the next,
+  so every stream, the disk's included, runs on one clock: the step is the sum of its parts, whatever their order.
+  What overlap gains is the difference from the same plan simulated with overlap.
 
 The step time is the distance between the starts of the first forward of the last two simulated steps.
 `Timeline.waits` holds the last step's idle compute time by what the compute waited for: 'h2d' (a fetch, its
@@ -123,14 +126,15 @@ class Bandwidths:
 
 class _Clock:
     """Per-stream free times; with `shared`, every stream but the disk runs on the compute stream's clock, and
-    each disk transfer also takes its CPU share from it (`io_cpu` events)."""
+    each disk transfer also takes its CPU share from it (`io_cpu` events). With `serial`, every stream, the disk
+    too, runs on that one clock, and a disk transfer's CPU work lies inside its own time."""
 
-    def __init__(self, shared: bool, timeline: Timeline):
-        self.shared, self.timeline = shared, timeline
+    def __init__(self, shared: bool, timeline: Timeline, serial: bool = False):
+        self.shared, self.timeline, self.serial = shared and not serial, timeline, serial
         self.free = {"compute": 0.0, "h2d": 0.0, "d2h": 0.0, "host": 0.0, "disk": 0.0, "collective": 0.0}
 
     def run(self, stream: str, label: str, earliest: float, duration: float) -> tuple[float, float]:
-        key = "compute" if self.shared and stream != "disk" else stream
+        key = "compute" if self.serial or (self.shared and stream != "disk") else stream
         start = max(earliest, self.free[key])
         self.free[key] = start + duration
         self.timeline.add(stream, label, start, start + duration)
@@ -147,15 +151,17 @@ class _Clock:
 
 def simulate(costs: list[StageCost], bw: Bandwidths, home: tuple[str, ...], opt_home: tuple[str, ...],
              prefetch: int, *, grad_home: tuple[str, ...] | None = None, staleness: int = 0, shared_cpu: bool = False,
-             steps: int = 3, micro_batches: int = 1, passes: int = 1, ranks: int = 1) -> Timeline:
+             steps: int = 3, micro_batches: int = 1, passes: int = 1, ranks: int = 1,
+             overlap: bool = True) -> Timeline:
     """`home`: per stage 'device', 'host' or 'disk' (parameters); `grad_home` defaults to 'device' for resident
     stages and 'host' for streamed ones. `ranks`: data-parallel ranks, whose collectives are simulated when
-    `bw.link` is set (the costs are then one rank's)."""
+    `bw.link` is set (the costs are then one rank's). `overlap=False`: the executor's `memory.overlap: false`,
+    every piece of work alone on one clock, so the step is the sum of its parts."""
     n = len(costs)
     if grad_home is None:
         grad_home = tuple("device" if h == "device" else "host" for h in home)
     tl = Timeline()
-    clock = _Clock(shared_cpu, tl)
+    clock = _Clock(shared_cpu, tl, serial=not overlap)
     seq = compute_sequence(n) * passes  # one forward-backward sequence per accumulation pass
     per_pass = len(seq) // passes
     calls = micro_batches // passes  # stage calls per access
@@ -248,10 +254,10 @@ def simulate(costs: list[StageCost], bw: Bandwidths, home: tuple[str, ...], opt_
                 issue_scatters(issued)
                 gathered = clock.run("collective", f"gather {costs[i].name}", max(issued, ready), ring_s[i])[1]
             idle = min(ready, gathered) - clock.free["compute"]
-            if idle > 0 and not shared_cpu:
+            if idle > 0 and not shared_cpu and overlap:
                 waits[cause] = waits.get(cause, 0.0) + idle
             idle = gathered - max(ready, clock.free["compute"])
-            if idle > 0 and not shared_cpu:
+            if idle > 0 and not shared_cpu and overlap:
                 waits["collective"] = waits.get("collective", 0.0) + idle
             start, end = clock.run("compute", label, max(ready, gathered), dur)
             starts.append(start)
@@ -275,7 +281,7 @@ def simulate(costs: list[StageCost], bw: Bandwidths, home: tuple[str, ...], opt_
             update_cause[i] = "disk" if staged and staged >= max(norm_at, grads_home[i], clock.free["host"]) \
                 else "host"
             updated_before[i] = updated[i]
-            if home[i] == "device" and collective and not shared_cpu:
+            if home[i] == "device" and collective and not shared_cpu and overlap:
                 # Idle before a device update: the last reduce-scatters (the norm needs every reduced gradient),
                 # then the streamed stages' gradients on their way to the host.
                 free = clock.free["compute"]

@@ -36,7 +36,7 @@ from angel_jax.schedule.engine import (Blueprint, blueprint, device_budget, fit_
                                        saved_input_bytes)
 from angel_jax.memory.layout import StageLayout
 from angel_jax.schedule.plan import (Bandwidths, Budgets, Plan, PlanError, StageCost, exchange_bytes,
-                                     load_bandwidths, make_plan)
+                                     load_bandwidths, make_plan, without_overlap)
 from angel_jax.units import human_bytes
 import models
 
@@ -185,6 +185,8 @@ def _estimated_plan(cfg: Config, bp: Blueprint, args: argparse.Namespace
     if best is None:
         raise errors[-1]
     trial, plan, costs, budgets = best
+    if not cfg.memory.overlap:
+        plan = dataclasses.replace(plan, predicted=without_overlap(plan, costs, bw, shared_cpu))
     chosen = " (micro-batch size chosen by the planner)" if not cfg.train.micro_batch_size else ""
     return trial, plan, costs, budgets, bw, f"estimated from FLOPs at {peak.flops_per_device / 1e12:.1f} " \
                                             f"TFLOP/s ({peak.source}); bandwidths: {bw.source}{chosen}"
@@ -237,7 +239,10 @@ def report(cfg: Config, plan: Plan, costs: list[StageCost], budgets: Budgets, bw
         lines.append(f"  {row['tier']:<8}{human_bytes(row['params']):>14}{human_bytes(row['gradients']):>14}"
                      f"{human_bytes(row['optimizer']):>14}{b_text:>14}")
     peak = plan.peak_bytes
-    lines += ["", f"  predicted step time   {plan.predicted.step_time:.4f} s ({source})",
+    step, serial = plan.predicted.step_time, plan.serial_step_time
+    overlap = ("memory.overlap=false: nothing overlapped" if not cfg.memory.overlap else
+               f"{serial:.4f} s with nothing overlapped: overlap hides {1 - step / serial:.0%} of it" if serial else "")
+    lines += ["", f"  predicted step time   {step:.4f} s ({source})" + (f"; {overlap}" if overlap else ""),
               f"  predicted peak bytes  device {human_bytes(peak['device'])} (of which activations and working set "
               f"{human_bytes(plan.fixed_device)}, streaming window {human_bytes(plan.window_bytes)}"
               + (f", whole stages gathered {human_bytes(plan.gather_bytes)}" if plan.ranks > 1 else "")

@@ -277,7 +277,9 @@ def run_trial(runner: str, n_layers: int, args: argparse.Namespace) -> dict:
     }
     if runner == "paged" and child and "plan" in child:
         plan = child["plan"]
-        record.update(predicted_step_s=round(plan["predicted_step_s"], 4), compute_s=round(child["compute_s"], 4),
+        # (with memory.overlap=false the predicted step is the serial one; serial_step_s is always the sum of parts)
+        record.update(predicted_step_s=round(plan["predicted_step_s"], 4),
+                      predicted_serial_step_s=round(plan["serial_step_s"], 4), compute_s=round(child["compute_s"], 4),
                       io_per_step=plan["io_per_step"],
                       io_bound_s=round(plan["io_per_step"]["io_bound_s"], 4), plan=plan)
     if not args.keep_scratch:
