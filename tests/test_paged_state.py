@@ -41,18 +41,23 @@ def _steps(engine: PagedTrainEngine, data: list) -> list[float]:
     return [float(engine.step(jax.device_put(b, engine.batch_sharding))["loss"]) for b in data]
 
 
-def test_checkpoint_round_trip_is_bit_exact(tmp_path):
-    cfg = _mixed(tmp_path)
+@pytest.fixture(scope="module")
+def mixed_run(tmp_path_factory) -> tuple[list, list[float], object]:
+    """8 steps of the `_mixed` config, uninterrupted: the batches, their losses and the final parameters."""
     data = batches(8, MODEL, 2)
-    whole = build_engine(cfg, _mesh())
+    whole = build_engine(_mixed(tmp_path_factory.mktemp("mixed")), _mesh())
     try:
         assert isinstance(whole, PagedTrainEngine) and isinstance(whole, TrainEngine)
         plan = whole.built.plan
         assert plan.resident and plan.streamed and "disk" in plan.opt_home and "host" in plan.opt_home, plan
-        expected = _steps(whole, data)
-        expected_params = whole.params()
+        return data, _steps(whole, data), whole.params()
     finally:
         whole.close()
+
+
+def test_checkpoint_round_trip_is_bit_exact(tmp_path, mixed_run):
+    cfg = _mixed(tmp_path)
+    data, expected, expected_params = mixed_run
 
     first = PagedTrainEngine(cfg, _mesh())
     try:
@@ -321,17 +326,11 @@ def test_lock_free_with_gradients_on_disk(tmp_path):
     assert np.isfinite(losses).all() and losses[-1] < losses[0]
 
 
-def test_without_overlap_every_step_is_done_when_it_returns_and_exact(tmp_path):
+def test_without_overlap_every_step_is_done_when_it_returns_and_exact(tmp_path, mixed_run):
     """`memory.overlap: false`, the baseline that measures what overlap gains: the same arithmetic, bit for bit,
     with every move, computation and update waited for in turn, so nothing of a step is left when it returns; the
     plan predicts the step as the sum of its parts."""
-    data = batches(3, MODEL, 2)
-    overlapped = PagedTrainEngine(_mixed(tmp_path), _mesh())
-    try:
-        expected = _steps(overlapped, data)
-        expected_params = overlapped.params()
-    finally:
-        overlapped.close()
+    data, expected, expected_params = mixed_run
     cfg = _mixed(tmp_path)
     cfg.memory.overlap = False
     serial = PagedTrainEngine(cfg, _mesh())
