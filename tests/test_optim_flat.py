@@ -12,7 +12,7 @@ import optax
 import pytest
 
 from angel_jax.memory import PageLayout
-from angel_jax.optim.factory import stored_as
+from angel_jax.optim.factory import stored_as, with_lr_scale
 from angel_jax.optim.flat import FlatPlan
 from angel_jax.optim.paged import make_stage_update, split_opt_state
 
@@ -43,6 +43,7 @@ def _setup(tx: optax.GradientTransformation, grads: dict, apart: tuple[str, ...]
 
 
 def _both(tx, grads, ok=True, norm=3.0, lr_scale=0.5, clip=1.0, apart=()):
+    tx = with_lr_scale(tx)  # (the engines hand the guard's multiplier in, as make_optimizer's transformations take it)
     prep, orep, layout, (pp, gp, op, small) = _setup(tx, grads, apart)
     plan = FlatPlan.build(tx, prep, orep, layout.paged)
     assert plan is not None and len(plan.bounds) > 1  # several segments: page ends inside leaves (and families)

@@ -181,6 +181,10 @@ class OptimizerConfig:
                                                       "(bfloat16 halves its bytes; the update computes in float32).")
     host_kernel: bool = doc(True, "Update host-resident stages of Adam/AdamW/Lion with the fused C++ "
                                   "kernel, built on first use with the system's g++; XLA's update where it cannot be.")
+    master_weights: bool = doc(False, "With model.param_dtype=bfloat16: keep a float32 master copy of the "
+                                      "parameters in the optimizer state; the update runs on it and the parameters "
+                                      "are its rounding (mixed precision: 2 B per parameter to compute with and "
+                                      "stream, 4 B more of optimizer state).")
 
     def validate(self) -> list[tuple[str, str]]:
         errs = []
@@ -429,6 +433,10 @@ class Config:
             errs.append(("model.vocab_size", "must be >= 256 for the byte tokenizer"))
         if self.data.tokenizer == "bpe" and self.model.vocab_size < self.data.bpe_vocab_size:
             errs.append(("model.vocab_size", f"must be >= data.bpe_vocab_size={self.data.bpe_vocab_size}"))
+        if self.optimizer.master_weights and self.model.param_dtype == "float32":
+            errs.append(("optimizer.master_weights", "keeps a float32 copy of parameters stored narrower: it needs "
+                                                     "model.param_dtype=bfloat16 (float32 parameters are their own "
+                                                     "master)"))
         return errs
 
     @property

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -32,7 +32,8 @@ def make_schedule(cfg: OptimizerConfig, total_steps: int) -> optax.Schedule:
 
 def make_optimizer(cfg: OptimizerConfig, total_steps: int, *,
                    clip: bool = True) -> tuple[optax.GradientTransformation, optax.Schedule]:
-    """(transformation, schedule). Clipping by global norm comes first, as in every large-model recipe.
+    """(transformation, schedule). Clipping by global norm comes first, as in every large-model recipe. The
+    anomaly guard's learning-rate multiplier goes in as `tx.update(..., lr_scale=x)` (`with_lr_scale`).
 
     clip=False leaves clipping out: the paged engine applies the transformation per stage and clips with the
     norm over all stages itself (`clip_with_norm`)."""
@@ -49,6 +50,9 @@ def make_optimizer(cfg: OptimizerConfig, total_steps: int, *,
         core = optax.sgd(lr, momentum=cfg.b1 or None)
     if cfg.state_dtype != "float32":
         core = stored_as(core, jnp.dtype(cfg.state_dtype))
+    core = with_lr_scale(core)
+    if cfg.master_weights:  # (outside stored_as: the master stays float32 whatever the moments are stored in)
+        core = with_master_weights(core)
     if clip and cfg.grad_clip > 0:
         core = optax.chain(optax.clip_by_global_norm(cfg.grad_clip), core)
     return core, lr
@@ -112,6 +116,58 @@ def stored_as(inner: optax.GradientTransformation, dtype: jnp.dtype) -> optax.Gr
 
     return optax.GradientTransformation(init, update)
 
+
+
+def with_lr_scale(inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
+    """`inner`, its updates multiplied by the `lr_scale` extra argument of `update` (the anomaly guard's
+    learning-rate multiplier; none: unscaled). Same state as `inner`. The engines hand the multiplier in rather
+    than scale what comes out, so that `with_master_weights` scales the step its master takes."""
+
+    def update(updates, state, params=None, *, lr_scale=None, **extra):
+        updates, state = inner.update(updates, state, params)
+        if lr_scale is not None:
+            updates = jax.tree.map(lambda u: u * jnp.asarray(lr_scale).astype(u.dtype), updates)
+        return updates, state
+
+    return optax.GradientTransformationExtraArgs(inner.init, update)
+
+
+class MasterState(NamedTuple):
+    """`with_master_weights`' state: the float32 master parameters, then the inner optimizer's state."""
+
+    master: Any
+    inner: Any
+
+
+def with_master_weights(inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
+    """`inner` run on a float32 master copy of parameters stored narrower (bfloat16): the state holds the master;
+    each update widens the gradients, runs `inner` on the master (weight decay included), and returns float32
+    updates that take the stored parameters to the new master's rounding (`optax.apply_updates` adds them in
+    float32, then rounds to the parameters' dtype). The parameters are never the source of the next update, so
+    rounding does not accumulate: the master carries what bfloat16 cannot hold. Extra arguments (`lr_scale`) go
+    to `inner`: the master's step is the scaled one. The update norm an engine reports is that of these updates,
+    the step from the stored parameters to the new master.
+
+    The addition p + (master - p) is exact whenever p and the new master are within a factor of two (Sterbenz),
+    the case of every ordinary step; elsewhere (a weight crossing zero) it is within a float32 rounding of the
+    master, which can move its bfloat16 rounding by one ulp."""
+
+    def init(params):
+        master = jax.tree.map(lambda p: p.astype(jnp.float32) if jnp.issubdtype(p.dtype, jnp.floating) else p,
+                              params)
+        return MasterState(master, inner.init(master))
+
+    def update(updates, state, params=None, **extra):
+        if params is None:
+            raise ValueError("with_master_weights needs the parameters (optax.update(grads, state, params))")
+        grads = jax.tree.map(lambda g: g.astype(jnp.float32) if jnp.issubdtype(g.dtype, jnp.floating) else g,
+                             updates)
+        steps, inner_state = inner.update(grads, state.inner, state.master, **extra)
+        master = optax.apply_updates(state.master, steps)
+        to_master = jax.tree.map(lambda m, p: m - p.astype(m.dtype), master, params)
+        return to_master, MasterState(master, inner_state)
+
+    return optax.GradientTransformationExtraArgs(init, update)
 
 
 def clip_with_norm(tree, global_norm, max_norm: float):

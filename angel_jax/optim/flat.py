@@ -219,11 +219,12 @@ def make_flat_update(plan: FlatPlan, tx: optax.GradientTransformation, grad_clip
         state = jax.tree.unflatten(plan.state_treedef, [next(big_it) if p else next(small_it) for p in plan.paged])
         return _cut(param_pages, p_pieces, bounds), state
 
-    def step(pages: tuple, norm: jax.Array) -> tuple:
+    def step(pages: tuple, norm: jax.Array, lr_scale: jax.Array) -> tuple:
         """tx.update on a view of the pages: (updates, new state)."""
         param_pages, grad_pages, opt_pages, opt_small = pages
         params, state = view(param_pages, opt_pages, opt_small)
-        return tx.update(clip_with_norm(_cut(grad_pages, p_pieces, bounds), norm, grad_clip), state, params)
+        return tx.update(clip_with_norm(_cut(grad_pages, p_pieces, bounds), norm, grad_clip), state, params,
+                         lr_scale=lr_scale)
 
     def update(param_pages: Pages, grad_pages: Pages, opt_pages: Pages, opt_small: list, norm: jax.Array,
                ok: jax.Array, lr_scale: jax.Array) -> tuple:
@@ -241,9 +242,9 @@ def make_flat_update(plan: FlatPlan, tx: optax.GradientTransformation, grad_clip
         # buffer and copied into its donated one: 3.2x with 64 MiB pages for the bench's block.)
         pages = (param_pages, grad_pages, opt_pages, opt_small)
         views = jax.lax.optimization_barrier((pages,) * (1 + plan.families))
-        updates, upd_state = step(views[0], norm)
-        updates = jax.lax.optimization_barrier(jax.tree.map(lambda u: u * lr_scale.astype(u.dtype), updates))
-        per_family = [jax.tree.leaves(step(v, norm)[1]) for v in views[1:]]
+        updates, upd_state = step(views[0], norm, lr_scale)
+        updates = jax.lax.optimization_barrier(updates)
+        per_family = [jax.tree.leaves(step(v, norm, lr_scale)[1]) for v in views[1:]]
         k, new_leaves, seen = len(bounds), [], 0  # paged leaves: family by family, k segments each
         for j, (paged, leaf) in enumerate(zip(plan.paged, jax.tree.leaves(upd_state))):
             new_leaves.append(per_family[seen // k][j] if paged else leaf)

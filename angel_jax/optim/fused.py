@@ -79,6 +79,8 @@ def _why_not_the_kernel(cfg: OptimizerConfig) -> str | None:
         return "optimizer.host_kernel is off"
     if cfg.name not in KERNEL_OPTIMIZERS:
         return f"the host kernel updates {', '.join(KERNEL_OPTIMIZERS)}; the optimizer is {cfg.name}"
+    if cfg.master_weights:
+        return "the host kernel does not keep float32 master weights (optimizer.master_weights)"
     reason = load_host_optimizer()
     return None if reason is None else f"the host kernel could not be built: {reason.splitlines()[0]}"
 

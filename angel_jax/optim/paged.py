@@ -117,8 +117,7 @@ def make_stage_update(tx: optax.GradientTransformation, params_rep: StageLayout,
         params = params_rep.unpack(param_pages)
         grads = clip_with_norm(params_rep.unpack(grad_pages), norm, grad_clip)
         opt_state = join_opt_state(list(opt_rep.unpack(opt_pages)), list(opt_small), layout)
-        updates, new_state = tx.update(grads, opt_state, params)
-        updates = jax.tree.map(lambda u: u * lr_scale.astype(u.dtype), updates)
+        updates, new_state = tx.update(grads, opt_state, params, lr_scale=lr_scale)
         new_params = optax.apply_updates(params, updates)
         update_sq = sqsum(tuple(jax.tree.leaves(updates)))
         if reduce is not None:

@@ -221,11 +221,13 @@ def state_bytes(cfg: Config, fsdp: int = 1) -> int:
     """Bytes of the training state the in-memory engine keeps on each device: parameters and the optimizer's
     per-parameter state (2 buffers for Adam-like optimizers, 1 for SGD with momentum / Lion, each of
     optimizer.state_dtype), 1/`fsdp` of them when sharded over that many devices (mesh.fsdp), and one set of
-    gradients, whole (a step builds them in full before reducing them)."""
+    gradients, whole (a step builds them in full before reducing them); with optimizer.master_weights, the
+    float32 master copy too."""
     n = models.get(cfg.model).param_count["total"]
     itemsize = jnp.dtype(cfg.model.param_dtype).itemsize
     per_param = {"adamw": 2, "adam": 2, "lion": 1, "sgd": 1, "adafactor": 1}[cfg.optimizer.name]
-    return n * itemsize + n * (itemsize + jnp.dtype(cfg.optimizer.state_dtype).itemsize * per_param) // fsdp
+    master = 4 if cfg.optimizer.master_weights else 0  # a float32 copy of the parameters
+    return n * itemsize + n * (itemsize + jnp.dtype(cfg.optimizer.state_dtype).itemsize * per_param + master) // fsdp
 
 
 def fits_in_memory(cfg: Config, device: jax.Device, fsdp: int = 1) -> bool:

@@ -150,8 +150,7 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, sc
         if controls is None:
             controls = StepControls().as_arrays()
         value, grads, figs = value_and_grad(state.params, batch)
-        updates, opt_state = tx.update(grads, state.opt_state, state.params)
-        updates = jax.tree.map(lambda u: u * controls.lr_scale.astype(u.dtype), updates)
+        updates, opt_state = tx.update(grads, state.opt_state, state.params, lr_scale=controls.lr_scale)
         params = optax.apply_updates(state.params, updates)
         grad_norm, update_norm = optax.tree.norm(grads), optax.tree.norm(updates)
         ok = update_ok(value, grad_norm, update_norm, controls)
@@ -202,8 +201,8 @@ def make_step_phases(graphdef: nnx.GraphDef, opt: SplitOptimizer,
     value_and_grad = make_value_and_grad(graphdef, loss, micro_batches, ranks, on_ranks, figures)
 
     def update(clipped: Any, state: TrainState, controls: StepControls) -> tuple[Any, Any]:
-        updates, core = opt.core.update(clipped, opt.core_state(state.opt_state), state.params)
-        updates = jax.tree.map(lambda u: u * controls.lr_scale.astype(u.dtype), updates)
+        updates, core = opt.core.update(clipped, opt.core_state(state.opt_state), state.params,
+                                        lr_scale=controls.lr_scale)
         return updates, opt.with_core_state(state.opt_state, core)
 
     def judge(state: TrainState, batch: jax.Array, controls: StepControls) -> tuple[Any, jax.Array, dict]:

@@ -84,6 +84,7 @@ MULTI = {
     "gpt_13b_8x80g_nvlink_conservative": MultiDevice("experiments/gpt_13b.yaml", (), "conservative", tuple(BUDGETS),
                                                      8, "nvlink"),
 }
+MASTER = ["model.param_dtype=bfloat16", "optimizer.master_weights=true"]
 CASES = {
     # The starting point: 4 x 2048 tokens per step, fp32 state.
     "gpt_13b_batch4_gen5": ("experiments/gpt_13b.yaml", ["train.batch_size=4"], "gen5"),
@@ -99,6 +100,10 @@ CASES = {
     "gpt_30b_bf16_params_conservative": ("experiments/gpt_30b.yaml", ["model.param_dtype=bfloat16"],
                                          "conservative"),
     "gpt_30b_bf16_params_gen5": ("experiments/gpt_30b.yaml", ["model.param_dtype=bfloat16"], "gen5"),
+    # Mixed precision as large runs train: bf16 parameters and gradients to compute with and stream, and in the
+    # optimizer state (on disk) a float32 master copy and float32 Adam moments (12 B per parameter).
+    "gpt_30b_fp32_master_conservative": ("experiments/gpt_30b.yaml", MASTER, "conservative"),
+    "gpt_30b_fp32_master_gen5": ("experiments/gpt_30b.yaml", MASTER, "gen5"),
 }
 
 
