@@ -17,20 +17,20 @@ import pytest
 from angel_jax.config import OptimizerConfig
 from angel_jax.optim.factory import make_optimizer
 from angel_jax.optim.fused import host_optimizer, host_update_by, kernel_threads
-from angel_jax.optim.kernels import HOST_OPTIMIZER, build
+from angel_jax.optim.kernels import HOST_OPTIMIZER, build, load_host_optimizer
 from angel_jax.optim.paged import make_stage_update, make_stage_update_norm
 from test_optim_flat import _setup, _tree
 
 STEPS = 10
 
 
-def _updates(name: str, clip: float, state_dtype: str = "float32"):
+def _updates(name: str, clip: float, state_dtype: str = "float32", master: bool = False):
     cfg = OptimizerConfig(name=name, lr=1e-2, warmup_steps=3, b1=0.9, b2=0.95, weight_decay=0.1, grad_clip=clip,
-                          state_dtype=state_dtype)
+                          state_dtype=state_dtype, master_weights=master)
     tx, schedule = make_optimizer(cfg, STEPS, clip=False)
     spec = host_optimizer(cfg, schedule)
     assert spec is not None, "the host kernel could not be built here"
-    prep, orep, layout, inputs = _setup(tx, _tree(1))
+    prep, orep, layout, inputs = _setup(tx, _tree(1), dtype=jnp.bfloat16 if master else np.float32)
     xla = make_stage_update(tx, prep, orep, layout, clip, elementwise=True)
     kernel = make_stage_update(tx, prep, orep, layout, clip, elementwise=True, kernel=spec)
     norms = (make_stage_update_norm(tx, prep, orep, layout, clip, elementwise=True),
@@ -68,6 +68,39 @@ def test_kernel_steps_equal_xla_steps(name, clip, norm, state_dtype):
         assert bool(ra[4]) and bool(rb[4])
         a, b = ra[:3], rb[:3]
     assert not np.array_equal(np.asarray(b[0][0]), np.asarray(pp[0]))  # it did train
+
+
+@pytest.mark.parametrize("name,state_dtype", [("adamw", "float32"), ("adamw", "bfloat16"), ("lion", "bfloat16")],
+                         ids=["adamw", "adamw-bf16-moments", "lion-bf16-moments"])
+def test_kernel_steps_with_master_weights_equal_xla_steps(name, state_dtype):
+    """optimizer.master_weights: bfloat16 parameter and gradient pages, a float32 master among the optimizer
+    pages (beside bfloat16 moments: pages of two dtypes, which only the leaf-wise XLA update handles otherwise).
+    The kernel steps the master and rounds the parameters to it as `with_master_weights` does."""
+    xla, kernel, _, (pp, gp, op, small) = _updates(name, 1.0, state_dtype, master=True)
+    assert pp[0].dtype == jnp.bfloat16 and {str(o.dtype) for o in op} == {"float32", state_dtype}
+    assert HOST_OPTIMIZER in jax.jit(kernel).lower(pp, gp, op, small, jnp.float32(3.0), jnp.bool_(True),
+                                               jnp.float32(0.5)).as_text()
+    # Each step from the same state (XLA's last): XLA keeps excess precision where it fuses (a bfloat16 rounding
+    # of the clipped gradient may be skipped, xla_allow_excess_precision), so a bfloat16 value is an ulp apart now
+    # and then, and chained steps would drift apart from it.
+    state = (pp, op, small)
+    rng = np.random.default_rng(4)
+    for _ in range(STEPS):
+        grads = tuple(jnp.asarray(rng.standard_normal(g.shape), jnp.bfloat16) for g in gp)
+        args = (jnp.float32(3.0), jnp.bool_(True), jnp.float32(0.5))
+        ra, rb = jax.jit(xla)(*state[:1], grads, *state[1:], *args), jax.jit(kernel)(*state[:1], grads, *state[1:],
+                                                                                     *args)
+        for x, y in zip((*ra[0], *ra[1]), (*rb[0], *rb[1])):
+            x, y = np.asarray(x, np.float32), np.asarray(y, np.float32)
+            close = np.isclose(y, x, rtol=2e-6, atol=1e-12)  # float32: the same to its rounding
+            assert close.mean() > 0.97 and np.allclose(y, x, rtol=2 ** -7, atol=1e-6), (x[~close], y[~close])
+        _assert_equal(ra[2], rb[2], exact=True)
+        np.testing.assert_allclose(float(rb[3]), float(ra[3]), rtol=1e-2)  # (the step to the master: a flipped
+        # bfloat16 parameter moves it by its ulp)
+        state = ra[:3]
+    assert not np.array_equal(np.asarray(state[0][0]), np.asarray(pp[0]))  # it did train
+    out = jax.jit(kernel)(pp, gp, op, small, jnp.float32(3.0), jnp.bool_(False), jnp.float32(1.0))
+    _assert_equal((pp, op, small), out[:3], exact=True)  # a dropped update changes nothing
 
 
 def test_a_dropped_update_leaves_every_page_and_count_bit_for_bit():
@@ -151,13 +184,14 @@ def test_any_number_of_threads_gives_the_same_bits():
     v = jnp.asarray(rng.random(n).astype(np.float32))
     coeffs = jnp.asarray([0.1, 0.9, 0.05, 0.95, 0.2, 0.1, 0.0, 1e-8, 0.1, -1e-3, 0.5, 3.0, 1.0, 0.0, 1.0],
                          jnp.float32)  # clipping on (trigger 0), applied
-    table = np.asarray([0, 0, 0, 0, 1, 0, n], np.int64)
+    table = np.asarray([0, 0, -1, 0, 0, 0, 1, 0, n], np.int64)  # params 0, no master, mu page 0, nu page 1
+    assert load_host_optimizer() is None
 
     def run(threads: int):
         shapes = [jax.ShapeDtypeStruct((n,), jnp.float32)] * 3
         call = jax.ffi.ffi_call(HOST_OPTIMIZER, (jax.ShapeDtypeStruct((), jnp.float32), *shapes))
         return call(coeffs, p, g, m, v, table=table, param_pages=np.int64(1), opt_pages=np.int64(2),
-                    threads=np.int64(threads), lion=np.int64(0))
+                    threads=np.int64(threads), lion=np.int64(0), master=np.int64(0))
 
     one = run(-1)  # (negative: exactly that many threads, however few elements each gets)
     for threads in (-2, -5):

@@ -25,9 +25,11 @@ def _tree(seed: int, scale: float = 1.0) -> dict:
     return {k: (rng.standard_normal(s) * scale).astype(np.float32) for k, s in shapes.items()}
 
 
-def _setup(tx: optax.GradientTransformation, grads: dict, apart: tuple[str, ...] = ()):
-    """`apart`: leaves on pages of their own (an MoE layer's experts), and their optimizer moments likewise."""
-    params = _tree(0)
+def _setup(tx: optax.GradientTransformation, grads: dict, apart: tuple[str, ...] = (), dtype=np.float32):
+    """`apart`: leaves on pages of their own (an MoE layer's experts), and their optimizer moments likewise;
+    `dtype`: the parameters' (and gradients')."""
+    params = {k: v.astype(dtype) for k, v in _tree(0).items()}
+    grads = {k: v.astype(dtype) for k, v in grads.items()}
     keys = sorted(params)  # the leaves' order
     prep = PageLayout.build([("s", params)], PAGE, lambda _, path: path.strip("[']") in apart).stage("s")
     state = tx.init(params)

@@ -238,7 +238,7 @@ def test_bfloat16_optimizer_state_pages_match_the_reference_with_the_same_state(
 def test_master_weights_behind_bfloat16_pages_match_the_reference():
     """model.param_dtype=bfloat16 with optimizer.master_weights: the streamed parameter (and gradient) pages are
     bfloat16, the float32 master lives in the optimizer-state pages beside Adam's moments, updated on the host by
-    XLA's update (the kernel keeps no master), and the paged engine follows the reference trainer."""
+    the host kernel, and the paged engine follows the reference trainer."""
     model = ModelConfig(**{**MODEL.__dict__, "n_layers": 4, "param_dtype": "bfloat16"})
     data = batches(4, model)
     base = _cfg(model=model, device_budget=900_000)  # every stage streams
@@ -246,7 +246,7 @@ def test_master_weights_behind_bfloat16_pages_match_the_reference():
                                                                       "master_weights": True})})
     ref_losses, ref_params = reference(cfg, data)
     losses, params, engine = paged(cfg, data)
-    assert len(engine.plan.streamed) == len(engine.plan.home) and host_update_by(cfg.optimizer).startswith("XLA")
+    assert len(engine.plan.streamed) == len(engine.plan.home) and "kernel" in host_update_by(cfg.optimizer)
     stage = engine.model.staged.stages[1].name
     assert {p.dtype.name for p in engine.model.params_layout.stage(stage).pages} == {"bfloat16"}
     assert {p.dtype.name for p in engine.model.opt_layout.stage(stage).pages} == {"float32"}

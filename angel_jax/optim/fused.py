@@ -34,7 +34,7 @@ import numpy as np
 import optax
 
 from angel_jax.config import OptimizerConfig
-from angel_jax.optim.flat import FlatPlan
+from angel_jax.memory.layout import StageLayout
 from angel_jax.optim.kernels import HOST_OPTIMIZER, load_host_optimizer
 
 Pages = tuple
@@ -55,16 +55,19 @@ class HostOptimizer:
     weight_decay: float
     """0 for Adam."""
     schedule: optax.Schedule
+    master: bool = False
+    """Bfloat16 parameters stepped through a float32 master (`optimizer.master_weights`)."""
 
 
 def host_optimizer(cfg: OptimizerConfig, schedule: optax.Schedule) -> HostOptimizer | None:
     """The kernel's description of `make_optimizer(cfg)`, or None where the kernel does not apply (not Adam, AdamW
     or Lion, `host_kernel` off) or cannot be built here (the reason is logged once). The state may be float32 or
-    bfloat16 (`stored_as`: the kernel widens the moments, updates in float32, rounds them to nearest even)."""
+    bfloat16 (`stored_as`: the kernel widens the moments, updates in float32, rounds them to nearest even), and
+    with master weights the parameters bfloat16 (`with_master_weights`: the step is the float32 master's)."""
     if _why_not_the_kernel(cfg) is not None:
         return None
     return HostOptimizer(cfg.name == "lion", cfg.b1, cfg.b2, cfg.eps,
-                         0.0 if cfg.name == "adam" else cfg.weight_decay, schedule)
+                         0.0 if cfg.name == "adam" else cfg.weight_decay, schedule, cfg.master_weights)
 
 
 def host_update_by(cfg: OptimizerConfig) -> str:
@@ -79,8 +82,6 @@ def _why_not_the_kernel(cfg: OptimizerConfig) -> str | None:
         return "optimizer.host_kernel is off"
     if cfg.name not in KERNEL_OPTIMIZERS:
         return f"the host kernel updates {', '.join(KERNEL_OPTIMIZERS)}; the optimizer is {cfg.name}"
-    if cfg.master_weights:
-        return "the host kernel does not keep float32 master weights (optimizer.master_weights)"
     reason = load_host_optimizer()
     return None if reason is None else f"the host kernel could not be built: {reason.splitlines()[0]}"
 
@@ -99,16 +100,64 @@ def kernel_threads(env: Mapping[str, str] | None = None, cores: int | None = Non
     return max(1, cores // max(1, local_n))
 
 
-def _table(plan: FlatPlan, lion: bool) -> np.ndarray | None:
-    """Per segment: parameter page, offset, mu page, offset, nu page, offset (Lion: -1, 0), length (the kernel's
-    `table`); None unless the plan is the optimizer's (Adam: two state families, Lion: one; the small leaves its
-    count and the schedule's)."""
-    k, families = len(plan.bounds), 1 if lion else 2
-    if plan.families != families or plan.paged != (False,) + (True,) * (families * k) + (False,):
+ROW = 9
+"""int64s per segment in the kernel's table."""
+
+
+def kernel_table(tx: optax.GradientTransformation, params_rep: StageLayout, opt_rep: StageLayout,
+                 opt_paged: tuple[bool, ...], spec: HostOptimizer) -> np.ndarray | None:
+    """The kernel's `table` for a stage laid out as `params_rep`/`opt_rep`: per segment (a run of one leaf's
+    elements contiguous in every family) its parameter page and offset (the gradients' are the same), the master's
+    page and offset (-1, 0 without), mu's, nu's (Lion: -1, 0), and its length; page numbers count within the
+    stage's pages of each layout. None where the state is not the optimizer's: its paged leaves must be whole
+    mirrors of the parameters, family by family in the parameters' order (the master first, then Adam's mu and nu
+    or Lion's mu), its small leaves the two step counts, the parameters float32 (bfloat16 with a master)."""
+    p_slots = params_rep.slots
+    param_dtype = jnp.bfloat16 if spec.master else jnp.float32
+    if not p_slots or any(s.size == 0 or not s.shape or s.dtype != param_dtype for s in p_slots):
         return None
-    nus = [None] * k if lion else plan.opt_pieces(1)
-    rows = [(p.page, p.offset, m.page, m.offset, -1 if n is None else n.page, 0 if n is None else n.offset, b - a)
-            for p, m, n, (a, b) in zip(plan.param_pieces(), plan.opt_pieces(0), nus, plan.bounds)]
+    abstract = jax.tree.unflatten(params_rep.treedef, [jax.ShapeDtypeStruct(s.shape, s.dtype) for s in p_slots])
+    with_paths = jax.tree_util.tree_flatten_with_path(jax.eval_shape(tx.init, abstract))[0]
+    paged = tuple(bool(getattr(leaf, "ndim", 0)) for _, leaf in with_paths)
+    if paged != tuple(opt_paged) or len(opt_rep.slots) != sum(paged):
+        return None
+    big = [(jax.tree_util.keystr(path), leaf) for (path, leaf), p in zip(with_paths, paged) if p]
+    small = [leaf for (_, leaf), p in zip(with_paths, paged) if not p]
+    n, families = len(p_slots), int(spec.master) + (1 if spec.lion else 2)
+    if len(big) != families * n or len(small) != 2:
+        return None
+    for f in range(families):
+        for i, slot in enumerate(p_slots):
+            key, leaf = big[f * n + i]
+            if tuple(leaf.shape) != slot.shape or not key.endswith(slot.path):
+                return None
+            if spec.master and f == 0 and (leaf.dtype != jnp.float32 or not key.startswith(".master")):
+                return None
+    p_index = {page.id: k for k, page in enumerate(params_rep.pages)}
+    o_index = {page.id: k for k, page in enumerate(opt_rep.pages)}
+    p_len = {page.id: page.length for page in params_rep.pages}
+    o_len = {page.id: page.length for page in opt_rep.pages}
+    rows = []
+    for i, slot in enumerate(p_slots):
+        mirrors = [opt_rep.slots[f * n + i] for f in range(families)]
+        spans = [slot.spans(p_len[slot.page])] + [m.spans(o_len[m.page]) for m in mirrors]
+        index = [p_index] + [o_index] * families
+        at = [0] * len(spans)  # per family, its span in hand, and how far into it
+        into = [0] * len(spans)
+        left = slot.size
+        while left:
+            here = [sp[a] for sp, a in zip(spans, at)]
+            length = min(stop - start - d for (_, start, stop), d in zip(here, into))
+            places = [(ix[page], start + d) for ix, (page, start, _), d in zip(index, here, into)]
+            master = places[1] if spec.master else (-1, 0)
+            mu = places[1 + int(spec.master)]
+            nu = (-1, 0) if spec.lion else places[2 + int(spec.master)]
+            rows.append((*places[0], *master, *mu, *nu, length))
+            left -= length
+            for k, ((_, start, stop), d) in enumerate(zip(here, into)):
+                into[k] = d + length
+                if start + into[k] == stop:
+                    at[k], into[k] = at[k] + 1, 0
     return np.asarray(rows, np.int64).reshape(-1)
 
 
@@ -127,15 +176,16 @@ def _coefficients(spec: HostOptimizer, grad_clip: float, small: list, norm: jax.
     return coeffs, [count_inc, optax.safe_increment(sched_count)]
 
 
-def make_kernel_update(plan: FlatPlan, spec: HostOptimizer, grad_clip: float,
+def make_kernel_update(tx: optax.GradientTransformation, params_rep: StageLayout, opt_rep: StageLayout,
+                       opt_paged: tuple[bool, ...], spec: HostOptimizer, grad_clip: float,
                        reduce: Callable[[jax.Array], jax.Array] | None, fallback: Callable) -> Callable | None:
-    """`make_stage_update`'s update by the kernel on the CPU backend, `fallback` elsewhere; None where the plan
-    is not the optimizer's. Two variants hang on it: `fresh_outputs` (below) and `norm_only`, the first pass of
-    `make_stage_update_norm` (the update's sum of squares, nothing written)."""
-    table = _table(plan, spec.lion)
+    """`make_stage_update`'s update by the kernel on the CPU backend, `fallback` elsewhere; None where the stage's
+    state is not the optimizer's (`kernel_table`). Two variants hang on it: `fresh_outputs` (below) and
+    `norm_only`, the first pass of `make_stage_update_norm` (the update's sum of squares, nothing written)."""
+    table = kernel_table(tx, params_rep, opt_rep, opt_paged, spec)
     if table is None:
         return None
-    n_params, n_opt = plan.param_pages, plan.opt_pages
+    n_params, n_opt = len(params_rep.pages), len(opt_rep.pages)
     # In place: results alias the pages they replace, written in place when the caller donates them (else XLA
     # copies them first). Not in place (`fresh_outputs`): results in buffers of their own, for pages that cannot
     # be donated (an accelerator's pinned pages aliased onto the CPU backend, memory/crossing.py), which would
@@ -150,7 +200,8 @@ def make_kernel_update(plan: FlatPlan, spec: HostOptimizer, grad_clip: float,
         call = jax.ffi.ffi_call(HOST_OPTIMIZER, (jax.ShapeDtypeStruct((), jnp.float32), *shapes),
                                 input_output_aliases=aliases if in_place else None)
         sq, *pages = call(coeffs, *param_pages, *grad_pages, *opt_pages, table=table, param_pages=np.int64(n_params),
-                          opt_pages=np.int64(n_opt), threads=np.int64(threads), lion=np.int64(spec.lion))
+                          opt_pages=np.int64(n_opt), threads=np.int64(threads), lion=np.int64(spec.lion),
+                          master=np.int64(spec.master))
         if reduce is not None:
             sq = reduce(sq)
         small = [jnp.where(ok, new, old) for new, old in zip(new_small, opt_small)]
@@ -167,7 +218,8 @@ def make_kernel_update(plan: FlatPlan, spec: HostOptimizer, grad_clip: float,
         coeffs, _ = _coefficients(spec, grad_clip, list(opt_small), norm, jnp.bool_(False), lr_scale, apply=False)
         call = jax.ffi.ffi_call(HOST_OPTIMIZER, jax.ShapeDtypeStruct((), jnp.float32))
         sq = call(coeffs, *param_pages, *grad_pages, *opt_pages, table=table, param_pages=np.int64(n_params),
-                  opt_pages=np.int64(n_opt), threads=np.int64(threads), lion=np.int64(spec.lion))
+                  opt_pages=np.int64(n_opt), threads=np.int64(threads), lion=np.int64(spec.lion),
+                  master=np.int64(spec.master))
         return sq if reduce is None else reduce(sq)
 
     def norm_fallback(param_pages: Pages, grad_pages: Pages, opt_pages: Pages, opt_small: list, norm: jax.Array,

@@ -96,7 +96,8 @@ def make_stage_update(tx: optax.GradientTransformation, params_rep: StageLayout,
         update(param_pages, grad_pages, opt_pages, opt_small, norm, ok, lr_scale)
             -> (param pages, optimizer pages, small leaves, sum of squares of the update, applied)
 
-    `norm` is the global gradient norm (for clipping), `lr_scale` multiplies the update and `ok` says whether the
+    `norm` is the global gradient norm (for clipping), `lr_scale` scales the step (`tx.update(..., lr_scale=)`:
+    make_optimizer's transformations take it, `with_lr_scale`) and `ok` says whether the
     step's update may be applied at all (the anomaly guard's decision, train/step.py): where it is False, or
     where this stage's update is not finite, the old pages come back unchanged (the reference trainer's `keep`).
     The sum of squares is that of the computed update either way (what the update norm reports).
@@ -105,12 +106,21 @@ def make_stage_update(tx: optax.GradientTransformation, params_rep: StageLayout,
     are a rank's shard, the sum is taken over the ranks, schedule/zero.py), before it decides `applied`.
     `elementwise`: `tx` treats every element alike (not Adafactor, `factory.is_elementwise`): the update then runs
     on flat segments of the pages where the layouts allow it (flat.py: a few times fewer bytes moved on the CPU).
-    `kernel`: `tx` is the Adam, AdamW or Lion it describes (`fused.host_optimizer`): on the CPU backend the flat update then
-    runs as the host kernel (fused.py: one pass, every core)."""
+    `kernel`: `tx` is the Adam, AdamW or Lion it describes (`fused.host_optimizer`): on the CPU backend the update
+    then runs as the host kernel (fused.py: one pass, every core), on any layout whose state mirrors the
+    parameters (also a float32 master beside bfloat16 moments, which the flat update cannot run on)."""
+    leafwise = _leafwise_update(tx, params_rep, opt_rep, layout, grad_clip, reduce)
     if elementwise and (plan := FlatPlan.build(tx, params_rep, opt_rep, layout.paged)) is not None:
-        flat = make_flat_update(plan, tx, grad_clip, reduce)
-        fused = kernel and make_kernel_update(plan, kernel, grad_clip, reduce, flat)
-        return fused or flat
+        xla = make_flat_update(plan, tx, grad_clip, reduce)
+    else:
+        xla = leafwise
+    fused = kernel and make_kernel_update(tx, params_rep, opt_rep, layout.paged, kernel, grad_clip, reduce, xla)
+    return fused or xla
+
+
+def _leafwise_update(tx: optax.GradientTransformation, params_rep: StageLayout, opt_rep: StageLayout,
+                     layout: OptLayout, grad_clip: float, reduce: Callable[[jax.Array], jax.Array] | None) -> Callable:
+    """`make_stage_update`'s update on the unpacked leaves: any optimizer, any layout."""
 
     def update(param_pages: Pages, grad_pages: Pages, opt_pages: Pages, opt_small: list, norm: jax.Array,
                ok: jax.Array, lr_scale: jax.Array) -> tuple:

@@ -9,8 +9,9 @@ bytes so that no page carries padding. The update is the engine's own: `blueprin
 compute, donate_params=True)`, called as `angel_jax.schedule.costs.profile_costs` calls it, on the host
 placement (on the CPU backend: the CPU device's pinned_host memory, computed in place), on fresh pages each call
 (setup untimed). The bytes it must move are the stage's parameters read and written, its gradients read and its
-optimizer-state pages (Adam's two moments, in the config's state dtype) read and written: 7 x 4 B per parameter
-for AdamW in float32. Padding, scalars and any temporaries XLA adds are not counted.
+optimizer-state pages (Adam's two moments, in the config's state dtype; with optimizer.master_weights also the
+float32 master) read and written: 7 x 4 B per parameter for AdamW in float32; 22 B for bfloat16 parameters
+with a float32 master and bfloat16 moments. Padding, scalars and any temporaries XLA adds are not counted.
 
 The bound is measured in the same run, in a child process with malloc's huge pages as the update's (below), each
 way over arrays of --gib GiB (default 1), counting bytes read plus bytes written, best of --repeats:
@@ -193,6 +194,7 @@ def time_update(config: str, overrides: list[str], repeats: int, leafwise: bool 
 
     return {"stage": block, "update_by": "host kernel" if HOST_OPTIMIZER in hlo else "xla",
             "optimizer": cfg.optimizer.name, "state_dtype": cfg.optimizer.state_dtype,
+            "param_dtype": cfg.model.param_dtype, "master_weights": cfg.optimizer.master_weights,
             "params": sum(int(np.prod(s.shape)) for s in pl.slots), "param_bytes": param_bytes,
             "opt_bytes": opt_bytes, "bytes_moved": moved, "update_s": [round(t, 5) for t in wall],
             "update_s_median": round(statistics.median(wall), 5), "update_s_best": round(min(wall), 5),
