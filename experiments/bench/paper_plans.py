@@ -101,9 +101,13 @@ CASES = {
                                          "conservative"),
     "gpt_30b_bf16_params_gen5": ("experiments/gpt_30b.yaml", ["model.param_dtype=bfloat16"], "gen5"),
     # Mixed precision as large runs train: bf16 parameters and gradients to compute with and stream, and in the
-    # optimizer state (on disk) a float32 master copy and float32 Adam moments (12 B per parameter).
+    # optimizer state (on disk) a float32 master copy and Adam's moments, float32 (12 B per parameter) or bf16 (8 B).
     "gpt_30b_fp32_master_conservative": ("experiments/gpt_30b.yaml", MASTER, "conservative"),
     "gpt_30b_fp32_master_gen5": ("experiments/gpt_30b.yaml", MASTER, "gen5"),
+    "gpt_30b_fp32_master_bf16_moments_conservative": ("experiments/gpt_30b.yaml",
+                                                      MASTER + ["optimizer.state_dtype=bfloat16"], "conservative"),
+    "gpt_30b_fp32_master_bf16_moments_gen5": ("experiments/gpt_30b.yaml", MASTER + ["optimizer.state_dtype=bfloat16"],
+                                              "gen5"),
 }
 
 

@@ -89,6 +89,7 @@ struct Chunk {
 
 struct Coefficients {
   float omb1, b1, omb2, b2, bc1, bc2, eps_root, eps, wd, step, lr_scale, norm, max_norm;
+  float inv_norm_bf16, max_norm_bf16;  // for bfloat16 gradients: 1 / the norm rounded to bfloat16, the bound rounded
 };
 
 // Moments stored as float32 (as they are) or bfloat16 (widened exactly; rounded to nearest even, as XLA's convert
@@ -119,8 +120,9 @@ inline void compute_block(int n, const Coefficients& k, const P* __restrict p, c
     if (kClip) {
       if constexpr (std::is_same_v<P, float>) {
         gj = (gj / k.norm) * k.max_norm;
-      } else {  // clip_with_norm on bfloat16 gradients computes in bfloat16: each result rounded to it
-        gj = widen(narrow<P>(widen(narrow<P>(gj / widen(narrow<P>(k.norm)))) * widen(narrow<P>(k.max_norm))));
+      } else {  // clip_with_norm on bfloat16 gradients computes in bfloat16, each result rounded to it; XLA divides
+        // by the bfloat16 norm as a multiplication by its float32 reciprocal
+        gj = widen(narrow<P>(widen(narrow<P>(gj * k.inv_norm_bf16)) * k.max_norm_bf16));
       }
     }
     const float pj = widen(p[j]);
@@ -191,7 +193,8 @@ double run_chunk(const Segment& s, int64_t a, int64_t b, const Coefficients& k, 
 template <typename M, typename P, bool kMaster>
 double run_chunk_any(const Segment& s, int64_t a, int64_t b, const float* c, bool lion) {
   const Coefficients k{c[kOneMinusB1], c[kB1], c[kOneMinusB2], c[kB2], c[kBc1], c[kBc2], c[kEpsRoot],
-                       c[kEps], c[kWd], c[kStepSize], c[kLrScale], c[kNorm], c[kMaxNorm]};
+                       c[kEps], c[kWd], c[kStepSize], c[kLrScale], c[kNorm], c[kMaxNorm],
+                       1.0f / widen(narrow<uint16_t>(c[kNorm])), widen(narrow<uint16_t>(c[kMaxNorm]))};
   const bool apply = c[kApply] != 0.0f, clip = c[kTrigger] == 0.0f;
   if (lion)
     return clip ? run_chunk<true, true, M, P, kMaster>(s, a, b, k, apply)
