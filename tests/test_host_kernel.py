@@ -15,10 +15,11 @@ import optax
 import pytest
 
 from angel_jax.config import OptimizerConfig
+from angel_jax.memory import PageLayout
 from angel_jax.optim.factory import make_optimizer
-from angel_jax.optim.fused import host_optimizer, host_update_by, kernel_threads
+from angel_jax.optim.fused import host_optimizer, host_update_by, kernel_table, kernel_threads
 from angel_jax.optim.kernels import HOST_OPTIMIZER, build, load_host_optimizer
-from angel_jax.optim.paged import make_stage_update, make_stage_update_norm
+from angel_jax.optim.paged import make_stage_update, make_stage_update_norm, split_opt_state
 from test_optim_flat import _setup, _tree
 
 STEPS = 10
@@ -216,3 +217,23 @@ def test_fresh_outputs_for_pages_that_cannot_be_donated():
     _assert_equal(before, [np.asarray(a) for a in (*pp, *op)], exact=True)  # the operands kept their bytes
     _assert_equal((pp, op), fresh(pp, gp, op, small, jnp.float32(3.0), jnp.bool_(False), jnp.float32(1.0))[:2],
                   exact=True)
+
+
+def test_leaves_that_follow_one_another_in_every_family_make_one_segment():
+    """The table cuts a stage's elements where a page of any family ends, and nowhere else: with pages that hold
+    the whole stage, one segment (one pass of the kernel over long runs, as over the flat update's segments)."""
+    cfg = OptimizerConfig(name="adamw", lr=1e-2, warmup_steps=3)
+    tx, schedule = make_optimizer(cfg, STEPS, clip=False)
+    params = _tree(0)
+    big, _, layout = split_opt_state(tx.init(params))
+    whole = 1 << 20  # bytes: every family on one page
+    prep = PageLayout.build([("s", params)], whole).stage("s")
+    orep = PageLayout.build([("s", [np.asarray(b) for b in big])], whole).stage("s")
+    spec = host_optimizer(cfg, schedule)
+    size = sum(s.size for s in prep.slots)
+    table = kernel_table(tx, prep, orep, layout.paged, spec).reshape(-1, 9)
+    assert table.tolist() == [[0, 0, -1, 0, 0, 0, 0, size, size]]  # mu, then nu after it on the same page
+    small = kernel_table(tx, *_setup(tx, _tree(1))[:2], layout.paged, spec).reshape(-1, 9)
+    # 64-element pages: the parameters' and mu's first page ends at element 64, nu (from element 81 of the optimizer
+    # pages) reaches its second page's end at 128 - 81 = 47: cut there, and only there.
+    assert small[:, 8].tolist() == [47, 17, 17]

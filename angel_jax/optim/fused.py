@@ -100,14 +100,11 @@ def kernel_threads(env: Mapping[str, str] | None = None, cores: int | None = Non
     return max(1, cores // max(1, local_n))
 
 
-ROW = 9
-"""int64s per segment in the kernel's table."""
-
-
 def kernel_table(tx: optax.GradientTransformation, params_rep: StageLayout, opt_rep: StageLayout,
                  opt_paged: tuple[bool, ...], spec: HostOptimizer) -> np.ndarray | None:
-    """The kernel's `table` for a stage laid out as `params_rep`/`opt_rep`: per segment (a run of one leaf's
-    elements contiguous in every family) its parameter page and offset (the gradients' are the same), the master's
+    """The kernel's `table` for a stage laid out as `params_rep`/`opt_rep`: per segment (a run of elements
+    contiguous in every family: leaves that follow one another in all of them make one) its parameter page and
+    offset (the gradients' are the same), the master's
     page and offset (-1, 0 without), mu's, nu's (Lion: -1, 0), and its length; page numbers count within the
     stage's pages of each layout. None where the state is not the optimizer's: its paged leaves must be whole
     mirrors of the parameters, family by family in the parameters' order (the master first, then Adam's mu and nu
@@ -152,13 +149,23 @@ def kernel_table(tx: optax.GradientTransformation, params_rep: StageLayout, opt_
             master = places[1] if spec.master else (-1, 0)
             mu = places[1 + int(spec.master)]
             nu = (-1, 0) if spec.lion else places[2 + int(spec.master)]
-            rows.append((*places[0], *master, *mu, *nu, length))
+            row = (*places[0], *master, *mu, *nu, length)
+            if rows and _continues(rows[-1], row):
+                rows[-1] = (*rows[-1][:8], rows[-1][8] + length)
+            else:
+                rows.append(row)
             left -= length
             for k, ((_, start, stop), d) in enumerate(zip(here, into)):
                 into[k] = d + length
                 if start + into[k] == stop:
                     at[k], into[k] = at[k] + 1, 0
     return np.asarray(rows, np.int64).reshape(-1)
+
+
+def _continues(prev: tuple, row: tuple) -> bool:
+    """Whether `row` starts where `prev` ends in every family (the same page, the next element): one segment."""
+    n = prev[8]
+    return all(row[k] == prev[k] and (row[k] < 0 or row[k + 1] == prev[k + 1] + n) for k in (0, 2, 4, 6))
 
 
 def _coefficients(spec: HostOptimizer, grad_clip: float, small: list, norm: jax.Array, ok: jax.Array,
