@@ -104,18 +104,20 @@ def stored_as(inner: optax.GradientTransformation, dtype: jnp.dtype) -> optax.Gr
     def narrow(tree):
         return jax.tree.map(lambda a: a.astype(dtype) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
 
-    def widen(tree):
-        return jax.tree.map(lambda a: a.astype(jnp.float32) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
-
     def init(params):
         return narrow(inner.init(params))
 
     def update(updates, state, params=None):
-        updates, state = inner.update(updates, widen(state), params)
+        updates, state = inner.update(updates, _float32(state), params)
         return updates, narrow(state)
 
     return optax.GradientTransformation(init, update)
 
+
+
+def _float32(tree):
+    """Floating-point leaves widened to float32 (integer leaves, step counts, as they are)."""
+    return jax.tree.map(lambda a: a.astype(jnp.float32) if jnp.issubdtype(a.dtype, jnp.floating) else a, tree)
 
 
 def with_lr_scale(inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
@@ -153,16 +155,13 @@ def with_master_weights(inner: optax.GradientTransformation) -> optax.GradientTr
     master, which can move its bfloat16 rounding by one ulp."""
 
     def init(params):
-        master = jax.tree.map(lambda p: p.astype(jnp.float32) if jnp.issubdtype(p.dtype, jnp.floating) else p,
-                              params)
+        master = _float32(params)
         return MasterState(master, inner.init(master))
 
     def update(updates, state, params=None, **extra):
         if params is None:
             raise ValueError("with_master_weights needs the parameters (optax.update(grads, state, params))")
-        grads = jax.tree.map(lambda g: g.astype(jnp.float32) if jnp.issubdtype(g.dtype, jnp.floating) else g,
-                             updates)
-        steps, inner_state = inner.update(grads, state.inner, state.master, **extra)
+        steps, inner_state = inner.update(_float32(updates), state.inner, state.master, **extra)
         master = optax.apply_updates(state.master, steps)
         to_master = jax.tree.map(lambda m, p: m - p.astype(m.dtype), master, params)
         return to_master, MasterState(master, inner_state)

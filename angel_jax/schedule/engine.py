@@ -42,7 +42,7 @@ from angel_jax.optim.updater import PageUpdater, Placement, StageSlot, StageUpda
 from angel_jax.schedule.costs import profile_costs, profile_transfers
 from angel_jax.schedule.execute import PagedExecutor, PagedModel
 from angel_jax.schedule.plan import (Bandwidths, Budgets, Plan, StageCost, load_bandwidths, make_plan,
-                                     minimum_device_bytes, without_overlap)
+                                     minimum_device_bytes)
 from angel_jax.schedule.stagefns import StageFunctions
 from angel_jax.schedule.zero import Zero
 from angel_jax.memory.sharded_layout import ShardedPageLayout
@@ -384,11 +384,8 @@ def plan_for(cfg: Config, bp: Blueprint, store: PageStore, example_batch: jax.Ar
         costs, bw = _agreed(costs, bw)
     budgets = dataclasses.replace(budgets_for(cfg, device, example_batch.shape[0], zero),
                                   host=store.tiers["host"].budget)
-    shared_cpu = device.platform == "cpu"
-    plan = make_plan(costs, bw, budgets, staleness=cfg.memory.staleness, shared_cpu=shared_cpu,
-                     micro_batches=micro_batches, passes=cfg.memory.passes or None)
-    if not cfg.memory.overlap:  # the same homes, every piece of work alone: that is the step to predict
-        plan = dataclasses.replace(plan, predicted=without_overlap(plan, costs, bw, shared_cpu))
+    plan = make_plan(costs, bw, budgets, staleness=cfg.memory.staleness, shared_cpu=device.platform == "cpu",
+                     micro_batches=micro_batches, passes=cfg.memory.passes or None, overlap=cfg.memory.overlap)
     return plan, costs, bw, budgets
 
 

@@ -286,13 +286,15 @@ def pass_options(micro_batches: int) -> list[int]:
 
 def make_plan(costs: list[StageCost], bw: Bandwidths, budgets: Budgets, *, staleness: int = 0,
               shared_cpu: bool = False, max_prefetch: int = 3, micro_batches: int = 1,
-              passes: int | None = None, ranks: int = 1) -> Plan:
+              passes: int | None = None, ranks: int = 1, overlap: bool = True) -> Plan:
     """`costs`: per stage, the times of one call (one micro-batch); a step runs `micro_batches` calls per
     access, in `passes` accumulation passes (None: the planner chooses among `pass_options`). The plan predicted
     fastest wins; more passes or a deeper prefetch only when predicted faster by more than noise (2%).
     `ranks` > 1: data-parallel ranks over which every page family is partitioned (ZeRO-3); `costs` and `budgets`
     are then one rank's (its shard's bytes, its calls on its local rows, its tiers), and `bw.link` the bytes per
-    second each rank moves in a collective (0: not modelled)."""
+    second each rank moves in a collective (0: not modelled). Every plan also carries its step with nothing
+    overlapped (`serial_step_time`); with `overlap=False` (`memory.overlap: false`) that is its predicted step too,
+    the homes being chosen as for the overlapped step."""
     n = len(costs)
     if ranks < 1:
         raise PlanError(f"a plan needs at least one data-parallel rank, got ranks={ranks}")
@@ -322,7 +324,8 @@ def make_plan(costs: list[StageCost], bw: Bandwidths, budgets: Budgets, *, stale
                         f"{need - budgets.fixed_for(most) - gathered:,} B{whole}): {need - budgets.device:,} B "
                         "missing; raise "
                         "memory.device_budget, or lower train.micro_batch_size / model.seq_len")
-    return dataclasses.replace(best, serial_step_time=without_overlap(best, costs, bw, shared_cpu).step_time)
+    serial = without_overlap(best, costs, bw, shared_cpu)
+    return dataclasses.replace(best, serial_step_time=serial.step_time, predicted=best.predicted if overlap else serial)
 
 
 def without_overlap(plan: Plan, costs: list[StageCost], bw: Bandwidths, shared_cpu: bool) -> Timeline:

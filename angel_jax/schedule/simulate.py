@@ -254,10 +254,10 @@ def simulate(costs: list[StageCost], bw: Bandwidths, home: tuple[str, ...], opt_
                 issue_scatters(issued)
                 gathered = clock.run("collective", f"gather {costs[i].name}", max(issued, ready), ring_s[i])[1]
             idle = min(ready, gathered) - clock.free["compute"]
-            if idle > 0 and not shared_cpu and overlap:
+            if idle > 0 and not shared_cpu:
                 waits[cause] = waits.get(cause, 0.0) + idle
             idle = gathered - max(ready, clock.free["compute"])
-            if idle > 0 and not shared_cpu and overlap:
+            if idle > 0 and not shared_cpu:
                 waits["collective"] = waits.get("collective", 0.0) + idle
             start, end = clock.run("compute", label, max(ready, gathered), dur)
             starts.append(start)
@@ -281,7 +281,7 @@ def simulate(costs: list[StageCost], bw: Bandwidths, home: tuple[str, ...], opt_
             update_cause[i] = "disk" if staged and staged >= max(norm_at, grads_home[i], clock.free["host"]) \
                 else "host"
             updated_before[i] = updated[i]
-            if home[i] == "device" and collective and not shared_cpu and overlap:
+            if home[i] == "device" and collective and not shared_cpu:
                 # Idle before a device update: the last reduce-scatters (the norm needs every reduced gradient),
                 # then the streamed stages' gradients on their way to the host.
                 free = clock.free["compute"]

@@ -36,7 +36,7 @@ from angel_jax.schedule.engine import (Blueprint, blueprint, device_budget, fit_
                                        saved_input_bytes)
 from angel_jax.memory.layout import StageLayout
 from angel_jax.schedule.plan import (Bandwidths, Budgets, Plan, PlanError, StageCost, exchange_bytes,
-                                     load_bandwidths, make_plan, without_overlap)
+                                     load_bandwidths, make_plan)
 from angel_jax.units import human_bytes
 import models
 
@@ -176,7 +176,7 @@ def _estimated_plan(cfg: Config, bp: Blueprint, args: argparse.Namespace
         try:
             plan = make_plan(costs, bw, budgets, staleness=trial.memory.staleness, shared_cpu=shared_cpu,
                              micro_batches=micro_batching(trial, local)[0], passes=trial.memory.passes or None,
-                             ranks=ranks)
+                             ranks=ranks, overlap=trial.memory.overlap)
         except PlanError as e:
             errors.append(e)
             continue
@@ -185,8 +185,6 @@ def _estimated_plan(cfg: Config, bp: Blueprint, args: argparse.Namespace
     if best is None:
         raise errors[-1]
     trial, plan, costs, budgets = best
-    if not cfg.memory.overlap:
-        plan = dataclasses.replace(plan, predicted=without_overlap(plan, costs, bw, shared_cpu))
     chosen = " (micro-batch size chosen by the planner)" if not cfg.train.micro_batch_size else ""
     return trial, plan, costs, budgets, bw, f"estimated from FLOPs at {peak.flops_per_device / 1e12:.1f} " \
                                             f"TFLOP/s ({peak.source}); bandwidths: {bw.source}{chosen}"
