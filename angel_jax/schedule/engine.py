@@ -21,6 +21,7 @@ import logging
 import shutil
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import jax
@@ -386,6 +387,11 @@ def plan_for(cfg: Config, bp: Blueprint, store: PageStore, example_batch: jax.Ar
                                   host=store.tiers["host"].budget)
     plan = make_plan(costs, bw, budgets, staleness=cfg.memory.staleness, shared_cpu=device.platform == "cpu",
                      micro_batches=micro_batches, passes=cfg.memory.passes or None, overlap=cfg.memory.overlap)
+    if "disk" in plan.home + plan.grad_home + plan.opt_home and not Path(default_calibration_path()).is_file():
+        # The disk figures are then guesses: the plan's placement and predicted step rest on them.
+        log.warning("the plan puts pages on the disk, but this machine's disk is not calibrated (no %s): the plan "
+                    "assumes %.1f GB/s each way and no CPU cost per byte. Run `angel-jax bench io` once to measure it.",
+                    default_calibration_path(), bw.disk_read / 1e9)
     return plan, costs, bw, budgets
 
 

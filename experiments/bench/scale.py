@@ -25,6 +25,7 @@ One JSON line per run on stdout (appended to experiments/results/scale_<platform
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import resource
@@ -210,6 +211,8 @@ def run_loop(cfg) -> dict:
         b = built[-1].built
         out["plan"] = {**b.plan.summary(), "io_per_step": b.plan.io_per_step(b.costs, b.bandwidths),
                        "table": b.plan.table(b.costs)}
+        # What the prediction rests on: the disk figures are defaults unless `angel-jax bench io` calibrated them.
+        out["bandwidths"] = dataclasses.asdict(b.bandwidths)
         # Profiled compute per step on these cores: every forward (not the head's), backward and update.
         out["compute_s"] = sum(c.backward_s + (c.forward_s if i < len(b.costs) - 1 else 0.0)
                                + (c.update_device_s if b.plan.home[i] == "device" else c.update_host_s)
@@ -281,7 +284,8 @@ def run_trial(runner: str, n_layers: int, args: argparse.Namespace) -> dict:
         record.update(predicted_step_s=round(plan["predicted_step_s"], 4),
                       predicted_serial_step_s=round(plan["serial_step_s"], 4), compute_s=round(child["compute_s"], 4),
                       io_per_step=plan["io_per_step"],
-                      io_bound_s=round(plan["io_per_step"]["io_bound_s"], 4), plan=plan)
+                      io_bound_s=round(plan["io_per_step"]["io_bound_s"], 4), plan=plan,
+                      bandwidths=child.get("bandwidths"))
     if not args.keep_scratch:
         shutil.rmtree(scratch, ignore_errors=True)
     return record
