@@ -1,7 +1,7 @@
 """Checkpoints of the sharded (ZeRO-3) paged engine, in one process with two CPU devices (zero_ckpt_check.py): the
 same world size restores bit for bit; another world size reshards the pages from the persistent tier. And over two
-processes of one device each (zero_ckpt_mp_check.py): pages split across the processes are gathered into the
-snapshot and restored bit for bit."""
+processes of one device each (zero_ckpt_mp_check.py): each process checkpoints its own shards and restores them
+bit for bit, from its peer copy when its memory tier is lost; one process resumes them assembled."""
 
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ def runs(tmp_path_factory) -> dict:
     """The one-process check (two devices) and the two-process check, started together: mostly compilation, which
     the cores share."""
     port, directory = str(_free_port()), str(tmp_path_factory.mktemp("zero-mp"))
-    procs = {"one": _start("zero_ckpt_check.py"),
+    procs = {"one": _start("zero_ckpt_check.py", directory),
              **{f"mp{rank}": _start("zero_ckpt_mp_check.py", port, str(rank), directory) for rank in (0, 1)}}
     outputs = {name: p.communicate() for name, p in procs.items()}
     out = {}
@@ -91,13 +91,38 @@ def test_another_layout_is_refused(checked):
 
 
 def test_two_processes_round_trip(runs):
-    """2 processes x 1 device, pages split across them: each process's snapshot gathers every page, process 0 saves
-    it, both restore it (memory tier) into a fresh engine: the state bit for bit on both, the uninterrupted
-    run's losses exactly, the same losses as over two devices of one process."""
+    """2 processes x 1 device, pages split across them: each process checkpoints only its own shards (half of
+    every page) in its own tiers, and both restore them (memory tier) into a fresh engine: the state bit for bit
+    on both, the uninterrupted run's losses exactly, the same losses as over two devices of one process."""
     one = runs["one"]["losses"]["uninterrupted"]
     for rank in (0, 1):
         out = runs[f"mp{rank}"]
-        assert out["spans_processes"] and (out["step"], out["tier"], out["ranks"]) == (3, "memory", 2)
+        assert out["spans_processes"] and out["per_process"]
+        assert (out["step"], out["tier"], out["ranks"]) == (3, "memory", 2)
+        assert out["shard_bytes"] * 2 == out["whole_bytes"]
+        # Its memory tier holds its shards and little else (index, small leaves), not the whole state.
+        assert out["memory_tier"]["dir"] == f"mp-mem/process_{rank}"
+        assert out["shard_bytes"] <= out["memory_tier"]["bytes"] < out["shard_bytes"] * 1.2
         assert out["bit_exact"], rank
         assert out["resumed"] == out["uninterrupted"][3:]
         np.testing.assert_allclose(out["uninterrupted"], one, rtol=1e-5, atol=0)
+    ok, lines = runs["mp0"]["verify"]  # `angel-jax ckpt verify` reads every process's shards
+    assert ok and lines == ["process 0 (its shards):", "step 3: ok", "process 1 (its shards):", "step 3: ok"], lines
+
+
+def test_a_host_that_lost_its_memory_restores_its_shards_from_the_peer_copy(runs):
+    """Process 0's memory tier deleted: it restores its shards from its peer copy, process 1 from its memory tier,
+    both bit for bit the state saved."""
+    for rank, tier in ((0, "peer"), (1, "memory")):
+        after = runs[f"mp{rank}"]["after_memory_lost"]
+        assert (after["step"], after["tier"]) == (3, tier), rank
+        assert after["bit_exact"], rank
+
+
+def test_one_process_resumes_the_shards_of_two_assembled(runs):
+    """The two processes' checkpoint resumed in one process (two devices): every process's shards read from its
+    persistent tier and assembled into whole pages, logged; the losses continue the two-process run's."""
+    assembled = runs["one"]["assembled"]
+    assert (assembled["step"], assembled["tier"]) == (3, "persistent (the shards of 2 processes)")
+    np.testing.assert_allclose(assembled["losses"], assembled["theirs"][3:], rtol=1e-5, atol=0)
+    assert "assembling the checkpoint of step 3 from the shards of the 2 processes" in runs["one"]["log"]

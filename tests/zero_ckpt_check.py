@@ -50,12 +50,13 @@ PAGE = 8 * 4096 // 4
 DEVICE_BUDGET = 800_000  # each rank's page: several pages per stage, so leaves span pages and pages hold several leaves
 
 
-def cfg(tmp: Path, name: str, page: int = PAGE):
+def cfg(tmp: Path, name: str, page: int = PAGE, peer: bool = False):
     base = tp._cfg(steps=STEPS, model=MODEL)
     memory = dataclasses.replace(base.memory, page_size=page, device_budget=DEVICE_BUDGET)
-    return dataclasses.replace(base, memory=memory,
-                               train=dataclasses.replace(base.train, batch_size=BATCH, run_dir=str(tmp / name)),
-                               checkpoint=dataclasses.replace(base.checkpoint, memory_dir=str(tmp / f"{name}-mem")))
+    checkpoint = dataclasses.replace(base.checkpoint, memory_dir=str(tmp / f"{name}-mem"),
+                                     peer_dir=str(tmp / f"{name}-peer") if peer else base.checkpoint.peer_dir)
+    return dataclasses.replace(base, memory=memory, checkpoint=checkpoint,
+                               train=dataclasses.replace(base.train, batch_size=BATCH, run_dir=str(tmp / name)))
 
 
 def engine(c, ranks: int):
@@ -115,7 +116,27 @@ def refused(e, arrays: dict, meta: dict) -> str:
     return "accepted"
 
 
-def main() -> None:
+def resume_shards(directory: Path, data: list) -> dict:
+    """Once zero_ckpt_mp_check.py's two processes are done: their run's checkpoint (each process's shards in its
+    own directories) resumed here, one process over two devices, assembled from the persistent tiers."""
+    deadline = time.time() + 200
+    while not all((directory / f"mp-done-{p}").is_file() for p in (0, 1)):
+        if time.time() > deadline:
+            return {"error": "the two-process run did not finish"}
+        time.sleep(0.2)
+    c = cfg(directory, "mp", peer=True)  # the two processes' config
+    checkpointer = TrainCheckpointer(c, c.run_dir, primary=True)
+    step, arrays, meta, tier = checkpointer.restore_latest()
+    checkpointer.close()
+    e = engine(c, 2)
+    e.load_state(arrays, meta["engine"])
+    out = {"step": step, "tier": tier, "losses": run(e, data[SAVE_AT:]),
+           "theirs": json.loads((directory / "mp-done-0").read_text())}
+    e.close()
+    return out
+
+
+def main(shards_of: Path | None = None) -> None:
     logging.basicConfig(level=logging.WARNING)
     logging.getLogger("angel_jax.train.paged").setLevel(logging.INFO)
     t0 = time.time()
@@ -161,6 +182,8 @@ def main() -> None:
                                    "losses": run(e, data[SAVE_AT:])})
             e.close()
             prev = c
+        if shards_of is not None:
+            out["assembled"] = resume_shards(shards_of, data)
     out["streamed"] = STREAMED
     out["build_seconds"] = BUILD
     out["seconds"] = round(time.time() - t0, 1)
@@ -168,4 +191,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    main(Path(sys.argv[1]) if len(sys.argv) > 1 else None)

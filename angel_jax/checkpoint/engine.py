@@ -43,6 +43,7 @@ import numpy as np
 
 from angel_jax.checkpoint import snapshot as snap
 from angel_jax.checkpoint.faults import Fault, no_fault
+from angel_jax.checkpoint.filetier import FileTier
 from angel_jax.checkpoint.memtier import MemoryTier, MemoryTierFull
 from angel_jax.checkpoint.options import CheckpointOptions
 from angel_jax.checkpoint.peer import PeerTier
@@ -68,7 +69,8 @@ class CheckpointEngine:
         self._clock = clock
         self._memory = MemoryTier(options.resolved_memory_dir(), options.keep_last, fault=fault)
         peer = PeerTier(options.peer_dir, options.keep_last, fault=fault) if options.peer_dir is not None else None
-        self._persistent = OrbaxTier(options.persistent_dir, options.keep_last, options.keep_every, fault=fault)
+        persistent = OrbaxTier if options.persistent_format == "orbax" else FileTier
+        self._persistent = persistent(options.persistent_dir, options.keep_last, options.keep_every, fault=fault)
         self._downstream: tuple[CopyTier, ...] = (*([peer] if peer else []), self._persistent)
         self._tiers: tuple[CheckpointTier, ...] = (self._memory, *self._downstream)  # restore order: fastest first
         self._worker = SaveWorker(self._process)

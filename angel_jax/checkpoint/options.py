@@ -21,6 +21,9 @@ class CheckpointOptions:
     keep_every: int | None = doc(None, "Also keep persisted steps divisible by this (persistent tier only).")
     verify_on_restore: bool = doc(True, "Check every array's XXH3-64 checksum before a restore returns it.")
     io_threads: int = doc(2, "Threads that compute checksums in parallel (1 = in the calling thread).")
+    persistent_format: str = doc("orbax", "'orbax': orbax checkpoints; 'snapshot': the memory tier's directory format "
+                                          "(filetier.py), for checkpoints each process of a multi-process run writes "
+                                          "on its own, which orbax cannot write.")
 
     def __post_init__(self) -> None:
         # Accept str paths (YAML, command line) but store Paths; reject impossible values naming the field.
@@ -34,6 +37,9 @@ class CheckpointOptions:
             raise ValueError(f"CheckpointOptions.keep_last: must be an int >= 1, got {self.keep_last!r}")
         if self.keep_every is not None and (not isinstance(self.keep_every, int) or self.keep_every < 1):
             raise ValueError(f"CheckpointOptions.keep_every: must be None or an int >= 1, got {self.keep_every!r}")
+        if self.persistent_format not in ("orbax", "snapshot"):
+            raise ValueError(f"CheckpointOptions.persistent_format: 'orbax' or 'snapshot', got "
+                             f"{self.persistent_format!r}")
         if not isinstance(self.io_threads, int) or self.io_threads < 1:
             raise ValueError(f"CheckpointOptions.io_threads: must be an int >= 1, got {self.io_threads!r}")
 

@@ -1,7 +1,8 @@
 """The one interface of a checkpoint tier, and the retention every tier applies to itself.
 
 Three tiers hold checkpoints, fastest first: memory (snapshots in tmpfs, memtier.py), peer (a copy of each
-snapshot on another host's mount, peer.py) and persistent (ordinary orbax checkpoints, persist.py). Restore,
+snapshot on another host's mount, peer.py) and persistent (ordinary orbax checkpoints, persist.py; or snapshot
+directories on disk, filetier.py, where each process of a multi-process run persists its own shards). Restore,
 listing, verification and retention treat them alike, so they share this interface and the manager
 (engine.py) loops over tiers instead of naming each. What differs is how a step gets in:
 

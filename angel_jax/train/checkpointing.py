@@ -14,7 +14,19 @@ angel_jax/checkpoint/persist.py for reading one with plain orbax). The memory ti
 
 In a multi-process run process 0 writes the checkpoints, every process reads them, and process 0 decides which
 step all of them restore. Every process takes a snapshot at each save: a state sharded across the processes
-(mesh.fsdp) is gathered into each one's host memory then, so process 0 holds all of it.
+(mesh.fsdp) by the in-memory engine is gathered into each one's host memory then, so process 0 holds all of it.
+
+The paged engine with pages sharded across processes is checkpointed per process instead (TRANSOM's layout):
+each process writes only its own shards of every page, through tiers of its own,
+
+    <run_dir>/checkpoints/process_<p>/<k>/    its orbax checkpoints
+    <memory tier>/process_<p>/step_<k>/       its snapshots (the default memory tier: one named from that path)
+    <checkpoint.peer_dir>/process_<p>/         its peer copies: a neighbour host's mount, so the loss of this
+                                               host's memory loses nothing
+
+and on restore the processes agree on the newest step every one of them can restore (each from its fastest
+valid tier). A run over another set of processes (fewer, more, or one) resumes the newest step committed in
+every process's persistent tier, assembled into whole pages (`assemble_shards`), and logs that it did.
 
 Fault injection (crash tests only) enters here, at the edge: the engine is built with the hook that
 ANGEL_JAX_CKPT_KILL_AT describes (angel_jax/checkpoint/faults.py), read when the engine is built.
@@ -24,6 +36,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import shutil
 import stat
 import time
@@ -36,8 +49,10 @@ import numpy as np
 
 from angel_jax.checkpoint import CheckpointEngine, CheckpointError, CheckpointOptions, SaveHandle, StateSnapshot
 from angel_jax.checkpoint import faults
-from angel_jax.checkpoint.snapshot import is_snapshot_dir
+from angel_jax.checkpoint.filetier import FileTier
+from angel_jax.checkpoint.snapshot import SnapshotDamaged, is_snapshot_dir
 from angel_jax.config import Config, to_dict
+from angel_jax.train.shards import ShardMeta, assemble
 from angel_jax.units import human_bytes
 
 log = logging.getLogger(__name__)
@@ -46,6 +61,8 @@ RUN_TOKEN_FILE = ".checkpoint_run_token"
 """In the run directory: a random token naming this run's memory tier (see claim_memory_tier)."""
 OWNER_FILE = "run_token"
 """In the memory tier's directory: the token of the run whose snapshots it holds."""
+PROCESS_DIR = re.compile(r"process_(\d+)")
+"""Every tier's subdirectory of one process's checkpoints, where each process writes its own shards."""
 
 
 def claim_memory_tier(run_dir: Path, memory_root: Path) -> bool:
@@ -69,7 +86,8 @@ def claim_memory_tier(run_dir: Path, memory_root: Path) -> bool:
         _refuse_unless_private(memory_root)
     entries = list(memory_root.iterdir()) if memory_root.is_dir() else []
     owner_file = memory_root / OWNER_FILE
-    ours = lambda p: (p == owner_file and _plain_file(p)) or is_snapshot_dir(p)  # noqa: E731
+    ours = lambda p: (p == owner_file and _plain_file(p)) or is_snapshot_dir(p) or \
+        (PROCESS_DIR.fullmatch(p.name) is not None and p.is_dir() and not p.is_symlink())  # noqa: E731
     foreign = sorted(p.name for p in entries if not ours(p))
     if foreign:
         shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
@@ -164,13 +182,18 @@ def check_same_model(saved_config: dict | None, cfg: Config, step: int) -> None:
                               "(another train.run_dir, or train.resume=false)", step=step)
 
 
-def checkpoint_options(cfg: Config, run_dir: Path) -> CheckpointOptions:
+def checkpoint_options(cfg: Config, run_dir: Path, process: int | None = None) -> CheckpointOptions:
+    """The tiers of a run's checkpoints; with `process`, those of that process's own shards: a `process_<p>`
+    directory in each tier (the memory tier's default is then a directory of its own, named from that path)."""
     c = cfg.checkpoint
-    return CheckpointOptions(persistent_dir=(run_dir / "checkpoints").absolute(),
-                             memory_dir=Path(c.memory_dir) if c.memory_dir else None,
-                             peer_dir=Path(c.peer_dir) if c.peer_dir else None,
+    mine = (lambda p: p / f"process_{process}") if process is not None else (lambda p: p)
+    return CheckpointOptions(persistent_dir=mine(run_dir / "checkpoints").absolute(),
+                             memory_dir=mine(Path(c.memory_dir)) if c.memory_dir else None,
+                             peer_dir=mine(Path(c.peer_dir)) if c.peer_dir else None,
                              keep_last=c.keep, keep_every=c.keep_every or None,
-                             verify_on_restore=c.verify_on_restore)
+                             verify_on_restore=c.verify_on_restore,
+                             # Orbax writes a multi-process job's numpy arrays from process 0 only (filetier.py).
+                             persistent_format="orbax" if process is None else "snapshot")
 
 
 def training_engine(options: CheckpointOptions) -> CheckpointEngine:
@@ -179,14 +202,29 @@ def training_engine(options: CheckpointOptions) -> CheckpointEngine:
 
 
 class TrainCheckpointer:
-    """Saves (process 0) and restores (every process) a run's training state through the checkpoint engine."""
+    """Saves and restores a run's training state through the checkpoint engine: process 0 saves the whole state
+    and every process restores the step it chooses; or, `per_process` (an engine whose state is sharded across
+    the processes, `TrainEngine.checkpoints_per_process`), every process saves and restores its own shards in
+    its own tiers (`process_<p>` directories), and the processes agree on the newest step each of them can
+    restore. A run over another set of processes resumes such shards assembled into the whole state."""
 
-    def __init__(self, cfg: Config, run_dir: Path, *, primary: bool):
+    def __init__(self, cfg: Config, run_dir: Path, *, primary: bool, per_process: bool = False):
         self.cfg = cfg
-        self.options = checkpoint_options(cfg, run_dir)
+        self.per_process = per_process
+        self.options = checkpoint_options(cfg, run_dir, jax.process_index() if per_process else None)
         self.primary = primary
         self.run_dir = run_dir
-        if primary:  # before any restore: other processes restore the step process 0 chooses
+        if per_process:  # process 0 makes the run's token first (one shared run directory), then the others
+            if primary:
+                # The whole-state tier first (a run over other processes may have left checkpoints to resume
+                # there; a memory_dir of its own holds the processes' directories, which it would clear as
+                # another run's until it is claimed), then this process's own.
+                claim_memory_tier(run_dir, checkpoint_options(cfg, run_dir).resolved_memory_dir())
+                claim_memory_tier(run_dir, self.options.resolved_memory_dir())
+            _barrier("angel_jax.checkpoint.claim")
+            if not primary:
+                claim_memory_tier(run_dir, self.options.resolved_memory_dir())
+        elif primary:  # before any restore: other processes restore the step process 0 chooses
             claim_memory_tier(run_dir, self.options.resolved_memory_dir())
         self.engine = training_engine(self.options)
         self.last_handle: SaveHandle | None = None
@@ -196,8 +234,8 @@ class TrainCheckpointer:
     def save(self, step: int, snapshot: StateSnapshot, meta: dict[str, Any]) -> SaveHandle | None:
         """Blocks only for the memory-tier snapshot (for a held snapshot, not even for that: see
         CheckpointEngine.save), which is released when the copy is done; None on processes other than 0, which
-        release the snapshot at once."""
-        if not self.primary:
+        release the snapshot at once (unless `per_process`: every process saves its own shards)."""
+        if not (self.primary or self.per_process):
             snapshot.release()
             return None
         full = {"step": step, **meta, "seed": self.cfg.train.seed, "config": to_dict(self.cfg)}
@@ -220,11 +258,34 @@ class TrainCheckpointer:
 
     def restore_latest(self) -> tuple[int, dict[str, np.ndarray], dict[str, Any], str] | None:
         """(step, arrays, meta, tier) of the newest valid checkpoint, or None when there is none. Damaged copies
-        are skipped with a warning. Every process restores the step process 0 chose."""
-        chosen = -1
-        if self.primary:
-            ref = self.engine.latest_valid()
-            chosen = ref.step if ref is not None else (ALL_DAMAGED if self.has_any() else -1)
+        are skipped with a warning. Every process restores the step process 0 chose; `per_process`, the newest
+        step whose shards every process can restore, else a whole-state checkpoint as without. Without
+        `per_process`, a run whose checkpoints are all shards of several processes resumes them assembled."""
+        if self.per_process:
+            found = self._restore_agreed()
+            if found is None:  # written by another set of processes, or whole (by one process, another engine)
+                with CheckpointEngine(checkpoint_options(self.cfg, self.run_dir)) as whole:
+                    found = self._restore_chosen(whole, self.primary and whole.latest_valid(),
+                                                 self.primary and any(i.committed for i in whole.list()))
+        else:
+            ref = self.engine.latest_valid() if self.primary else None
+            found = self._restore_chosen(self.engine, ref, self.primary and self.has_any())
+        if found is not None:
+            return found
+        step = from_primary(shard_step(self.run_dir) if self.primary else -1)
+        if step >= 0:
+            return assemble_shards(self.run_dir, step, self.cfg.checkpoint.keep)
+        if self.per_process and from_any(self.has_any()):  # shards, but of no step every process has
+            raise CheckpointError(
+                f"the run in {self.run_dir} has checkpoints of some processes' shards, but no step whose shards "
+                "every process has, in its own tiers or in every process_<p> persistent directory: refusing to "
+                "start over from step 1 over them (see `angel-jax ckpt ls`; train.resume=false moves them aside)")
+        return None
+
+    def _restore_chosen(self, engine: CheckpointEngine, ref: Any, has_any: bool
+                        ) -> tuple[int, dict[str, np.ndarray], dict[str, Any], str] | None:
+        """Restore, on every process, the step process 0 found valid (`ref`; `has_any`: whether it has any)."""
+        chosen = ref.step if ref else (ALL_DAMAGED if has_any else -1)
         chosen = from_primary(chosen)
         if chosen == ALL_DAMAGED:
             # Starting over would overwrite the run's metrics and, at its first save, its checkpoints.
@@ -234,21 +295,52 @@ class TrainCheckpointer:
                 "set train.resume=false (the damaged checkpoints are moved aside, not deleted)")
         if chosen < 0:
             return None
-        restored = self.engine.restore(chosen)
+        restored = engine.restore(chosen)
         return restored.step, restored.arrays, dict(restored.meta), restored.source
 
+    def _restore_agreed(self) -> tuple[int, dict[str, np.ndarray], dict[str, Any], str] | None:
+        """`per_process`: the newest step every process restores its own shards of (each process tries the steps
+        committed in all of them, newest first, and all go on to the next older one unless every one succeeded);
+        None when no step is committed in all of them. When there are such steps and none restores, refused as
+        every checkpoint damaged is without `per_process`."""
+        committed = sorted((i.step for i in self.engine.list() if i.committed), reverse=True)
+        common = sorted(set.intersection(*map(set, _all_processes_lists(committed))), reverse=True)
+        for step in common:
+            try:
+                restored, ok = self.engine.restore(step), True
+            except CheckpointError as e:
+                restored, ok = None, False
+                log.warning("step %d: this process's shards cannot be restored (%s)", step, e)
+            if all(_all_processes_lists([int(ok)])[p][0] for p in range(jax.process_count())):
+                assert restored is not None
+                return restored.step, restored.arrays, dict(restored.meta), restored.source
+            log.warning("step %d cannot be restored by every process: trying an older one", step)
+        if common:
+            raise CheckpointError(
+                f"no step of the run in {self.run_dir} has shards every process can restore (see the warnings "
+                "above, or `angel-jax ckpt verify` on each process_<p> directory): refusing to start over from "
+                "step 1 over them. To train afresh anyway, set train.resume=false (they are moved aside)")
+        return None
+
     def persisted(self, step: int) -> bool:
-        """Whether `step` is committed in the persistent tier (process 0 looks; every process gets its answer)."""
+        """Whether `step` is committed in the persistent tier (process 0 looks, or every process for its own
+        shards; every process gets the answer)."""
         found = False
-        if self.primary:
+        if self.primary or self.per_process:
             tiers = {i.step: i.tiers for i in self.engine.list()}.get(step, {})
             found = "persistent" in tiers and tiers["persistent"].state == "persisted"
+        if self.per_process:
+            return not from_any(not found)
         return bool(from_primary(int(found)))
 
     def archive_existing(self) -> Path | None:
         """Move every tier's checkpoints of this run aside (train.resume=false): the new run owns the run
-        directory's checkpoints, and nothing of the old run is deleted. Returns the archive directory."""
-        if not self.primary or not self.has_any():
+        directory's checkpoints, and nothing of the old run is deleted. Returns the archive directory. Every process
+        moves its own shards' tiers aside (`per_process`); otherwise process 0 moves the run's tiers, with the
+        `process_<p>` directories in them."""
+        if not (self.primary or self.per_process):
+            return None
+        if not (self.has_any() or (not self.per_process and shard_dirs(self.run_dir))):
             return None
         self.engine.close()
         stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
@@ -269,6 +361,95 @@ class TrainCheckpointer:
         self.engine.close()
 
 
+def _barrier(name: str) -> None:
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+
+        multihost_utils.sync_global_devices(name)
+
+
+def _all_processes_lists(values: list[int], most: int = 64) -> list[list[int]]:
+    """Every process's list of (at most `most`) non-negative ints, by process (a collective)."""
+    if jax.process_count() == 1:
+        return [list(values[:most])]
+    from jax.experimental import multihost_utils
+
+    padded = np.full(most, -1, np.int64)
+    padded[:min(len(values), most)] = values[:most]
+    every = np.asarray(multihost_utils.process_allgather(padded)).reshape(jax.process_count(), most)
+    return [[int(v) for v in row if v >= 0] for row in every]
+
+
+def from_any(flag: bool) -> bool:
+    """Whether `flag` is true on any process (on every process)."""
+    return any(row[0] for row in _all_processes_lists([int(flag)]))
+
+
+def shard_step(run_dir: Path) -> int:
+    """The newest step committed in the persistent tier of every `process_<p>` directory of the run's
+    checkpoints (written by a run whose processes each checkpointed their own shards); -1 when there is none."""
+    dirs = shard_dirs(run_dir)
+    if not dirs:
+        return -1
+    steps = set.intersection(*(set(FileTier(d, 1).scan()[0]) for d in dirs.values()))
+    return max(steps, default=-1)
+
+
+def shard_dirs(run_dir: Path) -> dict[int, Path]:
+    """process -> the persistent tier of its shards, for every `process_<p>` directory of the run's checkpoints."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return {}
+    return {int(m.group(1)): child for child in root.iterdir()
+            if (m := PROCESS_DIR.fullmatch(child.name)) and child.is_dir()}
+
+
+def assemble_shards(run_dir: Path, step: int, keep: int = 1) -> tuple[int, dict[str, Any], dict[str, Any], str]:
+    """The whole state of `step` from every process's shards of it (their persistent tiers), for a run over
+    another set of processes: (step, arrays, meta, tier). The meta is process 0's, without its `shards`; the
+    page arrays are the processes' shards end to end, the others process 0's. Reads every shard into memory."""
+    dirs = shard_dirs(run_dir)
+    parts: dict[int, tuple[dict[str, Any], ShardMeta]] = {}
+    meta0: dict[str, Any] = {}
+    for process, directory in sorted(dirs.items()):
+        try:
+            index, arrays = FileTier(directory, keep).load(step, verify=True, pool=None)
+        except SnapshotDamaged as e:
+            raise CheckpointError(f"step {step}: the shards of process {process} ({directory}) are damaged: "
+                                  f"{'; '.join(e.problems)}. The state cannot be assembled without them",
+                                  step=step, stage="restore") from None
+        meta = dict(index.meta)
+        try:
+            shards = ShardMeta.from_dict(meta.get("engine", {}).get("shards") or {})
+        except ValueError as e:
+            raise CheckpointError(f"step {step} of process {process} ({directory}): {e}", step=step) from None
+        parts[process] = (arrays, shards)
+        if process == 0:
+            meta0 = meta
+    expected = {s.processes for _, s in parts.values()}
+    if len(expected) != 1 or sorted(parts) != list(range(expected.pop())):
+        raise CheckpointError(f"step {step}: the run's checkpoints hold the shards of processes {sorted(parts)}, "
+                              f"of a run over {sorted({s.processes for _, s in parts.values()})} processes: some "
+                              "process's shards are missing", step=step, stage="restore")
+    arrays0, shards0 = parts[0]
+    total = shards0.total_ranks
+    log.warning("assembling the checkpoint of step %d from the shards of the %d processes that wrote it (this run "
+                "has %d): from the persistent tier", step, len(parts), jax.process_count())
+    whole: dict[str, Any] = {}
+    for name in arrays0:
+        if name.startswith(SHARDED_ARRAYS):
+            whole[name] = assemble([(np.asarray(a[name]), s.ranks) for a, s in parts.values()], total)
+        else:
+            whole[name] = np.asarray(arrays0[name])
+    meta0["engine"] = {k: v for k, v in meta0.get("engine", {}).items() if k != "shards"}
+    return step, whole, meta0, f"persistent (the shards of {len(parts)} processes)"
+
+
+SHARDED_ARRAYS = ("params/", "opt/")
+"""Names of the arrays a process's shard checkpoint holds its shards of (the paged engine's pages); the others
+(step counts, small optimizer leaves) are whole in every process's."""
+
+
 def from_primary(value: int) -> int:
     """Process 0's `value` on every process (what process 0 decides about the checkpoints, all of them do)."""
     if jax.process_count() == 1:
@@ -281,9 +462,9 @@ def from_primary(value: int) -> int:
 # ------------------------------------------------------------------------------------------------- inspection
 
 
-def engine_for_run(run_dir: Path) -> CheckpointEngine:
+def engine_for_run(run_dir: Path, process: int | None = None) -> CheckpointEngine:
     """A checkpoint engine over a run directory's tiers, as its resolved config (<run_dir>/config.yaml) names
-    them; the defaults when the run wrote no config."""
+    them (the defaults when the run wrote no config); with `process`, the tiers of that process's shards."""
     from angel_jax.config import load_recorded_config
 
     run_dir = Path(run_dir)
@@ -291,42 +472,58 @@ def engine_for_run(run_dir: Path) -> CheckpointEngine:
         raise CheckpointError(f"run directory {run_dir} does not exist")
     config_file = run_dir / "config.yaml"
     cfg = load_recorded_config(config_file) if config_file.is_file() else Config()
-    return CheckpointEngine(checkpoint_options(cfg, run_dir))
+    return CheckpointEngine(checkpoint_options(cfg, run_dir, process))
+
+
+def _parts(run_dir: Path) -> list[tuple[str, int | None]]:
+    """(heading, process) of each set of a run's checkpoints: the whole state's, then each process's shards."""
+    processes = sorted(shard_dirs(run_dir)) if Path(run_dir).is_dir() else []
+    return [("", None)] + [(f"process {p} (its shards)", p) for p in processes]
 
 
 def list_table(run_dir: Path) -> list[str]:
-    """`angel-jax ckpt ls`: one line per step with its state and size in each tier (no checksum reading)."""
-    with engine_for_run(run_dir) as engine:
-        infos = engine.list()
-        roots = engine._tier_roots()
-    if not infos:
-        return [f"no checkpoints ({roots})"]
-    lines = [f"{'step':>8}  {'memory':<22}{'peer':<22}{'persistent':<22}"]
-    for info in infos:
-        cells = []
-        for tier in ("memory", "peer", "persistent"):
-            t = info.tiers.get(tier)
-            cells.append(f"{t.state} {human_bytes(t.nbytes)}" if t else "-")
-        lines.append(f"{info.step:>8}  " + "".join(f"{c:<22}" for c in cells))
-    lines.append(f"tiers: {roots}")
-    return lines
+    """`angel-jax ckpt ls`: one line per step with its state and size in each tier (no checksum reading); a run
+    whose processes checkpoint their own shards gets a table per process."""
+    parts = _parts(run_dir)
+    lines: list[str] = []
+    for heading, process in parts:
+        with engine_for_run(run_dir, process) as engine:
+            infos = engine.list()
+            roots = engine._tier_roots()
+        if not infos:
+            if process is None and len(parts) == 1:
+                return [f"no checkpoints ({roots})"]
+            continue
+        lines += [f"{heading}:"] if heading else []
+        lines.append(f"{'step':>8}  {'memory':<22}{'peer':<22}{'persistent':<22}")
+        for info in infos:
+            cells = []
+            for tier in ("memory", "peer", "persistent"):
+                t = info.tiers.get(tier)
+                cells.append(f"{t.state} {human_bytes(t.nbytes)}" if t else "-")
+            lines.append(f"{info.step:>8}  " + "".join(f"{c:<22}" for c in cells))
+        lines.append(f"tiers: {roots}")
+    return lines or [f"no checkpoints in {run_dir}"]
 
 
 def verify_report(run_dir: Path, step: int | None = None) -> tuple[bool, list[str]]:
     """`angel-jax ckpt verify`: read every committed copy of `step` (default: every step) and check each array's
-    XXH3-64 checksum. Returns (all good, lines)."""
-    with engine_for_run(run_dir) as engine:
-        committed = [i.step for i in engine.list() if i.committed]
-        if step is not None and step not in committed:
-            return False, [f"no committed checkpoint of step {step} (committed steps: "
-                           f"{', '.join(map(str, committed)) or 'none'})"]
-        steps = [step] if step is not None else committed
-        if not steps:
-            return False, ["no committed checkpoint to verify"]
-        ok, lines = True, []
-        for s in steps:
-            problems = engine.verify(s)
-            ok = ok and not problems
-            lines.append(f"step {s}: " + ("ok" if not problems else "DAMAGED"))
-            lines += [f"  {p}" for p in problems]
+    XXH3-64 checksum, of the whole state's checkpoints and of every process's shards. Returns (all good, lines)."""
+    ok, lines, found = True, [], []
+    for heading, process in _parts(run_dir):
+        with engine_for_run(run_dir, process) as engine:
+            committed = [i.step for i in engine.list() if i.committed]
+            found += committed
+            steps = [s for s in committed if step is None or s == step]
+            lines += [f"{heading}:"] if heading and steps else []
+            for s in steps:
+                problems = engine.verify(s)
+                ok = ok and not problems
+                lines.append(f"step {s}: " + ("ok" if not problems else "DAMAGED"))
+                lines += [f"  {p}" for p in problems]
+    if step is not None and step not in found:
+        return False, [f"no committed checkpoint of step {step} (committed steps: "
+                       f"{', '.join(map(str, sorted(set(found)))) or 'none'})"]
+    if not found:
+        return False, ["no committed checkpoint to verify"]
     return ok, lines

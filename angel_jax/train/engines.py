@@ -63,6 +63,7 @@ class InMemoryEngine:
 
     name = "in_memory"
     guards_update_norm = True
+    checkpoints_per_process = False  # a state sharded across processes is gathered: process 0 writes it
     """The update norm is known on the device before the update is applied (`judge`): guarding it costs one more
     pass over the optimizer state, no host round trip."""
 

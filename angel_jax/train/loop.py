@@ -137,7 +137,7 @@ def setup(cfg: Config, hooks: HookList) -> Trainer:
     monitor = AnomalyMonitor(cfg.anomaly, rank=jax.process_index(), primary=is_primary, events=events)
     skips = [list(r) for r in cfg.data.skip_batches]
 
-    checkpointer = TrainCheckpointer(cfg, run_dir, primary=is_primary)
+    checkpointer = TrainCheckpointer(cfg, run_dir, primary=is_primary, per_process=engine.checkpoints_per_process)
     start_step = 0
     if not cfg.train.resume:
         checkpointer.archive_existing()
@@ -268,9 +268,10 @@ def _save(t: Trainer, step: int) -> None:
     meta = {"data": t.data.state().to_dict(), "engine": t.engine.state_meta(), "data_skips": t.skips,
             "tee": t.monitor.state_dict()}
     # A held snapshot (an engine with immutable state) is copied in the background: no stall. The checkpoint
-    # releases it when its copy is done; the engine sees that through the snapshot itself. Only process 0 writes
-    # checkpoints: the others take no held snapshot (waiting to afford one would stall the whole group).
-    snapshot = t.engine.state_snapshot(may_hold=t.is_primary)
+    # releases it when its copy is done; the engine sees that through the snapshot itself. Unless every process
+    # writes its own shards, only process 0 writes checkpoints: the others take no held snapshot (waiting to
+    # afford one would stall the whole group).
+    snapshot = t.engine.state_snapshot(may_hold=t.is_primary or t.checkpointer.per_process)
     handle = t.checkpointer.save(step, snapshot, meta)
     info = {"stall_s": handle.stall_s if handle else 0.0, "state": handle.state if handle else "not primary",
             "held": handle is not None and snapshot.held}

@@ -22,7 +22,8 @@ model's pages laid out over the checkpoint's ranks, naming the first difference,
 home this run's plan gives it. A checkpoint written over another number of ranks is resharded, stage by stage
 (unpacked into whole leaves with its own layout, packed with this run's), with a warning: the losses that follow
 equal an uninterrupted run's to float rounding, not bit for bit. With pages split across processes every process
-gathers every page into its snapshot (see `state_snapshot`).
+snapshots and loads only its own shards of every page (`state_meta`'s `shards` says which ranks; see
+`state_snapshot`, and `TrainCheckpointer` for the per-process checkpoints and their assembly).
 
 Timelines: the predicted timeline is written to the run directory at the first step, the measured one once,
 after `WARMUP_STEPS` steps of this engine (recording `RECORDED_STEPS` steps; written when they are complete, at
@@ -50,6 +51,7 @@ from angel_jax.schedule.timeline import Timeline
 from angel_jax.schedule.zero import Zero
 from angel_jax.train.plan_cli import plan_summary
 from angel_jax.train.protocol import StateMismatch, check_arrays
+from angel_jax.train.shards import ShardMeta, from_local, local_shards
 from angel_jax.train.sharding import whole
 from angel_jax.units import human_bytes
 
@@ -185,25 +187,30 @@ class PagedTrainEngine:
             small += [(f"opt_small/{stage.name}/{j}", i, j) for j in range(len(self.built.updater.small_specs[i]))]
         return params, opt, small
 
+    @property
+    def checkpoints_per_process(self) -> bool:
+        """Pages sharded over the devices of several processes: each process checkpoints its own shards."""
+        return self._spans_processes()
+
     def state_snapshot(self, may_hold: bool = True) -> StateSnapshot:
         """Never held: host and disk pages are updated in place by the next step, so a checkpoint copies them
         before its save returns. Pages are `LazyArray`s, read one at a time as the checkpoint copies them: a state
         larger than RAM (pages on disk) never has to be in memory whole.
 
-        With pages sharded over the devices of several processes no process can read a page alone, and only
-        process 0 copies a checkpoint (the others release their snapshot unread), so every process gathers every
-        page here, one at a time in the same order (a collective): each process holds the whole state in host
-        memory, as the in-memory sharded engine does. Processes do not write their own shards."""
+        With pages sharded over the devices of several processes (`checkpoints_per_process`), a page's array is
+        this process's shards of it only (its ranks' shards end to end, `shards.local_shards`; `state_meta` says
+        which ranks): every process writes its own part of the checkpoint, and nothing is gathered."""
         updater_state = self.built.updater.state()  # lock-free mode: the last step's updates land first
         self.built.store.wait_all()
         store = self.built.store
         params, opt, small_names = self._names()
         out: dict[str, Any] = {}
-        gather = self._spans_processes()
+        mine = self._shard_meta()
         for name, pid in params + opt:
             (length,), dtype = self._page_spec(pid)
-            out[name] = self._gathered(pid) if gather else \
-                LazyArray((length,), dtype, lambda pid=pid: store.read(pid))
+            out[name] = LazyArray((length,), dtype, lambda pid=pid: store.read(pid)) if mine is None else \
+                LazyArray((length // mine.total_ranks * len(mine.ranks),), dtype,
+                          lambda pid=pid: self._local(pid, mine))
         out.update({name: np.asarray(updater_state.opt_small[i][j]) for name, i, j in small_names})
         out["step"] = np.asarray(self.executor.step_count, np.int32)
         out["applied"] = np.asarray(updater_state.applied, np.int32)
@@ -211,6 +218,27 @@ class PagedTrainEngine:
 
     def _spans_processes(self) -> bool:
         return self.zero is not None and len({d.process_index for d in self.zero.mesh.devices.flat}) > 1
+
+    def _shard_meta(self) -> ShardMeta | None:
+        """This process's shards of every page, when pages are sharded across processes; else None."""
+        if not self._spans_processes():
+            return None
+        me = jax.process_index()
+        ranks = tuple(r for r, d in enumerate(self.zero.mesh.devices.flat) if d.process_index == me)
+        return ShardMeta(me, jax.process_count(), ranks, self.ranks)
+
+    def _local(self, page_id: int, mine: ShardMeta) -> np.ndarray:
+        """This process's shards of a page (from the device or host tier: the disk tier does not span processes)."""
+        store = self.built.store
+        tiers = [t for t in store.where(page_id) if t != "disk"]
+        if not tiers:
+            raise NotImplementedError(f"page {page_id} is only on disk: pages sharded over several processes are "
+                                      "checkpointed from the device or host tier only")
+        local, ranks = local_shards(store.get(page_id, tiers[0]))
+        if ranks != mine.ranks:
+            raise RuntimeError(f"page {page_id}: this process holds the shards of ranks {list(ranks)}, its mesh says "
+                               f"{list(mine.ranks)}")
+        return local
 
     def _gathered(self, page_id: int) -> np.ndarray:
         """A page whole in this process, gathered from every process holding a shard of it (a collective)."""
@@ -227,8 +255,9 @@ class PagedTrainEngine:
         return self.zero.ranks if self.zero else 1
 
     def state_meta(self) -> dict[str, Any]:
+        mine = self._shard_meta()
         return {"engine": self.name, "page_size": self.cfg.memory.page_size, "ranks": self.ranks,
-                "layout": layout_fingerprint(self.built)}
+                "layout": layout_fingerprint(self.built), **({"shards": mine.to_dict()} if mine else {})}
 
     def load_state(self, arrays: Mapping[str, np.ndarray], meta: Mapping[str, Any]) -> None:
         if meta.get("engine") != self.name:
@@ -250,19 +279,26 @@ class PagedTrainEngine:
             raise StateMismatch(f"paged engine: the checkpoint's page layout differs from this run's model laid out "
                                 f"over the checkpoint's {theirs} rank{'s' if theirs > 1 else ''}: {problem} (another "
                                 "model or optimizer config?)")
+        shards = self._checkpoint_shards(meta)
         params, opt, small_names = self._names()
         store, updater = self.built.store, self.built.updater
         expected: dict[str, Any] = {}
+        part = (lambda n: n) if shards is None else (lambda n: n // shards.total_ranks * len(shards.ranks))
         for stage in model.staged.stages:
             for family, layout in zip(("params", "opt"), layouts):
-                expected.update({f"{family}/{stage.name}/{k}": ((p.length,), p.dtype)
+                expected.update({f"{family}/{stage.name}/{k}": ((part(p.length),), p.dtype)
                                  for k, p in enumerate(layout.stage(stage.name).pages)})
         expected.update({name: updater.small_specs[i][j] for name, i, j in small_names})
         expected["step"] = expected["applied"] = ((), np.dtype(np.int32))
         check_arrays(expected, arrays, "paged engine")
         updater.drain()
         store.wait_all()
-        if theirs == self.ranks:
+        if shards is not None:  # this process's own shards, back on its own ranks
+            homes = self._homes()
+            for name, pid in params + opt:
+                sharding = store.tiers["host" if homes[pid] == "disk" else homes[pid]].sharding
+                self._put(pid, from_local(np.asarray(arrays[name]), shards.ranks, shards.total_ranks, sharding), homes)
+        elif theirs == self.ranks:
             homes = self._homes()
             for name, pid in params + opt:  # one page at a time: never two copies of the model in flight
                 self._put(pid, np.asarray(arrays[name]), homes)
@@ -279,6 +315,27 @@ class PagedTrainEngine:
         step = int(arrays["step"])
         updater.reset(step, int(arrays["applied"]), small)
         self.executor.set_step(step)
+
+    def _checkpoint_shards(self, meta: Mapping[str, Any]) -> ShardMeta | None:
+        """The shards a checkpoint of one process holds (None: whole pages), refused unless they are exactly
+        this process's: another set of processes resumes from every process's shards assembled into whole pages
+        (`TrainCheckpointer.restore_latest` does that)."""
+        if "shards" not in meta:
+            return None
+        try:
+            theirs = ShardMeta.from_dict(meta["shards"])
+        except ValueError as e:
+            raise StateMismatch(f"paged engine: {e}") from None
+        mine = self._shard_meta()
+        if mine is None or (theirs.processes, theirs.ranks, theirs.total_ranks) != \
+                (mine.processes, mine.ranks, mine.total_ranks):
+            here = "pages whole in one process" if mine is None else \
+                f"ranks {list(mine.ranks)} of {mine.total_ranks} over {mine.processes} processes"
+            raise StateMismatch(f"paged engine: the checkpoint holds process {theirs.process}'s shards (ranks "
+                                f"{list(theirs.ranks)} of {theirs.total_ranks}, over {theirs.processes} processes), "
+                                f"this process holds {here}: only every process's shards together make the state "
+                                "(resume through the trainer, which assembles them)")
+        return theirs
 
     def _homes(self) -> dict[int, str]:
         plan, model = self.built.plan, self.built.model

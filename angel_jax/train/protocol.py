@@ -30,6 +30,11 @@ class TrainEngine(Protocol):
     """Whether the engine bounds the update norm when `controls.max_update_norm` is finite; the anomaly monitor
     leaves that bound off (infinite) for an engine that does not (where guarding it would cost a second pass)."""
 
+    checkpoints_per_process: bool
+    """Whether every process checkpoints its own shards of the state (`state_snapshot` holds this process's
+    shards, `state_meta` says which): a state sharded across processes, never gathered. False: the snapshot is
+    the whole state, and process 0 writes it."""
+
     def step(self, batch: jax.Array, controls: StepControls | None = None) -> dict[str, jax.Array]:
         """One optimizer step on a global batch int32[B, T+1]; returns loss, grad_norm (before clipping),
         update_norm, lr and skipped (1.0 when the guard dropped the update) as scalars that may still be

@@ -1,0 +1,101 @@
+"""A process's own shards of pages sharded over the devices of several processes, and whole pages made from them.
+
+The sharded paged engine (ZeRO-3) holds every global page as a 1-D jax.Array split evenly over the mesh's ranks,
+rank r's shard being elements [r x L, (r + 1) x L). With the ranks in several processes, each process checkpoints
+only its own shards (the concatenation of its ranks' shards, in rank order) and records which ranks they are:
+
+    local, ranks = local_shards(page)                  # numpy; this process's ranks, ascending
+    page = from_local(local, ranks, total_ranks, sharding)    # the global jax.Array again (the same ranks)
+    whole = assemble([(local0, ranks0), (local1, ranks1)], total_ranks)   # numpy: every shard, end to end
+
+`ShardMeta` is what a process's checkpoint says about its shards; a checkpoint of every process together is
+assembled into whole pages (`assemble`) when it is resumed by another set of processes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Mapping, Sequence
+
+import jax
+import numpy as np
+
+
+@dataclass(frozen=True)
+class ShardMeta:
+    """Which shards of every page a process's checkpoint holds."""
+
+    process: int
+    """The process that wrote it."""
+    processes: int
+    """Processes of the run that wrote it: a checkpoint of the state is all of theirs together."""
+    ranks: tuple[int, ...]
+    """Ranks (positions along the sharded axis) whose shards it holds, ascending, each 1/`total_ranks` of a page."""
+    total_ranks: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"process": self.process, "processes": self.processes, "ranks": list(self.ranks),
+                "total_ranks": self.total_ranks}
+
+    @staticmethod
+    def from_dict(d: Mapping[str, Any]) -> "ShardMeta":
+        try:
+            meta = ShardMeta(int(d["process"]), int(d["processes"]), tuple(int(r) for r in d["ranks"]),
+                             int(d["total_ranks"]))
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"a shard checkpoint's description is malformed ({d!r}): {e}") from None
+        if not meta.ranks or list(meta.ranks) != sorted(set(meta.ranks)) or \
+                not all(0 <= r < meta.total_ranks for r in meta.ranks):
+            raise ValueError(f"a shard checkpoint's ranks {list(meta.ranks)} are not distinct ranks of "
+                             f"0..{meta.total_ranks - 1} in ascending order")
+        return meta
+
+
+def local_shards(page: jax.Array) -> tuple[np.ndarray, tuple[int, ...]]:
+    """This process's shards of a 1-D page sharded evenly over its axis: their concatenation in rank order (a new
+    numpy array) and the ranks."""
+    shards = page.addressable_shards
+    shard_length = shards[0].data.shape[0]
+    by_rank = {(s.index[0].start or 0) // shard_length: s for s in shards}  # a replicated rank counts once
+    ranks = tuple(sorted(by_rank))
+    return np.concatenate([np.asarray(by_rank[r].data) for r in ranks]), ranks
+
+
+def _cut(local: np.ndarray, ranks: Sequence[int]) -> dict[int, np.ndarray]:
+    """rank -> its shard, of a process's concatenated shards."""
+    if not ranks or local.ndim != 1 or local.shape[0] % len(ranks):
+        raise ValueError(f"{local.shape} elements do not split into the shards of ranks {list(ranks)}")
+    n = local.shape[0] // len(ranks)
+    return {r: local[k * n:(k + 1) * n] for k, r in enumerate(ranks)}
+
+
+def from_local(local: np.ndarray, ranks: Sequence[int], total_ranks: int,
+               sharding: jax.sharding.Sharding) -> jax.Array:
+    """The global page (`total_ranks` shards end to end) whose shards on this process's ranks are `local` (as
+    `local_shards` gave them), laid out by `sharding` (the page store tier's)."""
+    mine = _cut(local, ranks)
+    shard_length = local.shape[0] // len(ranks)
+
+    def part(index: tuple[slice, ...]) -> np.ndarray:
+        rank = (index[0].start or 0) // shard_length
+        if rank not in mine:
+            raise ValueError(f"this process's checkpoint holds the shards of ranks {list(ranks)}, but its page "
+                             f"store puts rank {rank} on one of its devices")
+        return mine[rank]
+
+    return jax.make_array_from_callback((shard_length * total_ranks,), sharding, part)
+
+
+def assemble(parts: Sequence[tuple[np.ndarray, Sequence[int]]], total_ranks: int) -> np.ndarray:
+    """A whole page from every process's shards of it ((local, ranks) per process), `total_ranks` shards."""
+    covered: dict[int, np.ndarray] = {}
+    for local, ranks in parts:
+        for r, shard in _cut(np.asarray(local), ranks).items():
+            if r in covered:
+                raise ValueError(f"rank {r}'s shard is in two processes' checkpoints")
+            covered[r] = shard
+    missing = sorted(set(range(total_ranks)) - set(covered))
+    if missing or len(covered) != total_ranks:
+        raise ValueError(f"the shards of ranks {missing or sorted(set(covered) - set(range(total_ranks)))} are "
+                         f"{'missing' if missing else 'not ranks of this page'}: a page is {total_ranks} shards")
+    return np.concatenate([covered[r] for r in range(total_ranks)])

@@ -1,0 +1,57 @@
+"""Shards of pages split across processes (angel_jax/train/shards.py): a process's shards put back where they came
+from, whole pages assembled from every process's, refusals naming what is missing; and a memory tier holding
+per-process directories is a memory tier of shard checkpoints, not someone else's files. The multi-process
+round trips are in test_zero_checkpoint.py."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from angel_jax.train.checkpointing import claim_memory_tier
+from angel_jax.train.shards import ShardMeta, assemble
+
+
+def _page(ranks: int, shard: int) -> np.ndarray:
+    return np.arange(ranks * shard, dtype=np.float32) * 1.5
+
+
+def test_every_process_shards_assemble_into_the_whole_page_in_rank_order():
+    whole = _page(4, 3)
+    # Process 0 holds ranks 1 and 3, process 1 ranks 0 and 2 (any devices may be any process's).
+    parts = [(np.concatenate([whole[3:6], whole[9:12]]), (1, 3)), (np.concatenate([whole[0:3], whole[6:9]]), (0, 2))]
+    np.testing.assert_array_equal(assemble(parts, 4), whole)
+
+
+def test_a_missing_or_repeated_shard_is_refused_by_rank():
+    whole = _page(2, 5)
+    with pytest.raises(ValueError, match=r"ranks \[1\] are missing"):
+        assemble([(whole[:5], (0,))], 2)
+    with pytest.raises(ValueError, match="rank 0's shard is in two processes' checkpoints"):
+        assemble([(whole[:5], (0,)), (whole[:5], (0,))], 2)
+    with pytest.raises(ValueError, match="do not split into the shards of ranks"):
+        assemble([(whole[:7], (0, 1))], 2)
+
+
+def test_shard_meta_round_trips_and_refuses_nonsense():
+    meta = ShardMeta(process=1, processes=2, ranks=(2, 3), total_ranks=4)
+    assert ShardMeta.from_dict(meta.to_dict()) == meta
+    for bad in ({"process": 0}, {**meta.to_dict(), "ranks": [3, 2]}, {**meta.to_dict(), "ranks": [4]}):
+        with pytest.raises(ValueError):
+            ShardMeta.from_dict(bad)
+
+
+def test_a_memory_tier_of_per_process_directories_is_claimed_not_refused(tmp_path):
+    """A memory tier written by a run whose processes checkpointed their own shards holds `process_<p>`
+    directories: a later run of the same run directory (over one process) claims it rather than refusing it as
+    foreign files, and another run's is cleared like any stale snapshot."""
+    run_dir, memory = tmp_path / "run", tmp_path / "mem"
+    run_dir.mkdir()
+    claim_memory_tier(run_dir, memory)  # as TrainCheckpointer does: the whole-state tier first
+    claim_memory_tier(run_dir, memory / "process_0")
+    claim_memory_tier(run_dir, memory)  # a later run of the same run directory: the process directory is kept
+    assert (memory / "process_0" / "run_token").is_file()
+    other = tmp_path / "other-run"
+    other.mkdir()
+    assert claim_memory_tier(other, memory)  # another run's snapshots, process directories included, removed
+    assert not (memory / "process_0").exists()
