@@ -24,6 +24,14 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
 
+# The machine's disk calibration (`angel-jax bench io`, in ANGEL_JAX_CACHE_DIR) changes what plans predict and
+# choose: the suite plans on the built-in figures wherever it runs, and a test that calibrates writes into this
+# session's directory, never over the user's file. Every process a test starts inherits it.
+if "ANGEL_JAX_CACHE_DIR" not in os.environ:
+    _angel_cache = tempfile.mkdtemp(prefix="angel-jax-test-cache-")
+    os.environ["ANGEL_JAX_CACHE_DIR"] = _angel_cache
+    atexit.register(shutil.rmtree, _angel_cache, ignore_errors=True)
+
 # Every program of the session, and of every process a test starts (they inherit the flag), compiled without
 # XLA's backend (LLVM) optimisations: the suite's programs are tiny, so compiling dominates and running them
 # slower costs less than it saves. What the tests compare is computed under the same settings on both sides.
