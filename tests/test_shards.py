@@ -1,4 +1,4 @@
-"""Shards of pages split across processes (angel_jax/train/shards.py): a process's shards put back where they came
+"""Shards of pages split across processes (angel_jax/memory/shards.py): a process's shards put back where they came
 from, whole pages assembled from every process's, refusals naming what is missing; and a memory tier holding
 per-process directories is a memory tier of shard checkpoints, not someone else's files. The multi-process
 round trips are in test_zero_checkpoint.py."""
@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from angel_jax.train.checkpointing import claim_memory_tier
-from angel_jax.train.shards import ShardMeta, assemble
+from angel_jax.memory.shards import ShardMeta, assemble
 
 
 def _page(ranks: int, shard: int) -> np.ndarray:

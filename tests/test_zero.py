@@ -238,3 +238,16 @@ def test_two_processes_shard_the_pages_between_them(checks, four_devices):
     assert out["streamed"] > 0
     (mine,) = [out["device"].get(k, 0) + out["host"].get(k, 0) for k in out["device"]]
     assert four_devices["state"] / 2 <= mine * 1.0001 and mine <= 1.05 * four_devices["state"] / 2
+
+
+def test_two_processes_keep_their_parts_of_the_pages_on_their_own_disks(checks, four_devices):
+    """Pages sharded over two processes with a disk tier: each process's files hold its half of every disk-homed
+    page (its own subdirectory; the tier counts pages whole, as the array tiers do), the losses are the one-device
+    run's, and a snapshot loaded back half way (every page written to the disks again) reads back bit for bit."""
+    out = checks["two_processes"]["disk"]
+    assert out["homes"]["optimizer"] > 0 and out["homes"]["params"] > 0, out["homes"]
+    assert out["disk_root"] == "angel_jax_pages.process_0"
+    # Page files: half of the counted (whole) bytes, plus the zarr metadata of each page's array.
+    assert out["counted_bytes"] / 2 <= out["file_bytes"] <= out["counted_bytes"] / 2 * 1.1, out
+    assert out["round_trip_bit_exact"]
+    np.testing.assert_allclose(out["losses"], four_devices["reference"]["loss"][:DISK_STEPS], rtol=1e-5)

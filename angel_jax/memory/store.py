@@ -45,6 +45,7 @@ import jax
 import numpy as np
 
 from angel_jax.memory.disk_tier import DiskTier
+from angel_jax.memory.shards import ProcessShards
 from angel_jax.memory.errors import PageStoreError
 from angel_jax.memory.handles import PageHandle, StagingBuffers, copy_result, resolved, when_done
 from angel_jax.memory.page_table import ROLES, Blocked, Decision, Free, Installed, Move, PageTable, Present
@@ -103,6 +104,9 @@ class PageStore:
         self._inflight: set[cf.Future] = set()
         self._errors: list[BaseException] = []
         self._staging = StagingBuffers(keep=workers)
+        self._split = ProcessShards.of(self.tiers["host"].sharding)
+        """Pages sharded over the devices of several processes: the disk tier holds this process's part of each
+        (no process can read a whole page), and reads of it come back as that part."""
 
     # --- queries ----------------------------------------------------------------------------------------------
     def page_ids(self) -> list[int]:
@@ -229,7 +233,8 @@ class PageStore:
             return data.array
 
     def read(self, page_id: int) -> np.ndarray:
-        """The current value as a numpy array (a copy), from the nearest tier holding it."""
+        """The current value as a numpy array (a copy), from the nearest tier holding it. Pages sharded over the
+        devices of several processes are read from the disk only, and as this process's part (`ProcessShards`)."""
         with self._lock:
             tier, copy = self._table.nearest_current(page_id)
             data = self._data[copy]
@@ -361,7 +366,7 @@ class PageStore:
             assert isinstance(tier, DiskTier)
             tier.open()
             self._reserve(tier, move)
-            when_done(tier.write(move.page, np.asarray(value), reserved=True), lambda f: copy_result(f, dst.future))
+            when_done(tier.write(move.page, self._to_disk(value), reserved=True), lambda f: copy_result(f, dst.future))
 
     def _issue(self, move: Move) -> None:
         """Start copying `move.src_copy` to `move.dst` (under the lock; the destination's bytes are charged in
@@ -383,15 +388,19 @@ class PageStore:
                       lambda f: copy_result(f, dst.future))
         else:
             assert isinstance(tier, DiskTier)
-            when_done(self._then(src.future, lambda arr: tier.write(pid, np.asarray(arr), reserved=True)),
+            when_done(self._then(src.future, lambda arr: tier.write(pid, self._to_disk(arr), reserved=True)),
                       lambda f: copy_result(f, dst.future))
 
     def _reserve(self, tier: Tier, move: Move) -> None:
         """Count the destination's bytes in the tier object, as the table already does."""
         tier.reserve(move.page, self._table.charge(move.dst, move.page))
 
+    def _to_disk(self, value: jax.Array | np.ndarray) -> np.ndarray:
+        """What the disk tier stores of a page: the page, or this process's part of it."""
+        return np.asarray(value) if self._split is None else self._split.local(value)
+
     def _read_staged(self, page_id: int, dtype: np.dtype, length: int) -> cf.Future:
-        buf = self._staging.take(dtype, length)
+        buf = self._staging.take(dtype, length if self._split is None else self._split.length(length))
         fut = self._disk().read(page_id, into=buf)
         when_done(fut, lambda f: self._staging.give(buf) if f.exception() is not None else None)
         return fut
@@ -404,7 +413,10 @@ class PageStore:
                     value, buf = np.array(value), value
                     self._staging.give(buf)
                 return value
-            dst.array = tier.put(page_id, value, reserved=True)
+            page = value
+            if self._split is not None and isinstance(value, np.ndarray):  # this process's part, from its disk
+                page = self._split.page(value, tier.sharding)
+            dst.array = tier.put(page_id, page, reserved=True)
         try:
             return self._ready(dst.array)
         finally:

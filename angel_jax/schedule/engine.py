@@ -316,12 +316,6 @@ def _blueprint(cfg: Config, zero: Zero | None = None) -> Blueprint:
     stage_params = _stage_shapes(staged)
     tx, schedule = make_optimizer(cfg.optimizer, cfg.train.steps, clip=False)
     names = [s.name for s in staged.stages]
-    if zero is not None and cfg.memory.disk_dir and jax.process_count() > 1:
-        # The disk tier writes and reads whole global pages; across processes a page's shards are not all
-        # addressable in any one process, and per-process shard files are not built.
-        raise ConfigError("'memory.disk_dir': with pages sharded over several processes the disk tier is not "
-                          "supported yet (it is over several devices of one process); give the pages device and "
-                          "host room instead (memory.host_budget)")
     if zero is not None and cfg.memory.staleness:
         raise ConfigError("'memory.staleness': lock-free updates (1) need pages on one device; with pages sharded "
                           "over several devices updates are exact (0)")
@@ -362,11 +356,20 @@ def disk_budget(cfg: Config) -> int | None:
 
 def make_store(cfg: Config, device: jax.Device, zero: Zero | None = None, host: int | None = None) -> PageStore:
     """`zero`: array tiers hold global pages sharded over its mesh; `host`: the host tier's budget (default
-    `host_budget`)."""
+    `host_budget`). With the mesh's devices in several processes each process's disk tier is a subdirectory of
+    its own in memory.disk_dir, holding its part of every disk-homed page (the store's `ProcessShards`); its budget
+    counts pages whole, as the array tiers' do: memory.disk_budget (or the free space) times the ranks."""
     over = zero.mesh if zero is not None else None
     host = host_budget(cfg, device) if host is None else host
-    return PageStore(DeviceTier(device, budget=None, over=over), HostTier(device, budget=host, over=over),
-                     DiskTier(cfg.memory.disk_dir, budget=disk_budget(cfg)) if cfg.memory.disk_dir else None)
+    disk = None
+    if cfg.memory.disk_dir:
+        budget = disk_budget(cfg)
+        if zero is not None and len({d.process_index for d in zero.mesh.devices.flat}) > 1:
+            disk = DiskTier(cfg.memory.disk_dir, budget=None if budget is None else budget * zero.ranks,
+                            subdir=f"angel_jax_pages.process_{jax.process_index()}")
+        else:
+            disk = DiskTier(cfg.memory.disk_dir, budget=budget)
+    return PageStore(DeviceTier(device, budget=None, over=over), HostTier(device, budget=host, over=over), disk)
 
 
 def plan_for(cfg: Config, bp: Blueprint, store: PageStore, example_batch: jax.Array,

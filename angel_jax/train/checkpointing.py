@@ -52,7 +52,7 @@ from angel_jax.checkpoint import faults
 from angel_jax.checkpoint.filetier import FileTier
 from angel_jax.checkpoint.snapshot import SnapshotDamaged, is_snapshot_dir
 from angel_jax.config import Config, to_dict
-from angel_jax.train.shards import ShardMeta, assemble
+from angel_jax.memory.shards import ShardMeta, assemble
 from angel_jax.units import human_bytes
 
 log = logging.getLogger(__name__)

@@ -51,7 +51,7 @@ from angel_jax.schedule.timeline import Timeline
 from angel_jax.schedule.zero import Zero
 from angel_jax.train.plan_cli import plan_summary
 from angel_jax.train.protocol import StateMismatch, check_arrays
-from angel_jax.train.shards import ShardMeta, from_local, local_shards
+from angel_jax.memory.shards import ShardMeta, from_local, local_shards
 from angel_jax.train.sharding import whole
 from angel_jax.units import human_bytes
 
@@ -228,12 +228,12 @@ class PagedTrainEngine:
         return ShardMeta(me, jax.process_count(), ranks, self.ranks)
 
     def _local(self, page_id: int, mine: ShardMeta) -> np.ndarray:
-        """This process's shards of a page (from the device or host tier: the disk tier does not span processes)."""
+        """This process's shards of a page, from the device or host tier, else from its disk files (which hold
+        this process's part of the page only)."""
         store = self.built.store
         tiers = [t for t in store.where(page_id) if t != "disk"]
         if not tiers:
-            raise NotImplementedError(f"page {page_id} is only on disk: pages sharded over several processes are "
-                                      "checkpointed from the device or host tier only")
+            return store.read(page_id)
         local, ranks = local_shards(store.get(page_id, tiers[0]))
         if ranks != mine.ranks:
             raise RuntimeError(f"page {page_id}: this process holds the shards of ranks {list(ranks)}, its mesh says "
@@ -244,9 +244,11 @@ class PagedTrainEngine:
         """A page whole in this process, gathered from every process holding a shard of it (a collective)."""
         store = self.built.store
         tiers = [t for t in store.where(page_id) if t != "disk"]
-        if not tiers:
-            raise NotImplementedError(f"page {page_id} is only on disk: a checkpoint of pages sharded over several "
-                                      "processes reads them from the device or host tier only")
+        if not tiers:  # each process's disk holds its part: made a global page again, then gathered
+            mine = self._shard_meta()
+            assert mine is not None
+            return np.array(whole(from_local(store.read(page_id), mine.ranks, mine.total_ranks,
+                                             store.tiers["host"].sharding)))
         return np.array(whole(store.get(page_id, tiers[0])))
 
     @property

@@ -9,7 +9,8 @@ only its own shards (the concatenation of its ranks' shards, in rank order) and 
     whole = assemble([(local0, ranks0), (local1, ranks1)], total_ranks)   # numpy: every shard, end to end
 
 `ShardMeta` is what a process's checkpoint says about its shards; a checkpoint of every process together is
-assembled into whole pages (`assemble`) when it is resumed by another set of processes.
+assembled into whole pages (`assemble`) when it is resumed by another set of processes. `ProcessShards` is the
+page store's view: what of a page this process keeps where no other process can read it (its disk files).
 """
 
 from __future__ import annotations
@@ -81,7 +82,7 @@ def from_local(local: np.ndarray, ranks: Sequence[int], total_ranks: int,
         if rank not in mine:
             raise ValueError(f"this process's checkpoint holds the shards of ranks {list(ranks)}, but its page "
                              f"store puts rank {rank} on one of its devices")
-        return mine[rank]
+        return np.array(mine[rank])  # a copy: the CPU client may alias a numpy buffer the caller reuses
 
     return jax.make_array_from_callback((shard_length * total_ranks,), sharding, part)
 
@@ -99,3 +100,43 @@ def assemble(parts: Sequence[tuple[np.ndarray, Sequence[int]]], total_ranks: int
         raise ValueError(f"the shards of ranks {missing or sorted(set(covered) - set(range(total_ranks)))} are "
                          f"{'missing' if missing else 'not ranks of this page'}: a page is {total_ranks} shards")
     return np.concatenate([covered[r] for r in range(total_ranks)])
+
+
+@dataclass(frozen=True)
+class ProcessShards:
+    """This process's ranks of pages laid out by a sharding over the devices of several processes."""
+
+    ranks: tuple[int, ...]
+    """Positions of this process's devices along the sharded axis, ascending."""
+    total: int
+    """Ranks in all (a page is `total` shards)."""
+
+    @staticmethod
+    def of(sharding: jax.sharding.Sharding) -> "ProcessShards | None":
+        """None unless `sharding` (a 1-D mesh's) spans several processes."""
+        mesh = getattr(sharding, "mesh", None)
+        devices = list(mesh.devices.flat) if mesh is not None else []
+        if len({d.process_index for d in devices}) < 2:
+            return None
+        me = jax.process_index()
+        return ProcessShards(tuple(r for r, d in enumerate(devices) if d.process_index == me), len(devices))
+
+    def length(self, whole: int) -> int:
+        """Elements of this process's part of a page of `whole` elements."""
+        return whole // self.total * len(self.ranks)
+
+    def local(self, page: jax.Array | np.ndarray) -> np.ndarray:
+        """This process's part of a page: of a global jax.Array its addressable shards, of a whole numpy page
+        (the same on every process) its ranks' slices."""
+        if isinstance(page, jax.Array) and not page.is_fully_addressable:
+            data, ranks = local_shards(page)
+            if ranks != self.ranks:
+                raise ValueError(f"the page's shards here are ranks {list(ranks)}, not {list(self.ranks)}")
+            return data
+        whole = np.asarray(page)
+        n = whole.shape[0] // self.total
+        return np.concatenate([whole[r * n:(r + 1) * n] for r in self.ranks])
+
+    def page(self, local: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
+        """The global page whose part on this process is `local`."""
+        return from_local(local, self.ranks, self.total, sharding)
