@@ -51,6 +51,7 @@ from angel_jax.checkpoint import CheckpointEngine, CheckpointError, CheckpointOp
 from angel_jax.checkpoint import faults
 from angel_jax.checkpoint.filetier import FileTier
 from angel_jax.checkpoint.snapshot import SnapshotDamaged, is_snapshot_dir
+from angel_jax.checkpoint.state import LazyArray
 from angel_jax.config import Config, to_dict
 from angel_jax.memory.shards import ShardMeta, assemble
 from angel_jax.units import human_bytes
@@ -407,7 +408,9 @@ def shard_dirs(run_dir: Path) -> dict[int, Path]:
 def assemble_shards(run_dir: Path, step: int, keep: int = 1) -> tuple[int, dict[str, Any], dict[str, Any], str]:
     """The whole state of `step` from every process's shards of it (their persistent tiers), for a run over
     another set of processes: (step, arrays, meta, tier). The meta is process 0's, without its `shards`; the
-    page arrays are the processes' shards end to end, the others process 0's. Reads every shard into memory."""
+    page arrays are the processes' shards end to end (`LazyArray`s, assembled from the files' mapped views as they
+    are read: one page in memory at a time), the others process 0's. Needs every process's persistent directory
+    (a shared file system)."""
     dirs = shard_dirs(run_dir)
     parts: dict[int, tuple[dict[str, Any], ShardMeta]] = {}
     meta0: dict[str, Any] = {}
@@ -437,8 +440,11 @@ def assemble_shards(run_dir: Path, step: int, keep: int = 1) -> tuple[int, dict[
                 "has %d): from the persistent tier", step, len(parts), jax.process_count())
     whole: dict[str, Any] = {}
     for name in arrays0:
-        if name.startswith(SHARDED_ARRAYS):
-            whole[name] = assemble([(np.asarray(a[name]), s.ranks) for a, s in parts.values()], total)
+        if name.startswith(SHARDED_ARRAYS):  # assembled when the engine reads it: one page at a time in memory
+            local = arrays0[name]
+            whole[name] = LazyArray(
+                (local.shape[0] // len(shards0.ranks) * total,), local.dtype,
+                lambda name=name: assemble([(np.asarray(a[name]), s.ranks) for a, s in parts.values()], total))
         else:
             whole[name] = np.asarray(arrays0[name])
     meta0["engine"] = {k: v for k, v in meta0.get("engine", {}).items() if k != "shards"}
