@@ -106,8 +106,11 @@ def test_two_processes_round_trip(runs):
         assert out["bit_exact"], rank
         assert out["resumed"] == out["uninterrupted"][3:]
         np.testing.assert_allclose(out["uninterrupted"], one, rtol=1e-5, atol=0)
+    # Step 6 was saved too, then every copy of process 1's shards of it damaged: both processes went back to step 3.
+    assert "step 6 cannot be restored by every process: trying an older one" in runs["mp0"]["log"]
     ok, lines = runs["mp0"]["verify"]  # `angel-jax ckpt verify` reads every process's shards
-    assert ok and lines == ["process 0 (its shards):", "step 3: ok", "process 1 (its shards):", "step 3: ok"], lines
+    assert not ok and lines[:5] == ["process 0 (its shards):", "step 3: ok", "step 6: ok", "process 1 (its shards):",
+                                    "step 3: ok"] and lines[5] == "step 6: DAMAGED", lines
 
 
 def test_a_host_that_lost_its_memory_restores_its_shards_from_the_peer_copy(runs):
@@ -123,6 +126,8 @@ def test_one_process_resumes_the_shards_of_two_assembled(runs):
     """The two processes' checkpoint resumed in one process (two devices): every process's shards read from its
     persistent tier and assembled into whole pages, logged; the losses continue the two-process run's."""
     assembled = runs["one"]["assembled"]
+    # (step 6, whose shards of process 1 are damaged, is skipped: the newest step every process's shards verify)
     assert (assembled["step"], assembled["tier"]) == (3, "persistent (the shards of 2 processes)")
+    assert "step 6: the shards of process 1" in runs["one"]["log"]
     np.testing.assert_allclose(assembled["losses"], assembled["theirs"][3:], rtol=1e-5, atol=0)
     assert "assembling the checkpoint of step 3 from the shards of the 2 processes" in runs["one"]["log"]

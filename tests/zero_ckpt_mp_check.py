@@ -1,7 +1,9 @@
 """Run by test_zero_checkpoint.py as two real processes of one CPU device each (jax.distributed, gloo): the
 sharded paged engine with its pages split across the processes, each process checkpointing its own shards
-through the trainer's checkpointer (memory tier, peer copy, orbax), restored into a fresh engine over the same two
-processes; then process 0's memory tier is deleted (the loss of its host's memory) and both restore again.
+through the trainer's checkpointer (memory tier, peer copy, persistent tier), restored into a fresh engine over the
+same two processes, where a newer step that process 1 cannot restore (every copy of its shards damaged) makes both
+go back to the older one; then process 0's memory tier is deleted (the loss of its host's memory) and both restore
+again.
 
     python zero_ckpt_mp_check.py PORT PROCESS_ID DIRECTORY
 
@@ -35,6 +37,12 @@ from angel_jax.train.checkpointing import TrainCheckpointer, verify_report  # no
 from angel_jax.train.engines import build_engine  # noqa: E402
 from angel_jax.train.sharding import make_mesh  # noqa: E402
 import test_paged as tp  # noqa: E402
+
+
+def flip_a_byte(path: Path) -> None:
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    path.write_bytes(bytes(raw))
 
 
 def main(port: int, process_id: int, directory: Path) -> None:
@@ -73,6 +81,14 @@ def main(port: int, process_id: int, directory: Path) -> None:
     out["memory_tier"] = {"dir": str(memory.relative_to(directory)),
                           "bytes": sum(f.stat().st_size for f in memory.rglob("*") if f.is_file())}
     out["uninterrupted"] = losses + run(e, data[z.SAVE_AT:])
+    # A newer step that process 1 cannot restore: its every copy of it damaged (memory, peer, persistent).
+    saving = checkpointer()
+    saving.save(z.STEPS, e.state_snapshot(), {"engine": e.state_meta()})
+    saving.close()
+    if process_id == 1:
+        for copy in sorted(directory.rglob(f"process_1/step_{z.STEPS}/data.bin")):
+            flip_a_byte(copy)
+    sync_global_devices("newest step damaged")
     e.close()
     e = engine()
     restoring = checkpointer()

@@ -273,15 +273,38 @@ class TrainCheckpointer:
             found = self._restore_chosen(self.engine, ref, self.primary and self.has_any())
         if found is not None:
             return found
-        step = from_primary(shard_step(self.run_dir) if self.primary else -1)
-        if step >= 0:
-            return assemble_shards(self.run_dir, step, self.cfg.checkpoint.keep)
+        found = self._restore_assembled()
+        if found is not None:
+            return found
         if self.per_process and from_any(self.has_any()):  # shards, but of no step every process has
             raise CheckpointError(
                 f"the run in {self.run_dir} has checkpoints of some processes' shards, but no step whose shards "
                 "every process has, in its own tiers or in every process_<p> persistent directory: refusing to "
                 "start over from step 1 over them (see `angel-jax ckpt ls`; train.resume=false moves them aside)")
         return None
+
+    def _restore_assembled(self) -> tuple[int, dict[str, Any], dict[str, Any], str] | None:
+        """The newest step committed in every `process_<p>` persistent directory whose shards all verify,
+        assembled (process 0 chooses; a damaged step is skipped with a warning); None when there is none."""
+        chosen, mine = -1, None
+        if self.primary:
+            steps = shard_steps(self.run_dir)
+            for step in steps:
+                try:
+                    mine = assemble_shards(self.run_dir, step, self.cfg.checkpoint.keep)
+                    chosen = step
+                    break
+                except CheckpointError as e:
+                    log.warning("%s; trying an older step", e)
+            if chosen < 0 and steps:
+                chosen = ALL_DAMAGED
+        chosen = from_primary(chosen)
+        if chosen == ALL_DAMAGED:
+            raise CheckpointError(f"every step of the process shards in {self.run_dir / 'checkpoints'} is damaged or "
+                                  "incomplete (see the warnings above): refusing to start over from step 1 over them")
+        if chosen < 0:
+            return None
+        return mine if mine is not None else assemble_shards(self.run_dir, chosen, self.cfg.checkpoint.keep)
 
     def _restore_chosen(self, engine: CheckpointEngine, ref: Any, has_any: bool
                         ) -> tuple[int, dict[str, np.ndarray], dict[str, Any], str] | None:
@@ -386,14 +409,13 @@ def from_any(flag: bool) -> bool:
     return any(row[0] for row in _all_processes_lists([int(flag)]))
 
 
-def shard_step(run_dir: Path) -> int:
-    """The newest step committed in the persistent tier of every `process_<p>` directory of the run's
-    checkpoints (written by a run whose processes each checkpointed their own shards); -1 when there is none."""
+def shard_steps(run_dir: Path) -> list[int]:
+    """The steps committed in the persistent tier of every `process_<p>` directory of the run's checkpoints
+    (written by a run whose processes each checkpointed their own shards), newest first."""
     dirs = shard_dirs(run_dir)
     if not dirs:
-        return -1
-    steps = set.intersection(*(set(FileTier(d, 1).scan()[0]) for d in dirs.values()))
-    return max(steps, default=-1)
+        return []
+    return sorted(set.intersection(*(set(FileTier(d, 1).scan()[0]) for d in dirs.values())), reverse=True)
 
 
 def shard_dirs(run_dir: Path) -> dict[int, Path]:
