@@ -55,3 +55,37 @@ def test_a_memory_tier_of_per_process_directories_is_claimed_not_refused(tmp_pat
     other.mkdir()
     assert claim_memory_tier(other, memory)  # another run's snapshots, process directories included, removed
     assert not (memory / "process_0").exists()
+
+
+def test_resume_false_moves_aside_every_checkpoint_of_a_per_process_run(tmp_path):
+    """train.resume=false in a run whose processes checkpoint their own shards: each process moves its own aside,
+    and process 0 also the whole-state checkpoints an earlier run over another set of processes left; a later
+    resume finds nothing of the old runs (one process here, as process 0 of such a run)."""
+    import dataclasses
+
+    from angel_jax.checkpoint import StateSnapshot
+    from angel_jax.config import Config
+    from angel_jax.train.checkpointing import TrainCheckpointer
+
+    base = Config()
+    cfg = dataclasses.replace(base, checkpoint=dataclasses.replace(base.checkpoint, memory_dir=str(tmp_path / "mem")))
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+
+    def save(per_process: bool, step: int) -> None:
+        c = TrainCheckpointer(cfg, run_dir, primary=True, per_process=per_process)
+        c.save(step, StateSnapshot({"a": np.arange(4.0) + step}), {})
+        c.close()
+
+    save(False, 1)  # a whole-state checkpoint, as a run over one process writes
+    save(True, 2)  # this process's shards
+    c = TrainCheckpointer(cfg, run_dir, primary=True, per_process=True)
+    assert c.restore_latest()[0] == 2
+    assert c.archive_existing() is not None
+    c.close()
+    c = TrainCheckpointer(cfg, run_dir, primary=True, per_process=True)
+    assert c.restore_latest() is None  # neither the shards nor the whole state of the earlier runs
+    c.close()
+    moved = sorted(p.name for p in (run_dir / "checkpoints").parent.iterdir() if ".replaced-" in p.name)
+    assert len(moved) == 1 and sorted(p.name for p in (run_dir / moved[0]).iterdir()) == ["memory", "persistent"]
+    assert any(".replaced-" in p.name for p in (run_dir / "checkpoints").iterdir())  # process_0's own, beside it

@@ -360,10 +360,13 @@ class TrainCheckpointer:
     def archive_existing(self) -> Path | None:
         """Move every tier's checkpoints of this run aside (train.resume=false): the new run owns the run
         directory's checkpoints, and nothing of the old run is deleted. Returns the archive directory. Every process
-        moves its own shards' tiers aside (`per_process`); otherwise process 0 moves the run's tiers, with the
-        `process_<p>` directories in them."""
+        moves its own shards' tiers aside (`per_process`; process 0 also the whole-state checkpoints a run over
+        other processes left); otherwise process 0 moves the run's tiers, with the `process_<p>` directories in
+        them."""
         if not (self.primary or self.per_process):
             return None
+        if self.per_process and self.primary:
+            self._archive_whole_state()
         if not (self.has_any() or (not self.per_process and shard_dirs(self.run_dir))):
             return None
         self.engine.close()
@@ -379,6 +382,27 @@ class TrainCheckpointer:
         claim_memory_tier(self.run_dir, self.options.resolved_memory_dir())
         self.engine = training_engine(self.options)
         return archive
+
+    def _archive_whole_state(self) -> None:
+        """`per_process`: the whole-state checkpoints in the run's tiers moved aside, each tier's `process_<p>`
+        directories (the processes' own, which each of them moves) left where they are."""
+        options = checkpoint_options(self.cfg, self.run_dir)
+        with CheckpointEngine(options) as whole:
+            if not any(i.committed for i in whole.list()):
+                return
+        archive = options.persistent_dir.with_name(
+            f"{options.persistent_dir.name}.replaced-{time.strftime('%Y%m%d-%H%M%S', time.gmtime())}")
+        for tier, root in (("persistent", options.persistent_dir), ("memory", options.resolved_memory_dir()),
+                           ("peer", options.peer_dir)):
+            if root is None or not root.is_dir():
+                continue
+            for child in root.iterdir():
+                if PROCESS_DIR.fullmatch(child.name) or child.name == OWNER_FILE:
+                    continue
+                (archive / tier).mkdir(parents=True, exist_ok=True)
+                shutil.move(str(child), str(archive / tier / child.name))
+        log.warning("train.resume=false: the run directory's earlier whole-state checkpoints were moved to %s",
+                    archive)
 
     def close(self) -> None:
         """Waits for background saves (the last checkpoint is committed before the process moves on)."""
