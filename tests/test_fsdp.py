@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 from angel_jax.config import Config, ConfigError, MeshConfig, ModelConfig, OptimizerConfig, TrainConfig, \
     config_from_dict
+from angel_jax.train.checkpointing import TrainCheckpointer
 from angel_jax.train.engines import fits_in_memory, state_bytes
 from angel_jax.train.sharding import fsdp_spec
 import models
@@ -118,11 +119,13 @@ def _free_port() -> int:
 
 
 @pytest.mark.slow
-def test_two_processes_shard_the_state_between_them(four_devices):
-    """2 processes x 1 device, fsdp 2: the state split across the processes, the losses of one device."""
+def test_two_processes_shard_the_state_between_them(four_devices, tmp_path):
+    """2 processes x 1 device, fsdp 2: the state split across the processes, the losses of one device. Each process
+    checkpoints only its pieces of the state (about half of it), restores them bit for bit, and one process
+    resumes both processes' pieces assembled into the whole state, bit for bit the state they held."""
     script, port = str(Path(__file__).with_name("fsdp_mp_check.py")), str(_free_port())
-    procs = [subprocess.Popen(["timeout", "-s", "KILL", str(LIMIT), sys.executable, script, port, str(rank)],
-                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    procs = [subprocess.Popen(["timeout", "-s", "KILL", str(LIMIT), sys.executable, script, port, str(rank),
+                               str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
              for rank in (0, 1)]
     outputs = [p.communicate() for p in procs]
     for p, (_, err) in zip(procs, outputs):
@@ -132,4 +135,17 @@ def test_two_processes_shard_the_state_between_them(four_devices):
     (whole,) = four_devices["bytes"]["single"]
     (mine,) = out["bytes"]
     assert whole / 2 <= mine <= 1.01 * whole / 2, (mine, whole)
-    assert out["sharded_leaves"] > 0 and out["whole_shapes"] and out["round_trip"], out
+    assert out["per_process"] and out["sharded_leaves"] > 0 and out["round_trip"], out
+    # Its snapshot: its own pieces, about half the state (leaves no dimension of which 2 divides are whole).
+    assert out["state_bytes"] / 2 <= out["snapshot_bytes"] <= 1.01 * out["state_bytes"] / 2, out
+    assert (out["step"], out["tier"], out["restored_bit_exact"]) == (STEPS, "memory", True), out
+    # This process (one): the two processes' pieces assembled from their persistent tiers.
+    c = dataclasses.replace(cfg(), checkpoint=dataclasses.replace(cfg().checkpoint, memory_dir=str(tmp_path / "mem")))
+    checkpointer = TrainCheckpointer(c, tmp_path / "run", primary=True)
+    step, arrays, _, tier = checkpointer.restore_latest()
+    checkpointer.close()
+    assert (step, tier) == (STEPS, "persistent (the shards of 2 processes)")
+    expected = {k.replace("|", "/"): v for k, v in np.load(tmp_path / "whole.npz").items()}
+    assert sorted(arrays) == sorted(expected)
+    for name, value in expected.items():
+        np.testing.assert_array_equal(np.asarray(arrays[name]), value, err_msg=name)

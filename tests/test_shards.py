@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from angel_jax.train.checkpointing import claim_memory_tier
-from angel_jax.memory.shards import ShardMeta, assemble
+from angel_jax.memory.shards import ShardMeta, assemble, assemble_pieces
 
 
 def _page(ranks: int, shard: int) -> np.ndarray:
@@ -31,6 +31,17 @@ def test_a_missing_or_repeated_shard_is_refused_by_rank():
         assemble([(whole[:5], (0,)), (whole[:5], (0,))], 2)
     with pytest.raises(ValueError, match="do not split into the shards of ranks"):
         assemble([(whole[:7], (0, 1))], 2)
+
+
+def test_pieces_of_a_leaf_assemble_wherever_they_lie_and_gaps_are_refused():
+    """The in-memory engine's pieces: a [4, 6] leaf split over its rows and replicated over two processes' halves
+    of its columns (a piece held by both processes counts once)."""
+    whole = np.arange(24, dtype=np.float32).reshape(4, 6)
+    pieces = {((0, 2), (0, 6)): whole[:2], ((2, 4), (0, 3)): whole[2:, :3], ((2, 4), (3, 6)): whole[2:, 3:]}
+    both = [*pieces.items(), (((0, 2), (0, 6)), whole[:2])]
+    np.testing.assert_array_equal(assemble_pieces((4, 6), np.float32, both), whole)
+    with pytest.raises(ValueError, match="cover 18 of the 24 elements"):
+        assemble_pieces((4, 6), np.float32, [p for p in pieces.items() if p[0] != ((2, 4), (3, 6))])
 
 
 def test_shard_meta_round_trips_and_refuses_nonsense():

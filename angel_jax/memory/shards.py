@@ -140,3 +140,55 @@ class ProcessShards:
     def page(self, local: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
         """The global page whose part on this process is `local`."""
         return from_local(local, self.ranks, self.total, sharding)
+
+
+# ------------------------------------------------------------------------------------ pieces of any sharded array
+
+Index = tuple[tuple[int, int], ...]
+"""Where a piece of an array lies: (start, stop) along every dimension."""
+
+
+def index_of(index: tuple[slice, ...], shape: tuple[int, ...]) -> Index:
+    """A shard's index (slices, possibly open) as (start, stop) per dimension of an array of `shape`."""
+    return tuple((s.start or 0, dim if s.stop is None else s.stop) for s, dim in zip(index, shape))
+
+
+def local_pieces(a: jax.Array) -> list[tuple[Index, Any]]:
+    """The distinct pieces of a sharded array this process holds (a piece replicated on several of its devices
+    once), in a fixed order: (index, the piece as a single-device jax.Array)."""
+    pieces: dict[Index, Any] = {}
+    for shard in a.addressable_shards:
+        pieces.setdefault(index_of(shard.index, a.shape), shard.data)
+    return sorted(pieces.items())
+
+
+def from_pieces(shape: tuple[int, ...], sharding: jax.sharding.Sharding, pieces: Mapping[Index, np.ndarray]
+                ) -> jax.Array:
+    """The array of `shape` laid out by `sharding` whose pieces on this process's devices are `pieces`."""
+    def part(index: tuple[slice, ...]) -> np.ndarray:
+        key = index_of(index, shape)
+        if key not in pieces:
+            raise ValueError(f"no piece {[list(k) for k in key]} of an array of shape {list(shape)} in this process's "
+                             f"checkpoint (it holds {[[list(k) for k in p] for p in pieces]})")
+        return np.array(pieces[key])  # a copy: the CPU client may alias a numpy buffer
+
+    return jax.make_array_from_callback(tuple(shape), sharding, part)
+
+
+def assemble_pieces(shape: tuple[int, ...], dtype: Any, pieces: Sequence[tuple[Index, np.ndarray]]) -> np.ndarray:
+    """A whole array from pieces of it (every process's; a piece may come more than once, from processes that
+    both held it): refused unless they cover it."""
+    out = np.empty(shape, dtype)
+    seen: set[Index] = set()
+    covered = 0
+    for index, piece in pieces:
+        if index in seen:
+            continue
+        seen.add(index)
+        region = tuple(slice(a, b) for a, b in index)
+        out[region] = piece
+        covered += int(np.prod([b - a for a, b in index], dtype=np.int64))
+    if covered != int(np.prod(shape, dtype=np.int64)):
+        raise ValueError(f"the pieces cover {covered} of the {int(np.prod(shape, dtype=np.int64))} elements of an "
+                         f"array of shape {list(shape)}: some process's pieces are missing")
+    return out

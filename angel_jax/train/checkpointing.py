@@ -12,21 +12,21 @@ The run's persistent tier is `<run_dir>/checkpoints/<k>/` (ordinary orbax checkp
 angel_jax/checkpoint/persist.py for reading one with plain orbax). The memory tier defaults to
 /dev/shm/angel_jax-<uid>/<run id>, so a restarted process finds its predecessor's snapshots there.
 
-In a multi-process run process 0 writes the checkpoints, every process reads them, and process 0 decides which
-step all of them restore. Every process takes a snapshot at each save: a state sharded across the processes
-(mesh.fsdp) by the in-memory engine is gathered into each one's host memory then, so process 0 holds all of it.
+In a multi-process run whose state is replicated on every process, process 0 writes the checkpoints, every
+process reads them, and process 0 decides which step all of them restore.
 
-The paged engine with pages sharded across processes is checkpointed per process instead (TRANSOM's layout):
-each process writes only its own shards of every page, through tiers of its own,
+A state sharded across processes (the paged engine's pages, the in-memory engine's leaves under mesh.fsdp:
+`TrainEngine.checkpoints_per_process`) is checkpointed per process instead (TRANSOM's layout): each process
+writes only its own shards, through tiers of its own,
 
-    <run_dir>/checkpoints/process_<p>/<k>/    its orbax checkpoints
-    <memory tier>/process_<p>/step_<k>/       its snapshots (the default memory tier: one named from that path)
-    <checkpoint.peer_dir>/process_<p>/         its peer copies: a neighbour host's mount, so the loss of this
-                                               host's memory loses nothing
+    <run_dir>/checkpoints/process_<p>/step_<k>/  its persistent copies (snapshot directories, filetier.py)
+    <memory tier>/process_<p>/step_<k>/          its snapshots (the default memory tier: one named from that path)
+    <checkpoint.peer_dir>/process_<p>/           its peer copies: a neighbour host's mount, so the loss of this
+                                                 host's memory loses nothing
 
 and on restore the processes agree on the newest step every one of them can restore (each from its fastest
 valid tier). A run over another set of processes (fewer, more, or one) resumes the newest step committed in
-every process's persistent tier, assembled into whole pages (`assemble_shards`), and logs that it did.
+every process's persistent tier, assembled into whole pages or leaves (`assemble_shards`), and logs that it did.
 
 Fault injection (crash tests only) enters here, at the edge: the engine is built with the hook that
 ANGEL_JAX_CKPT_KILL_AT describes (angel_jax/checkpoint/faults.py), read when the engine is built.
@@ -42,7 +42,7 @@ import stat
 import time
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import jax
 import numpy as np
@@ -53,7 +53,7 @@ from angel_jax.checkpoint.filetier import FileTier
 from angel_jax.checkpoint.snapshot import SnapshotDamaged, is_snapshot_dir
 from angel_jax.checkpoint.state import LazyArray
 from angel_jax.config import Config, to_dict
-from angel_jax.memory.shards import ShardMeta, assemble
+from angel_jax.memory.shards import ShardMeta, assemble, assemble_pieces
 from angel_jax.units import human_bytes
 
 log = logging.getLogger(__name__)
@@ -453,48 +453,73 @@ def shard_dirs(run_dir: Path) -> dict[int, Path]:
 
 def assemble_shards(run_dir: Path, step: int, keep: int = 1) -> tuple[int, dict[str, Any], dict[str, Any], str]:
     """The whole state of `step` from every process's shards of it (their persistent tiers), for a run over
-    another set of processes: (step, arrays, meta, tier). The meta is process 0's, without its `shards`; the
-    page arrays are the processes' shards end to end (`LazyArray`s, assembled from the files' mapped views as they
-    are read: one page in memory at a time), the others process 0's. Needs every process's persistent directory
-    (a shared file system)."""
-    dirs = shard_dirs(run_dir)
-    parts: dict[int, tuple[dict[str, Any], ShardMeta]] = {}
+    another set of processes: (step, arrays, meta, tier). The meta is process 0's, without what describes its
+    shards. The paged engine's pages are the processes' rank shards end to end; the in-memory engine's leaves are
+    its pieces put in place (`pieces` in its meta); either way `LazyArray`s, assembled from the files' mapped
+    views as they are read, one array in memory at a time. The other arrays are process 0's. Needs every process's
+    persistent directory (a shared file system)."""
+    parts: dict[int, tuple[dict[str, Any], dict[str, Any]]] = {}  # process -> (arrays, engine meta)
     meta0: dict[str, Any] = {}
-    for process, directory in sorted(dirs.items()):
+    for process, directory in sorted(shard_dirs(run_dir).items()):
         try:
             index, arrays = FileTier(directory, keep).load(step, verify=True, pool=None)
         except SnapshotDamaged as e:
             raise CheckpointError(f"step {step}: the shards of process {process} ({directory}) are damaged: "
                                   f"{'; '.join(e.problems)}. The state cannot be assembled without them",
                                   step=step, stage="restore") from None
-        meta = dict(index.meta)
-        try:
-            shards = ShardMeta.from_dict(meta.get("engine", {}).get("shards") or {})
-        except ValueError as e:
-            raise CheckpointError(f"step {step} of process {process} ({directory}): {e}", step=step) from None
-        parts[process] = (arrays, shards)
-        if process == 0:
-            meta0 = meta
-    expected = {s.processes for _, s in parts.values()}
-    if len(expected) != 1 or sorted(parts) != list(range(expected.pop())):
+        parts[process] = (arrays, dict(index.meta.get("engine", {})))
+        meta0 = dict(index.meta) if process == 0 else meta0
+    try:
+        counts = {p: _processes_of(engine) for p, (_, engine) in parts.items()}
+    except ValueError as e:
+        raise CheckpointError(f"step {step}: {e}", step=step, stage="restore") from None
+    if len(set(counts.values())) != 1 or sorted(parts) != list(range(next(iter(counts.values())))):
         raise CheckpointError(f"step {step}: the run's checkpoints hold the shards of processes {sorted(parts)}, "
-                              f"of a run over {sorted({s.processes for _, s in parts.values()})} processes: some "
-                              "process's shards are missing", step=step, stage="restore")
-    arrays0, shards0 = parts[0]
-    total = shards0.total_ranks
+                              f"of a run over {sorted(set(counts.values()))} processes: some process's shards are "
+                              "missing", step=step, stage="restore")
     log.warning("assembling the checkpoint of step %d from the shards of the %d processes that wrote it (this run "
                 "has %d): from the persistent tier", step, len(parts), jax.process_count())
-    whole: dict[str, Any] = {}
-    for name in arrays0:
-        if name.startswith(SHARDED_ARRAYS):  # assembled when the engine reads it: one page at a time in memory
-            local = arrays0[name]
-            whole[name] = LazyArray(
-                (local.shape[0] // len(shards0.ranks) * total,), local.dtype,
-                lambda name=name: assemble([(np.asarray(a[name]), s.ranks) for a, s in parts.values()], total))
-        else:
-            whole[name] = np.asarray(arrays0[name])
-    meta0["engine"] = {k: v for k, v in meta0.get("engine", {}).items() if k != "shards"}
+    engine0 = parts[0][1]
+    whole = _assembled_pieces(parts) if "pieces" in engine0 else _assembled_pages(parts)
+    meta0["engine"] = {k: v for k, v in engine0.items() if k not in ("shards", "pieces", "process")}
     return step, whole, meta0, f"persistent (the shards of {len(parts)} processes)"
+
+
+def _processes_of(engine_meta: Mapping[str, Any]) -> int:
+    """How many processes wrote the checkpoint one process's engine meta belongs to."""
+    if "pieces" in engine_meta:
+        return int((engine_meta.get("process") or {})["count"])
+    return ShardMeta.from_dict(engine_meta.get("shards") or {}).processes
+
+
+def _assembled_pages(parts: Mapping[int, tuple[dict[str, Any], dict[str, Any]]]) -> dict[str, Any]:
+    """The paged engine's global pages from every process's rank shards (`SHARDED_ARRAYS`)."""
+    shards = {p: ShardMeta.from_dict(engine["shards"]) for p, (_, engine) in parts.items()}
+    arrays0, total, ranks0 = parts[0][0], shards[0].total_ranks, shards[0].ranks
+    whole: dict[str, Any] = {}
+    for name, local in arrays0.items():
+        if name.startswith(SHARDED_ARRAYS):
+            whole[name] = LazyArray(
+                (local.shape[0] // len(ranks0) * total,), local.dtype,
+                lambda name=name: assemble([(np.asarray(a[name]), shards[p].ranks) for p, (a, _) in parts.items()],
+                                           total))
+        else:
+            whole[name] = np.asarray(local)
+    return whole
+
+
+def _assembled_pieces(parts: Mapping[int, tuple[dict[str, Any], dict[str, Any]]]) -> dict[str, Any]:
+    """The in-memory engine's leaves from every process's pieces of them (`<leaf>#<k>`, indices in its meta)."""
+    arrays0, engine0 = parts[0]
+    whole: dict[str, Any] = {}
+    for name, info in engine0["pieces"].items():
+        def read(name: str = name, info: Mapping[str, Any] = info) -> np.ndarray:
+            pieces = [(tuple(tuple(d) for d in index), np.asarray(a[f"{name}#{k}"]))
+                      for a, engine in parts.values() for k, index in enumerate(engine["pieces"][name]["index"])]
+            return assemble_pieces(tuple(info["shape"]), pieces[0][1].dtype, pieces)
+
+        whole[name] = LazyArray(tuple(info["shape"]), arrays0[f"{name}#0"].dtype, read)
+    return whole
 
 
 SHARDED_ARRAYS = ("params/", "opt/")

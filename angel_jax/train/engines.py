@@ -33,6 +33,7 @@ from angel_jax.checkpoint.state import StateSnapshot
 from angel_jax.config import Config
 from angel_jax.errors import AngelError
 from angel_jax.optim import split_optimizer
+from angel_jax.memory.shards import from_pieces, local_pieces
 from angel_jax.train.paged import PagedTrainEngine
 from angel_jax.train.protocol import StateMismatch, TrainEngine, check_arrays, named_leaves, path_name  # noqa: F401
 from angel_jax.train.sharding import FSDP, batch_sharding, device_bytes, fsdp_size, state_shardings, whole
@@ -63,7 +64,6 @@ class InMemoryEngine:
 
     name = "in_memory"
     guards_update_norm = True
-    checkpoints_per_process = False  # a state sharded across processes is gathered: process 0 writes it
     """The update norm is known on the device before the update is applied (`judge`): guarding it costs one more
     pass over the optimizer state, no host round trip."""
 
@@ -145,10 +145,19 @@ class InMemoryEngine:
         self._keep_compile = threading.Thread(target=compile_it, name="compile-keep-step", daemon=True)
         self._keep_compile.start()
 
+    @property
+    def checkpoints_per_process(self) -> bool:
+        """Leaves sharded across processes (mesh.fsdp over several processes): each process checkpoints its own
+        pieces of every leaf. A state replicated on every process is written whole, by process 0."""
+        return jax.process_count() > 1 and not self._holdable
+
     def state_snapshot(self, may_hold: bool = True) -> StateSnapshot:
-        # In a multi-process run a replicated leaf's local shard is all of it; a leaf sharded over processes is
-        # gathered into host memory, leaf by leaf (every process takes a snapshot at a checkpoint: the loop's
-        # `_save`): a copy, never held.
+        # Leaves sharded across processes: this process's distinct pieces of each, `<leaf>#<k>`, in the order
+        # `state_meta` lists their indices (every process takes a snapshot at a checkpoint and writes its own:
+        # the loop's `_save`); never held. Otherwise every leaf whole (a replicated leaf's local shard is all of it).
+        if self.checkpoints_per_process:
+            return StateSnapshot({f"{name}#{k}": piece for name, a in named_leaves(self.state).items()
+                                  for k, (_, piece) in enumerate(local_pieces(a))})
         arrays = {name: whole(a) for name, a in named_leaves(self.state).items()}
         if not (may_hold and self._holdable and self._can_hold()):
             return StateSnapshot(arrays)
@@ -169,17 +178,57 @@ class InMemoryEngine:
         return device_free_bytes(local) >= 1.25 * held
 
     def state_meta(self) -> dict[str, Any]:
-        return {"engine": self.name}
+        if not self.checkpoints_per_process:
+            return {"engine": self.name}
+        pieces = {name: {"shape": list(a.shape), "index": [[list(d) for d in index] for index, _ in local_pieces(a)]}
+                  for name, a in named_leaves(self.state).items()}
+        return {"engine": self.name, "pieces": pieces,
+                "process": {"index": jax.process_index(), "count": jax.process_count()}}
 
     def load_state(self, arrays: Mapping[str, np.ndarray], meta: Mapping[str, Any]) -> None:
         if meta.get("engine", self.name) != self.name:
             raise StateMismatch(f"the checkpoint was written by the {meta.get('engine')!r} engine, this run uses "
                                 f"{self.name!r} (memory.mode); resume with the same memory.mode")
+        if "pieces" in meta:
+            self._load_pieces(arrays, meta)
+            return
         current = named_leaves(self.state)
         check_arrays({k: (v.shape, v.dtype) for k, v in current.items()}, arrays, "in-memory engine")
         paths, treedef = jax.tree_util.tree_flatten_with_path(self.state)
         shardings = jax.tree.leaves(self.shardings)
         leaves = [_place(np.asarray(arrays[path_name(p)]), s) for (p, _), s in zip(paths, shardings)]
+        self.state = jax.tree_util.tree_unflatten(treedef, leaves)
+
+    def _load_pieces(self, arrays: Mapping[str, np.ndarray], meta: Mapping[str, Any]) -> None:
+        """This process's pieces of every leaf (a checkpoint written per process) onto its own devices; refused
+        unless they are exactly the pieces this process holds: another set of processes resumes every process's
+        pieces assembled into whole leaves (`TrainCheckpointer.restore_latest`)."""
+        theirs = meta.get("process") or {}
+        if not self.checkpoints_per_process or theirs.get("count") != jax.process_count():
+            raise StateMismatch(f"in-memory engine: the checkpoint holds process {theirs.get('index')}'s pieces of a "
+                                f"state sharded over {theirs.get('count')} processes; this run has "
+                                f"{jax.process_count()} process(es) and "
+                                f"{'shards' if self.checkpoints_per_process else 'does not shard'} the state across "
+                                "them: only every process's pieces together make the state (resume through the "
+                                "trainer, which assembles them)")
+        mine = self.state_meta()["pieces"]
+        if meta["pieces"] != mine:
+            differ = next((k for k in sorted(set(mine) | set(meta["pieces"])) if mine.get(k) != meta["pieces"].get(k)),
+                          None)
+            raise StateMismatch(f"in-memory engine: the checkpoint's pieces of {differ!r} are "
+                                f"{meta['pieces'].get(differ)}, this process holds {mine.get(differ)} (another model, "
+                                "mesh or device order?)")
+        current = named_leaves(self.state)
+        check_arrays({f"{name}#{k}": (tuple(b - a for a, b in index), current[name].dtype)
+                      for name, info in mine.items() for k, index in enumerate(info["index"])},
+                     arrays, "in-memory engine")
+        paths, treedef = jax.tree_util.tree_flatten_with_path(self.state)
+        leaves = []
+        for (path, leaf), sharding in zip(paths, jax.tree.leaves(self.shardings)):
+            name = path_name(path)
+            pieces = {tuple(tuple(d) for d in index): np.asarray(arrays[f"{name}#{k}"])
+                      for k, index in enumerate(mine[name]["index"])}
+            leaves.append(from_pieces(leaf.shape, sharding, pieces))
         self.state = jax.tree_util.tree_unflatten(treedef, leaves)
 
     def params(self) -> Any:
