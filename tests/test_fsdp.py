@@ -18,8 +18,10 @@ import pytest
 from jax.sharding import PartitionSpec as P
 
 from angel_jax.config import Config, ConfigError, MeshConfig, ModelConfig, OptimizerConfig, TrainConfig, \
-    config_from_dict
+    config_from_dict, dump_yaml
 from angel_jax.train.checkpointing import TrainCheckpointer
+from angel_jax.train.protocol import path_name
+from angel_jax.train.weights import load_params
 from angel_jax.train.engines import fits_in_memory, state_bytes
 from angel_jax.train.sharding import fsdp_spec
 import models
@@ -149,3 +151,10 @@ def test_two_processes_shard_the_state_between_them(four_devices, tmp_path):
     assert sorted(arrays) == sorted(expected)
     for name, value in expected.items():
         np.testing.assert_array_equal(np.asarray(arrays[name]), value, err_msg=name)
+    # The weights reader (export, sample): the parameters, assembled the same way.
+    (tmp_path / "run" / "config.yaml").write_text(dump_yaml(c))
+    loaded = load_params(tmp_path / "run")
+    flat = {"params/" + path_name(p): a for p, a in jax.tree_util.tree_flatten_with_path(loaded.params)[0]}
+    assert loaded.step == STEPS and sorted(flat) == sorted(k for k in expected if k.startswith("params/"))
+    for name, value in flat.items():
+        np.testing.assert_array_equal(value, expected[name], err_msg=name)

@@ -129,5 +129,7 @@ def test_one_process_resumes_the_shards_of_two_assembled(runs):
     # (step 6, whose shards of process 1 are damaged, is skipped: the newest step every process's shards verify)
     assert (assembled["step"], assembled["tier"]) == (3, "persistent (the shards of 2 processes)")
     assert "step 6: the shards of process 1" in runs["one"]["log"]
+    # and the weights reader (export, sample) reads the same parameters from the shards
+    assert (assembled["weights_step"], assembled["weights_bit_exact"]) == (3, True)
     np.testing.assert_allclose(assembled["losses"], assembled["theirs"][3:], rtol=1e-5, atol=0)
     assert "assembling the checkpoint of step 3 from the shards of the 2 processes" in runs["one"]["log"]

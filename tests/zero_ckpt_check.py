@@ -130,8 +130,14 @@ def resume_shards(directory: Path, data: list) -> dict:
     checkpointer.close()
     e = engine(c, 2)
     e.load_state(arrays, meta["engine"])
+    held = jax.tree.map(np.asarray, e.params())
+    # The weights reader (export, sample) on the same run: the parameters assembled from both processes' shards.
+    (c.run_dir / "config.yaml").write_text(dump_yaml(c))
+    loaded = load_params(c.run_dir)
     out = {"step": step, "tier": tier, "losses": run(e, data[SAVE_AT:]),
-           "theirs": json.loads((directory / "mp-done-0").read_text())}
+           "theirs": json.loads((directory / "mp-done-0").read_text()), "weights_step": loaded.step,
+           "weights_bit_exact": jax.tree.structure(loaded.params) == jax.tree.structure(held) and all(
+               np.array_equal(a, b) for a, b in zip(jax.tree.leaves(loaded.params), jax.tree.leaves(held)))}
     e.close()
     return out
 

@@ -7,7 +7,8 @@
 What `TrainEngine.params()` returns at that step, from the checkpoint alone: no engine is built and nothing of
 the optimizer state is read. The checkpoint engine's restore is used as training uses it (memory tier -> peer ->
 persistent, a damaged copy skipped for the next), restricted to the parameter arrays, so only their bytes are read
-and checksummed. The two engines name them differently (train/protocol.py, train/paged.py):
+and checksummed. A run whose processes checkpointed their own shards (train/checkpointing.py) is read from every
+process's persistent tier, assembled (there every array is checksummed, the optimizer state's too). The two engines name them differently (train/protocol.py, train/paged.py):
 
     in_memory   params/<path in the params tree>   one array per leaf, e.g. params/blocks/qkv/kernel
     paged       params/<stage>/<k>                 the k-th page of a stage, unpacked with the page layout that
@@ -31,7 +32,8 @@ from angel_jax.checkpoint import CheckpointEngine, CheckpointError, CheckpointOp
 from angel_jax.config import Config, ConfigError, load_recorded_config
 from angel_jax.memory.sharded_layout import layout_over
 from angel_jax.schedule.engine import params_layout
-from angel_jax.train.checkpointing import check_same_model, checkpoint_options, owns_memory_tier
+from angel_jax.train.checkpointing import (assemble_shards, check_same_model, checkpoint_options, owns_memory_tier,
+                                          shard_steps)
 from angel_jax.train.paged import first_layout_difference, pages_fingerprint
 from angel_jax.train.protocol import StateMismatch, check_arrays, path_name
 import models
@@ -62,25 +64,42 @@ def load_params(run_dir: Path, step: int | None = None) -> LoadedWeights:
     cfg = run_config(run_dir)
     with CheckpointEngine(_read_options(cfg, run_dir)) as engine:
         committed = sorted(info.step for info in engine.list() if info.committed)
-        if not committed:
+        shards = shard_steps(run_dir) if not committed else []
+        if not committed and not shards:
             raise CheckpointError(f"run directory {run_dir} has no checkpoint (looked in {engine._tier_roots()}): "
                                   "train it first, with checkpoint.every > 0 or to its last step")
-        if step is not None and step not in committed:
+        if step is not None and step not in (committed or shards):
             raise CheckpointError(f"run directory {run_dir} has no checkpoint of step {step} (its steps: "
-                                  f"{', '.join(map(str, committed))})", step=step)
-        try:
-            restored = engine.restore(step, select=lambda name: name.startswith(PARAMS_PREFIX))
-        except CheckpointError as e:
-            raise CheckpointError(f"run directory {run_dir}: {e}", step=step, stage="restore") from e
-    meta = restored.meta
-    check_same_model(meta.get("config"), cfg, restored.step)
+                                  f"{', '.join(map(str, sorted(committed or shards)))})", step=step)
+        if committed:
+            try:
+                restored = engine.restore(step, select=lambda name: name.startswith(PARAMS_PREFIX))
+            except CheckpointError as e:
+                raise CheckpointError(f"run directory {run_dir}: {e}", step=step, stage="restore") from e
+            at, arrays, meta = restored.step, restored.arrays, restored.meta
+        else:  # every process checkpointed its own shards: the newest step (or `step`) assembled from them
+            at, arrays, meta, _ = _assembled(run_dir, [step] if step is not None else shards, cfg.checkpoint.keep)
+    check_same_model(meta.get("config"), cfg, at)
     engine_meta = meta.get("engine") or {}
-    where = f"{run_dir} step {restored.step}"
+    where = f"{run_dir} step {at}"
+    arrays = {k: v for k, v in arrays.items() if k.startswith(PARAMS_PREFIX)}  # (assembled: lazy, not yet read)
     if engine_meta.get("engine", "in_memory") == "paged":
-        params = _unpack_pages(cfg, restored.arrays, engine_meta, where)
+        params = _unpack_pages(cfg, arrays, engine_meta, where)
     else:
-        params = _from_leaves(cfg, restored.arrays, where)
-    return LoadedWeights(cfg=cfg, params=params, step=restored.step)
+        params = _from_leaves(cfg, arrays, where)
+    return LoadedWeights(cfg=cfg, params=params, step=at)
+
+
+def _assembled(run_dir: Path, steps: list[int], keep: int) -> tuple[int, Mapping[str, Any], dict, str]:
+    """The first of `steps` (newest first) whose every process's shards verify, assembled."""
+    problems = []
+    for step in steps:
+        try:
+            return assemble_shards(run_dir, step, keep)
+        except CheckpointError as e:
+            problems.append(str(e))
+    raise CheckpointError(f"run directory {run_dir}: no step of its processes' shards can be assembled: "
+                          + "; ".join(problems))
 
 
 def _read_options(cfg: Config, run_dir: Path) -> CheckpointOptions:
