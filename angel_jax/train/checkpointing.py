@@ -20,7 +20,7 @@ A state sharded across processes (the paged engine's pages, the in-memory engine
 writes only its own shards, through tiers of its own,
 
     <run_dir>/checkpoints/process_<p>/step_<k>/  its persistent copies (snapshot directories, filetier.py)
-    <memory tier>/process_<p>/step_<k>/          its snapshots (the default memory tier: one named from that path)
+    <memory tier>/process_<p>/step_<k>/          its snapshots
     <checkpoint.peer_dir>/process_<p>/           its peer copies: a neighbour host's mount, so the loss of this
                                                  host's memory loses nothing
 
@@ -185,11 +185,14 @@ def check_same_model(saved_config: dict | None, cfg: Config, step: int) -> None:
 
 def checkpoint_options(cfg: Config, run_dir: Path, process: int | None = None) -> CheckpointOptions:
     """The tiers of a run's checkpoints; with `process`, those of that process's own shards: a `process_<p>`
-    directory in each tier (the memory tier's default is then a directory of its own, named from that path)."""
+    directory in each tier (in the run's memory tier, the default one or checkpoint.memory_dir)."""
     c = cfg.checkpoint
     mine = (lambda p: p / f"process_{process}") if process is not None else (lambda p: p)
+    # Without checkpoint.memory_dir, the run's default memory tier, and a process's directory inside it.
+    memory = Path(c.memory_dir) if c.memory_dir else \
+        CheckpointOptions(persistent_dir=(run_dir / "checkpoints").absolute()).resolved_memory_dir()
     return CheckpointOptions(persistent_dir=mine(run_dir / "checkpoints").absolute(),
-                             memory_dir=mine(Path(c.memory_dir)) if c.memory_dir else None,
+                             memory_dir=mine(memory) if c.memory_dir or process is not None else None,
                              peer_dir=mine(Path(c.peer_dir)) if c.peer_dir else None,
                              keep_last=c.keep, keep_every=c.keep_every or None,
                              verify_on_restore=c.verify_on_restore,
