@@ -10,7 +10,6 @@ checkpoints (restore, verify, `angel-jax ckpt`) treats it as the persistent tier
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Mapping
 
@@ -58,12 +57,7 @@ class FileTier(PeerTier):
             raise
         writer.close()
         snap.write_index(tmp, index)
-        for name in os.listdir(tmp):
-            fd = os.open(tmp / name, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+        snap.fsync_files(tmp)
         self._fault("persist.commit", step)
         final = snap.step_dir(self.root, step)
         snap.replace_dir(tmp, final)

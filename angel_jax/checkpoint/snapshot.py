@@ -356,11 +356,7 @@ def copy_committed(src: Path, dst_root: Path, step: int, fault: Any = None) -> P
     try:
         for name in (DATA_FILE, INDEX_FILE):
             shutil.copyfile(src / name, tmp / name)
-            fd = os.open(tmp / name, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+        fsync_files(tmp)
     except OSError:
         remove_dir(tmp)  # a full or failing peer keeps no half-written copy (it would hold the space it lacks)
         raise
@@ -368,6 +364,16 @@ def copy_committed(src: Path, dst_root: Path, step: int, fault: Any = None) -> P
         fault()
     replace_dir(tmp, final)
     return final
+
+
+def fsync_files(directory: Path) -> None:
+    """Flush every file of a snapshot directory to its disk (before the rename that commits it)."""
+    for name in (DATA_FILE, INDEX_FILE):
+        fd = os.open(directory / name, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
 
 
 def replace_dir(tmp: Path, final: Path) -> None:

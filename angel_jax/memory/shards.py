@@ -11,6 +11,10 @@ only its own shards (the concatenation of its ranks' shards, in rank order) and 
 `ShardMeta` is what a process's checkpoint says about its shards; a checkpoint of every process together is
 assembled into whole pages (`assemble`) when it is resumed by another set of processes. `ProcessShards` is the
 page store's view: what of a page this process keeps where no other process can read it (its disk files).
+
+Underneath, and for arrays sharded any way (the in-memory engine's leaves under mesh.fsdp): a process's distinct
+*pieces* of an array by index (`local_pieces`), the array again from them (`from_pieces`), and a whole array from
+every process's pieces (`assemble_pieces`).
 """
 
 from __future__ import annotations
@@ -21,6 +25,60 @@ from typing import Any, Mapping, Sequence
 import jax
 import numpy as np
 
+
+# ------------------------------------------------------------------------------------ pieces of any sharded array
+
+Index = tuple[tuple[int, int], ...]
+"""Where a piece of an array lies: (start, stop) along every dimension."""
+
+
+def index_of(index: tuple[slice, ...], shape: tuple[int, ...]) -> Index:
+    """A shard's index (slices, possibly open) as (start, stop) per dimension of an array of `shape`."""
+    return tuple((s.start or 0, dim if s.stop is None else s.stop) for s, dim in zip(index, shape))
+
+
+def local_pieces(a: jax.Array) -> list[tuple[Index, Any]]:
+    """The distinct pieces of a sharded array this process holds (a piece replicated on several of its devices
+    once), in a fixed order: (index, the piece as a single-device jax.Array)."""
+    pieces: dict[Index, Any] = {}
+    for shard in a.addressable_shards:
+        pieces.setdefault(index_of(shard.index, a.shape), shard.data)
+    return sorted(pieces.items())
+
+
+def from_pieces(shape: tuple[int, ...], sharding: jax.sharding.Sharding, pieces: Mapping[Index, np.ndarray]
+                ) -> jax.Array:
+    """The array of `shape` laid out by `sharding` whose pieces on this process's devices are `pieces`."""
+    def part(index: tuple[slice, ...]) -> np.ndarray:
+        key = index_of(index, shape)
+        if key not in pieces:
+            raise ValueError(f"no piece {[list(k) for k in key]} of an array of shape {list(shape)} in this process's "
+                             f"checkpoint (it holds {[[list(k) for k in p] for p in pieces]})")
+        return np.array(pieces[key])  # a copy: the CPU client may alias a numpy buffer
+
+    return jax.make_array_from_callback(tuple(shape), sharding, part)
+
+
+def assemble_pieces(shape: tuple[int, ...], dtype: Any, pieces: Sequence[tuple[Index, np.ndarray]]) -> np.ndarray:
+    """A whole array from pieces of it (every process's; a piece may come more than once, from processes that
+    both held it): refused unless they cover it."""
+    out = np.empty(shape, dtype)
+    seen: set[Index] = set()
+    covered = 0
+    for index, piece in pieces:
+        if index in seen:
+            continue
+        seen.add(index)
+        region = tuple(slice(a, b) for a, b in index)
+        out[region] = piece
+        covered += int(np.prod([b - a for a, b in index], dtype=np.int64))
+    if covered != int(np.prod(shape, dtype=np.int64)):
+        raise ValueError(f"the pieces cover {covered} of the {int(np.prod(shape, dtype=np.int64))} elements of an "
+                         f"array of shape {list(shape)}: some process's pieces are missing")
+    return out
+
+
+# ------------------------------------------------------------------------ rank shards of 1-D pages (ZeRO-3)
 
 @dataclass(frozen=True)
 class ShardMeta:
@@ -55,11 +113,9 @@ class ShardMeta:
 def local_shards(page: jax.Array) -> tuple[np.ndarray, tuple[int, ...]]:
     """This process's shards of a 1-D page sharded evenly over its axis: their concatenation in rank order (a new
     numpy array) and the ranks."""
-    shards = page.addressable_shards
-    shard_length = shards[0].data.shape[0]
-    by_rank = {(s.index[0].start or 0) // shard_length: s for s in shards}  # a replicated rank counts once
-    ranks = tuple(sorted(by_rank))
-    return np.concatenate([np.asarray(by_rank[r].data) for r in ranks]), ranks
+    pieces = local_pieces(page)
+    n = pieces[0][1].shape[0]
+    return np.concatenate([np.asarray(p) for _, p in pieces]), tuple(start // n for ((start, _),), _ in pieces)
 
 
 def _cut(local: np.ndarray, ranks: Sequence[int]) -> dict[int, np.ndarray]:
@@ -74,17 +130,9 @@ def from_local(local: np.ndarray, ranks: Sequence[int], total_ranks: int,
                sharding: jax.sharding.Sharding) -> jax.Array:
     """The global page (`total_ranks` shards end to end) whose shards on this process's ranks are `local` (as
     `local_shards` gave them), laid out by `sharding` (the page store tier's)."""
-    mine = _cut(local, ranks)
-    shard_length = local.shape[0] // len(ranks)
-
-    def part(index: tuple[slice, ...]) -> np.ndarray:
-        rank = (index[0].start or 0) // shard_length
-        if rank not in mine:
-            raise ValueError(f"this process's checkpoint holds the shards of ranks {list(ranks)}, but its page "
-                             f"store puts rank {rank} on one of its devices")
-        return np.array(mine[rank])  # a copy: the CPU client may alias a numpy buffer the caller reuses
-
-    return jax.make_array_from_callback((shard_length * total_ranks,), sharding, part)
+    n = local.shape[0] // max(len(ranks), 1)
+    return from_pieces((n * total_ranks,), sharding, {((r * n, (r + 1) * n),): shard
+                                                       for r, shard in _cut(local, ranks).items()})
 
 
 def assemble(parts: Sequence[tuple[np.ndarray, Sequence[int]]], total_ranks: int) -> np.ndarray:
@@ -140,55 +188,3 @@ class ProcessShards:
     def page(self, local: np.ndarray, sharding: jax.sharding.Sharding) -> jax.Array:
         """The global page whose part on this process is `local`."""
         return from_local(local, self.ranks, self.total, sharding)
-
-
-# ------------------------------------------------------------------------------------ pieces of any sharded array
-
-Index = tuple[tuple[int, int], ...]
-"""Where a piece of an array lies: (start, stop) along every dimension."""
-
-
-def index_of(index: tuple[slice, ...], shape: tuple[int, ...]) -> Index:
-    """A shard's index (slices, possibly open) as (start, stop) per dimension of an array of `shape`."""
-    return tuple((s.start or 0, dim if s.stop is None else s.stop) for s, dim in zip(index, shape))
-
-
-def local_pieces(a: jax.Array) -> list[tuple[Index, Any]]:
-    """The distinct pieces of a sharded array this process holds (a piece replicated on several of its devices
-    once), in a fixed order: (index, the piece as a single-device jax.Array)."""
-    pieces: dict[Index, Any] = {}
-    for shard in a.addressable_shards:
-        pieces.setdefault(index_of(shard.index, a.shape), shard.data)
-    return sorted(pieces.items())
-
-
-def from_pieces(shape: tuple[int, ...], sharding: jax.sharding.Sharding, pieces: Mapping[Index, np.ndarray]
-                ) -> jax.Array:
-    """The array of `shape` laid out by `sharding` whose pieces on this process's devices are `pieces`."""
-    def part(index: tuple[slice, ...]) -> np.ndarray:
-        key = index_of(index, shape)
-        if key not in pieces:
-            raise ValueError(f"no piece {[list(k) for k in key]} of an array of shape {list(shape)} in this process's "
-                             f"checkpoint (it holds {[[list(k) for k in p] for p in pieces]})")
-        return np.array(pieces[key])  # a copy: the CPU client may alias a numpy buffer
-
-    return jax.make_array_from_callback(tuple(shape), sharding, part)
-
-
-def assemble_pieces(shape: tuple[int, ...], dtype: Any, pieces: Sequence[tuple[Index, np.ndarray]]) -> np.ndarray:
-    """A whole array from pieces of it (every process's; a piece may come more than once, from processes that
-    both held it): refused unless they cover it."""
-    out = np.empty(shape, dtype)
-    seen: set[Index] = set()
-    covered = 0
-    for index, piece in pieces:
-        if index in seen:
-            continue
-        seen.add(index)
-        region = tuple(slice(a, b) for a, b in index)
-        out[region] = piece
-        covered += int(np.prod([b - a for a, b in index], dtype=np.int64))
-    if covered != int(np.prod(shape, dtype=np.int64)):
-        raise ValueError(f"the pieces cover {covered} of the {int(np.prod(shape, dtype=np.int64))} elements of an "
-                         f"array of shape {list(shape)}: some process's pieces are missing")
-    return out

@@ -104,7 +104,7 @@ class PageStore:
         self._inflight: set[cf.Future] = set()
         self._errors: list[BaseException] = []
         self._staging = StagingBuffers(keep=workers)
-        self._split = ProcessShards.of(self.tiers["host"].sharding)
+        self.process_shards = ProcessShards.of(self.tiers["host"].sharding)
         """Pages sharded over the devices of several processes: the disk tier holds this process's part of each
         (no process can read a whole page), and reads of it come back as that part."""
 
@@ -397,10 +397,10 @@ class PageStore:
 
     def _to_disk(self, value: jax.Array | np.ndarray) -> np.ndarray:
         """What the disk tier stores of a page: the page, or this process's part of it."""
-        return np.asarray(value) if self._split is None else self._split.local(value)
+        return np.asarray(value) if self.process_shards is None else self.process_shards.local(value)
 
     def _read_staged(self, page_id: int, dtype: np.dtype, length: int) -> cf.Future:
-        buf = self._staging.take(dtype, length if self._split is None else self._split.length(length))
+        buf = self._staging.take(dtype, length if self.process_shards is None else self.process_shards.length(length))
         fut = self._disk().read(page_id, into=buf)
         when_done(fut, lambda f: self._staging.give(buf) if f.exception() is not None else None)
         return fut
@@ -414,8 +414,8 @@ class PageStore:
                     self._staging.give(buf)
                 return value
             page = value
-            if self._split is not None and isinstance(value, np.ndarray):  # this process's part, from its disk
-                page = self._split.page(value, tier.sharding)
+            if self.process_shards is not None and isinstance(value, np.ndarray):  # this process's part, from its disk
+                page = self.process_shards.page(value, tier.sharding)
             dst.array = tier.put(page_id, page, reserved=True)
         try:
             return self._ready(dst.array)

@@ -187,12 +187,12 @@ def checkpoint_options(cfg: Config, run_dir: Path, process: int | None = None) -
     """The tiers of a run's checkpoints; with `process`, those of that process's own shards: a `process_<p>`
     directory in each tier (in the run's memory tier, the default one or checkpoint.memory_dir)."""
     c = cfg.checkpoint
+    persistent = (run_dir / "checkpoints").absolute()
+    memory = Path(c.memory_dir) if c.memory_dir else None
+    if process is not None:  # inside the run's memory tier, checkpoint.memory_dir or the default one
+        memory = (memory or CheckpointOptions(persistent_dir=persistent).resolved_memory_dir()) / f"process_{process}"
     mine = (lambda p: p / f"process_{process}") if process is not None else (lambda p: p)
-    # Without checkpoint.memory_dir, the run's default memory tier, and a process's directory inside it.
-    memory = Path(c.memory_dir) if c.memory_dir else \
-        CheckpointOptions(persistent_dir=(run_dir / "checkpoints").absolute()).resolved_memory_dir()
-    return CheckpointOptions(persistent_dir=mine(run_dir / "checkpoints").absolute(),
-                             memory_dir=mine(memory) if c.memory_dir or process is not None else None,
+    return CheckpointOptions(persistent_dir=mine(persistent), memory_dir=memory,
                              peer_dir=mine(Path(c.peer_dir)) if c.peer_dir else None,
                              keep_last=c.keep, keep_every=c.keep_every or None,
                              verify_on_restore=c.verify_on_restore,
@@ -290,16 +290,12 @@ class TrainCheckpointer:
         """The newest step committed in every `process_<p>` persistent directory whose shards all verify,
         assembled (process 0 chooses; a damaged step is skipped with a warning); None when there is none."""
         chosen, mine = -1, None
-        if self.primary:
-            steps = shard_steps(self.run_dir)
-            for step in steps:
-                try:
-                    mine = assemble_shards(self.run_dir, step, self.cfg.checkpoint.keep)
-                    chosen = step
-                    break
-                except CheckpointError as e:
-                    log.warning("%s; trying an older step", e)
-            if chosen < 0 and steps:
+        steps = shard_steps(self.run_dir) if self.primary else []
+        if steps:
+            try:
+                mine = assemble_newest(self.run_dir, steps, self.cfg.checkpoint.keep)
+                chosen = mine[0]
+            except CheckpointError:
                 chosen = ALL_DAMAGED
         chosen = from_primary(chosen)
         if chosen == ALL_DAMAGED:
@@ -338,7 +334,7 @@ class TrainCheckpointer:
             except CheckpointError as e:
                 restored, ok = None, False
                 log.warning("step %d: this process's shards cannot be restored (%s)", step, e)
-            if all(_all_processes_lists([int(ok)])[p][0] for p in range(jax.process_count())):
+            if not from_any(not ok):
                 assert restored is not None
                 return restored.step, restored.arrays, dict(restored.meta), restored.source
             log.warning("step %d cannot be restored by every process: trying an older one", step)
@@ -452,6 +448,21 @@ def shard_dirs(run_dir: Path) -> dict[int, Path]:
         return {}
     return {int(m.group(1)): child for child in root.iterdir()
             if (m := PROCESS_DIR.fullmatch(child.name)) and child.is_dir()}
+
+
+def assemble_newest(run_dir: Path, steps: list[int], keep: int = 1
+                    ) -> tuple[int, dict[str, Any], dict[str, Any], str]:
+    """The first of `steps` (newest first) whose every process's shards verify, assembled (`assemble_shards`); a
+    damaged or incomplete step is skipped with a warning. CheckpointError naming every problem when none is."""
+    problems = []
+    for step in steps:
+        try:
+            return assemble_shards(run_dir, step, keep)
+        except CheckpointError as e:
+            log.warning("%s; trying an older step", e)
+            problems.append(str(e))
+    raise CheckpointError(f"no step of the process shards in {Path(run_dir) / 'checkpoints'} can be assembled: "
+                          + "; ".join(problems or ["there is none"]))
 
 
 def assemble_shards(run_dir: Path, step: int, keep: int = 1) -> tuple[int, dict[str, Any], dict[str, Any], str]:

@@ -51,7 +51,7 @@ from angel_jax.schedule.timeline import Timeline
 from angel_jax.schedule.zero import Zero
 from angel_jax.train.plan_cli import plan_summary
 from angel_jax.train.protocol import StateMismatch, check_arrays
-from angel_jax.memory.shards import ShardMeta, from_local, local_shards
+from angel_jax.memory.shards import ShardMeta
 from angel_jax.train.sharding import whole
 from angel_jax.units import human_bytes
 
@@ -198,19 +198,18 @@ class PagedTrainEngine:
         larger than RAM (pages on disk) never has to be in memory whole.
 
         With pages sharded over the devices of several processes (`checkpoints_per_process`), a page's array is
-        this process's shards of it only (its ranks' shards end to end, `shards.local_shards`; `state_meta` says
+        this process's shards of it only (its ranks' shards end to end, `ProcessShards.local`; `state_meta` says
         which ranks): every process writes its own part of the checkpoint, and nothing is gathered."""
         updater_state = self.built.updater.state()  # lock-free mode: the last step's updates land first
         self.built.store.wait_all()
         store = self.built.store
         params, opt, small_names = self._names()
         out: dict[str, Any] = {}
-        mine = self._shard_meta()
+        split = store.process_shards
         for name, pid in params + opt:
             (length,), dtype = self._page_spec(pid)
-            out[name] = LazyArray((length,), dtype, lambda pid=pid: store.read(pid)) if mine is None else \
-                LazyArray((length // mine.total_ranks * len(mine.ranks),), dtype,
-                          lambda pid=pid: self._local(pid, mine))
+            out[name] = LazyArray((length,), dtype, lambda pid=pid: store.read(pid)) if split is None else \
+                LazyArray((split.length(length),), dtype, lambda pid=pid: self._local(pid))
         out.update({name: np.asarray(updater_state.opt_small[i][j]) for name, i, j in small_names})
         out["step"] = np.asarray(self.executor.step_count, np.int32)
         out["applied"] = np.asarray(updater_state.applied, np.int32)
@@ -220,35 +219,26 @@ class PagedTrainEngine:
         return self.zero is not None and len({d.process_index for d in self.zero.mesh.devices.flat}) > 1
 
     def _shard_meta(self) -> ShardMeta | None:
-        """This process's shards of every page, when pages are sharded across processes; else None."""
-        if not self._spans_processes():
-            return None
-        me = jax.process_index()
-        ranks = tuple(r for r, d in enumerate(self.zero.mesh.devices.flat) if d.process_index == me)
-        return ShardMeta(me, jax.process_count(), ranks, self.ranks)
+        """This process's shards of every page (the page store's `ProcessShards`), when pages are sharded across
+        processes; else None."""
+        split = self.built.store.process_shards
+        return None if split is None else ShardMeta(jax.process_index(), jax.process_count(), split.ranks, split.total)
 
-    def _local(self, page_id: int, mine: ShardMeta) -> np.ndarray:
+    def _local(self, page_id: int) -> np.ndarray:
         """This process's shards of a page, from the device or host tier, else from its disk files (which hold
         this process's part of the page only)."""
         store = self.built.store
         tiers = [t for t in store.where(page_id) if t != "disk"]
         if not tiers:
             return store.read(page_id)
-        local, ranks = local_shards(store.get(page_id, tiers[0]))
-        if ranks != mine.ranks:
-            raise RuntimeError(f"page {page_id}: this process holds the shards of ranks {list(ranks)}, its mesh says "
-                               f"{list(mine.ranks)}")
-        return local
+        return store.process_shards.local(store.get(page_id, tiers[0]))
 
     def _gathered(self, page_id: int) -> np.ndarray:
         """A page whole in this process, gathered from every process holding a shard of it (a collective)."""
         store = self.built.store
         tiers = [t for t in store.where(page_id) if t != "disk"]
         if not tiers:  # each process's disk holds its part: made a global page again, then gathered
-            mine = self._shard_meta()
-            assert mine is not None
-            return np.array(whole(from_local(store.read(page_id), mine.ranks, mine.total_ranks,
-                                             store.tiers["host"].sharding)))
+            return np.array(whole(store.process_shards.page(store.read(page_id), store.tiers["host"].sharding)))
         return np.array(whole(store.get(page_id, tiers[0])))
 
     @property
@@ -299,7 +289,7 @@ class PagedTrainEngine:
             homes = self._homes()
             for name, pid in params + opt:
                 sharding = store.tiers["host" if homes[pid] == "disk" else homes[pid]].sharding
-                self._put(pid, from_local(np.asarray(arrays[name]), shards.ranks, shards.total_ranks, sharding), homes)
+                self._put(pid, store.process_shards.page(np.asarray(arrays[name]), sharding), homes)
         elif theirs == self.ranks:
             homes = self._homes()
             for name, pid in params + opt:  # one page at a time: never two copies of the model in flight

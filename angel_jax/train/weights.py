@@ -32,7 +32,7 @@ from angel_jax.checkpoint import CheckpointEngine, CheckpointError, CheckpointOp
 from angel_jax.config import Config, ConfigError, load_recorded_config
 from angel_jax.memory.sharded_layout import layout_over
 from angel_jax.schedule.engine import params_layout
-from angel_jax.train.checkpointing import (assemble_shards, check_same_model, checkpoint_options, owns_memory_tier,
+from angel_jax.train.checkpointing import (assemble_newest, check_same_model, checkpoint_options, owns_memory_tier,
                                           shard_steps)
 from angel_jax.train.paged import first_layout_difference, pages_fingerprint
 from angel_jax.train.protocol import StateMismatch, check_arrays, path_name
@@ -78,7 +78,8 @@ def load_params(run_dir: Path, step: int | None = None) -> LoadedWeights:
                 raise CheckpointError(f"run directory {run_dir}: {e}", step=step, stage="restore") from e
             at, arrays, meta = restored.step, restored.arrays, restored.meta
         else:  # every process checkpointed its own shards: the newest step (or `step`) assembled from them
-            at, arrays, meta, _ = _assembled(run_dir, [step] if step is not None else shards, cfg.checkpoint.keep)
+            at, arrays, meta, _ = assemble_newest(run_dir, [step] if step is not None else shards,
+                                                   cfg.checkpoint.keep)
     check_same_model(meta.get("config"), cfg, at)
     engine_meta = meta.get("engine") or {}
     where = f"{run_dir} step {at}"
@@ -88,18 +89,6 @@ def load_params(run_dir: Path, step: int | None = None) -> LoadedWeights:
     else:
         params = _from_leaves(cfg, arrays, where)
     return LoadedWeights(cfg=cfg, params=params, step=at)
-
-
-def _assembled(run_dir: Path, steps: list[int], keep: int) -> tuple[int, Mapping[str, Any], dict, str]:
-    """The first of `steps` (newest first) whose every process's shards verify, assembled."""
-    problems = []
-    for step in steps:
-        try:
-            return assemble_shards(run_dir, step, keep)
-        except CheckpointError as e:
-            problems.append(str(e))
-    raise CheckpointError(f"run directory {run_dir}: no step of its processes' shards can be assembled: "
-                          + "; ".join(problems))
 
 
 def _read_options(cfg: Config, run_dir: Path) -> CheckpointOptions:
