@@ -76,7 +76,7 @@ def main(port: int, process_id: int, directory: Path) -> None:
     out["whole_bytes"] = sum(e._page_spec(pid)[0][0] * e._page_spec(pid)[1].itemsize
                              for _, pid in e._names()[0] + e._names()[1])
     saving.save(z.SAVE_AT, snapshot, {"engine": e.state_meta()})
-    saving.close()  # committed in every tier (memory, peer, orbax)
+    saving.close()  # committed in every tier (memory, peer, persistent)
     memory = saving.options.resolved_memory_dir()
     out["memory_tier"] = {"dir": str(memory.relative_to(directory)),
                           "bytes": sum(f.stat().st_size for f in memory.rglob("*") if f.is_file())}
