@@ -1,7 +1,7 @@
 """The persistent tier in the snapshot format (`CheckpointOptions.persistent_format="snapshot"`, filetier.py), which
-each process of a multi-process run writes its own shards to: copied from the memory tier in the background,
-written directly when the memory tier cannot take a save, read back when the memory tier is gone, and damage
-found by its checksums."""
+each process of a multi-process run wrote its own shards to before they were orbax checkpoints: copied from the
+memory tier in the background, written directly when the memory tier cannot take a save, read back when the
+memory tier is gone, damage found by its checksums; and a process directory written so is still read so."""
 
 from __future__ import annotations
 
@@ -51,3 +51,21 @@ def test_without_a_memory_tier_a_save_is_written_straight_to_it_and_damage_is_fo
         raw[100] ^= 0xFF
         data.write_bytes(bytes(raw))
         assert any("params/a" in p for p in engine.verify(7))
+
+
+def test_a_process_directory_keeps_the_format_its_shards_were_written_in(tmp_path):
+    """A process's persistent directory that holds only snapshot directories (shards persisted before they were
+    orbax checkpoints) is read and continued in that format; an empty or orbax one is orbax."""
+    from angel_jax.train.checkpointing import persistent_format_of, shard_tier
+
+    old, new = tmp_path / "old" / "process_0", tmp_path / "new" / "process_0"
+    with CheckpointEngine(CheckpointOptions(persistent_dir=old, memory_dir=tmp_path / "m1",
+                                            persistent_format="snapshot")) as engine:
+        engine.save(4, _state(4), {})
+    assert persistent_format_of(new) == "orbax"  # nothing there yet
+    with CheckpointEngine(CheckpointOptions(persistent_dir=new, memory_dir=tmp_path / "m2")) as engine:
+        engine.save(5, _state(5), {})
+    assert (persistent_format_of(old), persistent_format_of(new)) == ("snapshot", "orbax")
+    for directory, step in ((old, 4), (new, 5)):
+        _, arrays = shard_tier(directory).load(step, verify=True, pool=None)
+        np.testing.assert_array_equal(arrays["params/a"], _state(step)["params/a"])

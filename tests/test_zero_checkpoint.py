@@ -34,10 +34,10 @@ def runs(tmp_path_factory) -> dict:
     """The one-process check (two devices) and the two-process check, started together: mostly compilation, which
     the cores share."""
     port, directory = str(_free_port()), str(tmp_path_factory.mktemp("zero-mp"))
+    out: dict = {"dir": Path(directory)}
     procs = {"one": _start("zero_ckpt_check.py", directory),
              **{f"mp{rank}": _start("zero_ckpt_mp_check.py", port, str(rank), directory) for rank in (0, 1)}}
     outputs = {name: p.communicate() for name, p in procs.items()}
-    out = {}
     for name, p in procs.items():
         stdout, stderr = outputs[name]
         assert p.returncode == 0, f"{name}: {stderr[-3000:]}"
@@ -111,6 +111,26 @@ def test_two_processes_round_trip(runs):
     ok, lines = runs["mp0"]["verify"]  # `angel-jax ckpt verify` reads every process's shards
     assert not ok and lines[:5] == ["process 0 (its shards):", "step 3: ok", "step 6: ok", "process 1 (its shards):",
                                     "step 3: ok"] and lines[5] == "step 6: DAMAGED", lines
+
+
+def test_each_process_persists_its_shards_as_a_plain_orbax_checkpoint(runs):
+    """Each process's persistent copy of step 3 is an ordinary orbax checkpoint that plain orbax (one process, its
+    default handlers) reads: half of every page, each array matching the checksum the process recorded. (Orbax's
+    own numpy handler writes on process 0 only: process 1's checkpoint would hold no data.)"""
+    import orbax.checkpoint as ocp
+    import xxhash
+
+    for rank in (0, 1):
+        mngr = ocp.CheckpointManager(runs["dir"] / "mp" / "checkpoints" / f"process_{rank}")
+        ckpt = mngr.restore(3, args=ocp.args.Composite(state=ocp.args.StandardRestore(),
+                                                       meta=ocp.args.JsonRestore()))
+        mngr.close()
+        recorded = {a["name"]: a["xxh3_64"] for a in ckpt.meta["arrays"] if a["nbytes"]}
+        assert recorded and sorted(ckpt.state) == sorted(recorded), rank
+        for name, array in ckpt.state.items():
+            assert xxhash.xxh3_64_intdigest(np.ascontiguousarray(array).tobytes()) == recorded[name], (rank, name)
+        pages = sum(a.nbytes for name, a in ckpt.state.items() if name.startswith(("params/", "opt/")))
+        assert pages == runs[f"mp{rank}"]["shard_bytes"], rank
 
 
 def test_a_host_that_lost_its_memory_restores_its_shards_from_the_peer_copy(runs):

@@ -85,8 +85,10 @@ def main(port: int, process_id: int, directory: Path) -> None:
     saving = checkpointer()
     saving.save(z.STEPS, e.state_snapshot(), {"engine": e.state_meta()})
     saving.close()
-    if process_id == 1:
+    if process_id == 1:  # the memory and peer snapshots' data, and the data files of the orbax checkpoint
         for copy in sorted(directory.rglob(f"process_1/step_{z.STEPS}/data.bin")):
+            flip_a_byte(copy)
+        for copy in sorted((c.run_dir / "checkpoints" / "process_1" / str(z.STEPS) / "state").rglob("d/*")):
             flip_a_byte(copy)
     sync_global_devices("newest step damaged")
     e.close()

@@ -1,11 +1,11 @@
 """The persistent tier in the snapshot format: `step_<k>/` directories (data.bin + index.json, snapshot.py) on disk,
 fsynced and committed by rename, as the peer tier keeps them, in place of orbax checkpoints.
 
-For checkpoints that each process of a multi-process run writes on its own (its shards of a sharded state). Orbax
-cannot write those: in a multi-process job its numpy handler writes array data from process 0 only (another
-process's checkpoint directory gets the metadata and no data), and it refuses a jax.Array that one process holds
-whole ("host local"). `CheckpointOptions.persistent_format="snapshot"` selects this tier; everything that reads
-checkpoints (restore, verify, `angel-jax ckpt`) treats it as the persistent tier.
+Selected by `CheckpointOptions.persistent_format="snapshot"`: no orbax on the way, the layout the memory and
+peer tiers use. Before orbax could write a process's own shards (orbax_local.py), the processes of a multi-process
+run persisted their shards in this format; such runs still resume from it (`persistent_format_of` in
+angel_jax/train/checkpointing.py). Everything that reads checkpoints (restore, verify, `angel-jax ckpt`) treats it
+as the persistent tier.
 """
 
 from __future__ import annotations

@@ -22,8 +22,7 @@ class CheckpointOptions:
     verify_on_restore: bool = doc(True, "Check every array's XXH3-64 checksum before a restore returns it.")
     io_threads: int = doc(2, "Threads that compute checksums in parallel (1 = in the calling thread).")
     persistent_format: str = doc("orbax", "'orbax': orbax checkpoints; 'snapshot': the memory tier's directory format "
-                                          "(filetier.py), for checkpoints each process of a multi-process run writes "
-                                          "on its own, which orbax cannot write.")
+                                          "(filetier.py), fsynced and committed by rename.")
 
     def __post_init__(self) -> None:
         # Accept str paths (YAML, command line) but store Paths; reject impossible values naming the field.

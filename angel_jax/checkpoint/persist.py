@@ -3,7 +3,9 @@
 Layout (what `orbax.checkpoint.CheckpointManager` itself writes, so plain orbax reads it):
 
     <persistent_dir>/<step>/_CHECKPOINT_METADATA
-    <persistent_dir>/<step>/state/   the arrays: a flat dict {name: np.ndarray}, StandardSave (tensorstore, OCDBT)
+    <persistent_dir>/<step>/state/   the arrays: a flat dict {name: np.ndarray} (tensorstore, OCDBT), written by the
+                                     process that holds them (orbax_local.py: each process of a multi-process run
+                                     may persist its own shards in a directory of its own)
     <persistent_dir>/<step>/meta/    JSON: the snapshot index (format, step, user meta, dtype/shape/xxh3_64 per array)
 
 Reading it with nothing but orbax:
@@ -47,6 +49,7 @@ import orbax.checkpoint as ocp
 import psutil
 
 from angel_jax.checkpoint.faults import Fault, no_fault
+from angel_jax.checkpoint.orbax_local import state_handler
 from angel_jax.checkpoint.snapshot import (ArrayEntry, Select, SnapshotDamaged, SnapshotIndex, decode_dtype,
                                            open_arrays, remove_dir, selected, verify_arrays)
 from angel_jax.checkpoint.state import LazyArray
@@ -79,17 +82,28 @@ class OrbaxTier(CopyTier):
         # One orbax call at a time (checkpointers keep per-call state), and no cleanup racing a save in progress.
         self._lock = threading.RLock()
 
-    def _checkpointer(self, step: int) -> ocp.Checkpointer:
+    def _checkpointer(self, step: int, *, saving: bool = False) -> ocp.Checkpointer:
         """A synchronous orbax Checkpointer (we already run in a background thread) with one fault-injection point
         between "all data written" and orbax's commit. Patched on the instance: orbax finds a handler's args class
-        by its type, so a subclass would not be recognised."""
-        # In a multi-process run one process writes (the trainer's process 0) and each reads on its own: every
-        # orbax barrier is local to the calling process, or a save by one process would wait for the others.
+        by its type, so a subclass would not be recognised. `saving`: the state item is written by the calling
+        process whichever it is (orbax_local.py), saved with PyTreeSave; reading uses orbax's default handlers."""
+        # In a multi-process run each process writes its own checkpoints (process 0 the whole state, or every
+        # process its own shards) and reads on its own: every orbax barrier is local to the calling process, or a
+        # save by one process would wait for the others. And directories are created before the items are written,
+        # not signalled: orbax's signals are keyed by an operation count that every process keeps (its saves are
+        # meant to be collective), so two processes saving on their own would take each other's "directory
+        # created" for their own and write into directories that do not exist yet.
         me = jax.process_index()
-        mp = (ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me})
+        mp = (ocp.options.MultiprocessingOptions(primary_host=me, active_processes={me},
+                                                 barrier_sync_key_prefix=f"angel_jax_process_{me}")
               if jax.process_count() > 1 else ocp.options.MultiprocessingOptions())
+        items = ({STATE_ITEM: state_handler(mp), META_ITEM: ocp.JsonCheckpointHandler(multiprocessing_options=mp)}
+                 if saving else {})
         handler = ocp.CompositeCheckpointHandler(
-            composite_options=ocp.CompositeOptions(multiprocessing_options=mp))
+            composite_options=ocp.CompositeOptions(
+                multiprocessing_options=mp,
+                async_options=ocp.options.AsyncOptions(create_directories_asynchronously=False)),
+            **items)
         finalize = handler.finalize
 
         def finalize_with_fault_point(directory):  # noqa: ANN001, ANN202 - orbax's signature
@@ -156,7 +170,7 @@ class OrbaxTier(CopyTier):
         items = {META_ITEM: ocp.args.JsonSave(index.to_json())}
         state = {a.name: arrays[a.name] for a in index.arrays if a.nbytes > 0}
         if state:
-            items[STATE_ITEM] = ocp.args.StandardSave(state)
+            items[STATE_ITEM] = ocp.args.PyTreeSave(state)
         final = self.root / str(step)
         # A re-save of a step (after a rollback) goes to a side name first, so the old copy survives a failure.
         target = final if not final.exists() else self.root / f"{step}.orbax-checkpoint-tmp-resave"
@@ -164,7 +178,7 @@ class OrbaxTier(CopyTier):
             self.root.mkdir(parents=True, exist_ok=True)
             self.remove_partial()  # one writer: any unfinished save is garbage holding space
             try:
-                self._checkpointer(step).save(target, args=ocp.args.Composite(**items))
+                self._checkpointer(step, saving=True).save(target, args=ocp.args.Composite(**items))
             except BaseException:
                 self._discard_failed(step, target)
                 raise

@@ -2,9 +2,8 @@
 
 Three tiers hold checkpoints, fastest first: memory (snapshots in tmpfs, memtier.py), peer (a copy of each
 snapshot on another host's mount, peer.py) and persistent (ordinary orbax checkpoints, persist.py; or snapshot
-directories on disk, filetier.py, where each process of a multi-process run persists its own shards). Restore,
-listing, verification and retention treat them alike, so they share this interface and the manager
-(engine.py) loops over tiers instead of naming each. What differs is how a step gets in:
+directories on disk, filetier.py). Restore, listing, verification and retention treat them alike, so they share
+this interface and the manager (engine.py) loops over tiers instead of naming each. What differs is how a step gets in:
 
     memory tier        written from the training state (MemoryTier.prepare / copy / commit): the only blocking part
     peer, persistent   `copy_from(source)`: a committed memory-tier snapshot copied in the background (CopyTier)

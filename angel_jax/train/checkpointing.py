@@ -19,7 +19,8 @@ A state sharded across processes (the paged engine's pages, the in-memory engine
 `TrainEngine.checkpoints_per_process`) is checkpointed per process instead (TRANSOM's layout): each process
 writes only its own shards, through tiers of its own,
 
-    <run_dir>/checkpoints/process_<p>/step_<k>/  its persistent copies (snapshot directories, filetier.py)
+    <run_dir>/checkpoints/process_<p>/<k>/       its persistent copies: orbax checkpoints of its shards, written
+                                                 by that process alone (checkpoint/orbax_local.py)
     <memory tier>/process_<p>/step_<k>/          its snapshots
     <checkpoint.peer_dir>/process_<p>/           its peer copies: a neighbour host's mount, so the loss of this
                                                  host's memory loses nothing
@@ -50,6 +51,7 @@ import numpy as np
 from angel_jax.checkpoint import CheckpointEngine, CheckpointError, CheckpointOptions, SaveHandle, StateSnapshot
 from angel_jax.checkpoint import faults
 from angel_jax.checkpoint.filetier import FileTier
+from angel_jax.checkpoint.persist import OrbaxTier
 from angel_jax.checkpoint.snapshot import SnapshotDamaged, is_snapshot_dir
 from angel_jax.checkpoint.state import LazyArray
 from angel_jax.config import Config, to_dict
@@ -196,8 +198,21 @@ def checkpoint_options(cfg: Config, run_dir: Path, process: int | None = None) -
                              peer_dir=mine(Path(c.peer_dir)) if c.peer_dir else None,
                              keep_last=c.keep, keep_every=c.keep_every or None,
                              verify_on_restore=c.verify_on_restore,
-                             # Orbax writes a multi-process job's numpy arrays from process 0 only (filetier.py).
-                             persistent_format="orbax" if process is None else "snapshot")
+                             persistent_format=persistent_format_of(mine(persistent)))
+
+
+def persistent_format_of(directory: Path) -> str:
+    """The format of the persistent tier in `directory`: 'orbax', unless it holds snapshot directories and no orbax
+    checkpoint (a process's shards, as the snapshot format held them before they were orbax checkpoints): a run
+    that resumes there keeps that format, so that nothing it wrote becomes unreadable."""
+    if FileTier(directory, 1).scan()[0] and not OrbaxTier(directory, 1).scan()[0]:
+        return "snapshot"
+    return "orbax"
+
+
+def shard_tier(directory: Path, keep: int = 1) -> OrbaxTier | FileTier:
+    """The persistent tier of one process's shards (`shard_dirs`), in the format it was written in."""
+    return (OrbaxTier if persistent_format_of(directory) == "orbax" else FileTier)(directory, keep)
 
 
 def training_engine(options: CheckpointOptions) -> CheckpointEngine:
@@ -438,7 +453,7 @@ def shard_steps(run_dir: Path) -> list[int]:
     dirs = shard_dirs(run_dir)
     if not dirs:
         return []
-    return sorted(set.intersection(*(set(FileTier(d, 1).scan()[0]) for d in dirs.values())), reverse=True)
+    return sorted(set.intersection(*(set(shard_tier(d).scan()[0]) for d in dirs.values())), reverse=True)
 
 
 def shard_dirs(run_dir: Path) -> dict[int, Path]:
@@ -476,7 +491,7 @@ def assemble_shards(run_dir: Path, step: int, keep: int = 1) -> tuple[int, dict[
     meta0: dict[str, Any] = {}
     for process, directory in sorted(shard_dirs(run_dir).items()):
         try:
-            index, arrays = FileTier(directory, keep).load(step, verify=True, pool=None)
+            index, arrays = shard_tier(directory, keep).load(step, verify=True, pool=None)
         except SnapshotDamaged as e:
             raise CheckpointError(f"step {step}: the shards of process {process} ({directory}) are damaged: "
                                   f"{'; '.join(e.problems)}. The state cannot be assembled without them",
