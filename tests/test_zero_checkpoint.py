@@ -133,6 +133,15 @@ def test_each_process_persists_its_shards_as_a_plain_orbax_checkpoint(runs):
         assert pages == runs[f"mp{rank}"]["shard_bytes"], rank
 
 
+def test_every_process_plans_on_its_own_device_budget(runs):
+    """With memory.device_budget 0 (the machine's own) the engine over two processes builds and trains on both: each
+    process asks its own device for its free memory, not process 0's, which refuses another process's question
+    (this failed every `angel-jax launch -n 2 ... memory.mode=paged` that left the device budget to the machine)."""
+    for rank in (0, 1):
+        np.testing.assert_allclose(runs[f"mp{rank}"]["own_budgets_losses"], runs["mp0"]["uninterrupted"][:2],
+                                   rtol=1e-5, atol=0)
+
+
 def test_a_host_that_lost_its_memory_restores_its_shards_from_the_peer_copy(runs):
     """Process 0's memory tier deleted: it restores its shards from its peer copy, process 1 from its memory tier,
     both bit for bit the state saved."""

@@ -3,7 +3,7 @@ sharded paged engine with its pages split across the processes, each process che
 through the trainer's checkpointer (memory tier, peer copy, persistent tier), restored into a fresh engine over the
 same two processes, where a newer step that process 1 cannot restore (every copy of its shards damaged) makes both
 go back to the older one; then process 0's memory tier is deleted (the loss of its host's memory) and both restore
-again.
+again. Last, an engine over the same two processes on the machine's own budgets (memory.device_budget 0).
 
     python zero_ckpt_mp_check.py PORT PROCESS_ID DIRECTORY
 
@@ -15,6 +15,7 @@ the checkpoint in one process."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -112,6 +113,12 @@ def main(port: int, process_id: int, directory: Path) -> None:
     if process_id == 0:  # `angel-jax ckpt verify`: every process's shards, checksummed
         out["verify"] = verify_report(c.run_dir)
     (directory / f"mp-done-{process_id}").write_text(json.dumps(out["uninterrupted"]))
+    # The machine's own budgets (memory.device_budget 0): each process asks its own device for its free memory
+    # (process 0's device, which the mesh lists first, refuses another process's question).
+    own = dataclasses.replace(c, memory=dataclasses.replace(c.memory, device_budget=0))
+    e = build_engine(own, make_mesh(MeshConfig(fsdp=2), jax.devices()))
+    out["own_budgets_losses"] = run(e, data[:2])
+    e.close()
     print(json.dumps(out), flush=True)
     jax.distributed.shutdown()
 

@@ -435,7 +435,7 @@ def build_paged_engine(cfg: Config, params: Any, example_batch: jax.Array, *,
     structure), or None to initialise it stage by stage (`StagedModel.init_stage` with train.seed) straight into
     each page's home, so that the whole model never exists in memory. `zero`: every page sharded over its mesh's
     devices (ZeRO-3, schedule/zero.py); `example_batch` is then the ranks' whole batch."""
-    device = device or (zero.mesh.devices.flat[0] if zero else jax.local_devices()[0])
+    device = device or (zero.local_device() if zero else jax.local_devices()[0])
     return_large_frees_to_the_os()  # page buffers stream through the host: freed ones must leave the process
     bp = blueprint(cfg, zero)
     staged = bp.staged

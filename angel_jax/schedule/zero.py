@@ -56,6 +56,12 @@ class Zero:
     def ranks(self) -> int:
         return self.mesh.devices.size
 
+    def local_device(self) -> jax.Device:
+        """This process's first device of the mesh: what the engine asks for its platform and free memory (another
+        process's device cannot be asked: its memory stats are refused as not addressable)."""
+        me = jax.process_index()
+        return next(d for d in self.mesh.devices.flat if d.process_index == me)
+
     def pages(self, memory_kind: str | None = None) -> NamedSharding:
         """Where global pages live: sharded over the ranks, in `memory_kind` of each rank's device."""
         return NamedSharding(self.mesh, PAGES, memory_kind=memory_kind)

@@ -109,9 +109,9 @@ class PagedTrainEngine:
     every stage's update is computed, so guarding it costs a second pass over all stages (see optim/paged.py)."""
 
     def __init__(self, cfg: Config, mesh: jax.sharding.Mesh):
-        self.device = mesh.devices.flat[0]
         # Several devices: every page sharded over all of them, each rank computing on its rows (ZeRO-3).
         self.zero = Zero.over(mesh.devices) if mesh.devices.size > 1 else None
+        self.device = self.zero.local_device() if self.zero else mesh.devices.flat[0]
         if self.zero is None:
             # train.micro_batch_size 0: the whole batch, or the largest halving whose working set the device holds.
             cfg = fit_micro_batch(cfg, self.device)
