@@ -153,7 +153,8 @@ def test_a_host_that_lost_its_memory_restores_its_shards_from_the_peer_copy(runs
 
 def test_one_process_resumes_the_shards_of_two_assembled(runs):
     """The two processes' checkpoint resumed in one process (two devices): every process's shards read from its
-    persistent tier and assembled into whole pages, logged; the losses continue the two-process run's."""
+    persistent tier and assembled into whole pages, logged, although an older whole-state checkpoint (step 2) lies
+    beside them; the losses continue the two-process run's."""
     assembled = runs["one"]["assembled"]
     # (step 6, whose shards of process 1 are damaged, is skipped: the newest step every process's shards verify)
     assert (assembled["step"], assembled["tier"]) == (3, "persistent (the shards of 2 processes)")

@@ -125,10 +125,14 @@ def resume_shards(directory: Path, data: list) -> dict:
             return {"error": "the two-process run did not finish"}
         time.sleep(0.2)
     c = cfg(directory, "mp", peer=True)  # the two processes' config
+    e = engine(c, 2)
     checkpointer = TrainCheckpointer(c, c.run_dir, primary=True)
+    # An older whole-state checkpoint beside the shards (as a run over one process before them would leave): the
+    # newest step wins, whatever its kind.
+    checkpointer.save(SAVE_AT - 1, e.state_snapshot(), {"engine": e.state_meta()})
+    checkpointer.wait()
     step, arrays, meta, tier = checkpointer.restore_latest()
     checkpointer.close()
-    e = engine(c, 2)
     e.load_state(arrays, meta["engine"])
     held = jax.tree.map(np.asarray, e.params())
     # The weights reader (export, sample) on the same run: the parameters assembled from both processes' shards.

@@ -277,29 +277,69 @@ class TrainCheckpointer:
 
     def restore_latest(self) -> tuple[int, dict[str, np.ndarray], dict[str, Any], str] | None:
         """(step, arrays, meta, tier) of the newest valid checkpoint, or None when there is none. Damaged copies
-        are skipped with a warning. Every process restores the step process 0 chose; `per_process`, the newest
-        step whose shards every process can restore, else a whole-state checkpoint as without. Without
-        `per_process`, a run whose checkpoints are all shards of several processes resumes them assembled."""
+        are skipped with a warning.
+
+        A run directory can hold checkpoints of three kinds: whole states (written by process 0 of a run whose
+        state is whole on every process), every process's own shards (`per_process`, this set of processes), and
+        shards of another set of processes (assembled). The kind whose newest committed step is newest is tried
+        first, then the others in the same order: a run that changes its number of processes and back resumes
+        its newest step, not an older one of its own kind. Within a kind, a damaged step falls back to an older
+        one: every process restores the step process 0 chose, or, `per_process`, the newest step whose shards
+        every process can restore."""
         if self.per_process:
-            found = self._restore_agreed()
-            if found is None:  # written by another set of processes, or whole (by one process, another engine)
-                with CheckpointEngine(checkpoint_options(self.cfg, self.run_dir)) as whole:
-                    found = self._restore_chosen(whole, self.primary and whole.latest_valid(),
-                                                 self.primary and any(i.committed for i in whole.list()))
+            kinds = [(self._newest_agreed(), self._restore_agreed), (self._newest_whole(), self._restore_whole)]
         else:
-            ref = self.engine.latest_valid() if self.primary else None
-            found = self._restore_chosen(self.engine, ref, self.primary and self.has_any())
-        if found is not None:
-            return found
-        found = self._restore_assembled()
-        if found is not None:
-            return found
+            kinds = [(from_primary(self._newest_committed(self.engine) if self.primary else -1),
+                      lambda: self._restore_chosen(self.engine, self.engine.latest_valid() if self.primary else None,
+                                                   self.primary and self.has_any()))]
+        kinds.append((self._newest_shards(), self._restore_assembled))
+        refused: CheckpointError | None = None
+        for newest, restore in sorted(kinds, key=lambda kind: -kind[0]):  # stable: this run's own kind first on ties
+            if newest < 0:
+                continue
+            try:
+                found = restore()
+            except CheckpointError as e:  # every step of that kind damaged: another kind may still resume
+                refused = refused or e
+                continue
+            if found is not None:
+                return found
+        if refused is not None:
+            raise refused
         if self.per_process and from_any(self.has_any()):  # shards, but of no step every process has
             raise CheckpointError(
                 f"the run in {self.run_dir} has checkpoints of some processes' shards, but no step whose shards "
                 "every process has, in its own tiers or in every process_<p> persistent directory: refusing to "
                 "start over from step 1 over them (see `angel-jax ckpt ls`; train.resume=false moves them aside)")
         return None
+
+    @staticmethod
+    def _newest_committed(engine: CheckpointEngine) -> int:
+        return max((i.step for i in engine.list() if i.committed), default=-1)
+
+    def _newest_whole(self) -> int:
+        """`per_process`: the newest step of the run's whole-state checkpoints (process 0 looks); -1 if none."""
+        newest = -1
+        if self.primary:
+            with CheckpointEngine(checkpoint_options(self.cfg, self.run_dir)) as whole:
+                newest = self._newest_committed(whole)
+        return from_primary(newest)
+
+    def _restore_whole(self) -> tuple[int, dict[str, np.ndarray], dict[str, Any], str] | None:
+        """`per_process`: a whole-state checkpoint (written by a run over another set of processes, or by another
+        engine), which the engine reshards."""
+        with CheckpointEngine(checkpoint_options(self.cfg, self.run_dir)) as whole:
+            return self._restore_chosen(whole, self.primary and whole.latest_valid(),
+                                        self.primary and any(i.committed for i in whole.list()))
+
+    def _newest_agreed(self) -> int:
+        """`per_process`: the newest step committed in every process's own tiers; -1 if none (a collective)."""
+        committed = [i.step for i in self.engine.list() if i.committed]
+        return max(set.intersection(*map(set, _all_processes_lists(sorted(committed, reverse=True)))), default=-1)
+
+    def _newest_shards(self) -> int:
+        """The newest step committed in every `process_<p>` persistent directory (process 0 looks); -1 if none."""
+        return from_primary((shard_steps(self.run_dir) or [-1])[0] if self.primary else -1)
 
     def _restore_assembled(self) -> tuple[int, dict[str, Any], dict[str, Any], str] | None:
         """The newest step committed in every `process_<p>` persistent directory whose shards all verify,

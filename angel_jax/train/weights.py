@@ -64,14 +64,17 @@ def load_params(run_dir: Path, step: int | None = None) -> LoadedWeights:
     cfg = run_config(run_dir)
     with CheckpointEngine(_read_options(cfg, run_dir)) as engine:
         committed = sorted(info.step for info in engine.list() if info.committed)
-        shards = shard_steps(run_dir) if not committed else []
+        shards = shard_steps(run_dir)  # newest first
         if not committed and not shards:
             raise CheckpointError(f"run directory {run_dir} has no checkpoint (looked in {engine._tier_roots()}): "
                                   "train it first, with checkpoint.every > 0 or to its last step")
-        if step is not None and step not in (committed or shards):
+        if step is not None and step not in committed and step not in shards:
             raise CheckpointError(f"run directory {run_dir} has no checkpoint of step {step} (its steps: "
-                                  f"{', '.join(map(str, sorted(committed or shards)))})", step=step)
-        if committed:
+                                  f"{', '.join(map(str, sorted(set(committed) | set(shards))))})", step=step)
+        # Whole-state checkpoints, or the processes' shards, whichever holds the step asked for or the newest one
+        # (a run that changed its number of processes has both kinds).
+        whole = step in committed if step is not None else bool(committed) and committed[-1] >= (shards or [-1])[0]
+        if whole:
             try:
                 restored = engine.restore(step, select=lambda name: name.startswith(PARAMS_PREFIX))
             except CheckpointError as e:
