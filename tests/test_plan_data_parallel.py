@@ -177,3 +177,17 @@ def test_a_sharded_plan_refuses_an_optimizer_that_needs_whole_parameters():
             "--peak-tflops", "100", "--link-gbps", "100"]
     with pytest.raises(AngelError, match="adafactor"):
         main([*base, "--devices", "2"])
+
+
+def test_an_estimate_on_a_measured_peak_states_its_mfu_over_that_same_peak(tmp_path, monkeypatch):
+    """Without --peak-tflops on a device missing from the peak table the peak is measured (a matmul): the stage
+    times and the MFU use one measurement. Two would differ by the machine's noise; here the second measurement
+    would be 5x the first, so an MFU over it would be a fifth of the stated one."""
+    from angel_jax.train import metrics
+    from angel_jax.train.plan_cli import main
+
+    measured = iter([1e11, 5e11, 5e11])
+    monkeypatch.setattr(metrics, "measure_matmul_flops", lambda *a, **k: next(measured))
+    assert main([str(REPO_ROOT / "experiments" / "gpt_tiny.yaml"), "--estimate", "--out", str(tmp_path)]) == 0
+    plan = json.loads((tmp_path / "plan.json").read_text())
+    assert plan["peak_flops"] == 1e11 and "at 0.1 TFLOP/s (estimate:matmul)" in plan["source"]

@@ -30,6 +30,7 @@ from angel_jax.config import Config, ConfigError, load_config
 from angel_jax.errors import AngelError
 from angel_jax.memory.bench_io import default_calibration_path
 from angel_jax.optim.fused import host_update_by
+from angel_jax.train.metrics import Peak, device_peak
 from angel_jax.train.plan_args import add_plan_arguments
 from angel_jax.schedule.engine import (Blueprint, blueprint, device_budget, fit_micro_batch, fixed_device_bytes,
                                        make_store, micro_batching, plan_for, refuse_sharded_optimizer,
@@ -145,12 +146,10 @@ def micro_sizes(cfg: Config, ranks: int = 1) -> list[int]:
     return sizes
 
 
-def _estimated_plan(cfg: Config, bp: Blueprint, args: argparse.Namespace
+def _estimated_plan(cfg: Config, bp: Blueprint, args: argparse.Namespace, peak: Peak | None = None
                     ) -> tuple[Config, Plan, list[StageCost], Budgets, Bandwidths, str]:
-    from angel_jax.train.metrics import Peak, device_peak
-
     device = jax.devices()[0]
-    peak = Peak(args.peak_tflops * 1e12, "--peak-tflops") if args.peak_tflops else device_peak(device)
+    peak = peak or (Peak(args.peak_tflops * 1e12, "--peak-tflops") if args.peak_tflops else device_peak(device))
     bw, device_bw, host_bw = target_bandwidths(args)
     ranks = target_ranks(cfg, args)
     if ranks > 1:
@@ -190,7 +189,7 @@ def _estimated_plan(cfg: Config, bp: Blueprint, args: argparse.Namespace
                                             f"TFLOP/s ({peak.source}); bandwidths: {bw.source}{chosen}"
 
 
-def _profiled_plan(cfg: Config, bp: Blueprint, _: argparse.Namespace
+def _profiled_plan(cfg: Config, bp: Blueprint, _: argparse.Namespace, __: Peak | None = None
                    ) -> tuple[Config, Plan, list[StageCost], Budgets, Bandwidths, str]:
     device = jax.devices()[0]
     cfg = fit_micro_batch(cfg, device)
@@ -307,11 +306,13 @@ def main(args: list[str] | argparse.Namespace | None = None) -> int:
                          "(a profiled plan is this process's, of one rank)")
     cfg = load_config(args.config, list(args.overrides))
     bp = blueprint(cfg)
-    cfg, plan, costs, budgets, bw, source = (_estimated_plan if args.estimate else _profiled_plan)(cfg, bp, args)
-    from angel_jax.train.metrics import device_peak
-
-    peak = args.peak_tflops * 1e12 if args.estimate and args.peak_tflops else \
-        device_peak(jax.devices()[0]).flops_per_device
+    # One peak for the stage times and the MFU: a measured one (a device missing from the table) moves between
+    # two measurements, and an MFU over another figure than the times were estimated with is meaningless.
+    given = Peak(args.peak_tflops * 1e12, "--peak-tflops") if args.estimate and args.peak_tflops else None
+    peak_of = given or device_peak(jax.devices()[0])
+    cfg, plan, costs, budgets, bw, source = (_estimated_plan if args.estimate else _profiled_plan)(cfg, bp, args,
+                                                                                                 peak_of)
+    peak = peak_of.flops_per_device
     print("\n".join(report(cfg, plan, costs, budgets, bw, source, peak)))
     out = Path(args.out) if args.out else cfg.run_dir
     out.mkdir(parents=True, exist_ok=True)
