@@ -8,6 +8,7 @@ import logging
 import re
 import shutil
 import subprocess
+import time
 import threading
 import xxhash
 from pathlib import Path
@@ -147,6 +148,9 @@ def test_snapshot_is_a_copy_jax_arrays_donated(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("streamed", [False, True], ids=["whole", "streamed"])
+# Reads still in flight when orbax gives up on a damaged file finish quietly, without a traceback each on stderr
+# (pytest turns what reaches the interpreter's unraisable hook into this warning).
+@pytest.mark.filterwarnings("error::pytest.PytestUnraisableExceptionWarning")
 def test_damaged_persisted_array_falls_back_to_older_step(tmp_path: Path, caplog: pytest.LogCaptureFixture,
                                                           monkeypatch: pytest.MonkeyPatch, streamed: bool) -> None:
     if streamed:  # a state over the streaming threshold: still checked whole before anything is handed over
@@ -158,7 +162,8 @@ def test_damaged_persisted_array_falls_back_to_older_step(tmp_path: Path, caplog
         engine.wait()  # back to back, step 1's persistence would be skipped as superseded by step 2
         engine.save(2, s2, {"n": 2})
         engine.wait()
-        flip_byte(largest_file(tmp_path / "persistent" / "2" / "state"))  # the data file orbax wrote
+        for data in (tmp_path / "persistent" / "2" / "state").rglob("d/*"):  # the data files orbax wrote
+            flip_byte(data)
         shutil.rmtree(tmp_path / "memory")
         caplog.set_level(logging.WARNING)
         restored = engine.restore()
@@ -168,6 +173,7 @@ def test_damaged_persisted_array_falls_back_to_older_step(tmp_path: Path, caplog
         assert "step 2" in warning and "persistent" in warning and "damaged" in warning
         assert engine.verify(2) and engine.verify(1) == []
         assert engine.latest_valid().step == 1
+    time.sleep(0.5)  # (the reads in flight finish)
 
 
 def test_a_state_over_the_streaming_threshold_is_restored_group_by_group(tmp_path: Path,

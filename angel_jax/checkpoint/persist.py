@@ -35,11 +35,12 @@ from __future__ import annotations
 
 import json
 import re
+import sys
 import threading
 import time
 from concurrent.futures import Executor
 from pathlib import Path
-from typing import Mapping
+from typing import Any, Mapping
 
 import dataclasses
 
@@ -200,6 +201,7 @@ class OrbaxTier(CopyTier):
         if not path.is_dir():
             raise SnapshotDamaged([f"{path}: missing"])
         index = self._read_index(path)
+        _quiet_reads_after_a_failed_restore()
         chosen = selected(index, select)
         limit = self.stream_above if self.stream_above is not None else psutil.virtual_memory().available // 2
         if sum(a.nbytes for a in chosen.arrays) > limit:
@@ -319,6 +321,30 @@ class _GroupReader:
             if name not in self._held:  # its group, read afresh (an array taken twice is read twice)
                 self._held = self.restore(self._group_of[name])
             return self._held.pop(name)
+
+
+_quieted = False
+
+
+def _quiet_reads_after_a_failed_restore() -> None:
+    """When a restore fails on a damaged file, orbax's event loop closes while tensorstore's other reads are still
+    in flight; as each completes, its callback raises "Event loop is closed" into `sys.unraisablehook`, a
+    traceback on stderr apiece (15 for one damaged checkpoint of 20 arrays) about nothing lost: the failure itself
+    is reported as the damage it is. This drops exactly those and passes everything else to the hook before it.
+    Installed once, on the first read."""
+    global _quieted
+    if _quieted:
+        return
+    _quieted = True
+    before = sys.unraisablehook
+
+    def hook(unraisable: Any) -> None:
+        e = unraisable.exc_value
+        if isinstance(e, RuntimeError) and str(e) == "Event loop is closed":
+            return
+        before(unraisable)
+
+    sys.unraisablehook = hook
 
 
 def _short(e: BaseException, limit: int = 300) -> str:
