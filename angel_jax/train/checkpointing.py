@@ -641,13 +641,11 @@ def list_table(run_dir: Path) -> list[str]:
                 return [f"no checkpoints ({roots})"]
             continue
         lines += [f"{heading}:"] if heading else []
-        lines.append(f"{'step':>8}  {'memory':<22}{'peer':<22}{'persistent':<22}")
-        for info in infos:
-            cells = []
-            for tier in ("memory", "peer", "persistent"):
-                t = info.tiers.get(tier)
-                cells.append(f"{t.state} {human_bytes(t.nbytes)}" if t else "-")
-            lines.append(f"{info.step:>8}  " + "".join(f"{c:<22}" for c in cells))
+        rows = [[f"{t.state} {human_bytes(t.nbytes)}" if (t := info.tiers.get(tier)) else "-"
+                 for tier in ("memory", "peer", "persistent")] for info in infos]
+        width = max(22, *(len(c) + 2 for row in rows for c in row))  # a column never runs into the next
+        lines.append(f"{'step':>8}  " + "".join(f"{h:<{width}}" for h in ("memory", "peer", "persistent")).rstrip())
+        lines += [f"{info.step:>8}  " + "".join(f"{c:<{width}}" for c in row).rstrip() for info, row in zip(infos, rows)]
         lines.append(f"tiers: {roots}")
     return lines or [f"no checkpoints in {run_dir}"]
 
