@@ -202,6 +202,21 @@ def test_spanning_sharing_and_waste():
     assert layout.waste_fraction == pytest.approx(30 / 96)
     assert layout.summary()["stages"]["head"]["pages"] == [4, 5]
     assert isinstance(big, LeafSlot)
+    # The page size on which each stage's group of one dtype fits a page: embed's 13 floats (52 B) -> 64 B.
+    assert layout.fitted_page_size(smallest=1) == 64
+    assert layout.fitted_page_size() == 4096  # never below the smallest page the config allows
+    refitted = PageLayout.build(trees, page_size_bytes=64)
+    assert [len(s.pages) for s in refitted.stages] == [1, 2]
+
+
+def test_a_model_much_smaller_than_its_pages_is_told_the_page_size_that_fits_it():
+    """A layout of 64 MiB pages for stages of a few KiB is nearly all padding; the fitted size is the next power
+    of two above the largest stage's bytes of one dtype."""
+    stages = [(f"block{i}", {"w": np.zeros((64, 48), np.float32), "b": np.zeros(48, np.float32)}) for i in range(4)]
+    layout = PageLayout.build(stages, page_size_bytes=64 << 20)
+    assert layout.waste_fraction > 0.99
+    assert layout.fitted_page_size() == 16384  # (64 * 48 + 48) * 4 = 12480 B
+    assert PageLayout.build(stages, page_size_bytes=16384).waste_fraction < 0.25
 
 
 def test_stage_function_takes_only_its_pages_and_unpacks_inside_jit():

@@ -313,6 +313,18 @@ class PageLayout(StagesByName):
     def waste_fraction(self) -> float:
         return self.waste_bytes / self.total_bytes if self.total_bytes else 0.0
 
+    def fitted_page_size(self, smallest: int = 4096) -> int:
+        """The smallest power-of-two page size (at least `smallest`) on which the largest stage's leaves of one
+        dtype fit one page: what a model much smaller than its pages could use instead, its padding then at most
+        a page per stage and dtype, of its own size."""
+        groups: dict[tuple[str, np.dtype, bool], int] = {}  # the bytes of each (stage, dtype, apart) group
+        for stage in self.stages:
+            for page in stage.pages:
+                key = (stage.name, page.dtype, page.apart)
+                groups[key] = groups.get(key, 0) + page.used * page.dtype.itemsize
+        largest = max(groups.values(), default=1)
+        return max(smallest, 1 << (largest - 1).bit_length())
+
     def summary(self) -> dict:
         return {"page_size_bytes": self.page_size_bytes, "num_pages": self.num_pages,
                 "total_bytes": self.total_bytes, "data_bytes": self.data_bytes,

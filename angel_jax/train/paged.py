@@ -398,6 +398,11 @@ class PagedTrainEngine:
                      f"disk {human_bytes(peak['disk'] // n)}")
         if plan.streamed:  # streamed stages update on the host
             lines.append(f"  host updates       {host_update_by(self.cfg.optimizer)}")
+        layout = getattr(built.model.params_layout, "rank_layout", built.model.params_layout)  # (a rank's pages)
+        if layout.waste_fraction > 0.5 and layout.fitted_page_size() < layout.page_size_bytes:
+            lines.append(f"  page padding       {layout.waste_fraction:.0%} of the pages' bytes are padding (a model "
+                         f"small for pages of {human_bytes(layout.page_size_bytes)}; memory, checkpoints and copies "
+                         f"carry it): memory.page_size={layout.fitted_page_size()} fits each stage on a page")
         lines.append(f"  predicted step     {plan.predicted.step_time:.3f} s (bandwidths: {built.bandwidths.source})")
         return lines
 
