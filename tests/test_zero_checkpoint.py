@@ -133,13 +133,17 @@ def test_each_process_persists_its_shards_as_a_plain_orbax_checkpoint(runs):
         assert pages == runs[f"mp{rank}"]["shard_bytes"], rank
 
 
-def test_every_process_plans_on_its_own_device_budget(runs):
-    """With memory.device_budget 0 (the machine's own) the engine over two processes builds and trains on both: each
-    process asks its own device for its free memory, not process 0's, which refuses another process's question
-    (this failed every `angel-jax launch -n 2 ... memory.mode=paged` that left the device budget to the machine)."""
+def test_two_processes_resume_a_one_rank_checkpoint_resharded_on_their_own_budgets(runs):
+    """1 -> 2 processes: the checkpoint one process wrote over one rank, resumed by the two processes from its
+    persistent tier and resharded over them (logged), continues the uninterrupted losses (1e-5). They plan on the
+    machine's own budgets (memory.device_budget 0): each process asks its own device for its free memory, not
+    process 0's, which refuses another process's question (this failed every `angel-jax launch -n 2 ...
+    memory.mode=paged` that left the device budget to the machine)."""
     for rank in (0, 1):
-        np.testing.assert_allclose(runs[f"mp{rank}"]["own_budgets_losses"], runs["mp0"]["uninterrupted"][:2],
-                                   rtol=1e-5, atol=0)
+        resumed = runs[f"mp{rank}"]["one_rank"]
+        assert (resumed["step"], resumed["tier"]) == (3, "persistent"), rank
+        np.testing.assert_allclose(resumed["losses"], runs["one"]["losses"]["uninterrupted"][3:], rtol=1e-5, atol=0)
+    assert "resharding the checkpoint's pages from 1 to 2 ranks" in runs["mp0"]["log"]
 
 
 def test_a_host_that_lost_its_memory_restores_its_shards_from_the_peer_copy(runs):

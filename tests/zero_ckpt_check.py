@@ -187,6 +187,9 @@ def main(shards_of: Path | None = None) -> None:
             back = state(e)
             if i == 0:  # the next resume's checkpoint
                 save(c, e, step)
+                if shards_of is not None:  # and, copied, the one zero_ckpt_mp_check.py's two processes resume
+                    shutil.copytree(c.run_dir, shards_of / "one-rank")
+                    (shards_of / "one-rank-saved").touch()
             out["resumes"].append({"from": meta["engine"].get("ranks", 1), "to": ranks, "step": step, "tier": tier,
                                    "bit_exact_with_saved": same(saved, back) if ranks == 2 else None,
                                    "losses": run(e, data[SAVE_AT:])})

@@ -3,7 +3,8 @@ sharded paged engine with its pages split across the processes, each process che
 through the trainer's checkpointer (memory tier, peer copy, persistent tier), restored into a fresh engine over the
 same two processes, where a newer step that process 1 cannot restore (every copy of its shards damaged) makes both
 go back to the older one; then process 0's memory tier is deleted (the loss of its host's memory) and both restore
-again. Last, an engine over the same two processes on the machine's own budgets (memory.device_budget 0).
+again. Last, the two processes resume the checkpoint zero_ckpt_check.py wrote over one rank (1 -> 2 processes),
+on the machine's own budgets.
 
     python zero_ckpt_mp_check.py PORT PROCESS_ID DIRECTORY
 
@@ -20,6 +21,7 @@ import json
 import os
 import shutil
 import sys
+import time
 from pathlib import Path
 
 os.environ["JAX_PLATFORMS"] = "cpu"
@@ -113,11 +115,20 @@ def main(port: int, process_id: int, directory: Path) -> None:
     if process_id == 0:  # `angel-jax ckpt verify`: every process's shards, checksummed
         out["verify"] = verify_report(c.run_dir)
     (directory / f"mp-done-{process_id}").write_text(json.dumps(out["uninterrupted"]))
-    # The machine's own budgets (memory.device_budget 0): each process asks its own device for its free memory
-    # (process 0's device, which the mesh lists first, refuses another process's question).
-    own = dataclasses.replace(c, memory=dataclasses.replace(c.memory, device_budget=0))
-    e = build_engine(own, make_mesh(MeshConfig(fsdp=2), jax.devices()))
-    out["own_budgets_losses"] = run(e, data[:2])
+    # 1 -> 2 processes: the checkpoint zero_ckpt_check.py wrote over one rank, resumed over these two processes
+    # from its persistent tier, on the machine's own budgets (memory.device_budget 0: each process asks its own
+    # device for its free memory; process 0's device, which the mesh lists first, refuses another process's).
+    deadline = time.time() + 200
+    while not (directory / "one-rank-saved").is_file() and time.time() < deadline:
+        time.sleep(0.2)
+    one = z.cfg(directory, "one-rank")
+    one = dataclasses.replace(one, memory=dataclasses.replace(one.memory, device_budget=0))
+    e = build_engine(one, make_mesh(MeshConfig(fsdp=2), jax.devices()))
+    restoring = TrainCheckpointer(one, one.run_dir, primary=process_id == 0, per_process=e.checkpoints_per_process)
+    step, arrays, meta, tier = restoring.restore_latest()
+    restoring.close()
+    e.load_state(arrays, meta["engine"])
+    out["one_rank"] = {"step": step, "tier": tier, "losses": run(e, data[z.SAVE_AT:])}
     e.close()
     print(json.dumps(out), flush=True)
     jax.distributed.shutdown()
