@@ -13,3 +13,6 @@ EXIT_RESTART = 75
 """Exit status of a worker that asks the watchdog for a restart (the trainer's RestartRequested; EX_TEMPFAIL)."""
 EXIT_EXCLUDE = 76
 """Exit status of a worker that asks the watchdog to restart without its node."""
+EXIT_CONFIG = 78
+"""Exit status of a worker whose run cannot go on as configured (a config the engine refuses, a checkpoint that does
+not fit the config): the watchdog fails the job at once, since a restart would fail the same way (EX_CONFIG)."""

@@ -151,6 +151,34 @@ def test_restart_budget_ends_in_failed_naming_the_step_and_status():
     assert d.events("job_end")[0]["failures"][0].startswith("attempt 0: rank 1")
 
 
+def test_a_run_that_cannot_go_on_as_configured_fails_without_a_restart():
+    """A worker that exits with EXIT_CONFIG (the engine refused the config, or the checkpoint does not fit it) fails
+    the job at once, with restarts left in the budget: each restart would fail the same way."""
+    d = Drive()
+    d.started(0.0)
+    d.all(0.5, 0, "setup")
+    d.msg(1.0, 0, 0, "restoring")
+    d.exit(2.0, 0, co.EXIT_CONFIG)
+    (crash,) = d.events("crash")
+    assert crash["status"] == "exited with status 78 (the run cannot go on as configured)"
+    d.exit(2.1, 1, -15)
+    d.stopped(3.0)
+    assert d.wd.state == co.State.FAILED and d.wd.restarts == 0 and len(d.of(co.Spawn)) == 1
+    (finish,) = d.of(co.Finish)
+    assert finish.summary.startswith("job failed after 0 restart(s): rank 0 cannot go on as configured, which no "
+                                     "restart mends (fix the config, or the checkpoint it resumes). Last failure: "
+                                     "rank 0 (node local0, pid 100) exited with status 78")
+
+
+def test_a_worker_exits_with_the_status_its_failure_calls_for():
+    from angel_jax.config import ConfigError
+    from angel_jax.tol.worker import exit_status
+    from angel_jax.train.protocol import StateMismatch
+
+    assert exit_status(ConfigError("'mesh': ...")) == exit_status(StateMismatch("another model")) == co.EXIT_CONFIG
+    assert exit_status(RuntimeError("a broken collective")) == 1 and exit_status(KeyboardInterrupt()) == 130
+
+
 def test_no_progress_limit_counts_restarts_without_a_new_best_step():
     policy = POLICY.__class__(**{**POLICY.__dict__, "max_restarts": 10, "no_progress_limit": 2})
     d = _crash_loop(policy, [7, 9, 9, 9, 9], [0, 4, 8, 8, 8])  # attempt 1 gets further (9 > 7): that resets
@@ -228,7 +256,8 @@ def test_describe_status():
     assert co.describe_status(-19) == "was killed by SIGSTOP"
     assert co.describe_status(1) == "exited with status 1"
     assert co.describe_status(75) == "exited with status 75 (restart requested)"
-    assert co.EXIT_RESTART == 75 and co.EXIT_EXCLUDE == 76
+    assert co.EXIT_RESTART == 75 and co.EXIT_EXCLUDE == 76 and co.EXIT_CONFIG == 78
     from angel_jax import errors
 
-    assert (errors.EXIT_RESTART, errors.EXIT_EXCLUDE) == (co.EXIT_RESTART, co.EXIT_EXCLUDE)
+    assert (errors.EXIT_RESTART, errors.EXIT_EXCLUDE, errors.EXIT_CONFIG) == (co.EXIT_RESTART, co.EXIT_EXCLUDE,
+                                                                               co.EXIT_CONFIG)

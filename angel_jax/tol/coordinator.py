@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any, Mapping, Protocol, Sequence
 
 from angel_jax.config import ResilienceConfig
-from angel_jax.errors import EXIT_EXCLUDE, EXIT_RESTART
+from angel_jax.errors import EXIT_CONFIG, EXIT_EXCLUDE, EXIT_RESTART
 from angel_jax.phases import BEFORE_FIRST_STEP, SLOW_PHASES, Phase
 
 FATAL_ACTIONS = ("restart", "exclude")
@@ -98,7 +98,7 @@ def describe_status(returncode: int) -> str:
         except ValueError:
             return f"was killed by signal {-returncode}"
     notes = {EXIT_RESTART: " (restart requested)", EXIT_EXCLUDE: " (exclusion of its node requested)",
-             143: " (after SIGTERM)", 130: " (interrupted)"}
+             EXIT_CONFIG: " (the run cannot go on as configured)", 143: " (after SIGTERM)", 130: " (interrupted)"}
     return f"exited with status {returncode}{notes.get(returncode, '')}"
 
 
@@ -246,6 +246,7 @@ class Failure:
     detail: str
     """One line naming the worker, its exit status or signal, the step and phase."""
     action: str = "restart"
+    """restart, exclude (restart without the node), an anomaly's action, or fail (no restart: EXIT_CONFIG)."""
 
     def line(self) -> str:
         return f"attempt {self.attempt}: {self.detail}"
@@ -444,7 +445,7 @@ class Watchdog:
                 "crash", self.attempt, e.rank, view.node, view.step, view.phase,
                 f"rank {e.rank} (node {view.node}, pid {view.pid}) {describe_status(e.returncode)} at step "
                 f"{_step_text(view.step)} in phase {view.phase}" + (f": {view.error}" if view.error else ""),
-                action="exclude" if e.returncode == EXIT_EXCLUDE else "restart"))
+                action={EXIT_EXCLUDE: "exclude", EXIT_CONFIG: "fail"}.get(e.returncode, "restart")))
         if not self.live:
             return out + self._finish(State.SUCCEEDED, self._success_summary())
         return out
@@ -534,6 +535,10 @@ class Watchdog:
         self.prev_attempt_best = reached if reached >= 0 else None
         last = self.failures[-1]
         p = self.policy
+        if last.action == "fail":  # a config the run refuses: every restart would fail the same way
+            return out + self._finish(State.FAILED, self._failed_summary(
+                f"rank {last.rank} cannot go on as configured, which no restart mends (fix the config, or the "
+                "checkpoint it resumes)"))
         if self.restarts >= p.max_restarts:
             return out + self._finish(State.FAILED, self._failed_summary(
                 f"the restart budget is spent (resilience.max_restarts={p.max_restarts})"))

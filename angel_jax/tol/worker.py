@@ -43,7 +43,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
-from angel_jax.config import Config, load_config
+from angel_jax.config import Config, ConfigError, load_config
+from angel_jax.errors import EXIT_CONFIG
 
 log = logging.getLogger("angel_jax.worker")
 
@@ -180,6 +181,16 @@ def _on_sigterm(signum: int, frame: Any) -> None:
     raise SystemExit(143)
 
 
+def exit_status(e: BaseException) -> int:
+    """A failed worker's exit status: EXIT_CONFIG for what no restart can mend (the engine refuses the config, the
+    checkpoint does not fit it), 130 for an interrupt, 1 for anything else (the watchdog restarts those)."""
+    from angel_jax.train.protocol import StateMismatch
+
+    if isinstance(e, (ConfigError, StateMismatch)):
+        return EXIT_CONFIG
+    return 130 if isinstance(e, KeyboardInterrupt) else 1
+
+
 def run(config: str, overrides: list[str]) -> int:
     wenv = WorkerEnv.from_environ(os.environ)
     _die_with_parent(wenv.watchdog_pid)
@@ -230,7 +241,7 @@ def run(config: str, overrides: list[str]) -> int:
         error = "stopped by SIGTERM" if code == 143 else f"SystemExit({e.code})"
     except BaseException as e:  # noqa: BLE001 - every failure becomes an exit status and a one-line report
         traceback.print_exc()
-        code, error = (130 if isinstance(e, KeyboardInterrupt) else 1), f"{type(e).__name__}: {e}"
+        code, error = exit_status(e), f"{type(e).__name__}: {e}"
     if code:
         print(f"worker {rank} (attempt {wenv.attempt}) exits with status {code}: {error}", file=sys.stderr,
               flush=True)
@@ -262,3 +273,4 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
