@@ -29,3 +29,20 @@ def test_checkpoint_kill_point_scoped_to_an_attempt():
     assert ckpt_kill_for_attempt("snapshot.copy@8:attempt=0", 1) is None
     with pytest.raises(ValueError, match="expected <point>"):
         ckpt_kill_for_attempt("snapshot.copy@8:rank=0", 0)
+
+
+def test_a_worker_whose_run_cannot_go_on_as_configured_exits_78(tmp_path):
+    """A real worker process whose config the run refuses (more validation batches than the split holds) exits
+    with EXIT_CONFIG, which the watchdog takes for a failure no restart mends, and says why on one line."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    from angel_jax.errors import EXIT_CONFIG
+
+    config = Path(__file__).resolve().parent.parent / "experiments" / "gpt_tiny.yaml"
+    done = subprocess.run(["timeout", "-s", "KILL", "120", sys.executable, "-m", "angel_jax.tol.worker", str(config),
+                           f"train.run_dir={tmp_path / 'run'}", f"data.dir={tmp_path / 'data'}", "train.steps=2",
+                           "train.eval_batches=100000"], cwd=tmp_path, capture_output=True, text=True)
+    assert done.returncode == EXIT_CONFIG == 78, done.stderr[-3000:]
+    assert "exits with status 78: ConfigError: 'train.eval_batches'=100000" in done.stderr
