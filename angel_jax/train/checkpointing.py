@@ -35,6 +35,7 @@ ANGEL_JAX_CKPT_KILL_AT describes (angel_jax/checkpoint/faults.py), read when the
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
@@ -286,26 +287,26 @@ class TrainCheckpointer:
         its newest step, not an older one of its own kind. Within a kind, a damaged step falls back to an older
         one: every process restores the step process 0 chose, or, `per_process`, the newest step whose shards
         every process can restore."""
-        if self.per_process:
-            kinds = [(self._newest_agreed(), self._restore_agreed), (self._newest_whole(), self._restore_whole)]
-        else:
-            kinds = [(from_primary(self._newest_committed(self.engine) if self.primary else -1),
-                      lambda: self._restore_chosen(self.engine, self.engine.latest_valid() if self.primary else None,
-                                                   self.primary and self.has_any()))]
-        kinds.append((self._newest_shards(), self._restore_assembled))
-        refused: CheckpointError | None = None
-        for newest, restore in sorted(kinds, key=lambda kind: -kind[0]):  # stable: this run's own kind first on ties
-            if newest < 0:
-                continue
-            try:
-                found = restore()
-            except CheckpointError as e:  # every step of that kind damaged: another kind may still resume
-                refused = refused or e
-                continue
-            if found is not None:
-                return found
-        if refused is not None:
-            raise refused
+        # Whole states: this run's own engine, or (`per_process`) the run's whole-state tiers beside its shards,
+        # which the engine reshards (written by a run over another set of processes, or by another engine).
+        with (CheckpointEngine(checkpoint_options(self.cfg, self.run_dir)) if self.per_process
+              else contextlib.nullcontext(self.engine)) as whole:
+            kinds = [(self._newest_agreed(), self._restore_agreed)] if self.per_process else []
+            kinds += [(self._newest_of(whole), lambda: self._restore_newest_of(whole)),
+                      (self._newest_shards(), self._restore_assembled)]
+            refused: CheckpointError | None = None
+            for newest, restore in sorted(kinds, key=lambda kind: -kind[0]):  # stable: own kind first on ties
+                if newest < 0:
+                    continue
+                try:
+                    found = restore()
+                except CheckpointError as e:  # every step of that kind damaged: another kind may still resume
+                    refused = refused or e
+                    continue
+                if found is not None:
+                    return found
+            if refused is not None:
+                raise refused
         if self.per_process and from_any(self.has_any()):  # shards, but of no step every process has
             raise CheckpointError(
                 f"the run in {self.run_dir} has checkpoints of some processes' shards, but no step whose shards "
@@ -313,24 +314,15 @@ class TrainCheckpointer:
                 "start over from step 1 over them (see `angel-jax ckpt ls`; train.resume=false moves them aside)")
         return None
 
-    @staticmethod
-    def _newest_committed(engine: CheckpointEngine) -> int:
-        return max((i.step for i in engine.list() if i.committed), default=-1)
+    def _newest_of(self, engine: CheckpointEngine) -> int:
+        """The newest step committed in `engine`'s tiers (process 0 looks, every process gets it); -1 if none."""
+        return from_primary(max((i.step for i in engine.list() if i.committed), default=-1) if self.primary else -1)
 
-    def _newest_whole(self) -> int:
-        """`per_process`: the newest step of the run's whole-state checkpoints (process 0 looks); -1 if none."""
-        newest = -1
-        if self.primary:
-            with CheckpointEngine(checkpoint_options(self.cfg, self.run_dir)) as whole:
-                newest = self._newest_committed(whole)
-        return from_primary(newest)
-
-    def _restore_whole(self) -> tuple[int, dict[str, np.ndarray], dict[str, Any], str] | None:
-        """`per_process`: a whole-state checkpoint (written by a run over another set of processes, or by another
-        engine), which the engine reshards."""
-        with CheckpointEngine(checkpoint_options(self.cfg, self.run_dir)) as whole:
-            return self._restore_chosen(whole, self.primary and whole.latest_valid(),
-                                        self.primary and any(i.committed for i in whole.list()))
+    def _restore_newest_of(self, engine: CheckpointEngine) -> tuple[int, dict[str, np.ndarray], dict[str, Any],
+                                                                    str] | None:
+        """The newest valid step of `engine`'s tiers, process 0's choice, on every process."""
+        return self._restore_chosen(engine, engine.latest_valid() if self.primary else None,
+                                    self.primary and any(i.committed for i in engine.list()))
 
     def _newest_agreed(self) -> int:
         """`per_process`: the newest step committed in every process's own tiers; -1 if none (a collective)."""

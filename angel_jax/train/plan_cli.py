@@ -146,10 +146,17 @@ def micro_sizes(cfg: Config, ranks: int = 1) -> list[int]:
     return sizes
 
 
+def target_peak(args: argparse.Namespace) -> Peak:
+    """The peak FLOP/s per device a plan is estimated for: --peak-tflops, else this device's (its table entry, or a
+    measured matmul). Taken once per plan: the stage times and the MFU must be over the same figure, and a measured
+    peak moves between two measurements."""
+    return Peak(args.peak_tflops * 1e12, "--peak-tflops") if args.peak_tflops else device_peak(jax.devices()[0])
+
+
 def _estimated_plan(cfg: Config, bp: Blueprint, args: argparse.Namespace, peak: Peak | None = None
                     ) -> tuple[Config, Plan, list[StageCost], Budgets, Bandwidths, str]:
     device = jax.devices()[0]
-    peak = peak or (Peak(args.peak_tflops * 1e12, "--peak-tflops") if args.peak_tflops else device_peak(device))
+    peak = peak or target_peak(args)
     bw, device_bw, host_bw = target_bandwidths(args)
     ranks = target_ranks(cfg, args)
     if ranks > 1:
@@ -189,8 +196,7 @@ def _estimated_plan(cfg: Config, bp: Blueprint, args: argparse.Namespace, peak: 
                                             f"TFLOP/s ({peak.source}); bandwidths: {bw.source}{chosen}"
 
 
-def _profiled_plan(cfg: Config, bp: Blueprint, _: argparse.Namespace, __: Peak | None = None
-                   ) -> tuple[Config, Plan, list[StageCost], Budgets, Bandwidths, str]:
+def _profiled_plan(cfg: Config, bp: Blueprint) -> tuple[Config, Plan, list[StageCost], Budgets, Bandwidths, str]:
     device = jax.devices()[0]
     cfg = fit_micro_batch(cfg, device)
     store = make_store(cfg, device)
@@ -306,13 +312,10 @@ def main(args: list[str] | argparse.Namespace | None = None) -> int:
                          "(a profiled plan is this process's, of one rank)")
     cfg = load_config(args.config, list(args.overrides))
     bp = blueprint(cfg)
-    # One peak for the stage times and the MFU: a measured one (a device missing from the table) moves between
-    # two measurements, and an MFU over another figure than the times were estimated with is meaningless.
-    given = Peak(args.peak_tflops * 1e12, "--peak-tflops") if args.estimate and args.peak_tflops else None
-    peak_of = given or device_peak(jax.devices()[0])
-    cfg, plan, costs, budgets, bw, source = (_estimated_plan if args.estimate else _profiled_plan)(cfg, bp, args,
-                                                                                                 peak_of)
-    peak = peak_of.flops_per_device
+    peak = target_peak(args) if args.estimate else device_peak(jax.devices()[0])
+    cfg, plan, costs, budgets, bw, source = (_estimated_plan(cfg, bp, args, peak) if args.estimate
+                                             else _profiled_plan(cfg, bp))
+    peak = peak.flops_per_device
     print("\n".join(report(cfg, plan, costs, budgets, bw, source, peak)))
     out = Path(args.out) if args.out else cfg.run_dir
     out.mkdir(parents=True, exist_ok=True)
