@@ -1,4 +1,5 @@
-"""Shared test set-up: CPU only, and a tiny learnable corpus + tiny model config for the training tests.
+"""Shared test set-up: CPU only, the matmul precision of tests that compare programs (`compares_programs`), and a
+tiny learnable corpus + tiny model config for the training tests.
 
 Kept small on purpose: every test file may rely on the CPU pin; the fixtures below cost nothing unless requested.
 """
@@ -6,9 +7,11 @@ Kept small on purpose: every test file may rely on the CPU pin; the fixtures bel
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import shutil
 import tempfile
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 # Tests run on the CPU (DESIGN.md "Conventions"); set before anything imports jax. An explicit JAX_PLATFORMS in the
@@ -49,6 +52,57 @@ from hypothesis import settings  # noqa: E402
 settings.register_profile("ci", derandomize=True, database=None, print_blob=True)
 settings.register_profile("explore", print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE") or ("ci" if os.environ.get("CI") else "explore"))
+
+# The precision tests that compare two programs compare at. On a GPU, fp32 matmuls default to TF32 (10 mantissa
+# bits): two programs that compute the same thing differently (the whole model and its stages, sharded and on one
+# device, our model and a reference formula) agree there to ~1e-3, not to fp32 rounding. A test that compares such
+# programs is marked `compares_programs` and runs with fp32 matmuls at full precision, as the CPU computes them
+# anyway; a test that compares a program with itself (a resume, bit for bit) needs no mark.
+MATMUL_PRECISION = "highest"
+_PRECISION_ENV = "JAX_DEFAULT_MATMUL_PRECISION"
+
+
+def comparing_env(env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """`env` (this process's environment by default) for a child process whose results a test compares with
+    another program's: the child's fp32 matmuls at full precision too."""
+    return {**(os.environ if env is None else env), _PRECISION_ENV: MATMUL_PRECISION}
+
+
+@contextlib.contextmanager
+def highest_matmul_precision() -> Iterator[None]:
+    """fp32 matmuls at full precision in this process and in every process started meanwhile; both restored
+    after. The global setting, not `jax.default_matmul_precision(...)`: that context is thread-local, and the
+    paged engine compiles and runs programs on worker threads."""
+    import jax
+
+    old_config, old_env = jax.config.jax_default_matmul_precision, os.environ.get(_PRECISION_ENV)
+    jax.config.update("jax_default_matmul_precision", MATMUL_PRECISION)
+    os.environ[_PRECISION_ENV] = MATMUL_PRECISION
+    try:
+        yield
+    finally:
+        jax.config.update("jax_default_matmul_precision", old_config)
+        if old_env is None:
+            os.environ.pop(_PRECISION_ENV, None)
+        else:
+            os.environ[_PRECISION_ENV] = old_env
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "compares_programs: compares the results of two different programs (engines, "
+                                       "stage programs, a reference formula); runs with fp32 matmuls at full "
+                                       "precision (conftest.highest_matmul_precision)")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item, nextitem: pytest.Item | None):
+    # Around the whole protocol, not in a fixture: the module- and session-scoped fixtures a marked test sets up
+    # (shared reference runs) are computed at the precision the test compares at.
+    if item.get_closest_marker("compares_programs") is None:
+        return (yield)
+    with highest_matmul_precision():
+        return (yield)
+
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 

@@ -55,6 +55,7 @@ def test_every_decoding_family_is_listed():
     assert can == sorted({cfg.name for cfg in DECODING.values()})
 
 
+@pytest.mark.compares_programs
 @pytest.mark.parametrize("prompt_len", [1, 5])
 def test_prefill_and_single_token_steps_give_the_whole_sequence_logits(family, prompt_len):
     cfg, staged, params = family

@@ -70,8 +70,11 @@ def test_auto_mode_counts_the_sharded_state():
 
 
 def _run(*args: str) -> dict:
+    """A check's process, with fp32 matmuls at full precision: it compares sharded layouts with one device."""
+    from conftest import comparing_env  # (here: the check scripts import this module, not the test set-up)
+
     run = subprocess.run(["timeout", "-s", "KILL", str(LIMIT), sys.executable, *args], capture_output=True,
-                         text=True, cwd=ROOT)
+                         text=True, cwd=ROOT, env=comparing_env())
     assert run.returncode == 0, run.stderr[-3000:]
     return json.loads(run.stdout.strip().splitlines()[-1])
 
@@ -81,6 +84,7 @@ def four_devices() -> dict:
     return _run(str(Path(__file__).with_name("fsdp_check.py")))
 
 
+@pytest.mark.compares_programs
 def test_sharded_losses_equal_one_device(four_devices):
     """fsdp 4, and data 2 x fsdp 2 with gradient accumulation, against the whole state on one device."""
     losses = four_devices["losses"]
@@ -120,14 +124,18 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.compares_programs
 @pytest.mark.slow
 def test_two_processes_shard_the_state_between_them(four_devices, tmp_path):
     """2 processes x 1 device, fsdp 2: the state split across the processes, the losses of one device. Each process
     checkpoints only its pieces of the state (about half of it), restores them bit for bit, and one process
     resumes both processes' pieces assembled into the whole state, bit for bit the state they held."""
+    from conftest import comparing_env
+
     script, port = str(Path(__file__).with_name("fsdp_mp_check.py")), str(_free_port())
     procs = [subprocess.Popen(["timeout", "-s", "KILL", str(LIMIT), sys.executable, script, port, str(rank),
-                               str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+                               str(tmp_path)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                              env=comparing_env())
              for rank in (0, 1)]
     outputs = [p.communicate() for p in procs]
     for p, (_, err) in zip(procs, outputs):

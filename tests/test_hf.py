@@ -65,6 +65,7 @@ def _copy_with(tmp: Path, name: str, config: dict | None = None, tensors: dict |
 # --------------------------------------------------------------------------------------------- import parity
 
 
+@pytest.mark.compares_programs
 def test_a_llama_checkpoint_trains_at_a_shorter_context_with_the_same_logits():
     # Rotary embeddings have no position table: a shorter model.seq_len is the same model on a shorter window, so
     # its logits are the checkpoint's on the first positions (causal attention: later tokens change nothing).
@@ -76,6 +77,7 @@ def test_a_llama_checkpoint_trains_at_a_shorter_context_with_the_same_logits():
     np.testing.assert_allclose(logits, ref["logits"][:, :16], rtol=0, atol=1e-4)
 
 
+@pytest.mark.compares_programs
 @pytest.mark.parametrize("name", NAMES)
 def test_imported_model_gives_the_transformers_logits(name):
     ref = np.load(FIXTURES / name / "logits.npz")

@@ -53,6 +53,7 @@ def _assert_equal_trees(got, want) -> None:
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+@pytest.mark.compares_programs
 @pytest.mark.slow
 def test_a_run_from_a_checkpoint_trains_alike_in_both_engines_and_exports(tmp_path, write_tiny_config, toy_corpus):
     src = FIXTURES / "llama"

@@ -95,6 +95,7 @@ def _hf_reference_logits(params: dict, cfg: ModelConfig, tokens: np.ndarray) -> 
     return rms_norm(x, p["head"]["norm"]["scale"]) @ p["head"]["unembed"]["kernel"]
 
 
+@pytest.mark.compares_programs
 @pytest.mark.parametrize("kv_heads", [2, 4, 1], ids=["gqa", "mha", "mqa"])
 def test_logits_equal_the_hugging_face_formulation(kv_heads):
     cfg = dataclasses.replace(CFG, n_kv_heads=kv_heads)
@@ -156,6 +157,7 @@ def test_rope_scores_depend_only_on_the_relative_position():
 # --------------------------------------------------------------------------------------- stages and counts
 
 
+@pytest.mark.compares_programs
 def test_gqa_equals_multi_head_attention_with_repeated_key_value_heads():
     """kv_heads < n_heads through dot_product_attention's grouping vs the same model with every key/value head
     copied for the query heads it serves (the multi-head model computes attention another way)."""
@@ -174,6 +176,7 @@ def test_gqa_equals_multi_head_attention_with_repeated_key_value_heads():
                                np.asarray(_forward(mha)(widened, tokens)), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.compares_programs
 def test_staged_forward_equals_whole_model():
     """Stage by stage (one jitted program per kind, blocks one at a time) vs the whole model with scanned blocks."""
     staged = models.get(CFG)
@@ -190,6 +193,7 @@ def test_staged_forward_equals_whole_model():
     assert all(np.array_equal(a, b) for a, b in zip(jax.tree.leaves(merged), jax.tree.leaves(params)))
 
 
+@pytest.mark.compares_programs
 @pytest.mark.parametrize("variant", [dict(scan_blocks=False), dict(remat=True)], ids=["unrolled", "remat"])
 def test_block_execution_variants_give_the_same_logits(variant):
     params = _random_params(CFG)
@@ -263,6 +267,7 @@ def test_the_planning_estimates_count_this_familys_shapes():
 # ---------------------------------------------------------------------------------------------- decoding
 
 
+@pytest.mark.compares_programs
 def test_prefill_and_one_token_steps_equal_the_whole_sequence_forward():
     staged = models.get(CFG)
     params = _random_params(CFG)
@@ -291,6 +296,7 @@ TRAIN_MODEL = ModelConfig(name="llama", d_model=64, n_layers=12, n_heads=2, n_kv
                           seq_len=16, compute_dtype="float32")
 
 
+@pytest.mark.compares_programs
 def test_paged_training_with_an_eighth_of_the_state_on_the_device_matches_the_reference():
     cfg = eighth(_cfg("adamw", steps=6, model=TRAIN_MODEL))
     data = batches(6, model=TRAIN_MODEL)

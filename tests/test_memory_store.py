@@ -268,6 +268,7 @@ def test_accounting_and_values_after_any_sequence_of_moves(sequence, home):
     assert live_by_kind(before) == collections.Counter()
 
 
+@pytest.mark.compares_programs
 def test_stage_pages_through_the_store_into_a_jitted_stage(store):
     rng = np.random.default_rng(3)
     params = {"w": rng.standard_normal((64, 32)).astype(np.float32), "b": rng.standard_normal(32).astype(np.float32),

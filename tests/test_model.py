@@ -149,6 +149,7 @@ def test_split_merge_round_trip_is_exact(model):
         assert x.shape == y.shape and x.dtype == y.dtype and np.array_equal(x, y)
 
 
+@pytest.mark.compares_programs
 def test_staged_forward_equals_whole_model(model):
     """Stage by stage (one jitted call per stage, blocks unrolled) vs the whole model with scanned blocks."""
     _, params, tokens = model
@@ -169,6 +170,7 @@ def test_staged_forward_equals_whole_model(model):
     assert float(loss_staged) == pytest.approx(float(loss_whole), rel=1e-6)
 
 
+@pytest.mark.compares_programs
 def test_staged_forward_with_remat_equals_whole_model(model):
     _, params, tokens = model
     cfg = dataclasses.replace(CFG, remat=True)
@@ -178,6 +180,7 @@ def test_staged_forward_with_remat_equals_whole_model(model):
                                atol=1e-5)
 
 
+@pytest.mark.compares_programs
 @pytest.mark.parametrize("variant", [dict(scan_blocks=False), dict(remat=True)], ids=["unrolled", "remat"])
 def test_block_execution_variants_give_the_same_logits(model, variant):
     _, params, tokens = model
@@ -186,6 +189,7 @@ def test_block_execution_variants_give_the_same_logits(model, variant):
                                np.asarray(_forward(CFG)(params, tokens[:, :-1])), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.compares_programs
 def test_remat_gives_the_same_gradients(model):
     """remat changes the backward pass (recomputation), so compare gradients, not only logits."""
     _, params, tokens = model

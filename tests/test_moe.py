@@ -99,6 +99,7 @@ def test_auxiliary_losses_follow_their_formulas():
     np.testing.assert_allclose(routing.drop_rate, [0.0])
 
 
+@pytest.mark.compares_programs
 @pytest.mark.parametrize("gated", [False, True])
 def test_all_experts_with_room_for_every_token_is_the_dense_mixture(gated):
     """top_k = experts and capacity for every token: sum_e softmax(router)_e * expert_e(x), computed expert by expert
@@ -154,6 +155,7 @@ def _params(cfg: ModelConfig) -> dict:
     return jax.tree_util.tree_map_with_path(draw, abstract)
 
 
+@pytest.mark.compares_programs
 def test_stages_in_sequence_give_the_whole_models_loss_and_figures():
     """The whole model (a Llama whose second block has an MoE MLP: both kinds of block and both stacks, one
     scanned group) against its stages run in sequence (the GPT's stages against its whole model: the paged test
@@ -218,6 +220,7 @@ def _reference() -> tuple[list[dict], dict]:
     return out, params
 
 
+@pytest.mark.compares_programs
 def test_paged_engine_with_streamed_stages_matches_the_reference():
     """Stages streamed through a small device budget, in two micro-batches (scanned calls over pytree
     activations): the losses and MoE figures of the whole-batch reference (routing is per sequence, so

@@ -107,6 +107,7 @@ def assert_mostly_streamed(engine, cfg: Config) -> None:
     assert len(engine.plan.streamed) >= 0.75 * n, f"only {len(engine.plan.streamed)} of {n} stages stream"
 
 
+@pytest.mark.compares_programs
 @pytest.mark.parametrize("optimizer", ["adamw", "lion"])
 def test_training_with_an_eighth_of_the_state_on_the_device_matches_the_reference(optimizer):
     data = list(_data())
@@ -138,6 +139,7 @@ def test_streamed_and_resident_placements_are_bitwise_identical():
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.compares_programs
 def test_optimizer_state_on_disk_matches_the_reference(tmp_path):
     data = list(_data())[:6]
     base = eighth(_cfg())
@@ -155,6 +157,7 @@ def test_optimizer_state_on_disk_matches_the_reference(tmp_path):
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
 
 
+@pytest.mark.compares_programs
 def test_every_page_family_on_disk_matches_the_reference(tmp_path):
     """A host budget that holds only the window: the streamed stages' parameters, gradients and optimizer state
     all live on disk (real chunk files), the host tier never holds more than the budget, and the losses are the
@@ -217,6 +220,7 @@ def test_device_budget_holds_for_live_arrays():
         (used, cfg.memory.device_budget)
 
 
+@pytest.mark.compares_programs
 def test_bfloat16_optimizer_state_pages_match_the_reference_with_the_same_state():
     """optimizer.state_dtype=bfloat16: Adam's m and v live in bfloat16 pages (half the optimizer bytes), and the
     paged engine still follows the reference trainer with the same setting (both widen the state, update in
@@ -235,6 +239,7 @@ def test_bfloat16_optimizer_state_pages_match_the_reference_with_the_same_state(
     np.testing.assert_allclose(losses, fp32_losses, rtol=1e-3)  # measured: 5e-6 after 8 steps
 
 
+@pytest.mark.compares_programs
 def test_master_weights_behind_bfloat16_pages_match_the_reference():
     """model.param_dtype=bfloat16 with optimizer.master_weights: the streamed parameter (and gradient) pages are
     bfloat16, the float32 master lives in the optimizer-state pages beside Adam's moments, updated on the host by

@@ -7,6 +7,7 @@ import math
 
 import jax
 import numpy as np
+import pytest
 
 from angel_jax.optim import make_optimizer
 from angel_jax.train.paged import PagedTrainEngine
@@ -26,6 +27,7 @@ CONTROLS = [
 ]
 
 
+@pytest.mark.compares_programs
 def test_guard_and_lr_scale_match_the_reference(tmp_path):
     cfg = _mixed(tmp_path)
     data = batches(len(CONTROLS), MODEL, 2)

@@ -114,6 +114,7 @@ def test_the_same_seed_gives_the_same_tokens_and_another_seed_others(model):
     assert len(batch.tokens) == 3 and len({tuple(t) for t in batch.tokens}) == 3  # drawn independently
 
 
+@pytest.mark.compares_programs
 def test_greedy_is_the_argmax_of_the_whole_sequence_forward_at_every_step(model):
     staged, params = model
     prompt = [7, 1, 30, 4]

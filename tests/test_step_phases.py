@@ -6,6 +6,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from angel_jax.config import Config, ModelConfig, OptimizerConfig, TrainConfig
 from angel_jax.optim import make_optimizer
@@ -38,6 +39,7 @@ def _state(engine: InMemoryEngine) -> dict[str, np.ndarray]:
     return {k: np.array(v) for k, v in named_leaves(engine.state).items()}
 
 
+@pytest.mark.compares_programs
 def test_two_phases_match_the_one_function_step():
     data = batches(len(CONTROLS), MODEL, 2)
     engine = InMemoryEngine(CFG, _mesh())

@@ -165,6 +165,7 @@ def test_moe_counts_every_expert_in_the_parameters_and_top_k_in_the_flops():
         3 * 2 * (c.encoder_length + 2 * c.decoder_length) * (d * e + 3 * d * h), rel=1e-12)
 
 
+@pytest.mark.compares_programs
 def test_paged_training_with_streamed_stages_matches_the_reference():
     """T5 and T5-MoE in one model: every other encoder and decoder block routed (4 experts, top 2; capacity 1.0, so
     tokens drop), the others dense. The paged engine streams the stages, carries the encoder's output through the

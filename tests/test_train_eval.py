@@ -54,6 +54,7 @@ def _on(engine, rows: jax.Array) -> jax.Array:
 # --------------------------------------------------------------------------------------------- engines
 
 
+@pytest.mark.compares_programs
 def test_paged_evaluation_streams_from_disk_and_matches_the_in_memory_engine(tmp_path):
     """Every page family of every stage on disk (the paged engine's hardest placement): before each step, both
     engines' eval_loss equals the loss that step then reports for the same batch, the two engines agree, and the
@@ -83,6 +84,7 @@ def test_paged_evaluation_streams_from_disk_and_matches_the_in_memory_engine(tmp
         paged.close()
 
 
+@pytest.mark.compares_programs
 def test_lock_free_evaluation_waits_for_pending_updates_and_restarts_a_recording(tmp_path, monkeypatch):
     """staleness 1 with host-homed streamed stages: an evaluation right after a step sees every update of that
     step (the loss of the parameters `params()` returns once all updates landed), counts no stale use, and a

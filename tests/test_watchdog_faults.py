@@ -28,6 +28,7 @@ from angel_jax.checkpoint import CheckpointEngine, CheckpointOptions
 from angel_jax.tee.events import read_events
 from angel_jax.tol.heartbeat import encode
 from angel_jax.train import metrics as M
+from conftest import comparing_env
 
 pytestmark = pytest.mark.slow
 
@@ -111,7 +112,9 @@ class Launches:
         out_path = self.directory / f"{name}.out"
         cmd = ["timeout", "-s", "KILL", str(LIMIT), sys.executable, "-m", "angel_jax.cli", "launch", "-n", "2",
                *args, str(cfg)]
-        child_env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=XLA_FLAGS, **(env or {}))
+        # Every launch at full fp32 matmul precision: the reference is compared bit for bit with recovered jobs of
+        # the same program, and to float rounding with the paged engine's.
+        child_env = comparing_env(dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=XLA_FLAGS, **(env or {})))
         child_env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), child_env.get("PYTHONPATH")) if p)
         with open(out_path, "w") as out:
             proc = subprocess.Popen(cmd, cwd=self.directory, env=child_env, stdout=out, stderr=subprocess.STDOUT,
@@ -327,6 +330,7 @@ def test_crash_while_a_checkpoint_is_written(rank0_killed, reference):
     assert [e["step"] for e in job.events("resumed", source="rank0")] == [r["step"] for r in resumed]
 
 
+@pytest.mark.compares_programs
 def test_sigkill_of_a_worker_with_sharded_paged_state(launches, reference):
     """The sharded paged engine under the watchdog: every page family split over the two processes (ZeRO-3),
     blocks streamed through host memory. Rank 1 is SIGKILLed after step 5; the job resumes from its last checkpoint

@@ -14,13 +14,17 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from conftest import comparing_env
+
 ROOT = Path(__file__).resolve().parent.parent
 LIMIT = 240  # seconds: a hung collective must not hang the suite
 
 
 def _start(script: str, *args: str) -> subprocess.Popen:
+    # Full fp32 matmul precision: the checks compare runs over other numbers of ranks and processes.
     return subprocess.Popen(["timeout", "-s", "KILL", str(LIMIT), sys.executable, str(Path(__file__).with_name(script)),
-                             *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+                             *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                            env=comparing_env())
 
 
 def _free_port() -> int:
@@ -67,6 +71,7 @@ def test_the_weights_of_a_checkpoint_over_two_ranks_read_back_whole(checked):
     assert checked["weights_bit_exact"]
 
 
+@pytest.mark.compares_programs
 def test_another_world_size_reshards(checked):
     """2 -> 1 -> 2 ranks from the persistent tier: each resumed run continues the uninterrupted run's losses (another
     reduction order: to float rounding), the state back on 2 ranks is the saved state bit for bit, and each
@@ -90,6 +95,7 @@ def test_another_layout_is_refused(checked):
     assert "page layout differs" in message and "over the checkpoint's 2 ranks" in message and "'embed'" in message
 
 
+@pytest.mark.compares_programs
 def test_two_processes_round_trip(runs):
     """2 processes x 1 device, pages split across them: each process checkpoints only its own shards (half of
     every page) in its own tiers, and both restore them (memory tier) into a fresh engine: the state bit for bit
@@ -133,6 +139,7 @@ def test_each_process_persists_its_shards_as_a_plain_orbax_checkpoint(runs):
         assert pages == runs[f"mp{rank}"]["shard_bytes"], rank
 
 
+@pytest.mark.compares_programs
 def test_two_processes_resume_a_one_rank_checkpoint_resharded_on_their_own_budgets(runs):
     """1 -> 2 processes: the checkpoint one process wrote over one rank, resumed by the two processes from its
     persistent tier and resharded over them (logged), continues the uninterrupted losses (1e-5). They plan on the
@@ -155,6 +162,7 @@ def test_a_host_that_lost_its_memory_restores_its_shards_from_the_peer_copy(runs
         assert after["bit_exact"], rank
 
 
+@pytest.mark.compares_programs
 def test_one_process_resumes_the_shards_of_two_assembled(runs):
     """The two processes' checkpoint resumed in one process (two devices): every process's shards read from its
     persistent tier and assembled into whole pages, logged, although an older whole-state checkpoint (step 2) lies
