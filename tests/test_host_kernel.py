@@ -16,6 +16,7 @@ import pytest
 
 from angel_jax.config import OptimizerConfig
 from angel_jax.memory import PageLayout
+from angel_jax.memory.layout import bits_dtype, to_bits
 from angel_jax.optim.factory import make_optimizer
 from angel_jax.optim.fused import host_optimizer, host_update_by, kernel_table, kernel_threads
 from angel_jax.optim.kernels import HOST_OPTIMIZER, build, load_host_optimizer
@@ -39,13 +40,22 @@ def _updates(name: str, clip: float, state_dtype: str = "float32", master: bool 
     return xla, kernel, norms, inputs
 
 
+def _as_values(x) -> np.ndarray:
+    """A page held as bits (memory/layout.py) as its values: here every 32-bit page is float32 and every 16-bit
+    one bfloat16 (the kernel's dtypes)."""
+    x = np.asarray(x)
+    return {np.dtype(np.uint32): lambda: x.view(np.float32), np.dtype(np.uint16): lambda: x.view(jnp.bfloat16)}.get(
+        x.dtype, lambda: x)()
+
+
 def _assert_equal(a, b, *, exact: bool = False):
     for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b), strict=True):
         x, y = np.asarray(x), np.asarray(y)
         if exact:
             np.testing.assert_array_equal(x, y)
         else:
-            np.testing.assert_allclose(y, x, rtol=2e-6, atol=1e-12)
+            assert x.dtype == y.dtype
+            np.testing.assert_allclose(_as_values(y), _as_values(x), rtol=2e-6, atol=1e-12)
 
 
 @pytest.mark.parametrize("name,clip,norm,state_dtype", [
@@ -55,13 +65,13 @@ def _assert_equal(a, b, *, exact: bool = False):
 def test_kernel_steps_equal_xla_steps(name, clip, norm, state_dtype):
     """Ten steps fed back into themselves (warm-up, bias corrections and the schedule's count move each step)."""
     xla, kernel, _, (pp, gp, op, small) = _updates(name, clip, state_dtype)
-    assert op[0].dtype == state_dtype
+    assert op[0].dtype == bits_dtype(state_dtype)  # (pages are held as the bits of their values)
     assert HOST_OPTIMIZER in jax.jit(kernel).lower(pp, gp, op, small, jnp.float32(norm), jnp.bool_(True),
                                                jnp.float32(0.5)).as_text()
     a = b = (pp, op, small)
     rng = np.random.default_rng(3)
     for _ in range(STEPS):
-        grads = tuple(jnp.asarray(rng.standard_normal(g.shape).astype(np.float32)) for g in gp)
+        grads = tuple(to_bits(jnp.asarray(rng.standard_normal(g.shape).astype(np.float32))) for g in gp)
         args = (jnp.float32(norm), jnp.bool_(True), jnp.float32(0.5))
         ra, rb = jax.jit(xla)(a[0], grads, a[1], a[2], *args), jax.jit(kernel)(b[0], grads, b[1], b[2], *args)
         _assert_equal(ra[:3], rb[:3])  # XLA rounds some elements differently by one unit in the last place
@@ -78,7 +88,8 @@ def test_kernel_steps_with_master_weights_equal_xla_steps(name, state_dtype):
     pages (beside bfloat16 moments: pages of two dtypes, which only the leaf-wise XLA update handles otherwise).
     The kernel steps the master and rounds the parameters to it as `with_master_weights` does."""
     xla, kernel, _, (pp, gp, op, small) = _updates(name, 1.0, state_dtype, master=True)
-    assert pp[0].dtype == jnp.bfloat16 and {str(o.dtype) for o in op} == {"float32", state_dtype}
+    assert pp[0].dtype == bits_dtype(jnp.bfloat16) and \
+        {str(o.dtype) for o in op} == {"uint32", str(bits_dtype(state_dtype))}
     assert HOST_OPTIMIZER in jax.jit(kernel).lower(pp, gp, op, small, jnp.float32(3.0), jnp.bool_(True),
                                                jnp.float32(0.5)).as_text()
     # Each step from the same state (XLA's last): XLA keeps excess precision where it fuses (a bfloat16 rounding
@@ -87,12 +98,12 @@ def test_kernel_steps_with_master_weights_equal_xla_steps(name, state_dtype):
     state = (pp, op, small)
     rng = np.random.default_rng(4)
     for _ in range(STEPS):
-        grads = tuple(jnp.asarray(rng.standard_normal(g.shape), jnp.bfloat16) for g in gp)
+        grads = tuple(to_bits(jnp.asarray(rng.standard_normal(g.shape), jnp.bfloat16)) for g in gp)
         args = (jnp.float32(3.0), jnp.bool_(True), jnp.float32(0.5))
         ra, rb = jax.jit(xla)(*state[:1], grads, *state[1:], *args), jax.jit(kernel)(*state[:1], grads, *state[1:],
                                                                                      *args)
         for x, y in zip((*ra[0], *ra[1]), (*rb[0], *rb[1])):
-            x, y = np.asarray(x, np.float32), np.asarray(y, np.float32)
+            x, y = _as_values(x).astype(np.float32), _as_values(y).astype(np.float32)
             close = np.isclose(y, x, rtol=2e-6, atol=1e-12)  # float32: the same to its rounding
             assert close.mean() > 0.97 and np.allclose(y, x, rtol=2 ** -7, atol=1e-6), (x[~close], y[~close])
         _assert_equal(ra[2], rb[2], exact=True)
@@ -120,7 +131,7 @@ def test_donated_pages_are_updated_in_place():
     fn = jax.jit(kernel, donate_argnums=(0, 2))
     args = (jnp.float32(3.0), jnp.bool_(True), jnp.float32(1.0))
     hlo = fn.lower(pp, gp, op, small, *args).compile().as_text()
-    assert not re.search(r"f32\[\d+\]\{0\} copy\(", hlo)  # scalars may be copied, never a page
+    assert not re.search(r"[uf]32\[\d+\]\{0\} copy\(", hlo)  # scalars may be copied, never a page
     pp, op = tuple(jnp.asarray(p) + 0 for p in pp), tuple(jnp.asarray(o) + 0 for o in op)  # buffers of its own
     before = [p.unsafe_buffer_pointer() for p in (*pp, *op)]
     out = fn(pp, gp, op, small, *args)
@@ -209,7 +220,7 @@ def test_fresh_outputs_for_pages_that_cannot_be_donated():
     before = [np.array(a) for a in (*pp, *op)]
     fresh = jax.jit(kernel.fresh_outputs)
     hlo = fresh.lower(pp, gp, op, small, jnp.float32(3.0), jnp.bool_(True), jnp.float32(1.0)).compile().as_text()
-    assert "output_to_operand_aliasing" not in hlo and not re.search(r"f32\[\d+\]\{0\} copy\(", hlo)
+    assert "output_to_operand_aliasing" not in hlo and not re.search(r"[uf]32\[\d+\]\{0\} copy\(", hlo)
     for ok in (True, False):
         args = (jnp.float32(3.0), jnp.bool_(ok), jnp.float32(1.0))
         _assert_equal(jax.jit(kernel)(pp, gp, op, small, *args)[:4], fresh(pp, gp, op, small, *args)[:4],

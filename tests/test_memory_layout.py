@@ -76,7 +76,7 @@ def check_round_trip(layout: PageLayout, trees, mode: str) -> None:
         stage = layout.stage(name)
         assert len(pages) == len(stage.pages)
         for spec, page in zip(stage.pages, pages):
-            assert page.shape == (spec.length,) and np.dtype(page.dtype) == spec.dtype
+            assert page.shape == (spec.length,) and np.dtype(page.dtype) == spec.bits  # held as bits
             assert spec.nbytes == layout.page_size_bytes
         flat_in, tdef_in = jax.tree.flatten(tree)
         flat_out, tdef_out = jax.tree.flatten(back)
@@ -219,6 +219,7 @@ def test_a_model_much_smaller_than_its_pages_is_told_the_page_size_that_fits_it(
     assert PageLayout.build(stages, page_size_bytes=16384).waste_fraction < 0.25
 
 
+@pytest.mark.compares_programs  # a jitted matmul against numpy
 def test_stage_function_takes_only_its_pages_and_unpacks_inside_jit():
     rng = np.random.default_rng(0)
     params = {"w": rng.standard_normal((8, 8)).astype(np.float32), "b": rng.standard_normal(8).astype(np.float32)}

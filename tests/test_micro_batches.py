@@ -171,6 +171,7 @@ def test_split_batch_keeps_each_micro_batch_on_the_ranks_of_its_rows():
         split_batch(batch, 3)
 
 
+@pytest.mark.compares_programs
 def test_in_memory_micro_batches_give_the_whole_batch_step():
     micro, micro_eval, initial = _in_memory()
     whole, whole_eval = _reference(initial)
@@ -180,6 +181,7 @@ def test_in_memory_micro_batches_give_the_whole_batch_step():
     np.testing.assert_allclose(micro_eval, whole_eval, rtol=1e-5)
 
 
+@pytest.mark.compares_programs
 def test_paged_micro_batches_stream_layer_major_and_match_both_references(monkeypatch):
     ref, ref_eval, _ = _in_memory()
     whole, whole_eval, e1, calls1, fetches1, profiled1 = _paged(0, monkeypatch)
@@ -208,6 +210,7 @@ def test_paged_micro_batches_stream_layer_major_and_match_both_references(monkey
     assert profiled1 == [((BATCH, MODEL.seq_len + 1), 1)] and profiled4 == [((MICRO, MODEL.seq_len + 1), m)]
 
 
+@pytest.mark.compares_programs
 def test_scanned_stage_calls_match_the_calls_one_micro_batch_at_a_time():
     # What the executor runs per access with M micro-batches (one call scanning them) against calling the stage on
     # each micro-batch in turn and summing the gradient pages in float32: the same outputs, gradients, sums of
@@ -229,7 +232,9 @@ def test_scanned_stage_calls_match_the_calls_one_micro_batch_at_a_time():
     xs, targets = micro[:, :, :-1], micro[:, :, 1:]
     seen = set()
     for i, stage in enumerate(stages):
-        pages = tuple(random(p.length, p.dtype) for p in bp.params_layout.stage(stage.name).pages)
+        layout = bp.params_layout.stage(stage.name)
+        dtypes = tuple(p.dtype for p in layout.pages)
+        pages = layout.bits(random(p.length, p.dtype) for p in layout.pages)
         head = i == len(stages) - 1
         if not head:
             ys = fns.forward_micro[stage.kind](pages, xs)
@@ -240,11 +245,13 @@ def test_scanned_stage_calls_match_the_calls_one_micro_batch_at_a_time():
             acc, dxs, losses = None, [], []
             for k in range(m):
                 out = fns.backward[stage.kind](pages, xs[k], dys[k])
-                acc = fns.accumulate(acc, out[0])
+                acc = fns.accumulate(acc, out[0], dtypes)
                 dxs.append(out[1])
                 losses += list(out[3:])
-            dpages, sq = fns.mean_grads(acc, m, tuple(p.dtype for p in pages))
-            equal(scanned[:3], (dpages, None if dxs[0] is None else jnp.stack(dxs), sq))
+            dpages, sq = fns.mean_grads(acc, m, dtypes)
+            # (gradient pages are held as bits: compared as their values)
+            equal((layout.values(scanned[0]), *scanned[1:3]),
+                  (layout.values(dpages), None if dxs[0] is None else jnp.stack(dxs), sq))
             if head:
                 equal(scanned[3], functools.reduce(lambda a, b: a + b, losses))
             else:
@@ -318,12 +325,15 @@ def test_bad_micro_batch_sizes_are_refused_by_key():
     assert dataclasses.replace(train, micro_batch_size=0).micro_batches(8) == 1
 
 
+@pytest.mark.compares_programs
 @pytest.mark.slow
 def test_data_parallel_micro_batches_reduce_the_gradients_once_per_step():
     """Two devices: every micro-batch split over both ranks, per-rank sums, one gradient reduction per step."""
+    from conftest import comparing_env  # (here: micro_dp_check.py imports this module, not the test set-up)
+
     script = Path(__file__).with_name("micro_dp_check.py")
     run = subprocess.run(["timeout", "-s", "KILL", "300", sys.executable, str(script)], capture_output=True,
-                         text=True, cwd=Path(__file__).resolve().parents[1])
+                         text=True, cwd=Path(__file__).resolve().parents[1], env=comparing_env())
     assert run.returncode == 0, run.stderr[-3000:]
     out = json.loads(run.stdout.strip().splitlines()[-1])
     assert out["all_reduce"] >= 1 and out["all_reduce_in_loop"] == 0, out

@@ -52,7 +52,10 @@ def _both(tx, grads, ok=True, norm=3.0, lr_scale=0.5, clip=1.0, apart=()):
     args = (pp, gp, op, small, jnp.float32(norm), jnp.bool_(ok), jnp.float32(lr_scale))
     leafwise = jax.jit(make_stage_update(tx, prep, orep, layout, clip))(*args)
     flat = jax.jit(make_stage_update(tx, prep, orep, layout, clip, elementwise=True))(*args)
-    return leafwise, flat, (pp, op, small)
+    for out in (leafwise, flat):  # pages are held as bits: both updates give bits, compared here as values
+        assert all(p.dtype == s.bits for p, s in zip(out[0] + out[1], prep.pages + orep.pages))
+    values = lambda out: (prep.values(out[0]), orep.values(out[1]), *out[2:])  # noqa: E731
+    return values(leafwise), values(flat), (prep.values(pp), orep.values(op), small)
 
 
 def _assert_same(leafwise, flat):

@@ -89,11 +89,11 @@ class _Dropping:
     def __init__(self, sums: HostSums, drop: int, stages: int):
         self._sums, self._drop, self._stages, self._adds = sums, drop, stages, 0
 
-    def accumulate(self, acc, dpages):
+    def accumulate(self, acc, dpages, dtypes):
         n, self._adds = self._adds, self._adds + 1
         if acc is not None and n // self._stages % PASSES == self._drop:
             return acc
-        return self._sums.accumulate(acc, dpages)
+        return self._sums.accumulate(acc, dpages, dtypes)
 
     def mean_grads(self, acc, micro_batches, dtypes):
         return self._sums.mean_grads(acc, micro_batches, dtypes)
@@ -106,6 +106,7 @@ def _assert_matches(metrics: list[dict], params, ref: list[dict], ref_params, rt
         np.testing.assert_allclose(got, want, rtol=rtol, atol=rtol * float(np.max(np.abs(want))))
 
 
+@pytest.mark.compares_programs
 def test_passes_train_as_one_pass_and_fetch_streamed_stages_once_per_pass():
     ref, ref_params, _ = _in_memory()
     one, one_params, e1, fetches1 = _paged(1)
@@ -128,6 +129,7 @@ def test_passes_train_as_one_pass_and_fetch_streamed_stages_once_per_pass():
         assert fetches == {p: planned[i] for i in e.plan.streamed for p in e.model.param_ids(i)}
 
 
+@pytest.mark.compares_programs
 def test_a_pass_left_out_of_the_host_sums_is_caught():
     ref, ref_params, _ = _in_memory()
     broken, broken_params, _, _ = _paged(PASSES, drop_pass=1)

@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 
 from angel_jax.config import Config, MemoryConfig, ModelConfig, MoEConfig, OptimizerConfig, TrainConfig
+from angel_jax.memory.layout import to_bits
 from angel_jax.memory.sharded_layout import ShardedPageLayout, chunks
 import models
 
@@ -115,7 +116,7 @@ def test_scatter_rows_are_what_each_rank_packs():
     stage = ShardedPageLayout.build([("s", tree)], 64, ranks=4).stage("s")
     rows = stage.scatter_rows(jax.tree.map(jnp.asarray, tree))
     for got, page in zip(rows, stage.pack(tree)):
-        np.testing.assert_array_equal(np.asarray(got).reshape(-1), page)
+        np.testing.assert_array_equal(to_bits(np.asarray(got).reshape(-1)), page)  # rows: values; pages: bits
 
 
 def test_expert_weights_on_pages_of_their_own_stay_on_the_rank_that_holds_those_experts():
@@ -136,9 +137,9 @@ def test_expert_weights_on_pages_of_their_own_stay_on_the_rank_that_holds_those_
         np.testing.assert_array_equal(np.asarray(local["dense"]), tree["dense"])
         np.testing.assert_array_equal(np.asarray(local["experts"]), tree["experts"][2 * r:2 * r + 2])
         rows = stage.scatter_rows(local, local=True)  # and back: the dense pages' rows, the rank's own pages
-        np.testing.assert_array_equal(np.asarray(rows[0]), pages[0].reshape(4, -1))
+        np.testing.assert_array_equal(to_bits(np.asarray(rows[0])), pages[0].reshape(4, -1))
         for got, page in zip(rows[1:], pages[1:]):
-            np.testing.assert_array_equal(np.asarray(got), page.reshape(4, -1)[r])
+            np.testing.assert_array_equal(to_bits(np.asarray(got)), page.reshape(4, -1)[r])
     # 6 experts do not split over 4 ranks: their pages are apart, but gathered like the others
     odd = {"experts": tree["experts"][:6]}
     assert not ShardedPageLayout.build([("s", odd)], 64, ranks=4, apart=apart).stage("s").keeps_apart
@@ -148,9 +149,13 @@ def test_expert_weights_on_pages_of_their_own_stay_on_the_rank_that_holds_those_
 
 
 def _check(script: str, *argv: tuple[str, ...]) -> list[subprocess.Popen]:
-    """One process running `script` per argument vector (one without arguments when none is given)."""
+    """One process running `script` per argument vector (one without arguments when none is given), with fp32
+    matmuls at full precision: the checks compare the sharded engine with the in-memory one on one device."""
+    from conftest import comparing_env  # (here: the check scripts import this module, not the test set-up)
+
     return [subprocess.Popen(["timeout", "-s", "KILL", str(LIMIT), sys.executable, str(ROOT / "tests" / script),
-                              *a], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT)
+                              *a], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT,
+                             env=comparing_env())
             for a in (argv or [()])]
 
 
@@ -175,6 +180,7 @@ def four_devices(checks) -> dict:
     return checks["four_devices"]
 
 
+@pytest.mark.compares_programs
 def test_sharded_paged_losses_equal_one_device(four_devices):
     out = four_devices
     assert out["streamed"] >= 0.75 * out["stages"], out["report"]
@@ -197,12 +203,14 @@ def test_each_device_holds_a_quarter_of_the_pages(four_devices):
     assert "bytes below per rank" in out["report"][0]
 
 
+@pytest.mark.compares_programs
 def test_sharded_pages_homed_on_disk_train_as_on_one_device(four_devices):
     out = four_devices["disk"]
     assert out["homes"] == {"params": 9, "gradients": 9, "optimizer": 9} and out["stages"] == 10, out
     np.testing.assert_allclose(out["losses"], four_devices["reference"]["loss"][:DISK_STEPS], rtol=1e-5)
 
 
+@pytest.mark.compares_programs
 def test_sharded_pages_in_accumulation_passes_train_as_on_one_device(four_devices):
     """Two micro-batches of one row per rank, one per pass: streamed stages' gradients summed on each rank's host
     between the passes (their sum of squares a collective), the whole batch's step."""
@@ -211,6 +219,7 @@ def test_sharded_pages_in_accumulation_passes_train_as_on_one_device(four_device
     np.testing.assert_allclose(out["losses"], four_devices["reference"]["loss"][:DISK_STEPS], rtol=1e-5)
 
 
+@pytest.mark.compares_programs
 def test_experts_sharded_over_the_ranks_train_as_on_one_device(four_devices):
     out = four_devices["moe"]
     assert out["keeps_apart"] and out["streamed"] >= 3, out  # each rank computes with its own 2 experts
@@ -231,6 +240,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+@pytest.mark.compares_programs
 def test_two_processes_shard_the_pages_between_them(checks, four_devices):
     out = checks["two_processes"]
     assert len(out["losses"]) == MP_STEPS
@@ -240,6 +250,7 @@ def test_two_processes_shard_the_pages_between_them(checks, four_devices):
     assert four_devices["state"] / 2 <= mine * 1.0001 and mine <= 1.05 * four_devices["state"] / 2
 
 
+@pytest.mark.compares_programs
 def test_two_processes_keep_their_parts_of_the_pages_on_their_own_disks(checks, four_devices):
     """Pages sharded over two processes with a disk tier: each process's files hold its half of every disk-homed
     page (its own subdirectory; the tier counts pages whole, as the array tiers do), the losses are the one-device

@@ -16,15 +16,21 @@ Rules:
   (`build(apart=...)`: a mixture of experts' expert weights) form groups of their own after the others, so they sit
   on pages of their own, which a sharded layout can keep on their rank and a plan can count apart.
 - Page ids are global and follow access order: stage 0's pages first.
-- `pack`/`unpack` are pure (concatenate, pad, slice, reshape) and work eagerly on numpy (numpy in, numpy out),
-  eagerly on jax arrays, and under `jax.jit` with the layout static, where XLA fuses them into the stage.
+- A page is stored as its bits: an unsigned-integer array of its dtype's width (`PageSpec.bits`: uint16 for
+  bfloat16, uint32 for float32, uint8 for bool). No program that moves pages (pack, unpack, tier moves, gathers,
+  checkpoint copies) takes or returns a float-typed page: XLA's CPU backend, on a processor without native
+  bfloat16, moves a bfloat16-typed array through float32 and quiets NaN payloads (0xffcc -> 0xffc0), so whether
+  a float page kept its bits would depend on the processor. The float view of a page exists only inside compute
+  (`StageLayout.values`, and the leaves `unpack` gives): a stage function, an optimizer update.
+- `pack`/`unpack` are pure (concatenate, pad, slice, reshape, bitcast) and work eagerly on numpy (numpy in,
+  numpy out), eagerly on jax arrays, and under `jax.jit` with the layout static, where XLA fuses them into the
+  stage. `unpack` also takes numpy pages typed as their values (a checkpoint's arrays): a numpy view is exact.
 
 This module knows nothing about tiers or models.
 """
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
 
@@ -89,8 +95,13 @@ class PageSpec:
         return (self.length - self.used) * self.dtype.itemsize
 
     @property
+    def bits(self) -> np.dtype:
+        """The dtype the page is stored as: the unsigned integer of `dtype`'s width (module docstring)."""
+        return bits_dtype(self.dtype)
+
+    @property
     def abstract(self) -> jax.ShapeDtypeStruct:
-        return jax.ShapeDtypeStruct((self.length,), self.dtype)
+        return jax.ShapeDtypeStruct((self.length,), self.bits)
 
 
 @dataclass(frozen=True)
@@ -124,31 +135,36 @@ class StageLayout:
         return bool(shapes) and all(len(shape) > 0 and shape[0] % ranks == 0 for shape in shapes)
 
     def pack(self, tree: PyTree) -> tuple:
-        """The stage's pytree -> tuple of pages (numpy if every leaf is numpy, else jax arrays)."""
+        """The stage's pytree -> tuple of pages, as bits (numpy if every leaf is numpy, else jax arrays)."""
         leaves = self._checked_leaves(tree)
         xp = np if all(isinstance(x, np.ndarray) for x in leaves) else jnp
         out: list = []
         for group in self._groups():
             first = self.pages[group[0].id - self.pages[0].id]
-            parts = [_as_bits(xp, xp.reshape(leaves[i], (-1,)))
+            parts = [to_bits(xp.reshape(leaves[i], (-1,)))
                      for i, s in enumerate(self.slots) if _in_group(s, group)]
             pad = len(group) * first.length - sum(p.used for p in group)
             if pad:
-                parts.append(_as_bits(xp, xp.zeros((pad,), first.dtype)))
+                parts.append(xp.zeros((pad,), first.bits))
             flat = xp.concatenate(parts)  # copies even a single part: pages never alias the caller's leaves
-            out.extend(_from_bits(xp, flat[k * first.length:(k + 1) * first.length], first.dtype)
-                       for k in range(len(group)))
+            out.extend(flat[k * first.length:(k + 1) * first.length] for k in range(len(group)))
         return tuple(out)
+
+    def values(self, pages: Sequence) -> tuple:
+        """The float (value) view of pages held as bits: for arithmetic on whole pages inside compute (a
+        gradient's sum of squares, accumulation, a flat optimizer update). Bitcasts only."""
+        return tuple(to_values(p, spec.dtype) for p, spec in zip(pages, self.pages))
+
+    def bits(self, pages: Sequence) -> tuple:
+        """Pages computed as values, as the bits they are stored as (the inverse of `values`)."""
+        return tuple(to_bits(p) for p in pages)
 
     def unpack(self, pages: Sequence) -> PyTree:
         """Tuple of pages -> the stage's pytree. Only slices and reshapes: XLA fuses them under jit."""
         if len(pages) != len(self.pages):
             raise ValueError(f"stage {self.name!r}: expected {len(self.pages)} pages, got {len(pages)}")
         first_id = self.pages[0].id if self.pages else 0
-        for spec, page in zip(self.pages, pages):
-            if tuple(page.shape) != (spec.length,) or np.dtype(page.dtype) != spec.dtype:
-                raise ValueError(f"stage {self.name!r}: page {spec.id} must be {spec.dtype}[{spec.length}], "
-                                 f"got {np.dtype(page.dtype)}{list(page.shape)}")
+        pages = [_as_stored(page, spec, self.name) for spec, page in zip(self.pages, pages)]
         xp = np if all(isinstance(p, np.ndarray) for p in pages) else jnp
         leaves = []
         for slot in self.slots:
@@ -156,13 +172,9 @@ class StageLayout:
                 leaves.append(xp.zeros(slot.shape, slot.dtype))
                 continue
             length = self.pages[slot.page - first_id].length
-            spans = tuple((pid - first_id, a, b) for pid, a, b in slot.spans(length))
-            if xp is np or not jnp.issubdtype(slot.dtype, jnp.floating):
-                parts = [_as_bits(xp, pages[k][a:b]) for k, a, b in spans]
-                flat = xp.concatenate(parts)  # a fresh buffer: leaves never alias the pages
-                leaves.append(xp.reshape(_from_bits(xp, flat, slot.dtype), slot.shape))
-            else:
-                leaves.append(_extract(tuple(pages), spans, slot.shape))
+            parts = [pages[pid - first_id][a:b] for pid, a, b in slot.spans(length)]
+            flat = xp.concatenate(parts)  # a fresh buffer: leaves never alias the pages
+            leaves.append(xp.reshape(to_values(flat, slot.dtype), slot.shape))
         return jax.tree_util.tree_unflatten(self.treedef, leaves)
 
     def _groups(self) -> list[list[PageSpec]]:
@@ -184,37 +196,46 @@ class StageLayout:
         return leaves
 
 
-@functools.partial(jax.custom_jvp, nondiff_argnums=(1, 2))
-def _extract(pages: tuple, spans: tuple, shape: tuple) -> Any:
-    """A float leaf out of its pages, moved as integer bits (bit exact, see `_as_bits`). Bitcasts have no
-    derivative, so the derivative is given here: that of the same slices and reshape on floats. Without it, a
-    gradient with respect to pages taken through `unpack` is silently zero."""
-    flat = jnp.concatenate([_as_bits(jnp, pages[k][a:b]) for k, a, b in spans])
-    return jnp.reshape(_from_bits(jnp, flat, pages[spans[0][0]].dtype), shape)
+def bits_dtype(dtype: Any) -> np.dtype:
+    """The unsigned integer of `dtype`'s width: what a page of `dtype` is stored as."""
+    return np.dtype(f"u{np.dtype(dtype).itemsize}")
 
 
-@_extract.defjvp
-def _extract_jvp(spans: tuple, shape: tuple, primals: tuple, tangents: tuple) -> tuple:
-    (pages,), (dpages,) = primals, tangents
-    return _extract(pages, spans, shape), jnp.reshape(jnp.concatenate([dpages[k][a:b] for k, a, b in spans]), shape)
-
-
-def _as_bits(xp: Any, x: Any) -> Any:
-    """Floats as same-width unsigned integers under jax: XLA's CPU backend may quiet or canonicalise NaN payloads
-    when it moves floats through concatenate and slice (seen for bfloat16), and pages must hold bits unchanged.
-    The bitcasts are free; numpy moves bytes as they are and needs none."""
-    if xp is np or not jnp.issubdtype(x.dtype, jnp.floating):
+def to_bits(x: Any) -> Any:
+    """An array as the unsigned integers of its width, bit for bit (a numpy view; a bitcast under jax, which XLA
+    makes free). Unsigned arrays come back as they are."""
+    dtype = np.dtype(x.dtype)
+    if dtype.kind == "u":
         return x
-    return jax.lax.bitcast_convert_type(x, _UINT[np.dtype(x.dtype).itemsize])
+    if isinstance(x, np.ndarray):
+        return x.view(bits_dtype(dtype))
+    if dtype == np.bool_:  # lax has no bitcast for booleans; a bool's byte is 0 or 1
+        return x.astype(jnp.uint8)
+    return jax.lax.bitcast_convert_type(x, bits_dtype(dtype))
 
 
-def _from_bits(xp: Any, x: Any, dtype: np.dtype) -> Any:
-    if xp is np or x.dtype == dtype:
+def to_values(x: Any, dtype: Any) -> Any:
+    """Bits (`to_bits`) back as an array of `dtype`, bit for bit."""
+    dtype = np.dtype(dtype)
+    if np.dtype(x.dtype) == dtype:
         return x
+    if isinstance(x, np.ndarray):
+        return x.view(dtype)
+    if dtype == np.bool_:
+        return x != 0
     return jax.lax.bitcast_convert_type(x, dtype)
 
 
-_UINT = {1: jnp.uint8, 2: jnp.uint16, 4: jnp.uint32, 8: jnp.uint64}
+def _as_stored(page: Any, spec: "PageSpec", stage: str) -> Any:
+    """A page as `unpack` reads it: its bits. A numpy page typed as its values (an array of a checkpoint) is
+    viewed as its bits; any other dtype or shape is an error that names the page."""
+    dtype = np.dtype(page.dtype)
+    if isinstance(page, np.ndarray) and dtype == spec.dtype and tuple(page.shape) == (spec.length,):
+        return page.view(spec.bits)
+    if tuple(page.shape) != (spec.length,) or dtype != spec.bits:
+        raise ValueError(f"stage {stage!r}: page {spec.id} must be {spec.bits}[{spec.length}] (the bits of its "
+                         f"{spec.dtype} values), got {dtype}{list(page.shape)}")
+    return page
 
 
 def page_groups(pages: Sequence[PageSpec]) -> list[list[PageSpec]]:

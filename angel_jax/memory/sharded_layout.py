@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from angel_jax.memory.layout import PageLayout, PageSpec, StageLayout, StagesByName, page_groups
+from angel_jax.memory.layout import PageLayout, PageSpec, StageLayout, StagesByName, page_groups, to_bits, to_values
 
 PyTree = Any
 
@@ -115,6 +115,8 @@ class ShardedStageLayout:
         concatenations only: under jit on gathered pages XLA fuses them into the stage. `local` (inside a rank's
         call): the pages `self.local` names are the rank's own (L elements) and their leaves come back as the
         rank's rows of them, [E/N, ...]."""
+        pages = [page.view(spec.bits) if isinstance(page, np.ndarray) and page.dtype == spec.dtype else page
+                 for page, spec in zip(pages, self.pages)]  # a checkpoint's arrays, typed as their values
         xp = np if all(isinstance(p, np.ndarray) for p in pages) else jnp
         first = self.rank.pages[0].id if self.rank.pages else 0
         own = [local and self.local(spec) for spec in self.rank.pages]
@@ -128,15 +130,24 @@ class ShardedStageLayout:
             length = self.rank.pages[slot.page - first].length
             parts = [rows[pid - first][:, a:b] for pid, a, b in slot.spans(length)]
             block = parts[0] if len(parts) == 1 else xp.concatenate(parts, axis=1)  # [ranks, chunk]
+            block = to_values(block, dtype)
             if own[slot.page - first]:
                 leaves.append(xp.reshape(block, (shape[0] // self.ranks,) + tuple(shape[1:])))
             else:
                 leaves.append(xp.reshape(xp.reshape(block, (-1,))[:size], shape))
         return jax.tree_util.tree_unflatten(self.rank.treedef, leaves)
 
+    def values(self, pages: Sequence) -> tuple:
+        """As `StageLayout.values`: the float view of pages (global or a rank's shards) held as bits."""
+        return tuple(to_values(p, spec.dtype) for p, spec in zip(pages, self.pages))
+
+    def bits(self, pages: Sequence) -> tuple:
+        return tuple(to_bits(p) for p in pages)
+
     def scatter_rows(self, tree: PyTree, local: bool = False) -> tuple:
         """The stage's whole pytree (jax, under jit) -> per page a [ranks, L] array whose row r is what rank r's
-        page k would hold: the inverse of `unpack`, the input of a reduce-scatter over the ranks. `local`: as in
+        page k would hold, as values (gradients, summed by the reduce-scatter before they become bits): the
+        inverse of `unpack`, the input of a reduce-scatter over the ranks. `local`: as in
         `unpack`, the leaves of the pages `self.local` names are the rank's rows, and their pages come back as the
         rank's own [L]."""
         leaves = jax.tree_util.tree_leaves(tree)

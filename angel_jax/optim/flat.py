@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from angel_jax.memory.layout import StageLayout, page_groups
+from angel_jax.memory.layout import StageLayout, page_groups, to_bits, to_values
 from angel_jax.optim.factory import clip_with_norm
 
 Pages = tuple
@@ -72,6 +72,10 @@ class FlatPlan:
     of their own), in page order: (first element of the flat range, elements, first parameter page, first
     optimizer page). The flat range is the groups' leaves end to end, group by group; within a group the
     parameters, and each optimizer family after the other, lie end to end from the group's first page."""
+    param_dtype: Any = None
+    """The parameters' (and gradients') dtype: their pages are its bits (memory/layout.py)."""
+    opt_dtype: Any = None
+    """The optimizer pages' dtype (None without optimizer pages)."""
 
     @staticmethod
     def build(tx: optax.GradientTransformation, params_rep: StageLayout, opt_rep: StageLayout,
@@ -142,7 +146,7 @@ class FlatPlan:
                 [(leaf.shape, leaf.dtype) for (_, leaf), p in zip(with_paths, opt_paged) if not p]:
             return None
         return FlatPlan(size, segments, param_len, len(p_pages), opt_len, len(o_pages), families, state_treedef,
-                        paged, tuple(groups))
+                        paged, tuple(groups), dtype, o_pages[0].dtype if o_pages else None)
 
     def _group(self, a: int) -> tuple[int, int, int, int]:
         return next(g for g in self.groups if g[0] <= a < g[0] + g[1])
@@ -228,6 +232,15 @@ def make_flat_update(plan: FlatPlan, tx: optax.GradientTransformation, grad_clip
 
     def update(param_pages: Pages, grad_pages: Pages, opt_pages: Pages, opt_small: list, norm: jax.Array,
                ok: jax.Array, lr_scale: jax.Array) -> tuple:
+        """Pages in and out as bits (memory/layout.py); the arithmetic on their values."""
+        param_pages, grad_pages, opt_pages = (tuple(to_values(p, dtype) for p in pages) for pages, dtype in (
+            (param_pages, plan.param_dtype), (grad_pages, plan.param_dtype), (opt_pages, plan.opt_dtype)))
+        out_params, out_opt, small, update_sq, applied = on_values(param_pages, grad_pages, opt_pages, opt_small,
+                                                                   norm, ok, lr_scale)
+        return tuple(map(to_bits, out_params)), tuple(map(to_bits, out_opt)), small, update_sq, applied
+
+    def on_values(param_pages: Pages, grad_pages: Pages, opt_pages: Pages, opt_small: list, norm: jax.Array,
+                  ok: jax.Array, lr_scale: jax.Array) -> tuple:
         # The same arithmetic, arranged for XLA's CPU backend. It emits one loop per array it writes, and an
         # intermediate that two of those loops use and that it will not recompute (one with a division or a
         # square root: the clipped gradient, the normalised update; even a slice of a page) it writes to memory

@@ -75,8 +75,19 @@ def paged_paths(tx: optax.GradientTransformation, stage_params: Any) -> list[str
 
 
 def sqsum(pages: Pages) -> jax.Array:
-    """Sum of squares of pages (float32): each stage's share of a global norm; padding contributes zero."""
+    """Sum of squares of pages (float32): each stage's share of a global norm; padding contributes zero. The pages
+    are values (`StageLayout.values`), never bits: a sum of the bits' squares would be a number, and wrong."""
+    values_only(pages)
     return sum((jnp.sum(jnp.square(p.astype(jnp.float32))) for p in pages), jnp.zeros((), jnp.float32))
+
+
+def values_only(pages: Pages) -> None:
+    """Raise unless every page is typed as values (floats): arithmetic on pages held as bits (unsigned
+    integers, memory/layout.py) would compute on the integers silently."""
+    for p in pages:
+        if jnp.issubdtype(p.dtype, jnp.unsignedinteger):
+            raise TypeError(f"arithmetic on a page held as bits ({p.dtype}): view it as values first "
+                            "(StageLayout.values)")
 
 
 def global_norm(sqsums: list[jax.Array]) -> jax.Array:

@@ -40,7 +40,7 @@ def _time(fn: Callable[[], Any], setup: Callable[[], Any] = lambda: None, repeat
 
 
 def _zeros(layout: PageLayout, name: str, sharding: jax.sharding.Sharding) -> tuple:
-    return tuple(jax.device_put(np.zeros((p.length,), p.dtype), sharding) for p in layout.stage(name).pages)
+    return tuple(jax.device_put(np.zeros((p.length,), p.bits), sharding) for p in layout.stage(name).pages)
 
 
 def _float32_zeros(layout: PageLayout, name: str, sharding: jax.sharding.Sharding) -> tuple:
@@ -105,7 +105,8 @@ def profile_costs(fns: StageFunctions, updates: StageUpdates, params_layout: Pag
 
                 update_s[where] = _time(update, setup)
             # A pass's gradients, arrived in the host tier, added into the sum where host updates compute.
-            add_s = _time(lambda args: host_sums.accumulate(*args), lambda name=stage.name: (
+            dtypes = tuple(p.dtype for p in params_layout.stage(stage.name).pages)
+            add_s = _time(lambda args, dtypes=dtypes: host_sums.accumulate(*args, dtypes), lambda name=stage.name: (
                 _float32_zeros(params_layout, name, placements["host"].compute),
                 _zeros(params_layout, name, placements["host"].tier)))
             per_kind[kind] = (fwd_s, bwd_s, update_s.get("device", update_s["host"]), update_s["host"], add_s)

@@ -325,7 +325,7 @@ class PagedExecutor:
             return dpages, mark, mark, dx, loss
         if self._sum_span(i, micro) < micro:  # the pass's sums, on their way to the stage's sums on the host
             return dpages, None, mark, dx, loss
-        sums[i] = fns.accumulate(sums.get(i), dpages)
+        sums[i] = fns.accumulate(sums.get(i), dpages, self._grad_dtypes[i])
         if not last_pass:  # the step's sums so far: the next pass adds to them
             return sums[i], None, mark, dx, loss
         grads, sqsum = fns.mean_grads(sums.pop(i), micro, self._grad_dtypes[i])
@@ -345,7 +345,7 @@ class PagedExecutor:
         its sum of squares is returned, on the device (where the global norm is formed)."""
         moved = self._to_host(i, dpages, rec)
         first = i not in host_sums
-        host_sums[i] = self._settle(self._host_sums.accumulate(host_sums.get(i), moved))
+        host_sums[i] = self._settle(self._host_sums.accumulate(host_sums.get(i), moved, self._grad_dtypes[i]))
         if rec and not first:
             rec.record("host", f"add {self.model.staged.stages[i].name}", host_sums[i], after=moved)
         if not last_pass:

@@ -41,7 +41,7 @@ import numpy as np
 import optax
 
 from angel_jax.memory.crossing import onto
-from angel_jax.memory.layout import PageLayout, StageLayout
+from angel_jax.memory.layout import PageLayout, StageLayout, to_bits, to_values
 from angel_jax.memory.tiers import HOST_MEMORY_KINDS
 from angel_jax.optim.fused import HostOptimizer
 from angel_jax.optim.paged import OptLayout, make_stage_update, make_stage_update_norm, sqsum
@@ -118,7 +118,7 @@ class StageFunctions:
                     _, vjp = jax.vjp(lambda p: apply(p, x), r.unpack(pages))  # token ids have no gradient
                     (dparams,) = vjp(dy)
                     dpages = r.pack(dparams)
-                    return dpages, None, sqsum(dpages)
+                    return dpages, None, sqsum(r.values(dpages))
 
                 self.backward[kind] = jit(bwd_first, "backward_first")
             else:
@@ -126,7 +126,7 @@ class StageFunctions:
                     _, vjp = jax.vjp(apply, r.unpack(pages), x)
                     dparams, dx = vjp(dy)
                     dpages = r.pack(dparams)
-                    return dpages, dx, sqsum(dpages)
+                    return dpages, dx, sqsum(r.values(dpages))
 
                 self.backward[kind] = jit(bwd, "backward")
             args = (tx, update_rep[kind], update_opt_rep[kind], self.opt_structure[kind], grad_clip)
@@ -140,20 +140,22 @@ class StageFunctions:
                     make_stage_update_norm(*args, reduce=psum, elementwise=elementwise, kernel=kernel), norm_only=True)
 
     @staticmethod
-    def accumulate(acc: Pages | None, dpages: Pages) -> Pages:
-        """Float32 sums of gradient pages: `dpages` as float32 for the first micro-batch (acc None), else
-        `acc + dpages`, written over `acc` (donated)."""
+    def accumulate(acc: Pages | None, dpages: Pages, dtypes: tuple) -> Pages:
+        """Float32 sums of gradient pages (bits of the pages' `dtypes`, or float32 sums of a pass): `dpages` as
+        float32 for the first micro-batch (acc None), else `acc + dpages`, written over `acc` (donated)."""
+        dtypes = tuple(jnp.dtype(d).name for d in dtypes)
         if acc is None:
-            return tuple(d if d.dtype == jnp.float32 else d.astype(jnp.float32) for d in dpages)
-        return _add(acc, dpages)
+            return _float32(dpages, dtypes)
+        return _add(acc, dpages, dtypes)
 
     @staticmethod
     def mean_grads(acc: Pages, micro_batches: int, dtypes: tuple) -> tuple[Pages, jax.Array]:
-        """(sums x 1/micro_batches in the pages' `dtypes`, their sum of squares); float32 sums are donated. Over
-        pages sharded over several CPU devices the sum of squares is a collective: waited for (`zero.serial`)."""
+        """(sums x 1/micro_batches as the bits of pages of `dtypes`, their sum of squares). Over pages sharded over
+        several CPU devices the sum of squares is a collective: waited for (`zero.serial`). (The float32 sums are
+        not donated: the result is bits, which cannot take the sums' buffers.)"""
         scale = jnp.float32(1 / micro_batches)
         dtypes = tuple(jnp.dtype(d).name for d in dtypes)
-        out = (_mean_in_place if all(d == "float32" for d in dtypes) else _mean)(acc, scale, dtypes)
+        out = _mean(acc, scale, dtypes)
         return jax.block_until_ready(out) if serial(acc[0].sharding) else out
 
     def _head_backward(self, apply: Callable, rep: StageLayout) -> Callable:
@@ -165,7 +167,7 @@ class StageFunctions:
 
             loss, (dparams, dx) = jax.value_and_grad(f, argnums=(0, 1))(rep.unpack(pages), x)
             dpages = rep.pack(dparams)
-            return dpages, dx, sqsum(dpages), loss
+            return dpages, dx, sqsum(rep.values(dpages)), loss
 
         return head
 
@@ -186,22 +188,23 @@ class HostSums:
     def on(compute: jax.sharding.Sharding) -> "HostSums":
         return HostSums(compute)
 
-    def accumulate(self, acc: Pages | None, dpages: Pages) -> Pages:
-        """`dpages` as float32 (acc None), else `acc + dpages`, written over `acc`."""
+    def accumulate(self, acc: Pages | None, dpages: Pages, dtypes: tuple) -> Pages:
+        """`dpages` (bits of pages of `dtypes`, or float32 sums) as float32 (acc None), else `acc + dpages`,
+        written over `acc`."""
         dpages = onto(dpages, self.compute)
+        dtypes = tuple(jnp.dtype(d).name for d in dtypes)
         if acc is None:
             if all(d.dtype == jnp.float32 for d in dpages):
                 return dpages
-            return self._jit(("float32",), _float32_pages, ())(dpages)
-        return self._jit(("add",), _add_pages, (0,))(acc, dpages)
+            return self._jit(("float32", dtypes), lambda d: _float32_pages(d, dtypes), ())(dpages)
+        return self._jit(("add", dtypes), lambda a, d: _add_pages(a, d, dtypes), (0,))(acc, dpages)
 
     def mean_grads(self, acc: Pages, micro_batches: int, dtypes: tuple) -> tuple[Pages, jax.Array]:
-        """(sums x 1/micro_batches in the pages' `dtypes`, their sum of squares), on the host."""
+        """(sums x 1/micro_batches as the bits of pages of `dtypes`, their sum of squares), on the host."""
         dtypes = tuple(jnp.dtype(d).name for d in dtypes)
         scale = np.float32(1 / micro_batches)
-        in_place = all(d == "float32" for d in dtypes)
-        fn = self._jit(("mean", micro_batches, dtypes), lambda a: _mean_pages(a, scale, dtypes),
-                       (0,) if in_place else (), (self.compute, scalar_sharding(self.compute)))
+        fn = self._jit(("mean", micro_batches, dtypes), lambda a: _mean_pages(a, scale, dtypes), (),
+                       (self.compute, scalar_sharding(self.compute)))
         out = fn(acc)
         return jax.block_until_ready(out) if serial(self.compute) else out
 
@@ -223,8 +226,13 @@ def scalar_sharding(sharding: jax.sharding.Sharding) -> jax.sharding.Sharding:
 
 
 
-def _float32_pages(dpages: Pages) -> Pages:
-    return tuple(d.astype(jnp.float32) for d in dpages)
+def _as_values(pages: Pages, dtypes: tuple[str, ...]) -> Pages:
+    """Gradient pages as values: bits (unsigned) of pages of `dtypes` bitcast back, float32 sums as they are."""
+    return tuple(to_values(p, d) if jnp.issubdtype(p.dtype, jnp.unsignedinteger) else p for p, d in zip(pages, dtypes))
+
+
+def _float32_pages(dpages: Pages, dtypes: tuple[str, ...]) -> Pages:
+    return tuple(d.astype(jnp.float32) for d in _as_values(dpages, dtypes))
 
 
 def _forward_micro(apply: Callable, r: StageLayout) -> Callable:
@@ -261,7 +269,7 @@ def _backward_micro(apply: Callable, r: StageLayout, loss: Callable | None, has_
             total, acc = carry
             value, dparams, dx = grads(params, *micro)
             if sums:  # page sums
-                acc = tuple(a + d.astype(jnp.float32) for a, d in zip(acc, r.pack(dparams)))
+                acc = tuple(a + d.astype(jnp.float32) for a, d in zip(acc, r.values(r.pack(dparams))))
             else:
                 acc = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, dparams)
             return (total + value, acc), dx
@@ -273,21 +281,21 @@ def _backward_micro(apply: Callable, r: StageLayout, loss: Callable | None, has_
             return (acc, dxs, acc[0][0], total) if loss is not None else (acc, dxs, acc[0][0])
         scale = jnp.float32(1 / jax.tree.leaves(xs)[0].shape[0])  # (activations may be pytrees)
         dpages = r.pack(jax.tree.map(lambda a, p: (a * scale).astype(p.dtype), acc, params))
-        out = (dpages, dxs, sqsum(dpages))
+        out = (dpages, dxs, sqsum(r.values(dpages)))
         return out + (total,) if loss is not None else out
 
     return backward
 
 
-def _add_pages(acc: Pages, dpages: Pages) -> Pages:
-    return tuple(a + d.astype(a.dtype) for a, d in zip(acc, dpages))
+def _add_pages(acc: Pages, dpages: Pages, dtypes: tuple[str, ...]) -> Pages:
+    return tuple(a + d.astype(a.dtype) for a, d in zip(acc, _as_values(dpages, dtypes)))
 
 
 def _mean_pages(acc: Pages, scale: jax.Array, dtypes: tuple[str, ...]) -> tuple[Pages, jax.Array]:
     out = tuple((a * scale).astype(d) for a, d in zip(acc, dtypes))
-    return out, sqsum(out)
+    return tuple(to_bits(o) for o in out), sqsum(out)
 
 
-_add = jax.jit(_add_pages, donate_argnums=0)
-_mean_in_place = jax.jit(_mean_pages, static_argnums=2, donate_argnums=0)
-_mean = jax.jit(_mean_pages, static_argnums=2)  # other dtypes: the float32 sums cannot hold the result
+_float32 = jax.jit(_float32_pages, static_argnums=1)
+_add = jax.jit(_add_pages, static_argnums=2, donate_argnums=0)
+_mean = jax.jit(_mean_pages, static_argnums=2)

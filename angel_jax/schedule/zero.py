@@ -27,6 +27,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
+from angel_jax.memory.layout import to_bits
 from angel_jax.memory.sharded_layout import ShardedStageLayout
 from models.parallel import experts_over
 
@@ -173,7 +174,14 @@ class ZeroView:
         return self.layout.unpack(whole, local=True)
 
     def pack(self, tree: Any) -> tuple:
+        """Whole gradients -> the rank's gradient pages, as bits: summed over the ranks as values, then stored."""
         scale = 1.0 / self.layout.ranks
-        return tuple((rows if own else jax.lax.psum_scatter(rows.reshape(-1), AXIS, scatter_dimension=0, tiled=True))
-                     * jnp.asarray(scale, rows.dtype)
+        return tuple(to_bits((rows if own else jax.lax.psum_scatter(rows.reshape(-1), AXIS, scatter_dimension=0,
+                                                                    tiled=True)) * jnp.asarray(scale, rows.dtype))
                      for rows, own in zip(self.layout.scatter_rows(tree, local=True), self.own))
+
+    def values(self, pages: tuple) -> tuple:
+        return self.layout.values(pages)
+
+    def bits(self, pages: tuple) -> tuple:
+        return self.layout.bits(pages)

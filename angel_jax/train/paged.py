@@ -45,6 +45,7 @@ from angel_jax.config import Config
 from angel_jax.optim.fused import host_update_by
 from angel_jax.optim.guard import StepControls
 from angel_jax.memory import PageLayout
+from angel_jax.memory.layout import to_bits, to_values
 from angel_jax.memory.sharded_layout import layout_over
 from angel_jax.schedule.engine import PagedEngine, build_paged_engine, check_host_room, fit_micro_batch
 from angel_jax.schedule.timeline import Timeline
@@ -208,8 +209,11 @@ class PagedTrainEngine:
         split = store.process_shards
         for name, pid in params + opt:
             (length,), dtype = self._page_spec(pid)
-            out[name] = LazyArray((length,), dtype, lambda pid=pid: store.read(pid)) if split is None else \
-                LazyArray((split.length(length),), dtype, lambda pid=pid: self._local(pid))
+            # Saved typed as their values (a numpy view of the bits the store holds: exact), as before pages
+            # were held as bits, so checkpoints of either kind read back alike.
+            out[name] = LazyArray((length,), dtype, lambda pid=pid, dtype=dtype: to_values(store.read(pid), dtype)) \
+                if split is None else LazyArray((split.length(length),), dtype,
+                                                lambda pid=pid, dtype=dtype: to_values(self._local(pid), dtype))
         out.update({name: np.asarray(updater_state.opt_small[i][j]) for name, i, j in small_names})
         out["step"] = np.asarray(self.executor.step_count, np.int32)
         out["applied"] = np.asarray(updater_state.applied, np.int32)
@@ -289,11 +293,11 @@ class PagedTrainEngine:
             homes = self._homes()
             for name, pid in params + opt:
                 sharding = store.tiers["host" if homes[pid] == "disk" else homes[pid]].sharding
-                self._put(pid, store.process_shards.page(np.asarray(arrays[name]), sharding), homes)
+                self._put(pid, store.process_shards.page(to_bits(np.asarray(arrays[name])), sharding), homes)
         elif theirs == self.ranks:
             homes = self._homes()
             for name, pid in params + opt:  # one page at a time: never two copies of the model in flight
-                self._put(pid, np.asarray(arrays[name]), homes)
+                self._put(pid, to_bits(np.asarray(arrays[name])), homes)
         else:
             # Resharding reorders the gradient reductions: the losses that follow match an uninterrupted run's to
             # float rounding, not bit for bit, hence a warning rather than a note.

@@ -161,7 +161,9 @@ def time_update(config: str, overrides: list[str], repeats: int, leafwise: bool 
     fn = updates.get(stage.kind, place.compute, donate_params=True)
 
     def pages(layout: Any, value: float) -> tuple:
-        return tuple(jax.device_put(jnp.full((p.length,), value, p.dtype), place.compute) for p in layout.pages)
+        # (pages are held as the bits of their values, memory/layout.py)
+        return tuple(jax.device_put(np.full((p.length,), value, p.dtype).view(p.bits), place.compute)
+                     for p in layout.pages)
 
     def setup() -> tuple:
         return jax.block_until_ready((pages(pl, 0.01), pages(pl, 0.001), pages(ol, 0.0001),

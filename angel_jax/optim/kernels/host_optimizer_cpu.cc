@@ -223,6 +223,15 @@ int usable_cores() {
   return n ? static_cast<int>(n) : 1;
 }
 
+// Pages are held as the bits of their values (uint32 for float32, uint16 for bfloat16: angel_jax/memory/layout.py):
+// the kernel reads an unsigned page as the float of its width. Which float a 16-bit page holds is the caller's to
+// know (the table is built from its layout); bfloat16 is the only 16-bit float here.
+ffi::DataType AsFloat(ffi::DataType t) {
+  if (t == ffi::DataType::U32) return ffi::DataType::F32;
+  if (t == ffi::DataType::U16) return ffi::DataType::BF16;
+  return t;
+}
+
 ffi::Error AdamWImpl(ffi::Buffer<ffi::F32> coeffs, ffi::RemainingArgs args, ffi::Result<ffi::Buffer<ffi::F32>> sq,
                      ffi::RemainingRets rets, ffi::Span<const int64_t> table, int64_t param_pages,
                      int64_t opt_pages, int64_t threads, int64_t lion, int64_t master) {
@@ -247,7 +256,7 @@ ffi::Error AdamWImpl(ffi::Buffer<ffi::F32> coeffs, ffi::RemainingArgs args, ffi:
   for (size_t i = 0; i < args.size(); ++i) {
     auto b = args.get<ffi::AnyBuffer>(i);
     if (!b.has_value()) return b.error();
-    in_type[i] = b->element_type();
+    in_type[i] = AsFloat(b->element_type());
     if (static_cast<int64_t>(i) < 2 * P && in_type[i] != param_type)
       return ffi::Error::InvalidArgument(master ? "angel_host_optimizer: parameter and gradient pages must be "
                                                   "bfloat16 with a master"
@@ -263,7 +272,7 @@ ffi::Error AdamWImpl(ffi::Buffer<ffi::F32> coeffs, ffi::RemainingArgs args, ffi:
     if (!r.has_value()) return r.error();
     out[i] = (*r)->untyped_data();
     const size_t from = static_cast<int64_t>(i) < P ? i : i + P;
-    if ((*r)->element_type() != in_type[from] || static_cast<int64_t>((*r)->element_count()) != in_len[from])
+    if (AsFloat((*r)->element_type()) != in_type[from] || static_cast<int64_t>((*r)->element_count()) != in_len[from])
       return ffi::Error::InvalidArgument("angel_host_optimizer: a result page differs from its operand");
   }
   auto width = [](ffi::DataType t) -> size_t { return t == ffi::DataType::F32 ? 4 : 2; };
