@@ -173,14 +173,18 @@ def _train(args: argparse.Namespace) -> int:
         print(dump_yaml(cfg), end="")
         return 0
     from angel_jax.tol.faults import FaultHooks
-    from angel_jax.train.loop import train  # jax is imported only when needed: `--help` stays instant
+    from angel_jax.train.loop import persisted_text, train  # jax is imported only when needed: `--help` stays instant
 
     faults = FaultHooks.from_env(rank=0, vocab_size=cfg.model.vocab_size)  # ANGEL_JAX_FAULTS: tests only
     result = train(cfg, hooks=[faults] if faults else [])
+    # The newest persisted step, always: a run whose checkpoints are all in RAM must not look finished and safe.
     if result.history:
         first, last = result.history[0], result.history[-1]
-        print(f"done: step {result.final_step}, loss {first['loss']:.4f} (step {first['step']}) -> "
-              f"{last['loss']:.4f} (step {last['step']}); run directory {result.run_dir}")
+        trained = f"loss {first['loss']:.4f} (step {first['step']}) -> {last['loss']:.4f} (step {last['step']})"
+    else:  # resumed at its last step: nothing left to train
+        trained = "no step trained by this run"
+    print(f"done: step {result.final_step}, {trained}; run directory {result.run_dir}; "
+          f"{persisted_text(result.newest_persisted)}")
     return 0
 
 

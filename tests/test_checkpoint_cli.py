@@ -153,7 +153,8 @@ def test_a_full_persistent_disk_warns_and_training_finishes(tmp_path, write_tiny
 
     from angel_jax.tee.events import read_events
 
-    cfg_path = write_tiny_config(tmp_path, "full", train={"steps": 12}, checkpoint={"every": 4, "keep": 2})
+    cfg_path = write_tiny_config(tmp_path, "full", train={"steps": 12},
+                                 checkpoint={"every": 4, "keep": 2, "max_persist_failures": 0})  # 0: never stop
     mount = tmp_path / "full" / "checkpoints"
     mount.mkdir(parents=True)
     if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=400k", "tmpfs", str(mount)],
@@ -165,7 +166,7 @@ def test_a_full_persistent_disk_warns_and_training_finishes(tmp_path, write_tiny
         assert result.final_step == 12
         failures = [e for e in read_events(tmp_path / "full" / "events.jsonl") if e["kind"] == "checkpoint_failed"]
         assert failures and all("No space left" in e["message"] for e in failures)
-        assert "checkpoint save failed, training goes on" in caplog.text
+        assert "persist failed" in caplog.text
         assert cli.main(["ckpt", "ls", str(tmp_path / "full")]) == 0
         assert cli.main(["ckpt", "verify", str(tmp_path / "full"), "12"]) == 0  # the memory tier's copy
     finally:

@@ -25,12 +25,19 @@ returning and the commit loses that snapshot, and restore falls back to the prev
 
 Work for a step whose persistence has not started when a newer save arrives is skipped ("superseded", except steps
 kept by keep_every): the memory tier has it, and persisting an older state behind a newer one only delays the newer.
-Errors of background work are kept and surfaced once, by poll_errors() or wait(); training is never interrupted.
+Errors of background work are kept and surfaced once, by poll_errors() or wait(); training is never interrupted
+by the engine. Each error is logged once, on one line naming its cause.
 Faults (crash tests) enter as the `fault` callable (faults.py), never through the environment.
+
+Persistence failures are also counted (PersistStreak: consecutive failed persists, reset by a successful one) so
+that the caller can stop a run whose checkpoints never leave RAM. Once the streak reaches the limit set by
+stop_persisting_after(), later saves are snapshotted into the memory tier but not persisted: the directory has
+already refused that many in a row, and the caller is about to stop.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -54,10 +61,56 @@ from angel_jax.checkpoint.state import StateSnapshot, as_snapshot, is_lazy
 from angel_jax.checkpoint.tiers import CheckpointTier, CopyTier
 from angel_jax.checkpoint.worker import Job, SaveHandle, SaveWorker
 from angel_jax.checkpoint.writer import SnapshotWriter
+from angel_jax.errors import EXIT_CONFIG
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CheckpointEngine", "SaveHandle"]
+__all__ = ["CheckpointEngine", "PersistStreak", "PersistenceFailed", "SaveHandle"]
+
+
+@dataclasses.dataclass(frozen=True)
+class PersistStreak:
+    """Consecutive failed persists (pure: each outcome gives a new value). `limit` 0 never stops."""
+
+    limit: int = 0
+    failures: int = 0
+    """Persists that failed since the last one that succeeded."""
+    last_step: int | None = None
+    """The step of the newest failure (None when the streak is clean)."""
+    last_cause: str = ""
+    """The newest failure's cause, one line."""
+
+    def __post_init__(self) -> None:
+        if self.limit < 0 or self.failures < 0:
+            raise ValueError(f"PersistStreak: limit and failures must be >= 0, got {self.limit}, {self.failures}")
+
+    def persisted(self) -> "PersistStreak":
+        return dataclasses.replace(self, failures=0, last_step=None, last_cause="")
+
+    def failed(self, step: int, cause: str) -> "PersistStreak":
+        return dataclasses.replace(self, failures=self.failures + 1, last_step=step, last_cause=cause)
+
+    @property
+    def exhausted(self) -> bool:
+        """Whether the caller should stop: `limit` persists in a row failed."""
+        return self.limit > 0 and self.failures >= self.limit
+
+    def count_text(self) -> str:
+        """E.g. '2 of 3 failed persists in a row' (without a limit: '2 failed persists in a row')."""
+        of = f" of {self.limit}" if self.limit else ""
+        return f"{self.failures}{of} failed persist{'s' if max(self.failures, self.limit) != 1 else ''} in a row"
+
+
+class PersistenceFailed(CheckpointError):
+    """The run stops: its checkpoints have not reached the persistent tier for checkpoint.max_persist_failures
+    saves in a row. Exits EXIT_CONFIG (errors.py says why a restart would not help)."""
+
+    exit_code = EXIT_CONFIG
+
+
+def one_line(e: BaseException) -> str:
+    """An exception's message on one line (tensorstore and orbax messages span several)."""
+    return " ".join(str(e).split()) or type(e).__name__
 
 
 class CheckpointEngine:
@@ -76,6 +129,7 @@ class CheckpointEngine:
         self._worker = SaveWorker(self._process)
         self._errors_lock = threading.Lock()
         self._errors: list[CheckpointError] = []
+        self._streak = PersistStreak()  # replaced, never changed, under _errors_lock: the worker writes it
         self._checksum_pool: ThreadPoolExecutor | None = None
         self._cleaned = False
         self._closed = False
@@ -160,14 +214,14 @@ class CheckpointEngine:
 
     def _persist_directly(self, index: snap.SnapshotIndex, host: Mapping[str, Any], handle: SaveHandle) -> None:
         t0 = self._clock()
-        try:
+
+        def write() -> None:
             if any(is_lazy(x) for x in host.values()):
                 self._persist_staged(index, host)
             else:
                 self._persistent.save(snap.checksummed(index, host, self._pool()), host)
-        except Exception as e:  # noqa: BLE001 - every failure is surfaced, never swallowed
-            self._record(handle, CheckpointError(f"checkpoint step {index.step}: persist failed (direct): {e}",
-                                                 step=index.step, stage="persist"), cause=e)
+
+        if not self._persist(index.step, handle, write, how=" (direct)"):
             handle._advance("failed")
             return
         handle.timings["ckpt/persist_s"] = self._clock() - t0
@@ -198,8 +252,8 @@ class CheckpointEngine:
         try:
             self._background(job)
         except Exception as e:  # noqa: BLE001
-            self._record(job.handle, CheckpointError(f"checkpoint step {job.step}: {job.stage} failed: {e}",
-                                                     step=job.step, stage=job.stage), cause=e)
+            message = f"checkpoint step {job.step}: {job.stage} failed: {one_line(e)}"
+            self._record(job.handle, CheckpointError(message, step=job.step, stage=job.stage), cause=e)
             job.handle._advance("failed")
         finally:
             if job.held is not None:  # also when the copy failed: the caller's arrays are free either way
@@ -229,18 +283,56 @@ class CheckpointEngine:
         for tier in self._downstream:
             job.stage = tier.stage
             t0 = self._clock()
-            try:
-                tier.copy_from(committed)
-            except Exception as e:  # noqa: BLE001 - a best-effort tier's failure must not stop the next tier
-                if not tier.best_effort:
-                    raise
-                self._record(handle, CheckpointError(f"checkpoint step {step}: {tier.stage} copy failed: {e}",
-                                                     step=step, stage=tier.stage), cause=e)
-                continue
+            if tier is self._persistent:
+                if not self._persist(step, handle, lambda: self._persistent.copy_from(committed)):
+                    handle._advance("failed")
+                    return
+            else:
+                try:
+                    tier.copy_from(committed)
+                except Exception as e:  # noqa: BLE001 - a best-effort tier's failure must not stop the next tier
+                    if not tier.best_effort:
+                        raise
+                    self._record(handle, CheckpointError(f"checkpoint step {step}: {tier.stage} copy failed: "
+                                                         f"{one_line(e)}", step=step, stage=tier.stage), cause=e)
+                    continue
             handle.timings[f"ckpt/{tier.stage}_s"] = self._clock() - t0
             if tier is self._downstream[-1]:
                 handle.timings["ckpt/total_s"] = self._clock() - job.started
             handle._advance(tier.committed_state)
+
+    def _persist(self, step: int, handle: SaveHandle, write: Callable[[], object], how: str = "") -> bool:
+        """Runs one persist (`write`) and counts its outcome in the streak; a failure is recorded on one line
+        naming its cause and the streak. False when it failed, or was not tried because the streak is exhausted."""
+        if self.persist_streak.exhausted:
+            log.info("checkpoint step %d: not persisted (%s; the caller stops); its memory-tier snapshot is kept",
+                     step, self.persist_streak.count_text())
+            return False
+        try:
+            write()
+        except Exception as e:  # noqa: BLE001 - every failure is surfaced, never swallowed
+            streak = self._update_streak(lambda s: s.failed(step, one_line(e)))
+            self._record(handle, CheckpointError(f"checkpoint step {step}: persist failed{how}: {one_line(e)} "
+                                                 f"({streak.count_text()})", step=step, stage="persist"), cause=e)
+            return False
+        self._update_streak(PersistStreak.persisted)
+        return True
+
+    def _update_streak(self, change: Callable[[PersistStreak], PersistStreak]) -> PersistStreak:
+        with self._errors_lock:
+            self._streak = change(self._streak)
+            return self._streak
+
+    @property
+    def persist_streak(self) -> PersistStreak:
+        """Failed persists in a row so far (an immutable value; the background worker replaces it)."""
+        with self._errors_lock:
+            return self._streak
+
+    def stop_persisting_after(self, failures: int) -> None:
+        """Stop persisting once `failures` persists in a row have failed (0 = never stop; the default). Later
+        saves are still snapshotted into the memory tier; the caller reads `persist_streak` to stop itself."""
+        self._update_streak(lambda s: dataclasses.replace(s, limit=failures))
 
     def _retain(self, handle: SaveHandle, step: int) -> None:
         """keep_last in every tier; keep_every in the persistent tier (it is the long-term history; the memory and

@@ -33,14 +33,16 @@ with the tmp suffix is never read and is removed after a failed save or by the n
 
 from __future__ import annotations
 
+import contextlib
 import json
+import logging
 import re
 import sys
 import threading
 import time
 from concurrent.futures import Executor
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import dataclasses
 
@@ -175,7 +177,8 @@ class OrbaxTier(CopyTier):
         final = self.root / str(step)
         # A re-save of a step (after a rollback) goes to a side name first, so the old copy survives a failure.
         target = final if not final.exists() else self.root / f"{step}.orbax-checkpoint-tmp-resave"
-        with self._lock:
+        _quiet_late_callbacks()
+        with self._lock, _orbax_thread_errors.muted():
             self.root.mkdir(parents=True, exist_ok=True)
             self.remove_partial()  # one writer: any unfinished save is garbage holding space
             try:
@@ -201,7 +204,7 @@ class OrbaxTier(CopyTier):
         if not path.is_dir():
             raise SnapshotDamaged([f"{path}: missing"])
         index = self._read_index(path)
-        _quiet_reads_after_a_failed_restore()
+        _quiet_late_callbacks()
         chosen = selected(index, select)
         limit = self.stream_above if self.stream_above is not None else psutil.virtual_memory().available // 2
         if sum(a.nbytes for a in chosen.arrays) > limit:
@@ -326,12 +329,13 @@ class _GroupReader:
 _quieted = False
 
 
-def _quiet_reads_after_a_failed_restore() -> None:
-    """When a restore fails on a damaged file, orbax's event loop closes while tensorstore's other reads are still
-    in flight; as each completes, its callback raises "Event loop is closed" into `sys.unraisablehook`, a
-    traceback on stderr apiece (15 for one damaged checkpoint of 20 arrays) about nothing lost: the failure itself
-    is reported as the damage it is. This drops exactly those and passes everything else to the hook before it.
-    Installed once, on the first read."""
+def _quiet_late_callbacks() -> None:
+    """When a restore fails on a damaged file, or a save on a full disk, orbax's event loop closes while
+    tensorstore's other reads or writes are still in flight; as each completes, its callback raises "Event loop is
+    closed" into `sys.unraisablehook`, a traceback on stderr apiece (15 for one damaged checkpoint of 20 arrays,
+    about 30 for one save on a full disk) about nothing lost: the failure itself is reported, on one line, as the
+    damage or the failed persist it is. This drops exactly those and passes everything else to the hook before it.
+    Installed once, on the first read or save."""
     global _quieted
     if _quieted:
         return
@@ -345,6 +349,38 @@ def _quiet_reads_after_a_failed_restore() -> None:
         before(unraisable)
 
     sys.unraisablehook = hook
+
+
+class _MutedThreadErrors(logging.Filter):
+    """Drops orbax's log of an exception in one of its save threads ("_SignalingThread.run() raised an
+    exception", a traceback apiece, two per failed save) while one of our saves runs: orbax raises the same
+    exception from the save call, and the engine reports it on one line with the failed persist."""
+
+    MESSAGE = "_SignalingThread.run() raised an exception"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._lock = threading.Lock()
+        self.saving = 0
+        """Saves in progress in this process (each engine's worker saves on its own thread)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not (self.saving and self.MESSAGE in str(record.msg))
+
+    @contextlib.contextmanager
+    def muted(self) -> Iterator[None]:
+        with self._lock:
+            if self.saving == 0 and self not in logging.getLogger("absl").filters:
+                logging.getLogger("absl").addFilter(self)  # orbax logs through absl's logger
+            self.saving += 1
+        try:
+            yield
+        finally:
+            with self._lock:
+                self.saving -= 1
+
+
+_orbax_thread_errors = _MutedThreadErrors()
 
 
 def _short(e: BaseException, limit: int = 300) -> str:

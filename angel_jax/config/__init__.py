@@ -335,6 +335,8 @@ class CheckpointConfig:
     memory_dir: str = doc("", "Memory tier (a RAM-backed directory, private to this user); empty = /dev/shm/angel_jax-<uid>/<run id>.")
     peer_dir: str = doc("", "Where each snapshot is copied in the background (a peer host's mount); empty = none.")
     verify_on_restore: bool = doc(True, "Check every array's XXH3-64 checksum before resuming from it.")
+    max_persist_failures: int = doc(3, "Stop the run (exit status 78) once this many saves in a row failed to reach "
+                                       "the persistent tier (0 = never stop).")
 
     def validate(self) -> list[tuple[str, str]]:
         errs = []
@@ -342,8 +344,9 @@ class CheckpointConfig:
             errs.append(("every", "must be >= 0"))
         if self.keep <= 0:
             errs.append(("keep", "must be > 0"))
-        if self.keep_every < 0:
-            errs.append(("keep_every", "must be >= 0"))
+        for key in ("keep_every", "max_persist_failures"):
+            if getattr(self, key) < 0:
+                errs.append((key, "must be >= 0"))
         return errs
 
 

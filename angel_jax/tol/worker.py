@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any, Mapping
 
 from angel_jax.config import Config, ConfigError, load_config
-from angel_jax.errors import EXIT_CONFIG
+from angel_jax.errors import EXIT_CONFIG, AngelError
 
 log = logging.getLogger("angel_jax.worker")
 
@@ -183,11 +183,14 @@ def _on_sigterm(signum: int, frame: Any) -> None:
 
 def exit_status(e: BaseException) -> int:
     """A failed worker's exit status: EXIT_CONFIG for what no restart can mend (the engine refuses the config, the
-    checkpoint does not fit it), 130 for an interrupt, 1 for anything else (the watchdog restarts those)."""
+    checkpoint does not fit it), the status an error names for itself (`exit_code`: a persistent tier that keeps
+    refusing checkpoints), 130 for an interrupt, 1 for anything else (the watchdog restarts those)."""
     from angel_jax.train.protocol import StateMismatch
 
     if isinstance(e, (ConfigError, StateMismatch)):
         return EXIT_CONFIG
+    if isinstance(e, AngelError) and isinstance(getattr(e, "exit_code", None), int):
+        return e.exit_code
     return 130 if isinstance(e, KeyboardInterrupt) else 1
 
 
@@ -240,7 +243,8 @@ def run(config: str, overrides: list[str]) -> int:
         code = e.code if isinstance(e.code, int) and e.code else 1
         error = "stopped by SIGTERM" if code == 143 else f"SystemExit({e.code})"
     except BaseException as e:  # noqa: BLE001 - every failure becomes an exit status and a one-line report
-        traceback.print_exc()
+        if exit_status(e) in (1, 130):  # (errors that name their own status state the problem: no traceback)
+            traceback.print_exc()
         code, error = exit_status(e), f"{type(e).__name__}: {e}"
     if code:
         print(f"worker {rank} (attempt {wenv.attempt}) exits with status {code}: {error}", file=sys.stderr,

@@ -5,7 +5,10 @@ paged, by `memory.mode`; see engines.py). Data parallel over every device of eve
 'fsdp') mesh (`mesh.*`: the in-memory engine shards its state over 'fsdp'): each process feeds its rows of the
 global batch. Metrics are fetched one step late (step t's numbers are read after step t+1 is
 dispatched) so the host never stalls the device just to log. Checkpoints go through the checkpoint engine: the
-loop blocks only for handing the state over. Every step's figures go through the anomaly monitor (anomaly.py),
+loop blocks only for handing the state over. A run whose checkpoints stop reaching the persistent tier
+(`checkpoint.max_persist_failures` failed persists in a row) stops at its next checkpoint, or at the end, with
+PersistenceFailed, its memory-tier snapshots kept: training on with every checkpoint in RAM only would pretend
+a durability the run does not have. Every step's figures go through the anomaly monitor (anomaly.py),
 whose guard drops bad updates on the device and whose verdict may roll the run back to its last checkpoint.
 Every `train.eval_every` steps (and after the last) the engine evaluates the loss of a fixed set of validation
 batches (evaluation.py); that time is reported as perf/eval_s and kept out of the steps' times.
@@ -25,6 +28,7 @@ import psutil
 
 from angel_jax import config as config_lib
 from angel_jax import data as data_lib
+from angel_jax.checkpoint.engine import PersistenceFailed, PersistStreak
 from angel_jax.config import Config
 from angel_jax.errors import EXIT_EXCLUDE, EXIT_RESTART
 from angel_jax.phases import Phase
@@ -32,7 +36,7 @@ from angel_jax.tee.actions import Action
 from angel_jax.tee.events import EventLog
 from angel_jax.train import metrics as metrics_lib
 from angel_jax.train.anomaly import AnomalyMonitor, RestartRequested, TrainingDiverged, Verdict
-from angel_jax.train.checkpointing import TrainCheckpointer, check_same_model, from_primary
+from angel_jax.train.checkpointing import TrainCheckpointer, check_same_model, from_any, from_primary
 from angel_jax.train.engines import TrainEngine, build_engine
 from angel_jax.train.evaluation import ValidationSet, eval_due, evaluate
 from angel_jax.train.hooks import HookList, OnStep, TrainHooks
@@ -87,6 +91,14 @@ class TrainResult:
     params: Any
     """The final parameters (numpy, the model's structure); None when they would take more than half of the RAM
     available (a paged model larger than memory: read them from its checkpoint instead)."""
+    newest_persisted: int | None = None
+    """The newest step committed in the persistent tier when the run ended (this run's or an earlier one's); None
+    when there is none: the run's state is then only in the memory tier, which a reboot loses."""
+
+
+def persisted_text(step: int | None) -> str:
+    """How the run's last lines name its newest persisted checkpoint."""
+    return f"newest persisted checkpoint: step {step}" if step is not None else "no checkpoint persisted"
 
 
 def data_dir_for(cfg: Config) -> Path:
@@ -155,6 +167,8 @@ def setup(cfg: Config, hooks: HookList) -> Trainer:
             log.info("resumed from the checkpoint of step %d (%s tier)", start_step, tier)
             if is_primary:
                 events.write("resumed", step=start_step, tier=tier)
+    # After archive_existing, which replaces the checkpointer's engine.
+    checkpointer.engine.stop_persisting_after(cfg.checkpoint.max_persist_failures)
 
     if is_primary:  # only now: a run refused above (another model, damaged checkpoints) leaves the old config
         (run_dir / "config.yaml").write_text(config_lib.dump_yaml(cfg))
@@ -230,8 +244,9 @@ def _run(t: Trainer) -> TrainResult:
     t.checkpointer.close()
     t.hooks.on_phase(Phase.TRAINING, steps)
     _report_checkpoint_errors(t)
+    _stop_unless_persisting(t)  # the last saves' failures may be the ones that reach the limit
     t.hooks.on_phase(Phase.DONE, steps)
-    return TrainResult(t.run_dir, steps, t.history, _final_params(t))
+    return TrainResult(t.run_dir, steps, t.history, _final_params(t), newest_persisted=_newest_persisted(t))
 
 
 def _final_params(t: Trainer) -> Any:
@@ -281,6 +296,8 @@ def _save(t: Trainer, step: int) -> None:
     t.monitor.checkpoint_saved()
     t.hooks.on_checkpoint(step, info)
     t.hooks.on_phase(Phase.TRAINING, step)
+    # After the save: its snapshot, the newest state, is in the memory tier when the run stops.
+    _stop_unless_persisting(t)
 
 
 def _act(t: Trainer, bad_step: int, verdict: Verdict) -> int:
@@ -333,11 +350,59 @@ def _rollback(t: Trainer, bad_step: int, verdict: Verdict) -> int:
 
 
 def _report_checkpoint_errors(t: Trainer) -> None:
-    """Background save failures (a full disk, ...) do not stop training; say so loudly, once each."""
+    """Background save failures (a full disk, ...), once each, in the events log: the checkpoint engine has
+    logged each on one line naming its cause. A few do not stop training; `_stop_unless_persisting` decides."""
     for error in t.checkpointer.poll_errors():
-        log.warning("checkpoint save failed, training goes on (earlier checkpoints are intact): %s", error)
         if t.is_primary:
             t.events.write("checkpoint_failed", step=error.step, stage=error.stage, message=str(error))
+
+
+def _stop_unless_persisting(t: Trainer) -> None:
+    """Raise PersistenceFailed once checkpoint.max_persist_failures persists in a row have failed. Every process
+    decides alike (at the same checkpoints): process 0's streak, or, when every process saves its own shards, any
+    process's."""
+    streak = t.checkpointer.engine.persist_streak
+    if t.checkpointer.per_process:
+        stop = from_any(streak.exhausted)
+    else:
+        stop = bool(from_primary(int(streak.exhausted)))
+    if not stop:
+        return
+    t.checkpointer.wait()  # the newest save's snapshot is committed before the message lists the memory tier
+    _report_checkpoint_errors(t)
+    if t.is_primary:
+        t.events.write("checkpoint_persistence_failed", failures=streak.failures, step=streak.last_step,
+                       cause=streak.last_cause, newest_persisted=_newest_persisted(t))
+    # One line, printed by the command line (`error: ...`) or the worker; not logged here as well.
+    raise PersistenceFailed(_not_persisting(t, streak), step=streak.last_step, stage="persist")
+
+
+def _not_persisting(t: Trainer, streak: PersistStreak) -> str:
+    """PersistenceFailed's message: one line, with the cause, the newest persisted step and what to do."""
+    options = t.checkpointer.options
+    if streak.exhausted:
+        what = (f"{streak.count_text()} (checkpoint.max_persist_failures={streak.limit}), the last at step "
+                f"{streak.last_step}: {streak.last_cause}")
+    else:
+        what = "another process's persists failed (see its error)"
+    snapshots = _committed_steps(t, "memory")
+    kept = (f"the memory-tier snapshots of steps {', '.join(map(str, snapshots))} are kept in "
+            f"{options.resolved_memory_dir()}" if snapshots else "the memory tier holds no snapshot")
+    persisted = persisted_text(_newest_persisted(t))
+    return (f"checkpoints are not reaching the persistent tier {options.persistent_dir}: {what}. "
+            f"{persisted[0].upper()}{persisted[1:]}; {kept}. Fix the persistent directory, then run the same "
+            "command again to resume from the newest snapshot (checkpoint.max_persist_failures=0 never stops)")
+
+
+def _newest_persisted(t: Trainer) -> int | None:
+    """The newest step committed in the persistent tier (this process's, as it lists it), or None."""
+    return max(_committed_steps(t, "persistent"), default=None)
+
+
+def _committed_steps(t: Trainer, tier: str) -> list[int]:
+    """The steps committed in one of this process's tiers, oldest first."""
+    return [info.step for info in t.checkpointer.engine.list()
+            if tier in info.tiers and info.tiers[tier].state != "partial"]
 
 
 def _finish(t: Trainer, pending: tuple[int, dict, float], last_done: float,
