@@ -17,6 +17,12 @@ from pathlib import Path
 # Tests run on the CPU (DESIGN.md "Conventions"); set before anything imports jax. An explicit JAX_PLATFORMS in the
 # environment still wins, so a GPU run can be asked for on purpose.
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# On the CPU, fp32 matmuls run at full precision whatever the matmul precision says, so a CPU session runs every
+# test at 'highest' (children inherit it): the `compares_programs` mark then switches nothing. A switch retraces
+# and recompiles every program the next test touches (test_paged.py ran 16% slower switching per test). A GPU
+# session keeps the platform's default for unmarked tests, and the mark switches to 'highest' where it compares.
+if os.environ["JAX_PLATFORMS"] == "cpu":
+    os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
 
 # One persistent compilation cache for the session, inherited by every process a test starts: the suite compiles
 # the same tiny programs in dozens of tests and subprocesses, and each is compiled once instead (a cache hit

@@ -34,8 +34,19 @@ def _on_a_worker_thread(fn):
     return out[0]
 
 
-@pytest.mark.skipif(SESSION_PRECISION is not None, reason="the session was started with a matmul precision")
-def test_highest_precision_is_set_for_every_thread_and_child_and_restored():
+@pytest.fixture
+def default_precision():
+    """The platform's default matmul precision for the test (a CPU session runs at 'highest', conftest.py); the
+    session's setting back afterwards."""
+    env = os.environ.pop("JAX_DEFAULT_MATMUL_PRECISION", None)
+    jax.config.update("jax_default_matmul_precision", None)
+    yield
+    jax.config.update("jax_default_matmul_precision", SESSION_PRECISION)
+    if env is not None:
+        os.environ["JAX_DEFAULT_MATMUL_PRECISION"] = env
+
+
+def test_highest_precision_is_set_for_every_thread_and_child_and_restored(default_precision):
     env_before = os.environ.get("JAX_DEFAULT_MATMUL_PRECISION")
     assert "HIGHEST" not in _matmul_text()  # the default: what a GPU runs as TF32
     with highest_matmul_precision():
