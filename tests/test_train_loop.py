@@ -388,7 +388,7 @@ def test_resume_after_sigkill_is_exact(straight, tmp_path, procs, write_tiny_con
     assert victim.returncode == -signal.SIGKILL, procs.output("victim")
     assert committed < STEPS
     out, _ = procs.output("victim")
-    assert f"{jax.device_count()} x cpu over 1 process" in out  # the child sees the devices this process sees
+    assert f"{jax.device_count()} x cpu over 1 process(es), platform cpu" in out  # the devices this process sees
 
     rc, out, err = procs.run("resume", "train", str(cfg_path))
     assert rc == 0, err[-3000:]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import shutil
 from typing import Any
 
 import jax
@@ -45,5 +46,9 @@ def memory_report(cfg: Config, mesh: jax.sharding.Mesh, placement: list[str] = (
                          f"{human_bytes(stats['bytes_limit'])}")
     lines.append(f"host: RSS {human_bytes(psutil.Process().memory_info().rss)}, "
                  f"available {human_bytes(psutil.virtual_memory().available)}; "
-                 f"{jax.device_count()} x {jax.devices()[0].device_kind} over {jax.process_count()} process(es)")
+                 f"{jax.device_count()} x {jax.devices()[0].device_kind} over {jax.process_count()} process(es), "
+                 f"platform {jax.default_backend()}")
+    if jax.default_backend() == "cpu" and shutil.which("nvidia-smi"):
+        lines.append("note: this machine has an NVIDIA GPU, but this jax runs on the CPU (no CUDA plugin): "
+                     "`make ACCEL=cuda setup`, or install angel-jax[cuda]")
     return "\n".join(lines)
