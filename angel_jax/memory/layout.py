@@ -104,8 +104,23 @@ class PageSpec:
         return jax.ShapeDtypeStruct((self.length,), self.bits)
 
 
+class PageViews:
+    """The value view of a stage's pages held as bits, and back (a stage layout's `pages` give the dtypes)."""
+
+    pages: tuple
+
+    def values(self, pages: Sequence) -> tuple:
+        """The float (value) view of pages held as bits: for arithmetic on whole pages inside compute (a
+        gradient's sum of squares, accumulation, a flat optimizer update). Bitcasts only."""
+        return tuple(to_values(p, spec.dtype) for p, spec in zip(pages, self.pages))
+
+    def bits(self, pages: Sequence) -> tuple:
+        """Pages computed as values, as the bits they are stored as (the inverse of `values`)."""
+        return tuple(to_bits(p) for p in pages)
+
+
 @dataclass(frozen=True)
-class StageLayout:
+class StageLayout(PageViews):
     """The pages of one stage and how its pytree maps onto them."""
 
     name: str
@@ -149,15 +164,6 @@ class StageLayout:
             flat = xp.concatenate(parts)  # copies even a single part: pages never alias the caller's leaves
             out.extend(flat[k * first.length:(k + 1) * first.length] for k in range(len(group)))
         return tuple(out)
-
-    def values(self, pages: Sequence) -> tuple:
-        """The float (value) view of pages held as bits: for arithmetic on whole pages inside compute (a
-        gradient's sum of squares, accumulation, a flat optimizer update). Bitcasts only."""
-        return tuple(to_values(p, spec.dtype) for p, spec in zip(pages, self.pages))
-
-    def bits(self, pages: Sequence) -> tuple:
-        """Pages computed as values, as the bits they are stored as (the inverse of `values`)."""
-        return tuple(to_bits(p) for p in pages)
 
     def unpack(self, pages: Sequence) -> PyTree:
         """Tuple of pages -> the stage's pytree. Only slices and reshapes: XLA fuses them under jit."""

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from angel_jax.memory.layout import PageLayout, PageSpec, StageLayout, StagesByName, page_groups, to_bits, to_values
+from angel_jax.memory.layout import PageLayout, PageSpec, PageViews, StageLayout, StagesByName, page_groups, to_values
 
 PyTree = Any
 
@@ -58,7 +58,7 @@ def chunks(tree: PyTree, ranks: int, rank: int) -> PyTree:
 
 
 @dataclass(frozen=True)
-class ShardedStageLayout:
+class ShardedStageLayout(PageViews):
     """One stage's global pages: `rank` lays out one rank's chunks; the global page k is N x rank page k."""
 
     rank: StageLayout
@@ -136,13 +136,6 @@ class ShardedStageLayout:
             else:
                 leaves.append(xp.reshape(xp.reshape(block, (-1,))[:size], shape))
         return jax.tree_util.tree_unflatten(self.rank.treedef, leaves)
-
-    def values(self, pages: Sequence) -> tuple:
-        """As `StageLayout.values`: the float view of pages (global or a rank's shards) held as bits."""
-        return tuple(to_values(p, spec.dtype) for p, spec in zip(pages, self.pages))
-
-    def bits(self, pages: Sequence) -> tuple:
-        return tuple(to_bits(p) for p in pages)
 
     def scatter_rows(self, tree: PyTree, local: bool = False) -> tuple:
         """The stage's whole pytree (jax, under jit) -> per page a [ranks, L] array whose row r is what rank r's
