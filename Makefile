@@ -39,10 +39,11 @@ train: setup
 test: setup
 	HYPOTHESIS_PROFILE=$${HYPOTHESIS_PROFILE:-ci} $(VENV)/bin/python -m pytest -q --durations=15 $(PYTEST_ARGS)
 
-# The device-touching tests on a CUDA device (JAX_PLATFORMS=cuda); refused in one line when jax sees none.
+# The device-touching tests on a CUDA device (JAX_PLATFORMS=cuda,cpu: the host updates compute on the CPU
+# backend), memory allocated as needed (child processes share the GPU); refused in one line when jax sees none.
 test-gpu: setup
 	@msg=$$($(VENV)/bin/python scripts/env_probe.py cuda-devices 2>/dev/null); rc=$$?; echo "make test-gpu: $$msg"; exit $$rc
-	JAX_PLATFORMS=cuda HYPOTHESIS_PROFILE=$${HYPOTHESIS_PROFILE:-ci} $(VENV)/bin/python -m pytest -q --durations=15 $(GPU_TESTS) $(PYTEST_ARGS)
+	JAX_PLATFORMS=cuda,cpu XLA_PYTHON_CLIENT_PREALLOCATE=$${XLA_PYTHON_CLIENT_PREALLOCATE:-false} HYPOTHESIS_PROFILE=$${HYPOTHESIS_PROFILE:-ci} $(VENV)/bin/python -m pytest -q --durations=15 $(GPU_TESTS) $(PYTEST_ARGS)
 
 # The checkpoint and resume tests against the lowest dependency versions pyproject.toml allows, in .venv-lowest
 # (CI runs it after `make test`).

@@ -8,6 +8,7 @@ where present); imports no jax, so it is fast and needs no GPU.
                                     that is not installed at a matching version; write to OUT the lines of
                                     constraints.txt for packages not installed at all (so an installed package is
                                     never replaced to satisfy a pin)
+  env_probe.py venv-sites           print the site-packages folders of this interpreter's virtualenv, if it is one's
   env_probe.py build-backend        exit 0 if setuptools can build the editable install without build isolation
   env_probe.py cuda-devices         (imports jax) print the CUDA devices jax sees, or exit 1 with one line saying why
                                     it sees none
@@ -104,6 +105,18 @@ def missing(extra: str, out: str) -> int:
     return 0
 
 
+def venv_sites() -> int:
+    """The site-packages folders of this interpreter's virtualenv, one per line; nothing when it is none."""
+    import site
+
+    if sys.prefix == sys.base_prefix:
+        return 0
+    for folder in dict.fromkeys(site.getsitepackages()):
+        if Path(folder).is_dir() and Path(folder).resolve().is_relative_to(Path(sys.prefix).resolve()):
+            print(folder)
+    return 0
+
+
 def build_backend() -> int:
     _, Version = _packaging()
     setuptools = _version("setuptools")
@@ -152,6 +165,8 @@ if __name__ == "__main__":
     cmd, *args = sys.argv[1:] or [""]
     if cmd == "cuda-jax":
         sys.exit(cuda_jax())
+    if cmd == "venv-sites":
+        sys.exit(venv_sites())
     if cmd == "missing":
         sys.exit(missing(*args))
     if cmd == "build-backend":

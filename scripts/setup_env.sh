@@ -148,6 +148,19 @@ if [ "$mode" = system ]; then
   elif [ "$DRY" = 1 ]; then
     run "$py" -m venv --system-site-packages "$VENV"
   fi
+  # --system-site-packages reaches the base interpreter's packages only: when $py is itself a venv's (the GPU
+  # image's python3 is /opt/torch/.venv's), its packages are put on the new venv's path by a .pth file, after the
+  # venv's own.
+  parent_sites=$("$py" scripts/env_probe.py venv-sites)
+  if [ -n "$parent_sites" ]; then
+    if [ "$DRY" = 0 ]; then
+      site=$("$VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+      # addsitedir, not a bare path: the parent's own .pth files (editable installs, namespace hooks) apply too.
+      while IFS= read -r d; do printf 'import site; site.addsitedir(%s)\n' "'$d'"; done <<<"$parent_sites" \
+        >"$site/angel_jax_parent_env.pth"
+    fi
+    say "$py is a virtualenv's: $VENV also sees its packages (${parent_sites//$'\n'/, })"
+  fi
   vpy=$VENV/bin/python
   [ "$DRY" = 0 ] || vpy=$py
   tmp=$(mktemp -d)

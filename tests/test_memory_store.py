@@ -5,6 +5,7 @@ copies of a page on the device."""
 from __future__ import annotations
 
 import collections
+import gc
 import os
 import tempfile
 
@@ -50,13 +51,23 @@ def live_by_kind(before: list) -> collections.Counter:
     return out
 
 
+def _unheld(store: PageStore, before: list, kind: str) -> list[str]:
+    """The new live arrays in memory kind `kind` that no tier holds, each with the types of what refers to it."""
+    old = {id(a) for a in before}
+    held = {id(a) for t in store.tiers.values() for a in getattr(t, "_arrays", {}).values()}
+    return [f"{a.dtype}{a.shape} deleted={a.is_deleted()} held by {[type(r).__name__ for r in gc.get_referrers(a)]}"
+            for a in jax.live_arrays()
+            if id(a) not in old and id(a) not in held and a.sharding.memory_kind == kind]
+
+
 def check_accounting(store: PageStore, before: list) -> None:
     """Each array tier's bytes equal the bytes of the jax arrays that appeared in its memory kind since `before`
     (the store is the only thing making arrays meanwhile); the disk's equal its files."""
+    gc.collect()  # an array only garbage holds (a traceback's frame, say) is not one the store keeps
     live = live_by_kind(before)
     for role in ("device", "host"):
         tier = store.tiers[role]
-        assert live[tier.memory_kind] == tier.bytes_used, role
+        assert live[tier.memory_kind] == tier.bytes_used, (role, _unheld(store, before, tier.memory_kind))
         assert tier.live_bytes() == tier.bytes_used
     disk = store.tiers.get("disk")
     if disk is not None:

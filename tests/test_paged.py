@@ -11,6 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from conftest import updates_agree_bitwise
 
 from angel_jax.config import Config, MemoryConfig, ModelConfig, OptimizerConfig, TrainConfig
 from angel_jax.memory import PageStore
@@ -116,7 +117,10 @@ def test_training_with_an_eighth_of_the_state_on_the_device_matches_the_referenc
     losses, params, engine = paged(cfg, data)
     assert_mostly_streamed(engine, cfg)
     assert ref_losses[-1] < ref_losses[0] - 0.3, "the toy stream must be learnable"
-    np.testing.assert_allclose(losses, ref_losses, rtol=1e-5)
+    # On a GPU the streamed stages update on the host's CPU and the reference on the GPU: Lion's sign turns their
+    # rounding differences into whole steps, and its losses drifted by up to 3.7e-5 over 20 steps on an H200.
+    rtol = 1e-4 if optimizer == "lion" and not updates_agree_bitwise() else 1e-5
+    np.testing.assert_allclose(losses, ref_losses, rtol=rtol)
     # Parameters agree except where a gradient is within rounding of zero, where an update normalised per element
     # (Adam's first steps, Lion's sign) turns rounding noise into a whole step: a handful of Adam's 1.3M elements;
     # for Lion every key bias (its gradient is zero in exact arithmetic: softmax ignores a shift of the keys)
@@ -128,15 +132,24 @@ def test_training_with_an_eighth_of_the_state_on_the_device_matches_the_referenc
             assert np.mean(~np.isclose(a, b, rtol=1e-3, atol=2e-5)) < 1e-4
 
 
+@pytest.mark.compares_programs
 def test_streamed_and_resident_placements_are_bitwise_identical():
+    """Streamed stages update on the host, resident ones on the device: on the CPU one processor runs both and the
+    placements agree bit for bit; on a GPU (two processors, `updates_agree_bitwise`) to fp32 rounding."""
     data = batches(6)
     l1, p1, e1 = paged(eighth(_cfg("sgd")), data)
     l2, p2, e2 = paged(_cfg("sgd"), data)  # all free memory: everything resident
     assert len(e1.plan.resident) <= 2 and not e2.plan.streamed
-    assert l1 == l2
-    assert e1.update_norms == e2.update_norms
-    for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p2)):
-        np.testing.assert_array_equal(a, b)
+    if updates_agree_bitwise():
+        assert l1 == l2
+        assert e1.update_norms == e2.update_norms
+        for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p2)):
+            np.testing.assert_array_equal(a, b)
+    else:
+        np.testing.assert_allclose(l1, l2, rtol=1e-5)
+        np.testing.assert_allclose(e1.update_norms, e2.update_norms, rtol=1e-4)
+        for a, b in zip(jax.tree.leaves(p1), jax.tree.leaves(p2)):
+            np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.compares_programs

@@ -8,6 +8,7 @@ import math
 import jax
 import numpy as np
 import pytest
+from conftest import updates_agree_bitwise
 
 from angel_jax.optim import make_optimizer
 from angel_jax.train.paged import PagedTrainEngine
@@ -53,7 +54,9 @@ def test_guard_and_lr_scale_match_the_reference(tmp_path):
     assert [m["skipped"] for m in got] == [m["skipped"] for m in ref] == [0, 1, 1, 0, 0, 1, 0]
     # The gradient norm right after a sharp step (it jumps from 5 to 22 at step 5 with seed 0) amplifies the two
     # engines' rounding differences to ~2.5e-5 while the loss still agrees to 3e-7; measured over seeds 0-7.
-    rtol = {"loss": 2e-5, "grad_norm": 1e-4, "update_norm": 2e-5, "lr": 2e-5}
+    # On a GPU the resident stages update there and the rest on the host's CPU (two processors' rounding): that
+    # sharp step's gradient norm differed by 1.004e-4 on an H200.
+    rtol = {"loss": 2e-5, "grad_norm": 1e-4 if updates_agree_bitwise() else 3e-4, "update_norm": 2e-5, "lr": 2e-5}
     for key in ("loss", "grad_norm", "update_norm", "lr"):
         np.testing.assert_allclose([m[key] for m in got], [m[key] for m in ref], rtol=rtol[key], err_msg=key)
     assert int(arrays["applied"]) == int(state.step) == 4 and int(arrays["step"]) == len(CONTROLS)
