@@ -285,6 +285,7 @@ def test_partial_checkpoints_are_never_used(tmp_path: Path, caplog: pytest.LogCa
         shutil.copytree(mem / "step_1", mem / "step_4")
         (mem / "step_4" / "index.json").unlink()
         shutil.copytree(mem / "step_1", mem / "step_5")
+        write_index(mem / "step_5", dataclasses.replace(read_index(mem / "step_1"), step=5))
         with open(mem / "step_5" / "data.bin", "r+b") as f:  # a torn write
             f.truncate(100)
         caplog.set_level(logging.WARNING)
@@ -639,3 +640,28 @@ def test_a_failing_peer_copy_is_reported_and_the_save_still_persists(tmp_path: P
         assert [(e.stage, str(e)) for e in errors] == [("peer",
                                                         "checkpoint step 1: peer copy failed: peer unreachable")]
         assert "peer" not in engine.list()[0].tiers or engine.list()[0].tiers["peer"].state == "partial"
+
+
+def test_a_renamed_checkpoint_is_damaged_not_the_step_its_name_says(tmp_path: Path,
+                                                                     caplog: pytest.LogCaptureFixture) -> None:
+    """The step is what the checksummed index says: step 30 renamed to 50, in every tier, is reported damaged by
+    verify and skipped by restore, which falls back to step 20, the newest checkpoint that is what it says."""
+    states = {s: make_state(s) for s in (20, 30)}
+    with CheckpointEngine(options(tmp_path, peer_dir=tmp_path / "peer")) as engine:
+        for s, state in states.items():
+            engine.save(s, copy_of(state), {"s": s})
+        engine.wait()
+    (tmp_path / "memory" / "step_30").rename(tmp_path / "memory" / "step_50")
+    (tmp_path / "peer" / "step_30").rename(tmp_path / "peer" / "step_50")
+    (tmp_path / "persistent" / "30").rename(tmp_path / "persistent" / "50")
+    with CheckpointEngine(options(tmp_path, peer_dir=tmp_path / "peer")) as engine:
+        problems = engine.verify(50)
+        assert len(problems) == 3 and all("holds step 30, but its name says step 50" in p for p in problems), problems
+        assert engine.latest_valid().step == 20
+        with caplog.at_level(logging.WARNING):
+            restored = engine.restore()
+        assert restored.step == 20 and restored.meta == {"s": 20}
+        assert_bitwise(restored.arrays, states[20])
+        assert "name says step 50" in caplog.text
+        with pytest.raises(CheckpointError, match="name says step 50"):
+            engine.restore(50)

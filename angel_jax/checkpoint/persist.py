@@ -53,8 +53,8 @@ import psutil
 
 from angel_jax.checkpoint.faults import Fault, no_fault
 from angel_jax.checkpoint.orbax_local import state_handler
-from angel_jax.checkpoint.snapshot import (ArrayEntry, Select, SnapshotDamaged, SnapshotIndex, decode_dtype,
-                                           open_arrays, remove_dir, selected, verify_arrays)
+from angel_jax.checkpoint.snapshot import (ArrayEntry, Select, SnapshotDamaged, SnapshotIndex, check_named_step,
+                                           decode_dtype, open_arrays, remove_dir, selected, verify_arrays)
 from angel_jax.checkpoint.state import LazyArray
 from angel_jax.checkpoint.tiers import Committed, CopyTier
 
@@ -288,11 +288,13 @@ class OrbaxTier(CopyTier):
     def _read_index(path: Path) -> SnapshotIndex:
         meta_file = path / META_ITEM / "metadata"  # where orbax's JsonCheckpointHandler puts the JSON
         try:
-            return SnapshotIndex.from_json(json.loads(meta_file.read_text()))
+            index = SnapshotIndex.from_json(json.loads(meta_file.read_text()))
         except FileNotFoundError:
             raise SnapshotDamaged([f"{meta_file}: missing"]) from None
         except (ValueError, KeyError, TypeError) as e:
             raise SnapshotDamaged([f"{meta_file}: unreadable ({e})"]) from None
+        check_named_step(path, index, int(path.name) if path.name.isdigit() else None)
+        return index
 
 
 class _GroupReader:

@@ -233,6 +233,20 @@ class SnapshotDamaged(Exception):
         self.problems = problems
 
 
+def check_named_step(directory: Path, index: SnapshotIndex, named: int | None) -> None:
+    """A checkpoint's step is what its checksummed index says. A directory whose name says another step (renamed,
+    or copied over another) is damaged: restoring it as the step its name claims would train one state under
+    another's label. `named`: the step the directory's name says (None: the name carries none)."""
+    if named is not None and named != index.step:
+        raise SnapshotDamaged([f"{directory}: holds step {index.step}, but its name says step {named} (renamed or "
+                               "copied over?); not used as either"])
+
+
+def _named_step(directory: Path) -> int | None:
+    m = _STEP_RE.match(directory.name)
+    return int(m.group(1)) if m else None
+
+
 def open_arrays(directory: Path, *, private: bool) -> tuple[SnapshotIndex, dict[str, np.ndarray]]:
     """Zero-copy views of a committed snapshot's arrays, without checksum verification.
 
@@ -245,6 +259,7 @@ def open_arrays(directory: Path, *, private: bool) -> tuple[SnapshotIndex, dict[
         raise SnapshotDamaged([f"{directory / INDEX_FILE}: missing"]) from None
     except (ValueError, KeyError, TypeError) as e:
         raise SnapshotDamaged([f"{directory / INDEX_FILE}: unreadable ({e})"]) from None
+    check_named_step(directory, index, _named_step(directory))
     return map_data(directory, index, private=private)
 
 
