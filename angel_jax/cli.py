@@ -175,8 +175,14 @@ def _train(args: argparse.Namespace) -> int:
     from angel_jax.tol.faults import FaultHooks
     from angel_jax.train.loop import persisted_text, train  # jax is imported only when needed: `--help` stays instant
 
+    from angel_jax.train.preemption import Preempted
+
     faults = FaultHooks.from_env(rank=0, vocab_size=cfg.model.vocab_size)  # ANGEL_JAX_FAULTS: tests only
-    result = train(cfg, hooks=[faults] if faults else [])
+    try:
+        result = train(cfg, hooks=[faults] if faults else [])
+    except Preempted as e:  # not an error: the run saved and stopped as asked
+        print(f"{e}; run directory {cfg.run_dir}", file=sys.stderr)
+        return e.exit_code
     # The newest persisted step, always: a run whose checkpoints are all in RAM must not look finished and safe.
     if result.history:
         first, last = result.history[0], result.history[-1]

@@ -142,6 +142,8 @@ class DataConfig:
     bpe_vocab_size: int = doc(4096, "Vocabulary size when training a BPE tokenizer.")
     dir: str = doc("", "Where prepared token shards live; empty = data/<source>-<tokenizer> under the working directory.")
     max_bytes: int = doc(0, "Read at most this many bytes of source text (0 = all).")
+    allow_binary: bool = doc(False, "Train on plain-text source files that look binary (a NUL byte or mostly not "
+                                    "UTF-8 in their first MiB), which are refused otherwise.")
     seed: int = doc(0, "Seed of the data order (independent of the model seed).")
     val_fraction: float = doc(0.0, "Share of the token stream's tail held out as the validation split (read by "
                                    "train.eval_every); 0 = a prepared directory's split as it is (none when training "
@@ -337,6 +339,8 @@ class CheckpointConfig:
     verify_on_restore: bool = doc(True, "Check every array's XXH3-64 checksum before resuming from it.")
     max_persist_failures: int = doc(3, "Stop the run (exit status 78) once this many saves in a row failed to reach "
                                        "the persistent tier (0 = never stop).")
+    on_signal: bool = doc(True, "On SIGTERM or SIGINT, finish the step in flight, save a checkpoint of it and exit "
+                                "143 / 130 (false: stop at once, without a save).")
 
     def validate(self) -> list[tuple[str, str]]:
         errs = []

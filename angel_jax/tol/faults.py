@@ -15,6 +15,7 @@ first; the watchdog sets ANGEL_JAX_ATTEMPT), which is how a fault that a restart
     slow@S:factor=F            from step S on, each step sleeps so that it takes F times as long
     hang@S                     step S never finishes (the process sleeps forever)
     leak@S:mib=M               from step S on, every step keeps M MiB more host memory (touched, so resident)
+    signal@S:num=N             after step S the process sends itself signal N (15: a preemption's SIGTERM)
 
 The process-wide switch is the environment variable ANGEL_JAX_FAULTS (read by `from_env`); nothing is injected
 when it is unset.
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import signal
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -35,8 +37,9 @@ from angel_jax.train.hooks import TrainHooks
 
 ENV = "ANGEL_JAX_FAULTS"
 ATTEMPT_ENV = "ANGEL_JAX_ATTEMPT"
-KINDS = ("nan_batch", "corrupt_batch", "lr_blowup", "raise", "slow", "hang", "leak")
-_PARAMS = {"lr_blowup": {"steps": 1, "scale": 100.0}, "slow": {"factor": 3.0}, "leak": {"mib": 4.0}}
+KINDS = ("nan_batch", "corrupt_batch", "lr_blowup", "raise", "slow", "hang", "leak", "signal")
+_PARAMS = {"lr_blowup": {"steps": 1, "scale": 100.0}, "slow": {"factor": 3.0}, "leak": {"mib": 4.0},
+           "signal": {"num": float(signal.SIGTERM)}}
 
 
 class InjectedFault(RuntimeError):
@@ -129,6 +132,9 @@ class FaultHooks(TrainHooks):
             if f.at == step:
                 while True:  # a hang: alive, silent, no progress
                     time.sleep(3600)
+        for f in self._active("signal"):
+            if f.at == step:
+                os.kill(os.getpid(), int(f.params["num"]))
         for f in self._active("leak"):
             if step >= f.at:
                 self._leaked.append(np.ones(int(f.params["mib"] * 2**20), np.uint8))  # ones: pages touched

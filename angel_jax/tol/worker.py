@@ -235,7 +235,7 @@ def run(config: str, overrides: list[str]) -> int:
 
         hooks: list[Any] = [h for h in (client, FaultHooks.from_env(rank=jax.process_index(),
                                                                     vocab_size=cfg.model.vocab_size)) if h]
-        result = train(cfg, hooks=hooks)
+        result = train(cfg, hooks=hooks, save_on_signal=False)  # the group stops together (see train)
         log.info("worker %d done: step %d", jax.process_index(), result.final_step)
     except RestartRequested as e:
         code, error = e.exit_code, f"{type(e).__name__}: {e}"

@@ -40,6 +40,7 @@ from angel_jax.train.checkpointing import TrainCheckpointer, check_same_model, f
 from angel_jax.train.engines import TrainEngine, build_engine
 from angel_jax.train.evaluation import ValidationSet, eval_due, evaluate
 from angel_jax.train.hooks import HookList, OnStep, TrainHooks
+from angel_jax.train.preemption import Preempted, StopSignals
 from angel_jax.train.report import memory_report
 from angel_jax.train.rundir import lock_run_dir
 from angel_jax.train.sharding import make_mesh
@@ -80,6 +81,8 @@ class Trainer:
     progress: Any = None
     last_eval_loss: float | None = None
     """The latest evaluation's loss, shown in the progress bar until the next."""
+    stop: StopSignals = field(default_factory=lambda: StopSignals(enabled=False))
+    """A SIGTERM or SIGINT received: the loop saves the step in flight and stops."""
 
 
 @dataclass(frozen=True)
@@ -118,7 +121,7 @@ def _data(cfg: Config) -> tuple[data_lib.TokenIterator, ValidationSet | None]:
     data_dir = data_dir_for(cfg)
     data_lib.ensure_prepared(data_dir, cfg.data.source, tokenizer=cfg.data.tokenizer, vocab_size=vocab,
                              max_bytes=cfg.data.max_bytes or None, val_fraction=cfg.data.val_fraction or None,
-                             text_key=cfg.data.text_key)
+                             text_key=cfg.data.text_key, allow_binary=cfg.data.allow_binary)
     shard = {"shard_index": jax.process_index(), "shard_count": jax.process_count()}
     data = data_lib.TokenIterator(data_dir, batch_size=cfg.train.batch_size, seq_len=cfg.model.seq_len,
                                   seed=cfg.data.seed, **shard)
@@ -179,16 +182,23 @@ def setup(cfg: Config, hooks: HookList) -> Trainer:
                    is_primary=is_primary, validation=validation, skips=skips)
 
 
-def train(cfg: Config, *, hooks: Sequence[TrainHooks] = (),
-          on_step: Callable[[int, dict], None] | None = None) -> TrainResult:
-    """Train `cfg` to `cfg.train.steps`, resuming from the run directory's newest valid checkpoint if any."""
+def train(cfg: Config, *, hooks: Sequence[TrainHooks] = (), on_step: Callable[[int, dict], None] | None = None,
+          save_on_signal: bool = True) -> TrainResult:
+    """Train `cfg` to `cfg.train.steps`, resuming from the run directory's newest valid checkpoint if any.
+
+    On SIGTERM or SIGINT (with `save_on_signal` and checkpoint.on_signal, in a one-process run) the step in flight
+    is finished and saved, and `Preempted` is raised once the checkpoint is committed. A watchdog's worker passes
+    False: its group stops together, and the watchdog restarts it from the last checkpoint."""
     hook_list = HookList([*hooks, *([OnStep(on_step)] if on_step else [])])
     t: Trainer | None = None
     # One run per run directory (process 0 writes it): a second run is refused before it touches anything.
     lock = lock_run_dir(cfg.run_dir) if jax.process_index() == 0 else None
+    stop = StopSignals(save_on_signal and cfg.checkpoint.on_signal and jax.process_count() == 1)
     try:
-        t = setup(cfg, hook_list)
-        return _run(t)
+        with stop:
+            t = setup(cfg, hook_list)
+            t.stop = stop
+            return _run(t)
     finally:
         # Also on an exception (divergence, Ctrl-C, a hook's fault): in-flight saves of good steps are committed
         # before the error propagates, and files and threads are released.
@@ -212,7 +222,11 @@ def _run(t: Trainer) -> TrainResult:
         _save(t, steps)
     step, pending = t.start_step, None  # pending: (step, its metrics still on the device, seconds the call took)
     last_done = time.perf_counter()
+    stopped = False
     while step < steps or pending is not None:
+        if t.stop.requested:
+            step, stopped = _stop_with_checkpoint(t, step, pending), True
+            break
         dispatched = None
         if step < steps:
             step += 1
@@ -245,8 +259,24 @@ def _run(t: Trainer) -> TrainResult:
     t.hooks.on_phase(Phase.TRAINING, steps)
     _report_checkpoint_errors(t)
     _stop_unless_persisting(t)  # the last saves' failures may be the ones that reach the limit
+    if stopped:
+        raise Preempted(f"stopped by {t.stop.name} after step {step}: {persisted_text(_newest_persisted(t))}",
+                        t.stop.signum)
     t.hooks.on_phase(Phase.DONE, steps)
     return TrainResult(t.run_dir, steps, t.history, _final_params(t), newest_persisted=_newest_persisted(t))
+
+
+def _stop_with_checkpoint(t: Trainer, step: int, pending: tuple[int, dict, float] | None) -> int:
+    """A signal arrived: finish the step in flight (or act on its anomaly) and save a checkpoint of the newest good
+    step unless it has one; returns that step."""
+    if pending is not None:
+        _, verdict = _finish(t, pending, time.perf_counter())
+        if verdict.action is not None:
+            step = _act(t, pending[0], verdict)
+    if step > t.start_step and not _checkpoint_due(t.cfg, step):
+        _save(t, step)
+    log.warning("%s: stopping after step %d, its checkpoint saved", t.stop.name, step)
+    return step
 
 
 def _final_params(t: Trainer) -> Any:
