@@ -409,3 +409,18 @@ def test_resume_after_sigkill_is_exact(straight, tmp_path, procs, write_tiny_con
     # the final checkpoint holds the straight run's state, bit for bit
     assert _committed_steps(run_dir)[-1] == STEPS
     assert _same_arrays(_restore(run_dir, STEPS)[0], _restore(straight.run_dir, STEPS)[0])
+
+
+@pytest.mark.parametrize("huge", [{"d_model": 1_048_576, "n_heads": 8}, {"n_layers": 100_000},
+                                  {"vocab_size": 1_000_000_000}])
+def test_an_in_memory_model_that_cannot_fit_is_refused_before_anything_is_written(tmp_path, write_tiny_config, huge):
+    """memory.mode=in_memory with a state larger than the device (here: the host RAM the CPU device may use) is one
+    line naming the bytes and the way out, raised before the run directory gets its config or a checkpoint; it
+    once printed "576.01 TiB on each device", started, and ended in a 47-line out-of-memory traceback."""
+    from angel_jax.config import ConfigError
+
+    cfg = load_config(write_tiny_config(tmp_path, "huge", model=huge, memory={"mode": "in_memory"}))
+    with pytest.raises(ConfigError, match=r"memory\.mode=in_memory: the training state needs .* on each device "
+                                          r".* set memory\.mode=paged"):
+        train(cfg)
+    assert not (cfg.run_dir / "config.yaml").exists() and not (cfg.run_dir / "checkpoints").exists()

@@ -30,7 +30,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from angel_jax.checkpoint.state import StateSnapshot
-from angel_jax.config import Config
+from angel_jax.config import Config, ConfigError
 from angel_jax.errors import AngelError
 from angel_jax.optim import split_optimizer
 from angel_jax.memory.shards import from_pieces, local_pieces
@@ -287,6 +287,18 @@ def fits_in_memory(cfg: Config, device: jax.Device, fsdp: int = 1) -> bool:
     return state_bytes(cfg, fsdp) <= 0.75 * budget
 
 
+def refuse_what_cannot_fit(cfg: Config, device: jax.Device, fsdp: int = 1) -> None:
+    """ConfigError, before anything is allocated, when the in-memory engine's state alone (activations aside) is
+    larger than the device has free: allocating it would end in an out-of-memory traceback mid-build."""
+    need, free = state_bytes(cfg, fsdp), device_free_bytes(device)
+    if need > free:
+        where = "of host RAM it may use" if device.platform == "cpu" else f"free on the {device.device_kind}"
+        raise ConfigError(f"memory.mode=in_memory: the training state needs {human_bytes(need)} on each device "
+                          f"(parameters, gradients and optimizer state of {models.get(cfg.model).param_count['total']:,}"
+                          f" parameters), more than the {human_bytes(free)} {where}: set memory.mode=paged (or "
+                          "auto) to page it across device, host and disk, or shrink the model")
+
+
 def build_engine(cfg: Config, mesh: jax.sharding.Mesh) -> TrainEngine:
     """The engine `memory.mode` asks for (auto: in-memory when the state fits the device budget)."""
     mode = cfg.memory.mode
@@ -296,6 +308,7 @@ def build_engine(cfg: Config, mesh: jax.sharding.Mesh) -> TrainEngine:
                  state_bytes(cfg, fsdp_size(mesh)) / 1e9,
                  "fits the device" if mode == "in_memory" else "does not fit the device", mode)
     if mode == "in_memory":
+        refuse_what_cannot_fit(cfg, mesh.devices.flat[0], fsdp_size(mesh))
         return InMemoryEngine(cfg, mesh)
     if mesh.devices.size > 1 and mesh.devices.size not in (fsdp_size(mesh), dict(mesh.shape).get("data", 1)):
         raise AngelError(f"memory.mode={cfg.memory.mode!r} chose the paged engine, which shards every page over all "
