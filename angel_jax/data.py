@@ -81,8 +81,8 @@ class BpeTokenizer:
 
     @classmethod
     def train(cls, files: list[Path], vocab_size: int, *, max_bytes: int | None = None,
-              text_key: str = "text") -> BpeTokenizer:
-        blocks = read_documents(files, text_key=text_key, max_bytes=max_bytes)
+              text_key: str = "text", allow_binary: bool = False) -> BpeTokenizer:
+        blocks = read_documents(files, text_key=text_key, max_bytes=max_bytes, allow_binary=allow_binary)
         return cls.train_from_texts((block.decode("utf-8", errors="replace") for _, block, _ in blocks), vocab_size)
 
     @classmethod
@@ -251,7 +251,7 @@ def _base_meta(tokenizer: str, vocab_size: int, train: list[dict[str, Any]],
 
 def prepare(sources: list[Path], out_dir: Path, *, tokenizer: str = "byte", vocab_size: int = 256,
             shard_tokens: int = 16 * 2**20, max_bytes: int | None = None, val_fraction: float = 0.0,
-            text_key: str = "text") -> dict:
+            text_key: str = "text", allow_binary: bool = False) -> dict:
     """Tokenize `sources` in order into uint16 shards under out_dir (replaced atomically); returns the meta dict.
 
     A document is a text file, a JSON Lines record or a Parquet row (its text under `text_key`; see
@@ -259,7 +259,7 @@ def prepare(sources: list[Path], out_dir: Path, *, tokenizer: str = "byte", voca
     separator would have to be a byte that also occurs in text, and source files already end in a newline. The BPE
     appends its EOT id after every document. vocab_size only applies to the BPE. max_bytes (None or 0 = all) caps
     the text read; the last document read is cut to fit. val_fraction moves that share of the stream's tail to
-    val_*.bin.
+    val_*.bin. A plain-text source that looks binary (NUL bytes, mostly not UTF-8) is refused unless allow_binary.
     """
     sources = [Path(s) for s in sources]
     if tokenizer not in ("byte", "bpe"):
@@ -277,13 +277,15 @@ def prepare(sources: list[Path], out_dir: Path, *, tokenizer: str = "byte", voca
     def build(tmp: Path) -> dict[str, Any]:
         stats = ReadStats()
         writer = _ShardWriter(tmp, "train", shard_tokens)
-        documents = read_documents(sources, text_key=text_key, max_bytes=max_bytes, stats=stats)
+        documents = read_documents(sources, text_key=text_key, max_bytes=max_bytes, stats=stats,
+                                   allow_binary=allow_binary)
         if tokenizer == "byte":
             tok: ByteTokenizer | BpeTokenizer = ByteTokenizer()
             for _, block, _ in documents:
                 writer.append(np.frombuffer(block, dtype=np.uint8))
         else:
-            tok = BpeTokenizer.train(sources, vocab_size, max_bytes=max_bytes, text_key=text_key)
+            tok = BpeTokenizer.train(sources, vocab_size, max_bytes=max_bytes, text_key=text_key,
+                                     allow_binary=allow_binary)
             tok.save(tmp / TOKENIZER_FILE)
             _encode_bpe(tok, documents, writer)
         train = writer.close()
@@ -375,7 +377,8 @@ def _file_lock(path: Path) -> Iterator[None]:
 
 
 def ensure_prepared(data_dir: Path, source: str, *, tokenizer: str = "byte", vocab_size: int = 256,
-                    max_bytes: int | None = None, val_fraction: float | None = None, text_key: str = "text") -> dict:
+                    max_bytes: int | None = None, val_fraction: float | None = None, text_key: str = "text",
+                    allow_binary: bool = False) -> dict:
     """Reuse data_dir if it was prepared from the same sources and settings, else prepare it (once per host group).
 
     "Same sources" means the same resolved file list with the same sizes and mtimes (and, for JSON Lines and
@@ -397,7 +400,7 @@ def ensure_prepared(data_dir: Path, source: str, *, tokenizer: str = "byte", voc
             if all(have.get(k) == v for k, v in want.items() if not (k == "val_fraction" and v is None)):
                 return meta
         return prepare(files, data_dir, tokenizer=tokenizer, vocab_size=vocab_size, max_bytes=max_bytes,
-                       val_fraction=val_fraction or 0.0, text_key=text_key)
+                       val_fraction=val_fraction or 0.0, text_key=text_key, allow_binary=allow_binary)
 
 
 # -------------------------------------------------------------------------------------------------- iterator

@@ -8,12 +8,14 @@ Three formats, told apart by the file name:
 
 A directory source walks every non-hidden file and reads each in its own format, so one directory may mix the
 three; a plain file there is taken only when it looks like text (no NUL byte in its first block), which keeps
-stray binaries out. Everything streams: text files in blocks, JSON Lines line by line, Parquet by record batches
-of one row group at a time, and only the text column is read.
+stray binaries out. A plain-text file named as a source or by a glob is refused when its first MiB looks binary (a
+NUL byte, or mostly not UTF-8) unless allow_binary. Everything streams: text files in blocks, JSON Lines line by
+line, Parquet by record batches of one row group at a time, and only the text column is read.
 """
 
 from __future__ import annotations
 
+import codecs
 import glob
 import gzip
 import json
@@ -31,6 +33,8 @@ TEXT, JSONL, PARQUET = "text", "jsonl", "parquet"
 _SUFFIXES = ((".jsonl", JSONL), (".jsonl.gz", JSONL), (".parquet", PARQUET))
 _BLOCK = 64 * 2**20  # bytes read at a time from one text file
 _SNIFF = 8192  # bytes inspected to tell a text file from a binary one
+_TEXT_SAMPLE = 2**20  # bytes of a plain-text source checked before it is read as text
+_MAX_NOT_UTF8 = 0.5  # share of those bytes that may be outside valid UTF-8 (the stdlib's KOI8-R module has 42%)
 _PARQUET_BATCH = 4096  # rows per record batch read from a Parquet row group
 
 
@@ -100,6 +104,21 @@ def resolve_sources(source: str) -> list[Path]:
     raise DataError(f"data source {source!r} not found: expected 'stdlib', an existing file or directory, or a glob")
 
 
+def check_text(path: Path, sample: bytes) -> None:
+    """Raises DataError naming `path` when the first bytes of a plain-text source look binary: a NUL byte, or mostly
+    (over _MAX_NOT_UTF8) bytes outside valid UTF-8 (a sequence cut by the sample's end does not count)."""
+    sample = sample[:_TEXT_SAMPLE]
+    hint = "set data.allow_binary=true to train on its bytes anyway"
+    nul = sample.find(b"\0")
+    if nul >= 0:
+        raise DataError(f"{path}: a binary file, not text (a NUL byte at offset {nul}); {hint}")
+    decoder = codecs.getincrementaldecoder("utf-8")("ignore")
+    valid = len(decoder.decode(sample).encode("utf-8")) + len(decoder.getstate()[0])
+    if sample and (len(sample) - valid) / len(sample) > _MAX_NOT_UTF8:
+        raise DataError(f"{path}: not UTF-8 text ({(len(sample) - valid) / len(sample):.0%} of its first "
+                        f"{len(sample):,} bytes are not UTF-8); {hint}")
+
+
 # ------------------------------------------------------------------------------------------------- documents
 
 
@@ -111,12 +130,13 @@ class ReadStats:
 
 
 def read_documents(files: list[Path], *, text_key: str = "text", max_bytes: int | None = None,
-                   stats: ReadStats | None = None) -> Iterator[tuple[Path, bytes, bool]]:
+                   stats: ReadStats | None = None, allow_binary: bool = False) -> Iterator[tuple[Path, bytes, bool]]:
     """Yield (file, block of UTF-8 text, is_last_block_of_its_document) for every document of `files` in order,
     stopping after max_bytes (None or 0 = all) of text in total; the last document read is cut to fit.
 
     A text file is one document, read in blocks that end at a newline where possible (a BPE never sees a word or a
-    UTF-8 sequence cut in two, one huge file never sits in RAM whole); a record is one document, one block.
+    UTF-8 sequence cut in two, one huge file never sits in RAM whole); a record is one document, one block. A text
+    file that looks binary (check_text) raises DataError unless allow_binary.
     """
     budget = max_bytes or None
     stats = stats if stats is not None else ReadStats()
@@ -125,7 +145,7 @@ def read_documents(files: list[Path], *, text_key: str = "text", max_bytes: int 
             return
         fmt = source_format(path)
         if fmt == TEXT:
-            blocks = _text_blocks(path, budget)
+            blocks = _text_blocks(path, budget, allow_binary)
         else:
             texts = _jsonl_texts(path, text_key) if fmt == JSONL else _parquet_texts(path, text_key)
             blocks = ((text.encode("utf-8"), True) for text in texts)
@@ -141,7 +161,7 @@ def read_documents(files: list[Path], *, text_key: str = "text", max_bytes: int 
                 return
 
 
-def _text_blocks(path: Path, budget: int | None) -> Iterator[tuple[bytes, bool]]:
+def _text_blocks(path: Path, budget: int | None, allow_binary: bool = False) -> Iterator[tuple[bytes, bool]]:
     """A text file in blocks of about _BLOCK bytes (at most `budget` in all), each cut after its last newline.
 
     The last block is never cut: a file that fits one block is one piece of text, tokenized exactly as the same
@@ -152,10 +172,13 @@ def _text_blocks(path: Path, budget: int | None) -> Iterator[tuple[bytes, bool]]
     except OSError as e:
         raise DataError(f"cannot read source file {path}: {e.strerror}") from e
     with f:
-        carry = b""
+        carry, checked = b"", allow_binary
         while True:
             want = _BLOCK if budget is None else min(_BLOCK, budget)
             chunk = f.read(want) if want > 0 else b""
+            if not checked:  # the file's first block: checked once, so a big corpus costs nothing more
+                check_text(path, chunk)
+                checked = True
             if budget is not None:
                 budget -= len(chunk)
             data = carry + chunk
