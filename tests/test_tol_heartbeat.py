@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import json
 import socket
+import threading
 import time
 
 import pytest
 
-from angel_jax.tol.heartbeat import HeartbeatClient, HeartbeatServer, Rejected, RejectionLimiter, decode, encode, sign
+from angel_jax.tol.heartbeat import (MAX_CONNECTIONS, HeartbeatClient, HeartbeatServer, Rejected, RejectionLimiter,
+                                     decode, encode, sign)
 from tol_drive import TOKEN
 
 
@@ -142,3 +144,83 @@ def test_client_without_a_coordinator_does_not_disturb_training():
         client.on_step(1, {"loss": 1.0})
         time.sleep(0.2)
         client.stop(exit_code=1, error="boom")  # returns; nothing raised
+
+
+# ------------------------------------------------------------------------------------- stalled and idle clients
+
+HALF_LINE = b'{"body": {"kind": "heartbeat", "rank": 0'  # and then nothing, not even a newline
+
+
+def test_a_flood_of_stalled_connections_holds_a_bounded_number_of_threads():
+    """200 clients that each send half a line and stall (issue 35: 7 threads grew to 165): the server keeps at most
+    MAX_CONNECTIONS + one per rank of them (a new connection closes the oldest unauthenticated one), so its thread
+    count stays bounded, and a real worker's heartbeat still gets through in the middle of the flood."""
+    server = HeartbeatServer(TOKEN, 2).start()
+    host, port = server.address.rsplit(":", 1)
+    base, peak, stalled = threading.active_count(), 0, []
+    try:
+        for _ in range(200):
+            s = socket.create_connection((host, int(port)), timeout=5)
+            s.sendall(HALF_LINE)
+            stalled.append(s)
+            peak = max(peak, threading.active_count() - base)
+        client = HeartbeatClient(server.address, TOKEN, rank=1, attempt=0, interval=0.2).start()
+        client.on_step(7, {"loss": 1.0})
+        items = _drain(server, until=lambda xs: any(x[0] == "message" and x[2]["step"] == 7 for x in xs))
+        client.stop()
+        time.sleep(0.3)  # the threads of evicted connections end
+        after = threading.active_count() - base
+    finally:
+        for s in stalled:
+            s.close()
+        server.close()
+    limit = MAX_CONNECTIONS + 2
+    assert peak <= limit + 8 and after <= limit + 2, (peak, after)
+    assert any(x[0] == "message" and x[2]["step"] == 7 and x[2]["rank"] == 1 for x in items)
+    assert any(x[0] == "rejected" and x[3].startswith("dropped:") for x in items)
+
+
+def test_half_lines_and_idle_connections_are_closed_after_their_deadlines():
+    server = HeartbeatServer(TOKEN, 2, idle_timeout=0.6, line_timeout=0.3).start()
+    host, port = server.address.rsplit(":", 1)
+    try:
+        half = [socket.create_connection((host, int(port)), timeout=5) for _ in range(5)]
+        idle, idle_from = socket.create_connection((host, int(port)), timeout=5), time.monotonic()
+        for s in half:
+            s.sendall(HALF_LINE)
+        slow = socket.create_connection((host, int(port)), timeout=5)  # a whole line in pieces, under the deadline
+        line = encode(TOKEN, _body(step=9))
+        slow.sendall(line[:20])
+        time.sleep(0.1)
+        slow.sendall(line[20:])
+        start = time.monotonic()
+        closed = [s.recv(1) for s in half]  # b"": the server hung up (a timeout here raises)
+        half_s = time.monotonic() - start
+        assert idle.recv(1) == b"" and time.monotonic() - idle_from >= 0.5  # idle: closed at its own deadline
+        items = _drain(server, until=lambda xs: sum(x[0] == "rejected" for x in xs) >= 5)
+        for s in half + [idle, slow]:
+            s.close()
+    finally:
+        server.close()
+    assert closed == [b""] * 5 and half_s < 2.0
+    reasons = [x[3] for x in items if x[0] == "rejected"]
+    assert len(reasons) == 5 and all(r.startswith("stalled: half a line") for r in reasons)  # idle is not a rejection
+    assert [x[2]["step"] for x in items if x[0] == "message"] == [9]
+
+
+def test_client_reconnects_after_the_server_closed_its_idle_connection():
+    """A worker that sends less often than the server's idle timeout (a long heartbeat interval, a stopped
+    process) loses no message: the client notices the close before writing and reconnects."""
+    server = HeartbeatServer(TOKEN, 2, idle_timeout=0.2).start()
+    try:
+        client = HeartbeatClient(server.address, TOKEN, rank=0, attempt=0, interval=30.0).start()
+        for step in range(1, 5):
+            client.on_step(step, {"loss": 1.0})
+            time.sleep(0.5)  # the server has closed the connection by now
+        client.stop(exit_code=0)
+        items = _drain(server, until=lambda xs: any(x[0] == "message" and x[2]["kind"] == "exit" for x in xs))
+    finally:
+        server.close()
+    messages = [x[2] for x in items if x[0] == "message"]
+    assert [m["seq"] for m in messages] == list(range(1, len(messages) + 1)), [m["seq"] for m in messages]
+    assert {1, 2, 3, 4} <= {m["step"] for m in messages if m["kind"] == "heartbeat"}

@@ -6,6 +6,11 @@ job's token (a random secret the launcher hands each worker in ANGEL_JAX_JOB_TOK
 the MAC (`hmac.compare_digest`), then the body's exact shape; anything else is rejected with a reason and dropped
 before the watchdog sees it. A connection whose MAC is wrong is closed.
 
+The server bounds what idle or hostile clients can hold (each connection is a thread): at most MAX_CONNECTIONS
+connections besides one per rank (a new one past that closes the oldest that has not yet sent an authenticated line,
+or, when every open one has, itself at once), IDLE_TIMEOUT seconds without a byte, and LINE_TIMEOUT seconds from a
+line's first byte to its newline (half a line and a stall). A client whose connection was closed reconnects.
+
 Body fields (every message):
     v 1, kind heartbeat|checkpoint|anomaly|exit, rank, attempt, seq (per sender, increasing), time (sender's
     clock), pid, node, step (last completed step), phase (init, setup, restoring, compiling, training,
@@ -34,11 +39,12 @@ import logging
 import math
 import os
 import queue
+import select
 import socket
 import socketserver
 import threading
 import time
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 from angel_jax.config.fields import ConfigError, typed
 from angel_jax.phases import WORKER_PHASES, Phase
@@ -58,6 +64,12 @@ RETRY_AFTER = 5.0
 """After a failed send, messages are dropped for this many seconds before the next connection attempt."""
 MAX_LOGGED_REJECTIONS = 20
 """Per connection: later rejections are counted, not logged one by one (a flood must not fill the disk)."""
+MAX_CONNECTIONS = 64
+"""Connections open at once besides one per rank; past that, the oldest not yet authenticated one is closed."""
+IDLE_TIMEOUT = 30.0
+"""Seconds a connection may send nothing before the server closes it (a worker's client then reconnects)."""
+LINE_TIMEOUT = 10.0
+"""Seconds from a line's first byte to its newline; a client that sends half a line and stalls is dropped."""
 
 _COMMON = {"v": int, "kind": str, "rank": int, "attempt": int, "seq": int, "time": float, "pid": int, "node": str,
            "step": int, "phase": str}
@@ -179,9 +191,91 @@ class RejectionLimiter:
 # --------------------------------------------------------------------------------------------- server
 
 
+class Stalled(Exception):
+    """A connection that sent half a line and then nothing within the line deadline."""
+
+
+def read_lines(sock: socket.socket, *, idle_timeout: float, line_timeout: float,
+               clock: Callable[[], float] = time.monotonic) -> Iterator[bytes]:
+    """The lines a socket sends, without their newline: a last one cut by the peer's close as it is, and the first
+    MAX_LINE + 1 bytes of one longer than MAX_LINE (which decode rejects). Ends at the peer's close, an error or
+    idle_timeout seconds with no line begun; raises Stalled when a begun line takes longer than line_timeout."""
+    buf = bytearray()
+    started: float | None = None  # when the server first waited on the pending half line
+    while True:
+        newline = buf.find(b"\n")
+        if newline >= 0:
+            yield bytes(buf[:newline])
+            del buf[:newline + 1]
+            started = None
+            continue
+        if len(buf) > MAX_LINE:
+            yield bytes(buf[:MAX_LINE + 1])
+            return
+        if buf and started is None:
+            started = clock()
+        wait = idle_timeout if started is None else started + line_timeout - clock()
+        try:
+            if wait <= 0:
+                raise TimeoutError
+            sock.settimeout(wait)
+            chunk = sock.recv(65536)
+        except TimeoutError:
+            if started is None:
+                return  # idle: closed quietly
+            raise Stalled(f"stalled: half a line ({len(buf)} bytes) and no newline within {line_timeout:g} s") from None
+        except OSError:
+            return
+        if not chunk:
+            if buf:
+                yield bytes(buf)
+            return
+        buf += chunk
+
+
+class _Connections:
+    """The open connections, oldest first, each with its peer and whether it has sent an authenticated line. The
+    accepting thread admits (evicting when full); each connection's thread marks and removes its own, so a lock."""
+
+    def __init__(self, limit: int):
+        self.limit = limit
+        self._lock = threading.Lock()
+        self._open: dict[socket.socket, tuple[str, bool]] = {}
+
+    def admit(self, sock: socket.socket, peer: str) -> tuple[bool, str | None]:
+        """(admitted?, the peer of the connection closed to make room, or None)."""
+        with self._lock:
+            evicted = None
+            if len(self._open) >= self.limit:
+                victim = next((s for s, (_, trusted) in self._open.items() if not trusted), None)
+                if victim is None:
+                    return False, None
+                evicted = self._open.pop(victim)[0]
+                try:
+                    victim.shutdown(socket.SHUT_RDWR)  # its thread's recv returns at once; the thread closes it
+                except OSError:
+                    pass
+            self._open[sock] = (peer, False)
+            return True, evicted
+
+    def trust(self, sock: socket.socket) -> None:
+        with self._lock:
+            if sock in self._open:
+                self._open[sock] = (self._open[sock][0], True)
+
+    def remove(self, sock: socket.socket) -> None:
+        with self._lock:
+            self._open.pop(sock, None)
+
+
 class _Server(socketserver.ThreadingTCPServer):
     allow_reuse_address = True
     daemon_threads = True  # a connection's thread never keeps the launcher alive
+    request_queue_size = 128  # a burst of connections waits in the backlog, not in SYN retries
+    admit: Callable[[socket.socket, Any], bool]
+
+    def verify_request(self, request: Any, client_address: Any) -> bool:
+        return self.admit(request, client_address)  # False: closed at once, no thread
 
 
 class HeartbeatServer:
@@ -189,9 +283,12 @@ class HeartbeatServer:
     ("message", arrival, body) and ("rejected", arrival, peer, reason); the watchdog's thread consumes them."""
 
     def __init__(self, token: str, n_ranks: int, *, host: str = "127.0.0.1", port: int = 0,
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, max_connections: int | None = None,
+                 idle_timeout: float = IDLE_TIMEOUT, line_timeout: float = LINE_TIMEOUT):
         self.token, self.n_ranks, self.host, self.port = token, n_ranks, host, port
         self.clock = clock
+        self.idle_timeout, self.line_timeout = idle_timeout, line_timeout
+        self.connections = _Connections(MAX_CONNECTIONS + n_ranks if max_connections is None else max_connections)
         self.inbox: queue.Queue = queue.Queue()
         self._server: socketserver.ThreadingTCPServer | None = None
         self._thread: threading.Thread | None = None
@@ -205,27 +302,44 @@ class HeartbeatServer:
     def start(self) -> HeartbeatServer:
         owner = self
 
-        class Handler(socketserver.StreamRequestHandler):
+        class Handler(socketserver.BaseRequestHandler):
             def handle(self) -> None:
-                owner._serve(self.rfile, f"{self.client_address[0]}:{self.client_address[1]}")
+                try:
+                    owner._serve(self.request, _peer(self.client_address))
+                finally:
+                    owner.connections.remove(self.request)
 
         server = _Server((self.host, self.port), Handler)
+        server.admit = self._admit
         self._server = server
         self._thread = threading.Thread(target=server.serve_forever, name="heartbeat-server", daemon=True)
         self._thread.start()
         return self
 
-    def _serve(self, rfile: Any, peer: str) -> None:
+    def _admit(self, sock: socket.socket, client_address: Any) -> bool:
+        peer = _peer(client_address)
+        admitted, evicted = self.connections.admit(sock, peer)
+        limit = self.connections.limit
+        if evicted is not None:
+            self.inbox.put(("rejected", self.clock(), evicted,
+                            f"dropped: {limit} connections open, the oldest unauthenticated one closed for a new one"))
+        if not admitted:
+            self.inbox.put(("rejected", self.clock(), peer, f"refused: {limit} authenticated connections open"))
+        return admitted
+
+    def _serve(self, sock: socket.socket, peer: str) -> None:
         logged = dropped = 0
+        lines = read_lines(sock, idle_timeout=self.idle_timeout, line_timeout=self.line_timeout)
         while True:
             try:
-                line = rfile.readline(MAX_LINE + 1)
-            except OSError:
+                line = next(lines, None)
+            except Stalled as e:
+                self.inbox.put(("rejected", self.clock(), peer, str(e)))
                 break
-            if not line:
+            if line is None:
                 break
             try:
-                body = decode(line.rstrip(b"\n"), self.token, self.n_ranks)
+                body = decode(line, self.token, self.n_ranks)
             except Rejected as e:
                 reason = str(e)
                 if logged < MAX_LOGGED_REJECTIONS:
@@ -236,6 +350,7 @@ class HeartbeatServer:
                 if reason.startswith(("unauthenticated", "oversized")):
                     break  # nothing more from a sender that does not hold the token
                 continue
+            self.connections.trust(sock)
             self.inbox.put(("message", self.clock(), body))
         if dropped:
             self.inbox.put(("rejected", self.clock(), peer, f"{dropped} more rejected lines on this connection"))
@@ -245,6 +360,10 @@ class HeartbeatServer:
             self._server.shutdown()
             self._server.server_close()
             self._server = None
+
+
+def _peer(client_address: Any) -> str:
+    return f"{client_address[0]}:{client_address[1]}"
 
 
 # --------------------------------------------------------------------------------------------- client
@@ -410,6 +529,9 @@ class HeartbeatClient(TrainHooks):
         data = b"".join(encode(self.token, b) for b in bodies)
         for _ in range(2):  # one reconnect: the coordinator may have dropped an idle connection
             try:
+                if self._sock is not None and _closed_by_peer(self._sock):
+                    self._sock.close()  # the server closed it (idle): a write would vanish, so reconnect first
+                    self._sock = None
                 if self._sock is None:
                     self._sock = socket.create_connection(self.address, timeout=CONNECT_TIMEOUT)
                 self._sock.sendall(data)
@@ -422,6 +544,16 @@ class HeartbeatClient(TrainHooks):
                     self._warned = True
                     log.warning("heartbeat to %s:%d failed (%s); training goes on", *self.address, e)
         self._retry_at = time.monotonic() + RETRY_AFTER
+
+
+def _closed_by_peer(sock: socket.socket) -> bool:
+    """Whether the other end has closed the connection (the server never writes, so any readable end is its close)."""
+    poller = select.poll()
+    poller.register(sock, select.POLLIN)
+    try:
+        return bool(poller.poll(0)) and sock.recv(1, socket.MSG_PEEK) == b""
+    except OSError:
+        return True
 
 
 def _finite(value: Any) -> float | None:
