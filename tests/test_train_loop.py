@@ -272,6 +272,34 @@ def test_claim_memory_tier_keeps_only_its_runs_snapshots(tmp_path):
     assert claim_memory_tier(run, tmp_path / "none") is False  # no tier yet: nothing to remove
 
 
+def test_a_memory_tier_in_use_by_another_run_is_refused_and_nothing_of_it_deleted(tmp_path):
+    """Run B names the memory_dir of run A, alive in another process: refused with A's pid before anything is
+    deleted (B once logged "holds snapshots of another run ... removed step_30, step_40", A's live snapshots, and
+    later resumed A's step as its own). Free again once A's process ends."""
+    from angel_jax.checkpoint import CheckpointError
+    from angel_jax.train.checkpointing import claim_memory_tier, release_memory_tier
+
+    run_a, run_b, mem = tmp_path / "a", tmp_path / "b", tmp_path / "mem"
+    run_a.mkdir(), run_b.mkdir()
+    claim_memory_tier(run_a, mem)  # A's tier: its owner token, and a snapshot
+    release_memory_tier(mem)
+    (mem / "step_30").mkdir()
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from angel_jax.train.checkpointing import "
+                               "claim_memory_tier as c; c(sys.argv[1], sys.argv[2]); print('held', flush=True); "
+                               "time.sleep(120)", str(run_a), str(mem)], stdout=subprocess.PIPE, text=True,
+                              cwd=Path(__file__).resolve().parents[1])
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        with pytest.raises(CheckpointError, match=rf"memory_dir {mem} is in use by another run \(pid {holder.pid} "):
+            claim_memory_tier(run_b, mem)
+        assert (mem / "step_30").is_dir()  # A's snapshot: untouched
+    finally:
+        holder.kill()
+        holder.wait(timeout=30)
+    assert claim_memory_tier(run_b, mem) is True and not (mem / "step_30").exists()  # A is gone: a stale tier
+    release_memory_tier(mem)
+
+
 def test_a_new_run_at_a_deleted_runs_path_does_not_resume_it(tmp_path, write_tiny_config, caplog):
     """The memory tier outlives its run directory (/dev/shm survives `rm -rf runs/x`): a new run at the path of a
     deleted one starts at step 1, with the old snapshots removed and a warning, instead of resuming them."""

@@ -36,10 +36,12 @@ ANGEL_JAX_CKPT_KILL_AT describes (angel_jax/checkpoint/faults.py), read when the
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import logging
 import os
 import re
 import shutil
+import socket
 import stat
 import time
 import uuid
@@ -67,6 +69,43 @@ OWNER_FILE = "run_token"
 """In the memory tier's directory: the token of the run whose snapshots it holds."""
 PROCESS_DIR = re.compile(r"process_(\d+)")
 """Every tier's subdirectory of one process's checkpoints, where each process writes its own shards."""
+TIER_LOCK_FILE = ".lock"
+"""In the memory tier's directory: locked (flock) by the process whose run uses the tier, naming it."""
+_held_tier_locks: dict[str, int] = {}
+"""This process's memory-tier locks: resolved directory -> the locked file's descriptor."""
+
+
+def lock_memory_tier(memory_root: Path) -> bool:
+    """Lock the memory tier for this process's run until `release_memory_tier` (or the process's end): a second
+    run naming the same checkpoint.memory_dir is refused with CheckpointError naming the holder, before it deletes
+    anything (it would take the first run's live snapshots for a stale run's). False when the directory cannot be
+    made (no memory tier then: checkpoints are persisted directly)."""
+    key = str(Path(memory_root).resolve())
+    if key in _held_tier_locks:
+        return True
+    try:
+        Path(memory_root).mkdir(mode=0o700, parents=True, exist_ok=True)
+        fd = os.open(Path(memory_root) / TIER_LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "a process that has not said who it is"
+        os.close(fd)
+        raise CheckpointError(f"checkpoint.memory_dir {memory_root} is in use by another run ({holder}); nothing "
+                              "was deleted: give each run a memory_dir of its own (or leave it empty for one "
+                              "named after the run directory)") from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+    _held_tier_locks[key] = fd
+    return True
+
+
+def release_memory_tier(memory_root: Path) -> None:
+    fd = _held_tier_locks.pop(str(Path(memory_root).resolve()), None)
+    if fd is not None:
+        os.close(fd)  # (the lock goes with the descriptor)
 
 
 def claim_memory_tier(run_dir: Path, memory_root: Path) -> bool:
@@ -89,8 +128,8 @@ def claim_memory_tier(run_dir: Path, memory_root: Path) -> bool:
     if memory_root.is_dir():
         _refuse_unless_private(memory_root)
     entries = list(memory_root.iterdir()) if memory_root.is_dir() else []
-    owner_file = memory_root / OWNER_FILE
-    ours = lambda p: (p == owner_file and _plain_file(p)) or is_snapshot_dir(p) or \
+    owner_file, lock_file = memory_root / OWNER_FILE, memory_root / TIER_LOCK_FILE
+    ours = lambda p: (p in (owner_file, lock_file) and _plain_file(p)) or is_snapshot_dir(p) or \
         (PROCESS_DIR.fullmatch(p.name) is not None and p.is_dir() and not p.is_symlink())  # noqa: E731
     foreign = sorted(p.name for p in entries if not ours(p))
     if foreign:
@@ -99,11 +138,12 @@ def claim_memory_tier(run_dir: Path, memory_root: Path) -> bool:
             f"checkpoint.memory_dir {memory_root} holds {shown}, which are not checkpoint snapshots; nothing was "
             "deleted. Point checkpoint.memory_dir at an empty directory of its own (RAM-backed, such as "
             "/dev/shm/<name>), or leave it empty for /dev/shm/angel_jax-<uid>/<run id>")
+    lock_memory_tier(memory_root)  # (refused here, before anything below is deleted, when a live run holds it)
     token_file = run_dir / RUN_TOKEN_FILE
     token = token_file.read_text().strip() if token_file.is_file() else None
     owner = owner_file.read_text().strip() if _plain_file(owner_file) else None
     # A run directory without a token owns no snapshot yet: whatever the tier holds then is another run's.
-    stale = [p for p in entries if p != owner_file] if token is None or owner != token else []
+    stale = [p for p in entries if p not in (owner_file, lock_file)] if token is None or owner != token else []
     if stale:
         log.warning("memory tier %s holds snapshots of another run (not of the run directory %s): removed %s",
                     memory_root, run_dir, ", ".join(sorted(p.name for p in stale)))
@@ -234,18 +274,19 @@ class TrainCheckpointer:
         self.options = checkpoint_options(cfg, run_dir, jax.process_index() if per_process else None)
         self.primary = primary
         self.run_dir = run_dir
+        self._claimed: list[Path] = []
         if per_process:  # process 0 makes the run's token first (one shared run directory), then the others
             if primary:
                 # The whole-state tier first (a run over other processes may have left checkpoints to resume
                 # there; a memory_dir of its own holds the processes' directories, which it would clear as
                 # another run's until it is claimed), then this process's own.
-                claim_memory_tier(run_dir, checkpoint_options(cfg, run_dir).resolved_memory_dir())
-                claim_memory_tier(run_dir, self.options.resolved_memory_dir())
+                self._claim(checkpoint_options(cfg, run_dir).resolved_memory_dir())
+                self._claim(self.options.resolved_memory_dir())
             _barrier("angel_jax.checkpoint.claim")
             if not primary:
-                claim_memory_tier(run_dir, self.options.resolved_memory_dir())
+                self._claim(self.options.resolved_memory_dir())
         elif primary:  # before any restore: other processes restore the step process 0 chooses
-            claim_memory_tier(run_dir, self.options.resolved_memory_dir())
+            self._claim(self.options.resolved_memory_dir())
         self.engine = training_engine(self.options)
         self.last_handle: SaveHandle | None = None
 
@@ -450,9 +491,18 @@ class TrainCheckpointer:
         log.warning("train.resume=false: the run directory's earlier whole-state checkpoints were moved to %s",
                     archive)
 
+    def _claim(self, memory_root: Path) -> None:
+        self._claimed.append(memory_root)  # (first: a refusal below may have locked nothing, releasing is harmless)
+        claim_memory_tier(self.run_dir, memory_root)
+
     def close(self) -> None:
-        """Waits for background saves (the last checkpoint is committed before the process moves on)."""
-        self.engine.close()
+        """Waits for background saves (the last checkpoint is committed before the process moves on), then lets
+        go of the memory tiers."""
+        try:
+            self.engine.close()
+        finally:
+            for root in self._claimed:
+                release_memory_tier(root)
 
 
 def _barrier(name: str) -> None:
