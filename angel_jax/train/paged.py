@@ -45,6 +45,7 @@ from angel_jax.config import Config
 from angel_jax.optim.fused import host_update_by
 from angel_jax.optim.guard import StepControls
 from angel_jax.memory import PageLayout
+from angel_jax.memory.host_peak import HostPeakCheck
 from angel_jax.memory.layout import to_bits, to_values
 from angel_jax.memory.sharded_layout import layout_over
 from angel_jax.schedule.engine import PagedEngine, build_paged_engine, check_host_room, fit_micro_batch
@@ -60,6 +61,8 @@ log = logging.getLogger(__name__)
 
 WARMUP_STEPS = 3
 RECORDED_STEPS = 2
+HOST_PEAK_AFTER = 2
+"""The host peak is compared with the plan's once this step (the first without compilation) is done."""
 
 
 def pages_fingerprint(layout: PageLayout, stage: str) -> list[list]:
@@ -110,6 +113,7 @@ class PagedTrainEngine:
     every stage's update is computed, so guarding it costs a second pass over all stages (see optim/paged.py)."""
 
     def __init__(self, cfg: Config, mesh: jax.sharding.Mesh):
+        self.host_peak = HostPeakCheck.start()  # before anything is built: the growth from here is the engine's
         # Several devices: every page sharded over all of them, each rank computing on its rows (ZeRO-3).
         self.zero = Zero.over(mesh.devices) if mesh.devices.size > 1 else None
         self.device = self.zero.local_device() if self.zero else mesh.devices.flat[0]
@@ -129,6 +133,9 @@ class PagedTrainEngine:
         self.executor = self.built.executor
         self._timelines_due = {"predicted": True, "measured": True}
         self._steps_here = 0  # steps run by this engine (a resumed run warms up again before recording)
+        peak, local = self.built.plan.peak_bytes, len(mesh.local_devices)
+        # On the CPU backend the "device" tier is host RAM too.
+        self.host_peak.planned = local * (peak["host"] + (peak["device"] if self.device.platform == "cpu" else 0))
 
     # ------------------------------------------------------------------------------------------------ training
     def step(self, batch: jax.Array, controls: StepControls | None = None) -> dict[str, Any]:
@@ -136,6 +143,8 @@ class PagedTrainEngine:
         if self._timelines_due["predicted"]:
             self._write_timeline("predicted", self.built.plan.predicted)
             self._write_plan()
+        if self._steps_here == HOST_PEAK_AFTER + 1:  # (the loop has finished step HOST_PEAK_AFTER by now)
+            self._check_host_peak()
         if self._steps_here == WARMUP_STEPS and self._timelines_due["measured"]:
             ex.record_steps(RECORDED_STEPS)
         metrics = ex.step(batch, controls)
@@ -410,7 +419,13 @@ class PagedTrainEngine:
         lines.append(f"  predicted step     {plan.predicted.step_time:.3f} s (bandwidths: {built.bandwidths.source})")
         return lines
 
+    def _check_host_peak(self) -> None:
+        if self.host_peak.measured is None and (warning := self.host_peak.check()):
+            log.warning("%s", warning)
+
     def close(self) -> None:
+        if self._steps_here >= HOST_PEAK_AFTER:  # a run too short to have checked it yet
+            self._check_host_peak()
         if self._timelines_due["measured"] and self.executor.finish_recording() is not None:
             self._write_timeline("measured", self.executor.last_timeline)
         self.built.close()
