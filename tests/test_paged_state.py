@@ -333,6 +333,33 @@ def test_the_host_budget_defaults_to_what_the_machine_has(monkeypatch):
     assert engine_lib.host_budget(_cfg(Path("/tmp"), host_budget=123)) == 123
 
 
+def test_on_the_cpu_with_a_disk_tier_the_default_budgets_give_the_host_its_window(monkeypatch, tmp_path):
+    """No budget set, a disk tier, the CPU backend (device and host are one RAM): the host tier gets its window
+    (every streamed page on disk) and the device the rest of the room, so a 3.2 B GPT (52 GiB of state) plans on a
+    24 GiB machine with 21 GiB available; a fixed 80/20 share gave the host 2.1 GiB of the 2.4 it needs and refused
+    it."""
+    import collections
+
+    from angel_jax.config import load_config
+    from angel_jax.schedule import engine as engine_lib
+    from angel_jax.schedule.plan import min_host_bytes
+
+    vm = collections.namedtuple("vm", "total available")
+    monkeypatch.setattr(engine_lib.psutil, "virtual_memory", lambda: vm(24 << 30, 21 << 30))
+    cfg = load_config(Path(__file__).resolve().parents[1] / "experiments" / "gpt_tiny.yaml",
+                      ["model.d_model=2048", "model.n_heads=16", "model.seq_len=128", "model.n_layers=64",
+                       "train.batch_size=1", "memory.mode=paged", f"memory.disk_dir={tmp_path}"])
+    cpu = jax.devices("cpu")[0]
+    device, host = engine_lib.device_budget(cfg, cpu), engine_lib.host_budget(cfg, cpu)
+    window = min_host_bytes(engine_lib.shape_costs(cfg))
+    assert host == int(engine_lib.HOST_WINDOW_SLACK * window) and window > 2.3 * 2**30
+    assert device + host == (21 << 30) - (24 << 30) // 10  # the room, split
+    engine_lib.check_host_room(cfg, cpu)  # plans: no PlanError
+    # Without a disk tier the streamed pages live on the host: the budgets keep their own rules.
+    cfg.memory.disk_dir = ""
+    assert engine_lib.cpu_split(cfg, cpu) is None
+
+
 def test_lock_free_with_gradients_on_disk(tmp_path):
     """Lock-free stages whose gradients are disk-homed: the update must not donate the store's gradient pages,
     which the spill of the same pages to the disk may still be reading (it failed with 'Array has been deleted'

@@ -30,6 +30,7 @@ import numpy as np
 import optax
 import psutil
 
+from angel_jax import config as config_lib
 from angel_jax.config import Config, ConfigError
 from angel_jax.memory import DeviceTier, DiskTier, HostTier, PageLayout, PageStore
 from angel_jax.memory.layout import StageLayout
@@ -42,7 +43,7 @@ from angel_jax.optim.paged import OptLayout, abstract_opt_state, paged_paths, sp
 from angel_jax.optim.updater import PageUpdater, Placement, StageSlot, StageUpdates
 from angel_jax.schedule.costs import profile_costs, profile_transfers
 from angel_jax.schedule.execute import PagedExecutor, PagedModel
-from angel_jax.schedule.plan import (Bandwidths, Budgets, Plan, StageCost, load_bandwidths, make_plan,
+from angel_jax.schedule.plan import (Bandwidths, Budgets, Plan, StageCost, load_bandwidths, make_plan, min_host_bytes,
                                      minimum_device_bytes)
 from angel_jax.schedule.stagefns import StageFunctions
 from angel_jax.schedule.zero import Zero
@@ -92,15 +93,24 @@ class Blueprint:
 
 
 def device_budget(cfg: Config, device: jax.Device) -> int:
-    """memory.device_budget, or what the device has free (80% of available host RAM for the CPU backend)."""
+    """memory.device_budget, or what the device has free (80% of available host RAM for the CPU backend, or
+    `cpu_split`'s share)."""
     if cfg.memory.device_budget:
         return cfg.memory.device_budget
-    return device_free_bytes(device)
+    split = cpu_split(cfg, device)
+    return split[0] if split else device_free_bytes(device)
 
 
 HOST_MARGIN = 2 << 30
 """Host memory left to everything else (the process's own arrays, the machine) when memory.host_budget is 0:
 at least this, or a tenth of the machine's RAM when that is more."""
+HOST_WINDOW_SLACK = 1.1
+"""`cpu_split` gives the host tier its window's bytes times this."""
+
+
+def _host_room() -> int:
+    vm = psutil.virtual_memory()
+    return int(vm.available) - max(HOST_MARGIN, int(vm.total) // 10)
 
 
 def host_budget(cfg: Config, device: jax.Device | None = None) -> int:
@@ -109,11 +119,33 @@ def host_budget(cfg: Config, device: jax.Device | None = None) -> int:
     CPU backend (`device` a CPU) the "device" is that same RAM: the device budget is taken out of it too."""
     if cfg.memory.host_budget:
         return cfg.memory.host_budget
-    vm = psutil.virtual_memory()
-    room = int(vm.available) - max(HOST_MARGIN, int(vm.total) // 10)
+    split = cpu_split(cfg, device)
+    if split:
+        return split[1]
+    room = _host_room()
     if device is not None and device.platform == "cpu":
         room -= device_budget(cfg, device)
     return max(0, room)
+
+
+_splits: dict[str, tuple[int, int]] = {}
+
+
+def cpu_split(cfg: Config, device: jax.Device | None) -> tuple[int, int] | None:
+    """(device, host) budgets on the CPU backend when neither is set and a disk tier is: the two tiers are one RAM
+    there, and a stage kept on the "device" needs no copies at all, so the host tier gets only what its window
+    needs with every streamed page on disk (`min_host_bytes`, times HOST_WINDOW_SLACK) and the device the rest of
+    the room. A fixed share (the device 80% of the available RAM, the host the rest less the margin: ~2 GiB on a
+    24 GiB machine) refused a 3 B GPT whose window needs 2.4 GiB. None elsewhere (the budgets' own rules)."""
+    if (device is None or device.platform != "cpu" or cfg.memory.device_budget or cfg.memory.host_budget
+            or not cfg.memory.disk_dir):
+        return None
+    key = config_lib.dump_yaml(cfg)  # (shape_costs takes ~2 s for a 64-block model: once per config)
+    if key not in _splits:
+        room = max(0, _host_room())
+        host = min(room, int(HOST_WINDOW_SLACK * min_host_bytes(shape_costs(cfg), cfg.memory.staleness)))
+        _splits[key] = (room - host, host)
+    return _splits[key]
 
 
 def shape_costs(cfg: Config) -> list[StageCost]:

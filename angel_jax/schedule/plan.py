@@ -378,6 +378,13 @@ def _plan_for(costs: list[StageCost], bw: Bandwidths, budgets: Budgets, prefetch
 Homes = tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]
 
 
+def min_host_bytes(costs: list[StageCost], staleness: int = 0) -> int:
+    """The host memory any placement needs at least: its window with every stage streamed and every page family
+    on disk (a plan that streams fewer stages stages fewer)."""
+    every = tuple("disk" for _ in costs)
+    return host_bytes(costs, (every, every, every), staleness)
+
+
 def host_bytes(costs: list[StageCost], homes: Homes, staleness: int) -> int:
     """Host memory a placement needs at its peak: the host-homed pages (lock-free mode: a second version of
     host-homed parameters), the disk-homed pages of `OPT_STAGING` stages staged around their update (the largest
