@@ -4,6 +4,7 @@ fallbacks. Every restore is compared bitwise with an independent copy taken befo
 from __future__ import annotations
 
 import dataclasses
+import os
 import logging
 import re
 import shutil
@@ -665,3 +666,32 @@ def test_a_renamed_checkpoint_is_damaged_not_the_step_its_name_says(tmp_path: Pa
         assert "name says step 50" in caplog.text
         with pytest.raises(CheckpointError, match="name says step 50"):
             engine.restore(50)
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="planting another user's checkpoint needs root (chown)")
+def test_a_checkpoint_planted_by_another_user_or_in_a_shared_directory_is_never_loaded(
+        tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Step 30 owned by another uid (nobody) in every tier is not listed, verified or restored: restore takes step
+    20, with one warning per refused copy naming the owner; a tier root others can write to is refused whole."""
+    states = {s: make_state(s) for s in (20, 30)}
+    with CheckpointEngine(options(tmp_path, peer_dir=tmp_path / "peer")) as engine:
+        for s, state in states.items():
+            engine.save(s, copy_of(state), {"s": s})
+        engine.wait()
+    for planted in (tmp_path / "memory" / "step_30", tmp_path / "peer" / "step_30", tmp_path / "persistent" / "30"):
+        os.chown(planted, 65534, 65534)
+    with caplog.at_level(logging.WARNING), CheckpointEngine(options(tmp_path, peer_dir=tmp_path / "peer")) as engine:
+        restored = engine.restore()
+        assert restored.step == 20 and restored.meta == {"s": 20}
+        assert_bitwise(restored.arrays, states[20])
+        assert engine.verify(30)[0].startswith("step 30: no committed copy")
+        assert engine.latest_valid().step == 20
+        refused = [r.getMessage() for r in caplog.records if "belongs to uid 65534" in r.getMessage()]
+        assert len(refused) == 3, refused  # once each, however often the tiers are read
+    (tmp_path / "persistent").chmod(0o777)
+    (tmp_path / "memory").chmod(0o777)
+    (tmp_path / "peer").chmod(0o777)
+    with caplog.at_level(logging.WARNING), CheckpointEngine(options(tmp_path, peer_dir=tmp_path / "peer")) as engine:
+        with pytest.raises(CheckpointError, match="no valid checkpoint"):
+            engine.restore()
+    assert "is writable by other users (mode 777" in caplog.text

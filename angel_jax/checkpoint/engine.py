@@ -59,6 +59,7 @@ from angel_jax.checkpoint.records import CheckpointError, CheckpointInfo, Checkp
 from angel_jax.checkpoint.snapshot import remove_dir
 from angel_jax.checkpoint.state import StateSnapshot, as_snapshot, is_lazy
 from angel_jax.checkpoint.tiers import CheckpointTier, CopyTier
+from angel_jax.checkpoint.trust import untrusted
 from angel_jax.checkpoint.worker import Job, SaveHandle, SaveWorker
 from angel_jax.checkpoint.writer import SnapshotWriter
 from angel_jax.errors import EXIT_CONFIG
@@ -133,6 +134,7 @@ class CheckpointEngine:
         self._checksum_pool: ThreadPoolExecutor | None = None
         self._cleaned = False
         self._closed = False
+        self._untrusted_seen: set[str] = set()  # (each refusal is logged once)
 
     def _pool(self) -> ThreadPoolExecutor | None:
         """Threads that hash arrays (xxhash releases the GIL on large buffers); created on first use."""
@@ -373,12 +375,31 @@ class CheckpointEngine:
     # ------------------------------------------------------------------------------------------- reading
 
     def _candidates(self, step: int | None) -> list[tuple[int, CheckpointTier, Path]]:
-        """(step, tier, path), newest step first, fastest tier first within a step."""
-        committed = {tier.name: tier.scan()[0] for tier in self._tiers}
+        """(step, tier, path), newest step first, fastest tier first within a step; only what `trust` allows."""
+        committed = {tier.name: self._trusted(tier) for tier in self._tiers}
         steps = sorted({s for found in committed.values() for s in found}, reverse=True)
         if step is not None:
             steps = [s for s in steps if s == step]
         return [(s, t, committed[t.name][s]) for s in steps for t in self._tiers if s in committed[t.name]]
+
+    def _trusted(self, tier: CheckpointTier) -> dict[int, Path]:
+        """The tier's committed steps that may be loaded; each one refused is named once in a warning."""
+        reason = untrusted(tier.root, root=True)
+        if reason:
+            self._warn_untrusted(f"the {tier.name} tier {tier.root} {reason}: none of its checkpoints is loaded")
+            return {}
+        committed = {}
+        for s, path in tier.scan()[0].items():
+            if reason := untrusted(path):
+                self._warn_untrusted(f"checkpoint step {s} in the {tier.name} tier ({path}) {reason}: not loaded")
+            else:
+                committed[s] = path
+        return committed
+
+    def _warn_untrusted(self, text: str) -> None:
+        if text not in self._untrusted_seen:
+            self._untrusted_seen.add(text)
+            log.warning("%s", text)
 
     def restore(self, step: int | None = None, *, select: snap.Select | None = None) -> Restored:
         """The newest valid checkpoint (or `step`), from memory, else peer, else persistent.
