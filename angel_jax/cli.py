@@ -175,8 +175,11 @@ def _train(args: argparse.Namespace) -> int:
     from angel_jax.tol.faults import FaultHooks
     from angel_jax.train.loop import persisted_text, train  # jax is imported only when needed: `--help` stays instant
 
+    from angel_jax.schedule.engine import configure_pinned_limit
     from angel_jax.train.preemption import Preempted
 
+    if line := configure_pinned_limit(cfg):  # before jax starts a GPU client, which reads the limit once
+        logging.getLogger("angel_jax.train").info("%s", line)
     faults = FaultHooks.from_env(rank=0, vocab_size=cfg.model.vocab_size)  # ANGEL_JAX_FAULTS: tests only
     try:
         result = train(cfg, hooks=[faults] if faults else [])

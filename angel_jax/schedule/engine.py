@@ -18,6 +18,7 @@ import dataclasses
 import gc
 import json
 import logging
+import os
 import shutil
 import threading
 from dataclasses import dataclass
@@ -32,7 +33,7 @@ import psutil
 
 from angel_jax import config as config_lib
 from angel_jax.config import Config, ConfigError
-from angel_jax.memory import DeviceTier, DiskTier, HostTier, PageLayout, PageStore
+from angel_jax.memory import DeviceTier, DiskTier, HostTier, PageLayout, PageStore, pinned
 from angel_jax.memory.layout import StageLayout
 from angel_jax.memory.bench_io import default_calibration_path
 from angel_jax.memory.malloc import return_large_frees_to_the_os
@@ -43,8 +44,8 @@ from angel_jax.optim.paged import OptLayout, abstract_opt_state, paged_paths, sp
 from angel_jax.optim.updater import PageUpdater, Placement, StageSlot, StageUpdates
 from angel_jax.schedule.costs import profile_costs, profile_transfers
 from angel_jax.schedule.execute import PagedExecutor, PagedModel
-from angel_jax.schedule.plan import (Bandwidths, Budgets, Plan, StageCost, load_bandwidths, make_plan, min_host_bytes,
-                                     minimum_device_bytes)
+from angel_jax.schedule.plan import (Bandwidths, Budgets, Plan, PlanError, StageCost, load_bandwidths, make_plan,
+                                     min_host_bytes, minimum_device_bytes)
 from angel_jax.schedule.stagefns import StageFunctions
 from angel_jax.schedule.zero import Zero
 from angel_jax.memory.sharded_layout import ShardedPageLayout
@@ -191,7 +192,7 @@ def budgets_for(cfg: Config, device: jax.Device, local_batch: int, zero: Zero | 
     and gradients of the largest stage while it computes (gathered, not yet reduce-scattered). Budgets taken from
     the machine (0) are the machine's: the device's own memory per rank, the host's RAM once."""
     if zero is None:
-        return Budgets(device=device_budget(cfg, device), host=host_budget(cfg, device),
+        return Budgets(device=device_budget(cfg, device), host=pinned_cap(host_budget(cfg, device), device),
                        disk=disk_budget(cfg) if cfg.memory.disk_dir else 0,
                        fixed_device=fixed_device_bytes(cfg, local_batch),
                        saved_device=saved_input_bytes(cfg, local_batch))
@@ -201,9 +202,57 @@ def budgets_for(cfg: Config, device: jax.Device, local_batch: int, zero: Zero | 
     host = cfg.memory.host_budget * n if cfg.memory.host_budget else host_budget(cfg, None) - (dev if shared else 0)
     disk = (cfg.memory.disk_budget * n if cfg.memory.disk_budget else disk_budget(cfg)) if cfg.memory.disk_dir else 0
     gathered = n * 2 * max(gathered_bytes(s, n) for s in params_layout(cfg).stages)  # each rank holds its own
-    return Budgets(device=dev, host=max(0, host), disk=disk,
+    return Budgets(device=dev, host=pinned_cap(max(0, host), device, jax.process_count()), disk=disk,
                    fixed_device=fixed_device_bytes(cfg, local_batch) + gathered,
                    saved_device=saved_input_bytes(cfg, local_batch))
+
+
+def pinned_cap(host: int, device: jax.Device, processes: int = 1) -> int:
+    """On a GPU the host tier is XLA's pinned pool, whose limit (memory/pinned.py, one pool per process) no plan can
+    pass: the host budget is at most that, times the `processes` a plan for the ranks together spans."""
+    if device.platform != "gpu":
+        return host
+    cap = pinned.limit_bytes() * processes
+    if host > cap:
+        log.info("host budget %s B capped at the pinned host memory limit, %s B (%s)", f"{host:,}", f"{cap:,}",
+                 pinned.LIMIT_ENV)
+    return min(host, cap)
+
+
+def pinned_host_need(cfg: Config, device_bytes: int, processes: int = 1) -> int | None:
+    """The host tier's peak in a plan made from shapes alone (no device or GPU client needed) for a device with
+    `device_bytes` free, one of `processes`: the pinned host memory the paged engine will hold; None when no plan
+    fits (the engine's own refusal then says why)."""
+    local = max(1, cfg.train.batch_size // processes)
+    try:
+        budgets = Budgets(device=cfg.memory.device_budget or device_bytes, host=host_budget(cfg, None),
+                          disk=(disk_budget(cfg) or 0) if cfg.memory.disk_dir else 0,
+                          fixed_device=fixed_device_bytes(cfg, local), saved_device=saved_input_bytes(cfg, local))
+        plan = make_plan(shape_costs(cfg), Bandwidths(), budgets, staleness=cfg.memory.staleness,
+                         micro_batches=micro_batching(cfg, local)[0], passes=cfg.memory.passes or None)
+    except (PlanError, ConfigError):
+        return None
+    return plan.peak_bytes["host"]
+
+
+def configure_pinned_limit(cfg: Config, processes: int = 1) -> str | None:
+    """Before jax starts its GPU client: set XLA's pinned host memory limit to what the paged engine's plan puts in
+    the host tier (+10% + 1 GiB), unless the environment sets it, the run is not paged (memory.mode in_memory) or
+    there is no NVIDIA GPU. Left at XLA's 64 GiB the pool refused plans that need more; raised to most of the RAM
+    (as a benchmark once did) it grew in doubling regions past what the plan needed, into the memory the host
+    updates use, and the process was killed. Returns the line that says what was set, or None."""
+    if pinned.LIMIT_ENV in os.environ or cfg.memory.mode == "in_memory":
+        return None
+    hbm = pinned.gpu_memory_bytes()
+    if hbm is None:
+        return None
+    need = pinned_host_need(cfg, hbm, processes)
+    if need is None:
+        return None
+    gib = min(pinned.limit_for(need), max(pinned.LEAST_LIMIT_GIB, host_budget(cfg, None) // pinned.GIB))
+    os.environ[pinned.LIMIT_ENV] = str(gib)
+    return (f"pinned host memory limited to {gib} GiB ({pinned.LIMIT_ENV}): the plan's host tier needs "
+            f"{need / pinned.GIB:.1f} GiB, + {pinned.SLACK - 1:.0%} + {pinned.OVERHEAD // pinned.GIB} GiB")
 
 
 def gathered_bytes(stage: StageLayout, ranks: int) -> int:

@@ -144,6 +144,10 @@ def _configure_jax(cfg: Config, wenv: WorkerEnv) -> Any:
     # JAX's preemption service takes SIGTERM over (a C++ handler that only records the notice): a worker would
     # then ignore the watchdog's SIGTERM, train on, and exit 0 in the middle of a teardown. Ours stops the run.
     jax.config.update("jax_enable_preemption_service", False)
+    from angel_jax.schedule.engine import configure_pinned_limit
+
+    if line := configure_pinned_limit(cfg, wenv.num_processes or 1):  # (before the GPU client starts)
+        log.info("%s", line)
     if cfg.resilience.compile_cache:
         cache = Path(cfg.resilience.compile_cache_dir or cfg.run_dir / "compile_cache").absolute()
         cache.mkdir(parents=True, exist_ok=True)

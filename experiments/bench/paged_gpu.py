@@ -15,8 +15,9 @@ Figures (one JSON line each; appended to experiments/results/paged_gpu_<platform
                    failure does not poison the next), under --rung-timeout (--smoke: in this process)
   beyond_hbm       tokens/s and MFU of the paged engine at twice the largest model the reference trains in HBM
 
-The host tier is pinned host memory, capped by XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB (raised here to 90% of RAM unless
-set); host updates run on the XLA CPU backend. MFU = 6 * N_matmul + 12 * L * d * T FLOPs per token (models/gpt.py)
+The host tier is pinned host memory, capped by XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB: each rung sets it, unless the
+environment does, to what its plan puts in the host tier (schedule.engine.configure_pinned_limit; at 90% of RAM the
+pool grew past the plan and a 9.7 B rung was killed for host memory); host updates run on the XLA CPU backend. MFU = 6 * N_matmul + 12 * L * d * T FLOPs per token (models/gpt.py)
 over the device's dense bf16 peak (angel_jax/train/metrics.py).
 """
 
@@ -34,21 +35,13 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _set_host_limit() -> None:
-    """Pinned host memory is capped at 64 GiB by default: let the host tier use most of the machine's RAM."""
-    if "XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB" not in os.environ:
-        import psutil
-
-        os.environ["XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"] = str(int(psutil.virtual_memory().total * 0.9 / 2**30))
-
-
-_set_host_limit()
-
 import jax  # noqa: E402
 import numpy as np  # noqa: E402
 
 from angel_jax.benchinfo import emit, machine_info, results_path  # noqa: E402
 from angel_jax.config import Config, load_config  # noqa: E402
+from angel_jax.memory.host_peak import peak_rss  # noqa: E402
+from angel_jax.schedule.engine import configure_pinned_limit  # noqa: E402
 from angel_jax.train.engines import build_engine, state_bytes  # noqa: E402
 from angel_jax.train.metrics import device_peak, throughput  # noqa: E402
 from models import gpt  # noqa: E402
@@ -143,6 +136,9 @@ def rung(mode: str, sizes_name: str, layers: int, disk_dir: str, steps: int) -> 
 
         extra.append(f"memory.host_budget={int(psutil.virtual_memory().available * 0.6)}")
     cfg = sized(sizes, layers, *extra)
+    pinned_line = configure_pinned_limit(cfg)  # (this process's GPU client has not started yet)
+    if pinned_line:
+        _progress(pinned_line)
     t0 = time.perf_counter()
     engine = build_engine(cfg, _mesh())
     try:
@@ -168,7 +164,9 @@ def rung(mode: str, sizes_name: str, layers: int, disk_dir: str, steps: int) -> 
         engine.close()
     return {"ok": True, "mode": mode, "layers": layers, "params": gpt.param_count(cfg.model)["total"],
             "state_bytes": state_bytes(cfg), "engine": engine.name, "build_s": round(build_s, 1),
-            "first_step_s": round(first, 3), "step_s": round(step_s, 4), **perf(cfg, step_s), **placement}
+            "first_step_s": round(first, 3), "step_s": round(step_s, 4), **perf(cfg, step_s), **placement,
+            "pinned_limit_gib": os.environ.get("XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB"),
+            "peak_rss_bytes": peak_rss()}
 
 
 def _progress(line: str) -> None:
