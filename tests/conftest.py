@@ -27,7 +27,8 @@ else:
     # On a GPU, XLA's reductions and scatters use atomics (their order varies from run to run) and its autotuner
     # picks kernels by timing: the same program run twice differs in the last bits (an H200 resumed run's eval loss
     # 5.0378025 against 5.0378034 uninterrupted). The suite's claims that a resume, or overlap against none, is
-    # exact hold there with deterministic kernels, as a user who needs them sets it (README "Numerics").
+    # exact hold there with deterministic kernels, as a user who needs them sets it (docs/paged-training.md,
+    # "Numerics").
     if "xla_gpu_deterministic_ops" not in os.environ.get("XLA_FLAGS", ""):
         os.environ["XLA_FLAGS"] = " ".join(filter(None, [os.environ.get("XLA_FLAGS"),
                                                           "--xla_gpu_deterministic_ops=true"]))

@@ -1,5 +1,5 @@
-"""The layers import one way (DESIGN.md, README "Layout"): a module imports only from its own layer or the layers
-below it, there is no import cycle, and no module outside models/ names a model family. Parsed from the source
+"""The layers import one way (DESIGN.md, docs/development.md "Layout"): a module imports only from its own layer or
+the layers below it, there is no import cycle, and no module outside models/ names a model family. Parsed from the source
 (every import statement, including those inside functions), so it holds for code paths no test runs."""
 
 from __future__ import annotations

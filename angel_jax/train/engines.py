@@ -293,10 +293,11 @@ def refuse_what_cannot_fit(cfg: Config, device: jax.Device, fsdp: int = 1) -> No
     need, free = state_bytes(cfg, fsdp), device_free_bytes(device)
     if need > free:
         where = "of host RAM it may use" if device.platform == "cpu" else f"free on the {device.device_kind}"
+        n = models.get(cfg.model).param_count["total"]
         raise ConfigError(f"memory.mode=in_memory: the training state needs {human_bytes(need)} on each device "
-                          f"(parameters, gradients and optimizer state of {models.get(cfg.model).param_count['total']:,}"
-                          f" parameters), more than the {human_bytes(free)} {where}: set memory.mode=paged (or "
-                          "auto) to page it across device, host and disk, or shrink the model")
+                          f"(parameters, gradients and optimizer state of {n:,} parameters), more than the "
+                          f"{human_bytes(free)} {where}: set memory.mode=paged (or auto) to page it across device, "
+                          "host and disk, or shrink the model")
 
 
 def build_engine(cfg: Config, mesh: jax.sharding.Mesh) -> TrainEngine:

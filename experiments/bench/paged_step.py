@@ -23,7 +23,7 @@ M = 1 the reference is the single jitted step (`make_train_step`), as before.
 
 The default shape does not fit eight micro-batches: layer-major, every micro-batch's stage inputs stay on the device
 from the forward to the backward, (n_layers + 1) x M x rows x seq_len x d_model x 4 B = 157 MB at 8 x 2 rows of 256
-tokens against a 64 MB budget. The README's figure with 8 micro-batches is taken with `model.seq_len=64
+tokens against a 64 MB budget. The figure in docs/paged-training.md with 8 micro-batches is taken with `model.seq_len=64
 train.batch_size=1`: 8 micro-batches of one 64-token row, as many tokens per step as the default 2 x 256.
 
 Figures (one JSON line each, with "micro_batches": M, appended to experiments/results/paged_step_<platform>.jsonl
