@@ -14,7 +14,8 @@ import pytest
 
 from angel_jax.checkpoint import CheckpointError
 from angel_jax.config import ConfigError
-from angel_jax.train.checkpointing import OWNER_FILE, RUN_TOKEN_FILE, claim_memory_tier
+from angel_jax.train.checkpointing import (OWNER_FILE, RUN_TOKEN_FILE, TIER_LOCK_FILE, claim_memory_tier,
+                                          release_memory_tier)
 from angel_jax.train.rundir import LOCK_FILE, RunDirectoryInUse, lock_run_dir
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -119,8 +120,9 @@ def test_another_runs_snapshots_are_the_only_thing_removed(tmp_path):
         (mem / name / "index.json").write_text("{}")
     (mem / OWNER_FILE).write_text("another-run\n")
     assert claim_memory_tier(run, mem) is True
-    assert sorted(p.name for p in mem.iterdir()) == [OWNER_FILE]
+    assert sorted(p.name for p in mem.iterdir()) == sorted([OWNER_FILE, TIER_LOCK_FILE])  # (the lock: this run's)
     assert (mem / OWNER_FILE).read_text() == (run / RUN_TOKEN_FILE).read_text()
+    release_memory_tier(mem)
 
 
 @pytest.mark.parametrize("where", ["file", "proc"])

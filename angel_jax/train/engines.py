@@ -303,13 +303,15 @@ def refuse_what_cannot_fit(cfg: Config, device: jax.Device, fsdp: int = 1) -> No
 def build_engine(cfg: Config, mesh: jax.sharding.Mesh) -> TrainEngine:
     """The engine `memory.mode` asks for (auto: in-memory when the state fits the device budget)."""
     mode = cfg.memory.mode
+    # This process's first device: another process's cannot be asked what it has free.
+    here = next(d for d in mesh.devices.flat if d.process_index == jax.process_index())
     if mode == "auto":
-        mode = "in_memory" if fits_in_memory(cfg, mesh.devices.flat[0], fsdp_size(mesh)) else "paged"
+        mode = "in_memory" if fits_in_memory(cfg, here, fsdp_size(mesh)) else "paged"
         log.info("memory.mode=auto: the training state (%.2f GB per device) %s -> %s engine",
                  state_bytes(cfg, fsdp_size(mesh)) / 1e9,
                  "fits the device" if mode == "in_memory" else "does not fit the device", mode)
     if mode == "in_memory":
-        refuse_what_cannot_fit(cfg, mesh.devices.flat[0], fsdp_size(mesh))
+        refuse_what_cannot_fit(cfg, here, fsdp_size(mesh))
         return InMemoryEngine(cfg, mesh)
     if mesh.devices.size > 1 and mesh.devices.size not in (fsdp_size(mesh), dict(mesh.shape).get("data", 1)):
         raise AngelError(f"memory.mode={cfg.memory.mode!r} chose the paged engine, which shards every page over all "
