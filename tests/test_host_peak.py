@@ -4,6 +4,7 @@ RSS (reset before the engine is built), compared after the first steady step, on
 from __future__ import annotations
 
 import logging
+import mmap
 
 import jax
 import numpy as np
@@ -23,17 +24,27 @@ def _peak_resettable() -> bool:
 pytestmark = pytest.mark.skipif(not _peak_resettable(), reason="needs Linux's /proc/self/clear_refs")
 
 
+def _resident(nbytes: int) -> mmap.mmap:
+    """`nbytes` of fresh anonymous memory, every page written: resident whatever the allocator holds free already
+    (a numpy array could reuse pages an earlier test freed, and not grow the peak)."""
+    m = mmap.mmap(-1, nbytes)
+    np.frombuffer(m, np.uint8)[::4096] = 1
+    return m
+
+
 def test_a_growth_past_the_plan_is_one_warning_and_within_it_none():
     over = HostPeakCheck.start(planned=0)
-    held = np.ones(host_peak.FIXED_OVERHEAD + 256 * MIB, np.uint8)  # touched: resident
+    held = _resident(host_peak.FIXED_OVERHEAD + 256 * MIB)
     warning = over.check()
-    assert warning is not None and over.measured >= held.nbytes
+    # (the kernel's RSS counters are per-thread and synced in batches, and memory freed since the reset counts
+    # against the growth: a few MiB either way)
+    assert warning is not None and over.measured >= len(held) - 32 * MIB
     assert "the plan's 0 B" in warning and "\n" not in warning
-    del held
+    held.close()
     within = HostPeakCheck.start(planned=600 * MIB)
-    held = np.ones(500 * MIB, np.uint8)
-    assert within.check() is None and 500 * MIB <= within.measured <= within.allowed
-    del held
+    held = _resident(500 * MIB)
+    assert within.check() is None and 500 * MIB - 32 * MIB <= within.measured <= within.allowed
+    held.close()
 
 
 def test_a_paged_engine_under_budgets_stays_within_its_plan(tmp_path, caplog):
@@ -61,5 +72,6 @@ def test_a_paged_engine_under_budgets_stays_within_its_plan(tmp_path, caplog):
         finally:
             engine.close()
     check = engine.host_peak
-    assert check.measured is not None and 0 < check.measured <= check.allowed, (check, plan.peak_bytes)
+    # (the growth may be less than the plan: pages can reuse memory the process freed before)
+    assert check.measured is not None and check.measured <= check.allowed, (check, plan.peak_bytes)
     assert "host memory:" not in caplog.text

@@ -71,7 +71,7 @@ class HostPeakCheck:
         peak = peak_rss()
         if self.baseline is None or peak is None:
             return None
-        self.measured = peak - self.baseline
+        self.measured = max(0, peak - self.baseline)  # (RSS counters lag by a few pages: never below zero)
         if self.measured <= self.allowed:
             return None
         return (f"host memory: the process's peak grew by {human_bytes(self.measured)} since the engine was built, "

@@ -36,12 +36,10 @@ ANGEL_JAX_CKPT_KILL_AT describes (angel_jax/checkpoint/faults.py), read when the
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import logging
 import os
 import re
 import shutil
-import socket
 import stat
 import time
 import uuid
@@ -60,6 +58,7 @@ from angel_jax.checkpoint.state import LazyArray
 from angel_jax.config import Config, to_dict
 from angel_jax.memory.shards import ShardMeta, assemble, assemble_pieces
 from angel_jax.units import human_bytes
+from angel_jax.train.rundir import take_lock
 
 log = logging.getLogger(__name__)
 
@@ -88,16 +87,10 @@ def lock_memory_tier(memory_root: Path) -> bool:
         fd = os.open(Path(memory_root) / TIER_LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
     except OSError:
         return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "a process that has not said who it is"
-        os.close(fd)
+    if holder := take_lock(fd):
         raise CheckpointError(f"checkpoint.memory_dir {memory_root} is in use by another run ({holder}); nothing "
                               "was deleted: give each run a memory_dir of its own (or leave it empty for one "
-                              "named after the run directory)") from None
-    os.ftruncate(fd, 0)
-    os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
+                              "named after the run directory)")
     _held_tier_locks[key] = fd
     return True
 

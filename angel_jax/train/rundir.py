@@ -47,13 +47,21 @@ def lock_run_dir(run_dir: Path) -> RunDirLock:
         fd = os.open(run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError as e:
         raise ConfigError(f"'train.run_dir' {run_dir} cannot be used: {e.strerror or e}") from e
+    if holder := take_lock(fd):
+        raise RunDirectoryInUse(f"run directory {run_dir} is in use by another run ({holder}); wait for it to "
+                                "end or choose another train.run_dir")
+    return RunDirLock(run_dir / LOCK_FILE, fd)
+
+
+def take_lock(fd: int) -> str | None:
+    """Lock the open file `fd` (flock, exclusive, without waiting) and write this process's name into it; None when
+    taken, else the holder's name as its file says (and `fd` is closed)."""
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
         holder = os.pread(fd, 200, 0).decode(errors="replace").strip() or "a process that has not said who it is"
         os.close(fd)
-        raise RunDirectoryInUse(f"run directory {run_dir} is in use by another run ({holder}); wait for it to "
-                                "end or choose another train.run_dir") from None
+        return holder
     os.ftruncate(fd, 0)
     os.pwrite(fd, f"pid {os.getpid()} on {socket.gethostname()}\n".encode(), 0)
-    return RunDirLock(run_dir / LOCK_FILE, fd)
+    return None
