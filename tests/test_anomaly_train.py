@@ -21,6 +21,9 @@ BAD_BATCH = 139  # global batch index: step 140 of a clean run, once the loss ha
 def _run(write_tiny_config, directory, name, faults="", **sections):
     sections.setdefault("train", {})
     sections["train"] = {"steps": STEPS, **sections["train"]}
+    # The step-time detector judges the machine, not the run: on a shared 2-core machine another process's load
+    # once showed up as a step-time anomaly at step 72 among the data anomalies these tests count.
+    sections.setdefault("anomaly", {"thresholds": {"step_time": {"enabled": False}}})
     cfg_path = write_tiny_config(directory, name, **sections)
     exact: dict[int, dict] = {}
     hooks = [FaultHooks.parse(faults)] if faults else []
