@@ -695,3 +695,15 @@ def test_a_checkpoint_planted_by_another_user_or_in_a_shared_directory_is_never_
         with pytest.raises(CheckpointError, match="no valid checkpoint"):
             engine.restore()
     assert "is writable by other users (mode 777" in caplog.text
+
+
+def test_every_tier_a_run_creates_is_private(tmp_path: Path) -> None:
+    """The memory, peer and persistent directories a save creates are 0700: no other user reads the state or
+    plants a checkpoint in them (the persistent one was 0755)."""
+    import stat
+
+    with CheckpointEngine(options(tmp_path, peer_dir=tmp_path / "peer")) as engine:
+        engine.save(1, make_state(1), {})
+        engine.wait()
+    for tier in ("memory", "peer", "persistent"):
+        assert stat.S_IMODE((tmp_path / tier).stat().st_mode) == 0o700, tier

@@ -179,7 +179,7 @@ class OrbaxTier(CopyTier):
         target = final if not final.exists() else self.root / f"{step}.orbax-checkpoint-tmp-resave"
         _quiet_late_callbacks()
         with self._lock, _orbax_thread_errors.muted():
-            self.root.mkdir(parents=True, exist_ok=True)
+            self.root.mkdir(mode=0o700, parents=True, exist_ok=True)  # private, as the memory tier
             self.remove_partial()  # one writer: any unfinished save is garbage holding space
             try:
                 self._checkpointer(step, saving=True).save(target, args=ocp.args.Composite(**items))

@@ -364,7 +364,7 @@ def copy_committed(src: Path, dst_root: Path, step: int, fault: Any = None) -> P
     The files are fsynced because a peer directory is typically a network or disk mount, unlike /dev/shm.
     `fault` is called between the data copy and the commit (fault injection only).
     """
-    dst_root.mkdir(parents=True, exist_ok=True)
+    dst_root.mkdir(mode=0o700, parents=True, exist_ok=True)  # private: no other user reads or plants copies
     tmp, final = tmp_dir(dst_root, step), step_dir(dst_root, step)
     remove_dir(tmp)
     tmp.mkdir()
