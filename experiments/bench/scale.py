@@ -271,7 +271,7 @@ def run_trial(runner: str, n_layers: int, args: argparse.Namespace) -> dict:
         "ok": ok, "why_not": None if ok else failure_reason(proc.returncode, killed, child, stderr_tail),
         "peak_rss_bytes": max(peak_rss, (child or {}).get("child_maxrss", 0)),
         "peak_rss_polled_bytes": peak_rss, "peak_disk_bytes": peak_disk,
-        "step2_s": round(child["step_s"][1], 4) if ok else None,
+        "step2_s": round(child["step_s"][1], 4) if ok and len(child["step_s"]) > 1 else None,  # (--steps 1: none)
         "step_s": [round(t, 4) for t in child["step_s"]] if ok else None,
         # The last step's time leaves out its own updates (they drain after it): a steady step needs a next one.
         "steady_step_s": round(child["step_s"][1], 4) if ok and args.steps >= 3 else None,
