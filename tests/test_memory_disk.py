@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import time
 
 import jax
 import numpy as np
@@ -276,4 +277,40 @@ def test_a_written_page_is_not_kept_in_memory(tmp_path):
     assert [r() is None for r in alive] == [True] * 8, "written pages are still referenced"
     out = np.empty(1 << 16, np.float32)
     assert tier.read(3, into=out).result() is out and (out == 3).all()
+    tier.close()
+
+
+def test_callbacks_that_wait_for_a_lock_never_stall_tensorstore(tmp_path):
+    """The page store's callbacks on a disk future take its lock, and its caller holds that lock while a new page
+    shape's array is opened (which waits for tensorstore). Completed on tensorstore's own threads, those callbacks
+    blocked the threads the open needed: the process hung for good (once in a CI run of the suite). The tier
+    completes its futures on its own workers, so the open finishes while every callback still waits."""
+    import threading
+
+    tier = DiskTier(tmp_path)
+    tier.write(0, np.zeros(16, np.uint32)).result()
+    held = threading.Lock()
+    held.acquire()
+    waiting = []
+    for i in range(1, 9):
+        f = tier.write(i, np.arange(16, dtype=np.uint32) + i)
+        f.add_done_callback(lambda f: (held.acquire(), held.release()))
+        waiting.append(f)
+    time.sleep(0.5)  # the writes complete meanwhile, and their callbacks wait for `held`
+    opened = threading.Event()
+    result: list = []
+
+    def open_a_new_shape() -> None:
+        result.append(tier.write(100, np.zeros(8, np.uint16)))
+        opened.set()
+
+    threading.Thread(target=open_a_new_shape, daemon=True).start()
+    try:
+        assert opened.wait(30), "opening a new page shape waited for callbacks that wait for its caller's lock"
+    finally:
+        held.release()
+    result[0].result(timeout=30)
+    for f in waiting:
+        f.result(timeout=30)
+    assert np.array_equal(tier.read(5).result(timeout=30), np.arange(16, dtype=np.uint32) + 5)
     tier.close()

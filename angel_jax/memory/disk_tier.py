@@ -18,9 +18,12 @@ naming the page and the chunk file on a mismatch (a flipped byte anywhere in the
 an error too (`fill_missing_data_reads=False`), never silently zeros. Chunk files are written atomically
 (temporary file + rename) and fsync'ed (`file_io_sync`).
 
-I/O is asynchronous: `write` and `read` return `concurrent.futures.Future`s completed from tensorstore's thread
+I/O is asynchronous: `write` and `read` return `concurrent.futures.Future`s. The I/O runs in tensorstore's thread
 pools, sized by `file_io_concurrency` (parallel file reads/writes) and `data_copy_concurrency` (encode/decode
-copies), and from `checksum_workers` threads (zlib releases the GIL). The tensorstore cache is disabled (the
+copies); checksums and the futures' completion run on `checksum_workers` threads (zlib releases the GIL). A
+future is never completed on a tensorstore thread: its callbacks (the page store's bookkeeping) take locks, and a
+tensorstore thread blocked on a lock whose holder waits for tensorstore (opening the array of a new page shape
+under the store's lock) deadlocked the process (`tests/test_memory_disk.py`). The tensorstore cache is disabled (the
 store decides what is cached where). `io_mode` is tensorstore's `file_io_mode`: "memmap" (default: reads map the
 chunk file and copy once, straight into the destination; measured 1.5x the read bandwidth of "default", which
 reads into a fresh buffer and copies again), "default" (pread) or "direct" (O_DIRECT). Writes are buffered writes
@@ -39,6 +42,7 @@ import shutil
 import threading
 import warnings
 import zlib
+from typing import Callable
 
 import numpy as np
 import tensorstore as ts
@@ -210,6 +214,9 @@ class DiskTier(Tier):
                 left[0] -= 1
                 if left[0]:
                     return
+            self._complete(finish)
+
+        def finish() -> None:
             try:
                 commit.result()
                 crc.result()
@@ -226,6 +233,18 @@ class DiskTier(Tier):
         commit.add_done_callback(done)
         crc.add_done_callback(done)
         return out
+
+    def _complete(self, fn: Callable[[], None]) -> None:
+        """Run `fn` (which completes a future, and so runs its callbacks) on a checksum worker, off the tensorstore
+        thread that calls this; on the calling thread only once the tier is closed (no workers left)."""
+        pool = self._pool
+        if pool is not None:
+            try:
+                pool.submit(fn)
+                return
+            except RuntimeError:  # shut down meanwhile
+                pass
+        fn()
 
     def _room(self, msg: str, nbytes: int) -> str:
         """For a full file system: how many bytes the page needed and how many its directory had free, so the
@@ -267,6 +286,9 @@ class DiskTier(Tier):
                 out.set_result(data)
 
         def done(f: ts.Future) -> None:
+            self._complete(lambda: settle(f))
+
+        def settle(f: ts.Future) -> None:
             try:
                 data = f.result() if into is None else (f.result(), into)[1]
             except Exception as e:  # noqa: BLE001
@@ -277,13 +299,7 @@ class DiskTier(Tier):
                     out.set_exception(DiskTierError(f"disk tier: reading page {page_id} from {path} failed: "
                                                     f"{_reason(msg)} ({e})"))
                 return
-            try:
-                pool = self._pool
-                if pool is None:
-                    raise RuntimeError("no checksum workers")
-                pool.submit(verify, data)
-            except Exception as e:  # noqa: BLE001 - the tier was closed meanwhile: fail, never hang
-                out.set_exception(DiskTierError(f"disk tier closed while reading page {page_id}: {e}"))
+            verify(data)
 
         if into is None:
             arr[page_id].read().add_done_callback(done)
