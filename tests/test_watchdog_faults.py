@@ -195,8 +195,11 @@ def assert_same_as_reference(job: Job, ref: Reference, restarts: int = 1) -> lis
         assert np.array_equal(arrays[key], ref.arrays[key]), key
     resumed = job.events("resumed")
     assert len(resumed) == restarts, resumed
+    agreed = _steps_saved_on_stop(job)
     for r in resumed:
-        assert r["step"] % EVERY == 0 and 0 <= r["lost_steps"] <= EVERY, r
+        # A periodic checkpoint, or the step the whole group agreed on and saved when the watchdog stopped it (a
+        # hung worker that SIGCONT woke up takes part in the agreement).
+        assert (r["step"] % EVERY == 0 or r["step"] in agreed) and 0 <= r["lost_steps"] <= EVERY, (r, agreed)
     # the steps after the last resumed checkpoint were logged again, by the last attempt
     restart_events = job.events("restart")
     assert len(restart_events) == restarts, restart_events
@@ -208,6 +211,14 @@ def assert_same_as_reference(job: Job, ref: Reference, restarts: int = 1) -> lis
     assert goodput["restarts"] == restarts and goodput["lost_steps"] == sum(r["lost_steps"] for r in resumed)
     assert goodput["productive_s"] + sum(goodput["badput_s"].values()) == pytest.approx(goodput["wall_s"], abs=0.01)
     return resumed
+
+
+def _steps_saved_on_stop(job: Job) -> set[int]:
+    """The steps the job's groups saved when they were stopped (process 0's logs say so)."""
+    import re
+
+    return {int(m) for log in (job.run_dir / "logs").glob("attempt*-rank0.log")
+            for m in re.findall(r"every process stops after step (\d+)", log.read_text(errors="replace"))}
 
 
 def _forge(job: Job) -> None:
@@ -458,3 +469,31 @@ def test_the_worker_under_slurm_without_the_launcher(launches, reference, tmp_pa
     assert {b["rank"] for b in bodies} == {0, 1}
     assert [b["code"] for b in bodies if b["kind"] == "exit"] == [0, 0]
     assert max(b["step"] for b in bodies) == STEPS
+
+
+def test_sigterm_to_the_watchdog_saves_a_step_both_workers_agree_on(launches, reference):
+    """A preemption of the whole job: SIGTERM to the launcher (as Slurm or Kubernetes send it) mid-run. The workers
+    agree on a step through jax's preemption service, both finish it, it is saved (not a multiple of the
+    checkpoint interval: a step no periodic save would have kept), the launcher exits 143; a relaunch resumes
+    from that step and ends with the uninterrupted launch's numbers."""
+    job = launches.start("preempted")
+    job.wait_for(lambda: job.step() >= 5, "step 5")
+    job.proc.send_signal(signal.SIGTERM)  # `timeout` passes it on to the launcher
+    assert job.wait() == 143, job.out[-5000:]
+    (end,) = job.events("job_end")
+    assert end["state"] == "interrupted", end
+    assert all("status 143" in outcome for outcome in end["outcomes"].values()), end
+    saved = sorted(int(p.name) for p in (job.run_dir / "checkpoints").iterdir() if p.name.isdigit())
+    assert saved and saved[-1] >= 5 and saved[-1] % EVERY, (saved, job.out[-3000:])
+    for rank in (0, 1):
+        log = (job.run_dir / "logs" / f"attempt0-rank{rank}.log").read_text()
+        assert f"every process stops after step {saved[-1]}" in log, log[-3000:]
+
+    again = launches.start("preempted")
+    assert again.wait() == 0, again.out[-4000:]
+    assert [e["step"] for e in again.events("resumed", source="rank0")][-1:] == [saved[-1]]
+    records = M.read_jsonl(again.run_dir / "metrics.jsonl")
+    by_step = {r["step"]: r for r in records}  # the relaunch's lines of steps after the save replace none
+    assert sorted(by_step) == list(range(1, STEPS + 1))
+    for want in reference.records:
+        assert [by_step[want["step"]][k] for k in EXACT_KEYS] == [want[k] for k in EXACT_KEYS], want["step"]

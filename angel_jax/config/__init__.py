@@ -366,6 +366,9 @@ class ResilienceConfig:
     heartbeat_lost_after: float = doc(10.0, "Seconds without any message from a worker before a heartbeat_lost "
                                             "event (a warning: hangs are judged by step progress).")
     stop_grace: float = doc(10.0, "Seconds between SIGTERM and SIGKILL when the group is stopped.")
+    preempt_grace: float = doc(60.0, "When the watchdog itself gets SIGTERM or SIGINT: seconds the workers have to "
+                                     "save a checkpoint of a step they agree on before SIGKILL; keep it below the "
+                                     "scheduler's grace period.")
     no_progress_limit: int = doc(2, "Restarts in a row that get no step past the best reached so far before the "
                                     "job ends in 'failed' (0 = no limit).")
     exclude_after: int = doc(2, "Failures blamed on the same node before it is replaced by a spare (0 = never).")
@@ -379,8 +382,9 @@ class ResilienceConfig:
                 errs.append((key, "must be a finite number > 0"))
         if not math.isfinite(self.hang_factor) or self.hang_factor < 1:
             errs.append(("hang_factor", "must be >= 1 (a hang is longer than a step)"))
-        if not math.isfinite(self.stop_grace) or self.stop_grace < 0:
-            errs.append(("stop_grace", "must be >= 0"))
+        for key in ("stop_grace", "preempt_grace"):
+            if not math.isfinite(getattr(self, key)) or getattr(self, key) < 0:
+                errs.append((key, "must be >= 0"))
         if self.heartbeat_lost_after <= self.heartbeat_interval:
             errs.append(("heartbeat_lost_after", f"must be longer than heartbeat_interval={self.heartbeat_interval}"))
         for key in ("max_restarts", "no_progress_limit", "exclude_after"):

@@ -114,7 +114,7 @@ class WorkerGroup:
                 outcomes[rank] = f"still running after SIGKILL (pid {w.proc.pid})"
                 continue
             if before[rank] is not None:
-                outcomes[rank] = f"had already {describe_status(code).replace('was ', '')}"
+                outcomes[rank] = f"had already {describe_status(code).replace('was ', 'been ')}"
             elif rank in killed:
                 outcomes[rank] = f"killed by SIGKILL after {grace:g} s grace"
             else:

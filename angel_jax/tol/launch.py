@@ -259,8 +259,9 @@ class Launcher:
     def _interrupted(self, e: Interrupted) -> int:
         for s in (signal.SIGTERM, signal.SIGINT):
             signal.signal(s, signal.SIG_IGN)  # a second Ctrl-C must not leave workers behind
-        self._say(f"watchdog: {e} received, stopping the workers")
-        outcomes = self.group.stop(self.cfg.resilience.stop_grace) if self.group is not None else {}
+        grace = self.cfg.resilience.preempt_grace
+        self._say(f"watchdog: {e} received: the workers save a checkpoint and stop (SIGKILL after {grace:g} s)")
+        outcomes = self.group.stop(grace) if self.group is not None else {}
         self._stamp = time.time()
         self.events.write("job_end", state="interrupted", summary=f"the launcher received {e}",
                           outcomes={str(k): v for k, v in outcomes.items()})

@@ -141,9 +141,9 @@ def _configure_jax(cfg: Config, wenv: WorkerEnv) -> Any:
     if platforms in ("", "cpu") and wenv.cpu_devices:
         jax.config.update("jax_num_cpu_devices", wenv.cpu_devices)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # used only by the CPU backend
-    # JAX's preemption service takes SIGTERM over (a C++ handler that only records the notice): a worker would
-    # then ignore the watchdog's SIGTERM, train on, and exit 0 in the middle of a teardown. Ours stops the run.
-    jax.config.update("jax_enable_preemption_service", False)
+    # JAX's preemption service (on by default) takes SIGTERM over once jax.distributed is initialized: it only
+    # records the notice and tells every process, and the training loop asks it at every step for the step they all
+    # stop and save at (`preemption.SyncedStop`). Before that, `_on_sigterm` ends the worker.
     from angel_jax.schedule.engine import configure_pinned_limit
 
     if line := configure_pinned_limit(cfg, wenv.num_processes or 1):  # (before the GPU client starts)
@@ -180,8 +180,8 @@ class CacheCounter:
 
 
 def _on_sigterm(signum: int, frame: Any) -> None:
-    # An exception in the main thread: the loop's finally commits an in-flight checkpoint before we go. A thread
-    # stuck in a collective never gets here; the watchdog's SIGKILL after the grace period ends it.
+    # Until jax.distributed's preemption service takes SIGTERM over (see _configure_jax): an exception in the main
+    # thread. A thread stuck in a collective never gets here; the watchdog's SIGKILL after the grace period ends it.
     raise SystemExit(143)
 
 
@@ -239,7 +239,9 @@ def run(config: str, overrides: list[str]) -> int:
 
         hooks: list[Any] = [h for h in (client, FaultHooks.from_env(rank=jax.process_index(),
                                                                     vocab_size=cfg.model.vocab_size)) if h]
-        result = train(cfg, hooks=hooks, save_on_signal=False)  # the group stops together (see train)
+        # SIGTERM (the watchdog stopping the job, or a preempted host) stops every process of the group at the
+        # same step, with a checkpoint of it (jax's preemption service agrees on the step; see train)
+        result = train(cfg, hooks=hooks)
         log.info("worker %d done: step %d", jax.process_index(), result.final_step)
     except RestartRequested as e:
         code, error = e.exit_code, f"{type(e).__name__}: {e}"

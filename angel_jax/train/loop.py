@@ -40,7 +40,7 @@ from angel_jax.train.checkpointing import TrainCheckpointer, check_same_model, f
 from angel_jax.train.engines import TrainEngine, build_engine
 from angel_jax.train.evaluation import ValidationSet, eval_due, evaluate
 from angel_jax.train.hooks import HookList, OnStep, TrainHooks
-from angel_jax.train.preemption import Preempted, StopSignals
+from angel_jax.train.preemption import Preempted, StopSignals, SyncedStop, stop_source
 from angel_jax.train.report import memory_report
 from angel_jax.train.rundir import lock_run_dir
 from angel_jax.train.sharding import make_mesh
@@ -81,7 +81,7 @@ class Trainer:
     progress: Any = None
     last_eval_loss: float | None = None
     """The latest evaluation's loss, shown in the progress bar until the next."""
-    stop: StopSignals = field(default_factory=lambda: StopSignals(enabled=False))
+    stop: StopSignals | SyncedStop = field(default_factory=lambda: StopSignals(enabled=False))
     """A SIGTERM or SIGINT received: the loop saves the step in flight and stops."""
 
 
@@ -186,14 +186,14 @@ def train(cfg: Config, *, hooks: Sequence[TrainHooks] = (), on_step: Callable[[i
           save_on_signal: bool = True) -> TrainResult:
     """Train `cfg` to `cfg.train.steps`, resuming from the run directory's newest valid checkpoint if any.
 
-    On SIGTERM or SIGINT (with `save_on_signal` and checkpoint.on_signal, in a one-process run) the step in flight
-    is finished and saved, and `Preempted` is raised once the checkpoint is committed. A watchdog's worker passes
-    False: its group stops together, and the watchdog restarts it from the last checkpoint."""
+    On SIGTERM or SIGINT (with `save_on_signal` and checkpoint.on_signal) the step in flight is finished and saved,
+    and `Preempted` is raised once the checkpoint is committed. In a `jax.distributed` job, SIGTERM to any process
+    stops every process at the same step (`preemption.SyncedStop`)."""
     hook_list = HookList([*hooks, *([OnStep(on_step)] if on_step else [])])
     t: Trainer | None = None
     # One run per run directory (process 0 writes it): a second run is refused before it touches anything.
     lock = lock_run_dir(cfg.run_dir) if jax.process_index() == 0 else None
-    stop = StopSignals(save_on_signal and cfg.checkpoint.on_signal and jax.process_count() == 1)
+    stop = stop_source(save_on_signal and cfg.checkpoint.on_signal)
     try:
         with stop:
             t = setup(cfg, hook_list)
@@ -224,7 +224,7 @@ def _run(t: Trainer) -> TrainResult:
     last_done = time.perf_counter()
     stopped = False
     while step < steps or pending is not None:
-        if t.stop.requested:
+        if t.stop.should_stop(step):  # asked at every step, by every process of the job
             step, stopped = _stop_with_checkpoint(t, step, pending), True
             break
         dispatched = None

@@ -6,6 +6,12 @@ a checkpoint of it and stops with `Preempted` (exit status 128 + the signal's nu
 handler instead would unwind whatever the main thread was inside (a compiled step, a checkpoint write): with
 worker threads and XLA's own threads alive that aborted the process (`terminate called without an active
 exception`, exit 134) and saved nothing. A second signal of either kind stops at once, without a save.
+
+A run of several processes must stop at the same step in all of them (the save is collective, and a process that
+dispatched one more step than its peers would wait in that step's collectives forever), and the signal reaches
+them at different moments, or only one of them (a preempted host). There `jax.distributed`'s preemption service
+takes SIGTERM: it tells every process, they agree on a step (one past the largest any had reached), and
+`reached_preemption_sync_point(step)`, asked at every step, is true at that step in all of them (`SyncedStop`).
 """
 
 from __future__ import annotations
@@ -47,6 +53,10 @@ class StopSignals:
     def name(self) -> str:
         return signal.Signals(self.signum).name if self.signum is not None else ""
 
+    def should_stop(self, step: int) -> bool:
+        """Whether to stop, with a checkpoint, before dispatching the step after `step`."""
+        return self.signum is not None
+
     def _record(self, signum: int, frame: FrameType | None) -> None:
         if self.signum is not None:  # the second one: stop now, as without this handler
             self.__exit__()
@@ -65,3 +75,41 @@ class StopSignals:
         for s, handler in self._previous.items():
             signal.signal(s, handler)
         self._previous = {}
+
+
+class SyncedStop:
+    """A stop all processes of a `jax.distributed` job agree on, through jax's preemption service (which handles
+    SIGTERM in each process once `jax.distributed.initialize` ran): `should_stop(step)` must be asked at every
+    step, with the same steps, by every process; it is true at the same step in all of them."""
+
+    signum = signal.SIGTERM
+    name = "SIGTERM"
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    def should_stop(self, step: int) -> bool:
+        from jax.experimental import multihost_utils
+
+        if not self.requested and multihost_utils.reached_preemption_sync_point(step):
+            self.requested = True
+            print(f"SIGTERM reached a process of this job: every process stops after step {step}, with a "
+                  "checkpoint of it", file=sys.stderr, flush=True)
+        return self.requested
+
+    def __enter__(self) -> "SyncedStop":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        pass
+
+
+def stop_source(enabled: bool) -> StopSignals | SyncedStop:
+    """What stops this run with a checkpoint: SIGTERM through jax's preemption service in a multi-process job
+    (SIGINT there stops at once: a Ctrl-C on a terminal reaches every process of the job anyway), the signal
+    handlers of `StopSignals` in a one-process run; nothing when not `enabled`."""
+    import jax
+
+    if enabled and jax.distributed.is_initialized() and jax.config.jax_enable_preemption_service:
+        return SyncedStop()
+    return StopSignals(enabled)
