@@ -22,7 +22,7 @@ import numpy as np
 
 from angel_jax.memory.crossing import onto
 from angel_jax.memory.layout import PageLayout
-from angel_jax.optim.updater import Placement, StageUpdates
+from angel_jax.schedule.updater import Placement, StageUpdates
 from angel_jax.schedule.simulate import Bandwidths, StageCost
 from angel_jax.schedule.stagefns import HostSums, StageFunctions
 

@@ -41,7 +41,7 @@ from angel_jax.memory.serial import SerialStore
 from angel_jax.optim import is_elementwise, make_optimizer
 from angel_jax.optim.fused import host_optimizer
 from angel_jax.optim.paged import OptLayout, abstract_opt_state, paged_paths, split_opt_state
-from angel_jax.optim.updater import PageUpdater, Placement, StageSlot, StageUpdates
+from angel_jax.schedule.updater import PageUpdater, Placement, StageSlot, StageUpdates
 from angel_jax.schedule.costs import profile_costs, profile_transfers
 from angel_jax.schedule.execute import PagedExecutor, PagedModel
 from angel_jax.schedule.plan import (Bandwidths, Budgets, Plan, PlanError, StageCost, load_bandwidths, make_plan,

@@ -8,7 +8,7 @@ says. One step follows the trace (trace.py):
     head     loss and gradients
     backward stage N-2..0   recompute from the saved input, vjp; gradients of streamed stages go to the host, and
                             on to the disk where that is their home (at most `GRAD_SPILL` stages on the way)
-    update   by the PageUpdater (angel_jax/optim/updater.py) on its own thread, after the global norm: on the
+    update   by the PageUpdater (angel_jax/schedule/updater.py) on its own thread, after the global norm: on the
              device for resident stages, on the host for streamed ones
 
 With M micro-batches per step (`micro_batch_size`; gradient accumulation) the order is layer-major: each access
@@ -69,7 +69,8 @@ from angel_jax.memory import PageStore
 from angel_jax.memory.layout import PageLayout
 from angel_jax.optim.guard import StepControls, before_update_ok
 from angel_jax.optim.paged import global_norm, join_opt_state
-from angel_jax.optim.updater import GRAD_SPILL, Guard, PageUpdater, StepOrder
+from angel_jax.schedule.staging import GRAD_SPILL
+from angel_jax.schedule.updater import Guard, PageUpdater, StepOrder
 from angel_jax.schedule.plan import Plan
 from angel_jax.schedule.stagefns import HostSums, StageFunctions, scalar_sharding
 from angel_jax.schedule.timeline import Recorder, Timeline

@@ -46,7 +46,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from angel_jax.errors import AngelError
-from angel_jax.optim.updater import GRAD_SPILL, OPT_STAGING
+from angel_jax.schedule.staging import GRAD_SPILL, OPT_STAGING
 from angel_jax.schedule.simulate import Bandwidths, StageCost, simulate
 from angel_jax.schedule.timeline import Timeline
 from angel_jax.schedule.trace import compute_sequence

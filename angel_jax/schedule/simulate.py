@@ -3,7 +3,7 @@
     timeline = simulate(costs, bandwidths, home, opt_home, prefetch, staleness=0, shared_cpu=False)
     timeline.step_time   # steady-state seconds per step
 
-Rules (those of execute.py and optim/updater.py):
+Rules (those of execute.py and updater.py):
 - Micro-batches run layer-major: a stage access computes for `micro_batches / passes` times the stage's profiled
   time per micro-batch (a micro-batch's share of the call that scans them); its transfers are those of one access.
 - With `passes` accumulation passes the step runs the whole forward and backward sequence once per pass, each over
@@ -67,7 +67,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from angel_jax.optim.updater import OPT_STAGING
+from angel_jax.schedule.staging import OPT_STAGING
 from angel_jax.schedule.timeline import Timeline
 from angel_jax.schedule.trace import compute_sequence
 

@@ -45,7 +45,7 @@ from angel_jax.memory.layout import PageLayout, StageLayout, to_bits, to_values
 from angel_jax.memory.tiers import HOST_MEMORY_KINDS
 from angel_jax.optim.fused import HostOptimizer
 from angel_jax.optim.paged import OptLayout, make_stage_update, make_stage_update_norm, sqsum
-from angel_jax.optim.updater import in_host_memory
+from angel_jax.schedule.updater import in_host_memory
 from angel_jax.schedule.zero import Zero, psum, serial
 from models.stages import StagedModel
 
@@ -175,7 +175,7 @@ class StageFunctions:
 class HostSums:
     """Float32 sums of a stage's gradient pages kept on the host (accumulation passes: each pass's gradients of a
     streamed stage come to the host and are added there), computed on `compute`, the host placement's sharding
-    (`angel_jax.optim.updater.Placement`): `accumulate` and `mean_grads` as `StageFunctions`' (the sums donated).
+    (`angel_jax.schedule.updater.Placement`): `accumulate` and `mean_grads` as `StageFunctions`' (the sums donated).
     Operands are moved to `compute` first (on an accelerator, the host tier's pinned pages to the CPU backend);
     results stay there. One instance per sharding (`HostSums.on`), so engines share the compiled functions."""
 

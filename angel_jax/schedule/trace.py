@@ -10,7 +10,7 @@ trace is computed from the number of stages instead of being recorded:
                                          first stages are ready first)
 
 A stage's parameter pages are read by its forward and backward (for the head: its one access); its updates
-rewrite its parameter and optimizer pages (angel_jax/optim/updater.py runs them).
+rewrite its parameter and optimizer pages (angel_jax/schedule/updater.py runs them).
 
 With several micro-batches per step (`train.micro_batch_size`) the order is layer-major: each access runs its
 stage on every micro-batch before the next access, so the accesses, and the parameter pages fetched for them, are

@@ -153,7 +153,7 @@ def time_update(config: str, overrides: list[str], repeats: int, leafwise: bool 
     if leafwise:
         from angel_jax.optim import make_optimizer
         from angel_jax.optim.paged import make_stage_update
-        from angel_jax.optim.updater import StageUpdates
+        from angel_jax.schedule.updater import StageUpdates
 
         tx, _ = make_optimizer(cfg.optimizer, cfg.train.steps, clip=False)  # as blueprint() makes it
         pure = make_stage_update(tx, pl, ol, bp.opt_structure[block], cfg.optimizer.grad_clip)

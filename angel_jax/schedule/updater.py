@@ -57,14 +57,7 @@ from angel_jax.memory import PageStore
 from angel_jax.memory.crossing import onto
 from angel_jax.memory.tiers import HOST_MEMORY_KINDS
 from angel_jax.optim.guard import StepControls, update_norm_ok
-
-OPT_STAGING = 2
-"""Stages of disk-homed pages (parameters, gradients, optimizer state) held in host memory around their update
-(read ahead, or being written back): the bound `_stage_disk` keeps and the host memory the plan reserves for it."""
-
-GRAD_SPILL = 2
-"""Stages of disk-homed gradients on their way from the backward to the disk at a time (the executor waits for the
-oldest before it sends more): the host memory the plan reserves for them."""
+from angel_jax.schedule.staging import OPT_STAGING
 
 
 @dataclass(frozen=True)
