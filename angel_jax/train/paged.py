@@ -51,7 +51,7 @@ from angel_jax.memory.sharded_layout import layout_over
 from angel_jax.schedule.engine import PagedEngine, build_paged_engine, check_host_room, fit_micro_batch
 from angel_jax.schedule.timeline import Timeline
 from angel_jax.schedule.zero import Zero
-from angel_jax.train.plan_cli import plan_summary
+from angel_jax.train.plan_record import plan_summary
 from angel_jax.train.protocol import StateMismatch, check_arrays
 from angel_jax.memory.shards import ShardMeta
 from angel_jax.train.sharding import whole

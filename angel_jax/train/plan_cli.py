@@ -20,7 +20,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-from dataclasses import asdict, replace
+from dataclasses import replace
 from pathlib import Path
 
 import jax
@@ -32,6 +32,7 @@ from angel_jax.memory.bench_io import default_calibration_path
 from angel_jax.optim.fused import host_update_by
 from angel_jax.train.metrics import Peak, device_peak
 from angel_jax.train.plan_args import add_plan_arguments
+from angel_jax.train.plan_record import plan_summary, predicted_mfu
 from angel_jax.schedule.engine import (Blueprint, blueprint, device_budget, fit_micro_batch, fixed_device_bytes,
                                        make_store, micro_batching, plan_for, refuse_sharded_optimizer,
                                        saved_input_bytes)
@@ -208,13 +209,6 @@ def _profiled_plan(cfg: Config, bp: Blueprint) -> tuple[Config, Plan, list[Stage
     return cfg, plan, costs, budgets, bw, f"profiled on {device.device_kind}; bandwidths: {bw.source}"
 
 
-def predicted_mfu(cfg: Config, plan: Plan, peak_flops: float) -> float:
-    """Model FLOPs of a step (the training loop's perf/mfu formula: `flops_per_token` x tokens of the global
-    batch, no recompute) over the predicted step time at `peak_flops` per device, of each of the plan's ranks."""
-    tokens = cfg.train.batch_size * cfg.model.seq_len
-    return models.get(cfg.model).flops_per_token * tokens / (plan.predicted.step_time * peak_flops * plan.ranks)
-
-
 def report(cfg: Config, plan: Plan, costs: list[StageCost], budgets: Budgets, bw: Bandwidths,
            source: str, peak_flops: float | None = None) -> list[str]:
     """The lines `angel-jax plan` prints. With several ranks the bytes, times and budgets are one rank's."""
@@ -282,26 +276,6 @@ def report(cfg: Config, plan: Plan, costs: list[StageCost], budgets: Budgets, bw
                      f"6N + attention per token, over step time x {peak_flops / 1e12:.1f} TFLOP/s"
                      + (f" x {plan.ranks} devices" if plan.ranks > 1 else "") + ")")
     return lines
-
-
-def plan_summary(plan: Plan, costs: list[StageCost], budgets: Budgets, bw: Bandwidths, source: str,
-                 param_count: dict[str, int], cfg: Config | None = None, peak_flops: float | None = None) -> dict:
-    """What plan.json holds: the plan's summary, the model's parameter counts, each stage's homes per family,
-    bytes per tier, I/O, budgets, what bounds the step and (with a peak) the predicted MFU."""
-    bound, shares = plan.bound(costs[0].name)
-    extra = {"bound": bound, "stream_shares": shares, "compute_waits_s": dict(plan.predicted.waits)}
-    if cfg is not None:
-        extra["micro_batch_size"] = cfg.train.micro_batch_size or cfg.train.batch_size // plan.ranks
-        extra["batch_size"] = cfg.train.batch_size
-    if cfg is not None and peak_flops:
-        extra.update(predicted_mfu=predicted_mfu(cfg, plan, peak_flops), peak_flops=peak_flops)
-    return {**plan.summary(), **extra, "source": source, "param_count": dict(param_count), "table": plan.table(costs),
-            "homes": {"params": list(plan.home), "gradients": list(plan.grad_home),
-                      "optimizer": list(plan.opt_home)},
-            "io_per_step": plan.io_per_step(costs, bw),
-            "budgets": {"device": budgets.device, "host": budgets.host, "disk": budgets.disk,
-                        "fixed_device": plan.fixed_device},
-            "stages": [asdict(c) for c in costs]}
 
 
 def main(args: list[str] | argparse.Namespace | None = None) -> int:
