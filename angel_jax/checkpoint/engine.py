@@ -420,7 +420,7 @@ class CheckpointEngine:
                 continue
             return Restored(step=s, arrays=arrays, meta=index.meta, source=tier.name, path=path)
         what = "any step" if step is None else f"step {step}"
-        detail = "; ".join(tried) if tried else f"no committed checkpoint in {self._tier_roots()}"
+        detail = "; ".join(tried) if tried else f"no committed checkpoint in {self.tier_roots()}"
         raise CheckpointError(f"no valid checkpoint for {what}: {detail}", step=step, stage="restore")
 
     def latest_valid(self) -> CheckpointRef | None:
@@ -447,10 +447,11 @@ class CheckpointEngine:
         """Problems of every committed copy of `step` (reads and checksums all of them); empty = all fine."""
         copies = [tier for _, tier, _ in self._candidates(step)]
         if not copies:
-            return [f"step {step}: no committed copy in any tier ({self._tier_roots()})"]
+            return [f"step {step}: no committed copy in any tier ({self.tier_roots()})"]
         return [f"{tier.name}: {p}" for tier in copies for p in tier.check(step, self._pool())]
 
-    def _tier_roots(self) -> str:
+    def tier_roots(self) -> str:
+        """Where each tier keeps its checkpoints, on one line (for messages that say where nothing was found)."""
         return f"memory={self._memory.root}, peer={self.options.peer_dir}, persistent={self.options.persistent_dir}"
 
     # ------------------------------------------------------------------------------------------- closing

@@ -670,7 +670,7 @@ def list_table(run_dir: Path) -> list[str]:
     for heading, process in parts:
         with engine_for_run(run_dir, process) as engine:
             infos = engine.list()
-            roots = engine._tier_roots()
+            roots = engine.tier_roots()
         if not infos:
             if process is None and len(parts) == 1:
                 return [f"no checkpoints ({roots})"]

@@ -66,7 +66,7 @@ def load_params(run_dir: Path, step: int | None = None) -> LoadedWeights:
         committed = sorted(info.step for info in engine.list() if info.committed)
         shards = shard_steps(run_dir)  # newest first
         if not committed and not shards:
-            raise CheckpointError(f"run directory {run_dir} has no checkpoint (looked in {engine._tier_roots()}): "
+            raise CheckpointError(f"run directory {run_dir} has no checkpoint (looked in {engine.tier_roots()}): "
                                   "train it first, with checkpoint.every > 0 or to its last step")
         if step is not None and step not in committed and step not in shards:
             raise CheckpointError(f"run directory {run_dir} has no checkpoint of step {step} (its steps: "
