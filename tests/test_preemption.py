@@ -12,6 +12,7 @@ import sys
 import time
 from pathlib import Path
 
+import jax
 import pytest
 
 from angel_jax.config import load_config
@@ -113,3 +114,37 @@ def test_a_disabled_stop_installs_nothing():
     before = signal.getsignal(signal.SIGINT)
     with StopSignals(enabled=False) as stop:
         assert signal.getsignal(signal.SIGINT) is before and not stop.enabled
+
+
+def test_one_process_stops_by_its_own_handlers_and_a_job_by_jax_preemption_service():
+    """Outside a jax.distributed job the signal handlers stop the run; inside one, only the step every process
+    agrees on may (a process that stopped on its own signal would leave its peers waiting in a collective: the
+    multi-process behaviour is test_watchdog_faults' SIGTERM test, with real processes)."""
+    from angel_jax.train.preemption import SyncedStop, stop_source
+
+    assert not jax.distributed.is_initialized()
+    mine = stop_source(True)
+    assert isinstance(mine, StopSignals) and mine.enabled
+    assert not stop_source(False).enabled
+    assert not mine.should_stop(3)
+    synced = SyncedStop()
+    assert not synced.should_stop(3)  # no job: jax answers False, as for a job that got no notice
+    assert (synced.signum, synced.name, synced.requested) == (signal.SIGTERM, "SIGTERM", False)
+
+
+def test_a_worker_with_on_signal_off_keeps_jax_preemption_service_away_from_sigterm(tmp_path, write_tiny_config):
+    """checkpoint.on_signal false: stop at once, without a save. The preemption service would take SIGTERM over
+    (and only record it), so the worker turns it off and its own handler ends it."""
+    from angel_jax.tol.worker import WorkerEnv, _configure_jax
+
+    before = (jax.config.jax_enable_preemption_service, jax.config.jax_cpu_collectives_implementation)
+    try:
+        for on_signal, service in ((True, True), (False, False)):
+            jax.config.update("jax_enable_preemption_service", True)
+            cfg = load_config(write_tiny_config(tmp_path, f"w{on_signal}", checkpoint={"on_signal": on_signal},
+                                                resilience={"compile_cache": False}))
+            _configure_jax(cfg, WorkerEnv.from_environ({}))
+            assert jax.config.jax_enable_preemption_service is service
+    finally:
+        jax.config.update("jax_enable_preemption_service", before[0])
+        jax.config.update("jax_cpu_collectives_implementation", before[1])

@@ -143,7 +143,10 @@ def _configure_jax(cfg: Config, wenv: WorkerEnv) -> Any:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")  # used only by the CPU backend
     # JAX's preemption service (on by default) takes SIGTERM over once jax.distributed is initialized: it only
     # records the notice and tells every process, and the training loop asks it at every step for the step they all
-    # stop and save at (`preemption.SyncedStop`). Before that, `_on_sigterm` ends the worker.
+    # stop and save at (`preemption.SyncedStop`). Before that, and throughout with checkpoint.on_signal false (stop
+    # at once, without a save), `_on_sigterm` ends the worker.
+    if not cfg.checkpoint.on_signal:
+        jax.config.update("jax_enable_preemption_service", False)
     from angel_jax.schedule.engine import configure_pinned_limit
 
     if line := configure_pinned_limit(cfg, wenv.num_processes or 1):  # (before the GPU client starts)
