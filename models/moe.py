@@ -32,6 +32,12 @@ from models import parallel
 _INIT_STD = 0.02
 
 
+def is_moe(cfg: ModelConfig, block: int) -> bool:
+    """Whether block `block` (0-based, of a decoder, or of T5's encoder or decoder) has an MoE MLP: every
+    `moe.every`-th block when the model has experts."""
+    return cfg.moe.experts > 0 and (block + 1) % cfg.moe.every == 0
+
+
 def capacity(tokens: int, experts: int, top_k: int, factor: float) -> int:
     """Slots per expert in a group of `tokens`: `factor` x an even share of the group's routings, at least 1 and at
     most `tokens` (an expert never gets a token twice, so more slots than tokens would stay empty)."""

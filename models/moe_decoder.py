@@ -26,7 +26,7 @@ from flax import nnx
 
 from angel_jax.config import ModelConfig
 from models.common import cross_entropy, stage_key
-from models.moe import capacity, exchange_values, is_expert_leaf
+from models.moe import capacity, exchange_values, is_expert_leaf, is_moe
 from models.stages import Stage, StagedModel
 
 Params = dict
@@ -43,11 +43,6 @@ class Stream:
     """float32 [B]: per row, the sum of the auxiliary losses (weighted) of the MoE layers run so far."""
     drop_rate: jax.Array
     """float32 [B]: per row, the sum of the token-drop rates of the MoE layers run so far."""
-
-
-def is_moe(cfg: ModelConfig, block: int) -> bool:
-    """Whether block `block` (0-based) has an MoE MLP."""
-    return cfg.moe.experts > 0 and (block + 1) % cfg.moe.every == 0
 
 
 def moe_layers(cfg: ModelConfig) -> int:

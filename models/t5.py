@@ -59,7 +59,7 @@ from flax import nnx
 from angel_jax.config import ConfigError, ModelConfig
 from models import moe_decoder
 from models.common import cross_entropy, pure_dict, stage_key
-from models.moe import MoE, MoEFigures, exchange_values, is_expert_leaf
+from models.moe import MoE, MoEFigures, exchange_values, is_expert_leaf, is_moe
 from models.span_corruption import SpanCorruption
 from models.stages import Stage, StagedModel
 
@@ -274,11 +274,6 @@ def _stacked_blocks(cls: type, cfg: ModelConfig, key: jax.Array, first: int, sta
         return cls(cfg, nnx.Rngs(params=block_key), moe)
 
     return make(jax.vmap(lambda i: stage_key(key, i))(jnp.asarray(stage_ids, dtype=jnp.uint32)))
-
-
-def is_moe(cfg: ModelConfig, block: int) -> bool:
-    """Whether encoder (or decoder) block `block` (0-based) has an MoE MLP."""
-    return cfg.moe.experts > 0 and (block + 1) % cfg.moe.every == 0
 
 
 def moe_layers(cfg: ModelConfig) -> int:
