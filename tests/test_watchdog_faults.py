@@ -473,25 +473,30 @@ def test_the_worker_under_slurm_without_the_launcher(launches, reference, tmp_pa
 
 def test_sigterm_to_the_watchdog_saves_a_step_both_workers_agree_on(launches, reference):
     """A preemption of the whole job: SIGTERM to the launcher (as Slurm or Kubernetes send it) mid-run. The workers
-    agree on a step through jax's preemption service, both finish it, it is saved (not a multiple of the
-    checkpoint interval: a step no periodic save would have kept), the launcher exits 143; a relaunch resumes
-    from that step and ends with the uninterrupted launch's numbers."""
-    job = launches.start("preempted")
+    agree on a step through jax's preemption service, both finish it and it is saved (unless a periodic save just
+    did), the launcher exits 143; a relaunch resumes from that step and ends with the uninterrupted launch's
+    numbers. From step 4 on, the steps are slowed eightfold (a sleep: the numbers stay the same) so that the signal
+    surely comes before the last one: the tiny model's steps take ~30 ms, the whole job after step 5 under a
+    second."""
+    job = launches.start("preempted", env={"ANGEL_JAX_FAULTS": "slow@4:factor=8"})
     job.wait_for(lambda: job.step() >= 5, "step 5")
     job.proc.send_signal(signal.SIGTERM)  # `timeout` passes it on to the launcher
     assert job.wait() == 143, job.out[-5000:]
     (end,) = job.events("job_end")
     assert end["state"] == "interrupted", end
     assert all("status 143" in outcome for outcome in end["outcomes"].values()), end
-    saved = sorted(int(p.name) for p in (job.run_dir / "checkpoints").iterdir() if p.name.isdigit())
-    assert saved and saved[-1] >= 5 and saved[-1] % EVERY, (saved, job.out[-3000:])
+    agreed = _steps_saved_on_stop(job)
+    assert len(agreed) == 1, (agreed, job.out[-3000:])
+    (step,) = agreed
     for rank in (0, 1):
         log = (job.run_dir / "logs" / f"attempt0-rank{rank}.log").read_text()
-        assert f"every process stops after step {saved[-1]}" in log, log[-3000:]
+        assert f"every process stops after step {step}" in log, log[-3000:]
+    saved = sorted(int(p.name) for p in (job.run_dir / "checkpoints").iterdir() if p.name.isdigit())
+    assert 5 <= step < STEPS and saved[-1] == step, (step, saved)
 
     again = launches.start("preempted")
     assert again.wait() == 0, again.out[-4000:]
-    assert [e["step"] for e in again.events("resumed", source="rank0")][-1:] == [saved[-1]]
+    assert [e["step"] for e in again.events("resumed", source="rank0")][-1:] == [step]
     records = M.read_jsonl(again.run_dir / "metrics.jsonl")
     by_step = {r["step"]: r for r in records}  # the relaunch's lines of steps after the save replace none
     assert sorted(by_step) == list(range(1, STEPS + 1))
