@@ -182,18 +182,18 @@ def setup(cfg: Config, hooks: HookList) -> Trainer:
                    is_primary=is_primary, validation=validation, skips=skips)
 
 
-def train(cfg: Config, *, hooks: Sequence[TrainHooks] = (), on_step: Callable[[int, dict], None] | None = None,
-          save_on_signal: bool = True) -> TrainResult:
+def train(cfg: Config, *, hooks: Sequence[TrainHooks] = (),
+          on_step: Callable[[int, dict], None] | None = None) -> TrainResult:
     """Train `cfg` to `cfg.train.steps`, resuming from the run directory's newest valid checkpoint if any.
 
-    On SIGTERM or SIGINT (with `save_on_signal` and checkpoint.on_signal) the step in flight is finished and saved,
-    and `Preempted` is raised once the checkpoint is committed. In a `jax.distributed` job, SIGTERM to any process
-    stops every process at the same step (`preemption.SyncedStop`)."""
+    On SIGTERM or SIGINT (with checkpoint.on_signal) the step in flight is finished and saved, and `Preempted` is
+    raised once the checkpoint is committed. In a `jax.distributed` job, SIGTERM to any process stops every process
+    at the same step (`preemption.SyncedStop`)."""
     hook_list = HookList([*hooks, *([OnStep(on_step)] if on_step else [])])
     t: Trainer | None = None
     # One run per run directory (process 0 writes it): a second run is refused before it touches anything.
     lock = lock_run_dir(cfg.run_dir) if jax.process_index() == 0 else None
-    stop = stop_source(save_on_signal and cfg.checkpoint.on_signal)
+    stop = stop_source(cfg.checkpoint.on_signal)
     try:
         with stop:
             t = setup(cfg, hook_list)
