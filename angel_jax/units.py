@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import jax
-import psutil
 
 
 def human_bytes(n: float) -> str:
@@ -19,14 +18,6 @@ def device_memory_stats(device: jax.Device) -> dict:
     """The backend's memory statistics of `device` ({} where it reports none, e.g. some CPU builds)."""
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
     return dict(stats or {})
-
-
-def device_free_bytes(device: jax.Device) -> int:
-    """What the device has free (GPU: bytes_limit - bytes_in_use; CPU: 80% of available host RAM)."""
-    stats = device_memory_stats(device)
-    if "bytes_limit" in stats:
-        return int(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
-    return int(psutil.virtual_memory().available * 0.8)
 
 
 def device_bytes_in_use(device: jax.Device) -> int | None:

@@ -119,3 +119,33 @@ def test_no_module_outside_models_names_a_model_family(family):
             for node in ast.walk(tree):
                 if isinstance(node, ast.ImportFrom) and node.module == "models":
                     assert family not in [a.name for a in node.names], f"{m} imports models.{family}"
+
+
+BUDGET_KEYS = {"device_budget", "host_budget", "disk_budget"}
+BUDGETS_MODULE = "angel_jax.schedule.budgets"
+OWN_ROOM_CHECKS = {
+    "angel_jax.memory.disk_tier": "refuses a page write the file system has no room for (a disk filled mid-run)",
+    "angel_jax.memory.bench_io": "sizes its benchmark file to the disk's free space",
+    "angel_jax.checkpoint.memtier": "refuses a memory-tier snapshot that RAM has no room for",
+    "angel_jax.checkpoint.persist": "streams a checkpoint larger than half the RAM instead of reading it whole",
+    "angel_jax.train.report": "prints what the machine has",
+}
+"""Modules that ask the machine what it has free for a check of their own, not a budget (each with why)."""
+
+
+def test_budgets_are_decided_in_one_module():
+    """Only the budgets module reads memory.*_budget and asks the machine what it has free (DESIGN.md: budgets
+    decided once); `config` declares and validates the keys. Other modules call the budgets module."""
+    wrong = []
+    for m, path in all_modules().items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if (isinstance(node, ast.Attribute) and node.attr in BUDGET_KEYS and isinstance(node.value, ast.Attribute)
+                    and node.value.attr == "memory" and m != BUDGETS_MODULE and not m.startswith("angel_jax.config")):
+                wrong.append(f"{m}:{node.lineno} reads memory.{node.attr}")
+            if (isinstance(node, ast.Call) and isinstance(node.func, (ast.Attribute, ast.Name))
+                    and (node.func.attr if isinstance(node.func, ast.Attribute) else node.func.id)
+                    in ("virtual_memory", "disk_usage") and m != BUDGETS_MODULE and m not in OWN_ROOM_CHECKS):
+                wrong.append(f"{m}:{node.lineno} asks the machine what it has free")
+            if isinstance(node, ast.FunctionDef) and node.name == "device_free_bytes" and m != BUDGETS_MODULE:
+                wrong.append(f"{m}:{node.lineno} defines device_free_bytes")
+    assert not wrong, f"budgets decided outside {BUDGETS_MODULE}:\n" + "\n".join(wrong)

@@ -16,7 +16,8 @@ from flax import nnx
 
 import models
 from angel_jax.config import Config, ConfigError, ModelConfig, TrainConfig, load_config
-from angel_jax.schedule.engine import blueprint, fixed_device_bytes
+from angel_jax.schedule.blueprint import blueprint
+from angel_jax.schedule.budgets import fixed_device_bytes
 from angel_jax.train.plan_cli import estimate_costs
 from models import llama
 from test_paged import _cfg, assert_mostly_streamed, batches, eighth, paged, reference

@@ -22,9 +22,12 @@ import pytest
 
 from angel_jax.config import Config, ConfigError, MemoryConfig, ModelConfig, OptimizerConfig, TrainConfig, \
     config_from_dict
+import angel_jax.schedule.budgets as budgets_lib
 import angel_jax.schedule.engine as engine_lib
 from angel_jax.schedule.costs import profile_costs
-from angel_jax.schedule.engine import build_paged_engine, fixed_device_bytes
+from angel_jax.schedule.blueprint import blueprint
+from angel_jax.schedule.budgets import fixed_device_bytes
+from angel_jax.schedule.engine import build_paged_engine
 from angel_jax.schedule.simulate import StageCost, Bandwidths, simulate
 from angel_jax.schedule.trace import split_batch
 from angel_jax.optim import make_optimizer
@@ -216,7 +219,7 @@ def test_scanned_stage_calls_match_the_calls_one_micro_batch_at_a_time():
     # each micro-batch in turn and summing the gradient pages in float32: the same outputs, gradients, sums of
     # squares and losses, to float rounding (the same operations in the same order; XLA may compile the scanned
     # body's kernels differently).
-    bp = engine_lib.blueprint(_cfg(MICRO, "paged", STREAMING_BUDGET))
+    bp = blueprint(_cfg(MICRO, "paged", STREAMING_BUDGET))
     fns, stages, m = bp.fns, bp.staged.stages, BATCH // MICRO
     rng = np.random.default_rng(0)
 
@@ -279,7 +282,7 @@ def test_plan_charges_each_access_the_calls_of_every_micro_batch():
 
 def test_plan_report_prints_the_micro_batches(monkeypatch):
     cfg = _cfg(MICRO, "paged", STREAMING_BUDGET)
-    bp = engine_lib.blueprint(cfg)
+    bp = blueprint(cfg)
     from angel_jax.train.plan_cli import _estimated_plan, _parser
     args = _parser().parse_args(["unused.yaml", "--estimate", "--peak-tflops", "100"])
     cfg, plan, costs, budgets, bw, source = _estimated_plan(cfg, bp, args)
@@ -297,13 +300,13 @@ def test_estimated_plans_choose_the_micro_batch_size_and_state_mfu_and_bound():
 
     args = _parser().parse_args(["unused.yaml", "--estimate", "--peak-tflops", "100", "--h2d-gbps", "5"])
     roomy = _cfg(0, "paged", 10**9)
-    cfg, plan, costs, budgets, bw, source = _estimated_plan(roomy, engine_lib.blueprint(roomy), args)
+    cfg, plan, costs, budgets, bw, source = _estimated_plan(roomy, blueprint(roomy), args)
     assert cfg.train.micro_batch_size == BATCH and plan.micro_batches == 1 and "chosen by the planner" in source
     assert bw.h2d == bw.d2h == 5e9 and "h2d 5 GB/s" in bw.source
-    whole = engine_lib.fixed_device_bytes(dataclasses.replace(roomy, train=dataclasses.replace(roomy.train,
+    whole = budgets_lib.fixed_device_bytes(dataclasses.replace(roomy, train=dataclasses.replace(roomy.train,
                                                                                               micro_batch_size=8)), 8)
     tight = _cfg(0, "paged", whole)  # the whole batch's working set alone fills it
-    cfg, plan, costs, budgets, bw, source = _estimated_plan(tight, engine_lib.blueprint(tight), args)
+    cfg, plan, costs, budgets, bw, source = _estimated_plan(tight, blueprint(tight), args)
     assert cfg.train.micro_batch_size < BATCH and plan.peak_bytes["device"] <= whole
     text = "\n".join(report(cfg, plan, costs, budgets, bw, source, 100e12))
     mfu = models.get(cfg.model).flops_per_token * BATCH * cfg.model.seq_len / (plan.predicted.step_time * 100e12)
@@ -347,11 +350,11 @@ def test_the_paged_engine_halves_a_whole_batch_the_device_cannot_hold():
     from angel_jax.schedule.plan import minimum_device_bytes
 
     cpu = jax.devices()[0]
-    assert engine_lib.fit_micro_batch(_cfg(0, "paged", 10**9), cpu).train.micro_batch_size == 0
-    costs = engine_lib.shape_costs(_cfg(0, "paged"))
-    need = {size: minimum_device_bytes(costs, engine_lib.budgets_for(_cfg(size, "paged"), cpu, BATCH), BATCH // size)
+    assert budgets_lib.fit_micro_batch(_cfg(0, "paged", 10**9), cpu).train.micro_batch_size == 0
+    costs = budgets_lib.shape_costs(_cfg(0, "paged"))
+    need = {size: minimum_device_bytes(costs, budgets_lib.budgets_for(_cfg(size, "paged"), cpu, BATCH), BATCH // size)
             for size in (8, 4, 2, 1)}
     assert need[8] > need[4] > need[2]
-    assert engine_lib.fit_micro_batch(_cfg(0, "paged", need[4]), cpu).train.micro_batch_size == 4
-    assert engine_lib.fit_micro_batch(_cfg(0, "paged", need[2]), cpu).train.micro_batch_size == 2
-    assert engine_lib.fit_micro_batch(_cfg(0, "paged", need[1] - 1), cpu).train.micro_batch_size == 0
+    assert budgets_lib.fit_micro_batch(_cfg(0, "paged", need[4]), cpu).train.micro_batch_size == 4
+    assert budgets_lib.fit_micro_batch(_cfg(0, "paged", need[2]), cpu).train.micro_batch_size == 2
+    assert budgets_lib.fit_micro_batch(_cfg(0, "paged", need[1] - 1), cpu).train.micro_batch_size == 0

@@ -323,14 +323,14 @@ def test_the_host_budget_defaults_to_what_the_machine_has(monkeypatch):
     """memory.host_budget=0: available RAM less max(2 GiB, a tenth of RAM), not 'unlimited'."""
     import collections
 
-    from angel_jax.schedule import engine as engine_lib
+    from angel_jax.schedule import budgets as budgets_lib
 
     vm = collections.namedtuple("vm", "total available")
-    monkeypatch.setattr(engine_lib.psutil, "virtual_memory", lambda: vm(64 << 30, 40 << 30))
-    assert engine_lib.host_budget(_cfg(Path("/tmp"))) == (40 << 30) - (64 << 30) // 10
-    monkeypatch.setattr(engine_lib.psutil, "virtual_memory", lambda: vm(8 << 30, 5 << 30))
-    assert engine_lib.host_budget(_cfg(Path("/tmp"))) == (5 << 30) - (2 << 30)
-    assert engine_lib.host_budget(_cfg(Path("/tmp"), host_budget=123)) == 123
+    monkeypatch.setattr(budgets_lib.psutil, "virtual_memory", lambda: vm(64 << 30, 40 << 30))
+    assert budgets_lib.host_budget(_cfg(Path("/tmp"))) == (40 << 30) - (64 << 30) // 10
+    monkeypatch.setattr(budgets_lib.psutil, "virtual_memory", lambda: vm(8 << 30, 5 << 30))
+    assert budgets_lib.host_budget(_cfg(Path("/tmp"))) == (5 << 30) - (2 << 30)
+    assert budgets_lib.host_budget(_cfg(Path("/tmp"), host_budget=123)) == 123
 
 
 def test_on_the_cpu_with_a_disk_tier_the_default_budgets_give_the_host_its_window(monkeypatch, tmp_path):
@@ -341,23 +341,23 @@ def test_on_the_cpu_with_a_disk_tier_the_default_budgets_give_the_host_its_windo
     import collections
 
     from angel_jax.config import load_config
-    from angel_jax.schedule import engine as engine_lib
+    from angel_jax.schedule import budgets as budgets_lib
     from angel_jax.schedule.plan import min_host_bytes
 
     vm = collections.namedtuple("vm", "total available")
-    monkeypatch.setattr(engine_lib.psutil, "virtual_memory", lambda: vm(24 << 30, 21 << 30))
+    monkeypatch.setattr(budgets_lib.psutil, "virtual_memory", lambda: vm(24 << 30, 21 << 30))
     cfg = load_config(Path(__file__).resolve().parents[1] / "experiments" / "gpt_tiny.yaml",
                       ["model.d_model=2048", "model.n_heads=16", "model.seq_len=128", "model.n_layers=64",
                        "train.batch_size=1", "memory.mode=paged", f"memory.disk_dir={tmp_path}"])
     cpu = jax.devices("cpu")[0]
-    device, host = engine_lib.device_budget(cfg, cpu), engine_lib.host_budget(cfg, cpu)
-    window = min_host_bytes(engine_lib.shape_costs(cfg))
-    assert host == int(engine_lib.HOST_WINDOW_SLACK * window) and window > 2.3 * 2**30
+    device, host = budgets_lib.device_budget(cfg, cpu), budgets_lib.host_budget(cfg, cpu)
+    window = min_host_bytes(budgets_lib.shape_costs(cfg))
+    assert host == int(budgets_lib.HOST_WINDOW_SLACK * window) and window > 2.3 * 2**30
     assert device + host == (21 << 30) - (24 << 30) // 10  # the room, split
-    engine_lib.check_host_room(cfg, cpu)  # plans: no PlanError
+    budgets_lib.check_host_room(cfg, cpu)  # plans: no PlanError
     # Without a disk tier the streamed pages live on the host: the budgets keep their own rules.
     cfg.memory.disk_dir = ""
-    assert engine_lib.cpu_split(cfg, cpu) is None
+    assert budgets_lib.cpu_split(cfg, cpu) is None
 
 
 def test_lock_free_with_gradients_on_disk(tmp_path):

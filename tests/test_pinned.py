@@ -12,7 +12,7 @@ import pytest
 
 from angel_jax.config import load_config
 from angel_jax.memory import pinned
-from angel_jax.schedule import engine as engine_lib
+from angel_jax.schedule import budgets as budgets_lib
 
 GIB, MIB = 1 << 30, 1 << 20
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,7 +47,7 @@ def h200(monkeypatch):
     monkeypatch.delenv(pinned.LIMIT_ENV)
     monkeypatch.setattr(pinned, "gpu_memory_bytes", lambda: int(141e9 * 0.75))
     vm = collections.namedtuple("vm", "total available")
-    monkeypatch.setattr(engine_lib.psutil, "virtual_memory", lambda: vm(125 * GIB, 120 * GIB))
+    monkeypatch.setattr(budgets_lib.psutil, "virtual_memory", lambda: vm(125 * GIB, 120 * GIB))
 
 
 def _cfg(*overrides: str):
@@ -59,8 +59,8 @@ def _cfg(*overrides: str):
 
 def test_before_the_gpu_client_starts_the_limit_is_set_to_the_plans_host_tier(h200, monkeypatch):
     cfg = _cfg("memory.mode=paged")
-    line = engine_lib.configure_pinned_limit(cfg)
-    need = engine_lib.pinned_host_need(cfg, int(141e9 * 0.75))
+    line = budgets_lib.configure_pinned_limit(cfg)
+    need = budgets_lib.pinned_host_need(cfg, int(141e9 * 0.75))
     assert need is not None and need > 64 * GIB  # more than XLA's default would give
     gib = int(os.environ[pinned.LIMIT_ENV])
     assert gib == pinned.limit_for(need) and gib * GIB < 120 * GIB - 12.5 * GIB  # under the host budget
@@ -69,11 +69,11 @@ def test_before_the_gpu_client_starts_the_limit_is_set_to_the_plans_host_tier(h2
 
 def test_the_limit_is_left_alone_when_set_in_memory_or_without_a_gpu(h200, monkeypatch):
     monkeypatch.setenv(pinned.LIMIT_ENV, "50")
-    assert engine_lib.configure_pinned_limit(_cfg("memory.mode=paged")) is None
+    assert budgets_lib.configure_pinned_limit(_cfg("memory.mode=paged")) is None
     monkeypatch.delenv(pinned.LIMIT_ENV)
-    assert engine_lib.configure_pinned_limit(_cfg("memory.mode=in_memory")) is None
+    assert budgets_lib.configure_pinned_limit(_cfg("memory.mode=in_memory")) is None
     monkeypatch.setattr(pinned, "gpu_memory_bytes", lambda: None)
-    assert engine_lib.configure_pinned_limit(_cfg("memory.mode=paged")) is None
+    assert budgets_lib.configure_pinned_limit(_cfg("memory.mode=paged")) is None
     assert pinned.LIMIT_ENV not in os.environ
 
 

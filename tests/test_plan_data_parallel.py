@@ -118,7 +118,7 @@ def test_one_rank_plans_are_as_they_were():
 
 
 def test_plan_estimate_for_eight_devices_prints_per_rank_bytes(tmp_path, capsys):
-    from angel_jax.schedule.engine import blueprint
+    from angel_jax.schedule.blueprint import blueprint
     from angel_jax.train.plan_cli import _estimated_plan, _parser, main
     from angel_jax.config import load_config
     import models

@@ -13,7 +13,9 @@ import pytest
 
 from angel_jax.config import Config, MemoryConfig, ModelConfig, MoEConfig, OptimizerConfig, TrainConfig
 from angel_jax.optim import make_optimizer
-from angel_jax.schedule.engine import blueprint, build_paged_engine, saved_input_bytes
+from angel_jax.schedule.blueprint import blueprint
+from angel_jax.schedule.budgets import saved_input_bytes
+from angel_jax.schedule.engine import build_paged_engine
 from angel_jax.train.plan_cli import estimate_costs
 from angel_jax.train.step import init_state, make_train_step
 import models

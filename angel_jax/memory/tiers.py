@@ -99,6 +99,15 @@ class Tier(ABC):
         """Drop the tier's copy of a page and its bytes."""
 
 
+def page_sharding(device: jax.Device, memory_kind: str, over: jax.sharding.Mesh | None = None
+                  ) -> jax.sharding.Sharding:
+    """Where an array tier's pages live: `device`'s `memory_kind`, or split evenly over the 1-D mesh `over`."""
+    if over is None:
+        return jax.sharding.SingleDeviceSharding(device, memory_kind=memory_kind)
+    (axis,) = over.axis_names
+    return jax.sharding.NamedSharding(over, jax.sharding.PartitionSpec(axis), memory_kind=memory_kind)
+
+
 class ArrayTier(Tier):
     """Pages as 1-D `jax.Array`s in one memory kind of one device, or, given `over` (a 1-D mesh), sharded evenly
     over its devices (ZeRO-3 pages: each device holds its rank's shard of every page; `bytes_used` and the budget
@@ -115,13 +124,7 @@ class ArrayTier(Tier):
             raise PageStoreError(f"tier {name!r}: device {self.device} has no memory kind {memory_kind!r} "
                                  f"(it has {kinds})")
         self.memory_kind = memory_kind
-        if over is None:
-            self.sharding: jax.sharding.Sharding = jax.sharding.SingleDeviceSharding(self.device,
-                                                                                     memory_kind=memory_kind)
-        else:
-            (axis,) = over.axis_names
-            self.sharding = jax.sharding.NamedSharding(over, jax.sharding.PartitionSpec(axis),
-                                                       memory_kind=memory_kind)
+        self.sharding: jax.sharding.Sharding = page_sharding(self.device, memory_kind, over)
         self._arrays: dict[int, jax.Array] = {}
 
     def put(self, page_id: int, src: jax.Array | np.ndarray, reserved: bool = False) -> jax.Array:

@@ -58,6 +58,16 @@ def make_optimizer(cfg: OptimizerConfig, total_steps: int, *,
     return core, lr
 
 
+STATE_BUFFERS = {"adamw": 2, "adam": 2, "lion": 1, "sgd": 1, "adafactor": 1}
+"""Per optimizer, the parameter-sized buffers its state holds (of optimizer.state_dtype): Adam's two moments, one
+momentum for Lion and SGD; an upper bound for Adafactor, whose factored moments take less."""
+
+
+def state_buffers(cfg: OptimizerConfig) -> int:
+    """Parameter-sized buffers `make_optimizer(cfg)` keeps per parameter (`STATE_BUFFERS`)."""
+    return STATE_BUFFERS[cfg.name]
+
+
 def is_elementwise(cfg: OptimizerConfig) -> bool:
     """Whether `make_optimizer(cfg)` updates every parameter element from that element alone (its gradient, its
     state, the step), never from a leaf's shape or its other elements: every optimizer here but Adafactor, which

@@ -32,13 +32,14 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from angel_jax.checkpoint.state import StateSnapshot
 from angel_jax.config import Config, ConfigError
 from angel_jax.errors import AngelError
-from angel_jax.optim import split_optimizer
+from angel_jax.optim import split_optimizer, state_buffers
 from angel_jax.memory.shards import from_pieces, local_pieces
+from angel_jax.schedule.budgets import device_free_bytes, in_memory_budget
 from angel_jax.train.paged import PagedTrainEngine
 from angel_jax.train.protocol import StateMismatch, TrainEngine, check_arrays, named_leaves, path_name  # noqa: F401
 from angel_jax.train.sharding import FSDP, batch_sharding, device_bytes, fsdp_size, state_shardings, whole
 from angel_jax.train.step import StepControls, TrainState, init_state, make_micro_loss_fn, make_step_phases
-from angel_jax.units import device_free_bytes, human_bytes
+from angel_jax.units import human_bytes
 import models
 from models.parallel import experts_over
 
@@ -275,13 +276,13 @@ def state_bytes(cfg: Config, fsdp: int = 1) -> int:
     float32 master copy too."""
     n = models.get(cfg.model).param_count["total"]
     itemsize = jnp.dtype(cfg.model.param_dtype).itemsize
-    per_param = {"adamw": 2, "adam": 2, "lion": 1, "sgd": 1, "adafactor": 1}[cfg.optimizer.name]
+    per_param = state_buffers(cfg.optimizer)
     master = 4 if cfg.optimizer.master_weights else 0  # a float32 copy of the parameters
     return n * itemsize + n * (itemsize + jnp.dtype(cfg.optimizer.state_dtype).itemsize * per_param + master) // fsdp
 
 
 def fits_in_memory(cfg: Config, device: jax.Device, fsdp: int = 1) -> bool:
-    budget = cfg.memory.device_budget or device_free_bytes(device)
+    budget = in_memory_budget(cfg, device)
     # Activations need room too: keep a quarter of the budget for them (a conservative rule of thumb; the paged
     # engine uses every byte it is given, so erring towards it costs little).
     return state_bytes(cfg, fsdp) <= 0.75 * budget

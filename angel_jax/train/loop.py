@@ -24,7 +24,6 @@ from typing import Any, Callable, Sequence
 
 import jax
 import numpy as np
-import psutil
 
 from angel_jax import config as config_lib
 from angel_jax import data as data_lib
@@ -32,6 +31,7 @@ from angel_jax.checkpoint.engine import PersistenceFailed, PersistStreak
 from angel_jax.config import Config
 from angel_jax.errors import EXIT_EXCLUDE, EXIT_RESTART
 from angel_jax.phases import Phase
+from angel_jax.schedule.budgets import gather_room
 from angel_jax.tee.actions import Action
 from angel_jax.tee.events import EventLog
 from angel_jax.train import metrics as metrics_lib
@@ -284,7 +284,7 @@ def _final_params(t: Trainer) -> Any:
     larger than RAM page by page, never whole, and its parameters are in its checkpoints."""
     m = t.cfg.model
     nbytes = models.get(m).param_count["total"] * np.dtype(m.param_dtype).itemsize
-    room = psutil.virtual_memory().available // 2
+    room = gather_room()
     # Process 0's decision on every process: gathering a state sharded across processes is a collective.
     if not from_primary(int(nbytes <= room)):
         log.info("the final parameters (%s B) are not gathered in memory (%s B available); read them from the "

@@ -48,7 +48,8 @@ from angel_jax.memory import PageLayout
 from angel_jax.memory.host_peak import HostPeakCheck
 from angel_jax.memory.layout import to_bits, to_values
 from angel_jax.memory.sharded_layout import layout_over
-from angel_jax.schedule.engine import PagedEngine, build_paged_engine, check_host_room, fit_micro_batch
+from angel_jax.schedule.budgets import check_host_room, fit_micro_batch
+from angel_jax.schedule.engine import PagedEngine, build_paged_engine
 from angel_jax.schedule.timeline import Timeline
 from angel_jax.schedule.zero import Zero
 from angel_jax.train.plan_record import plan_summary

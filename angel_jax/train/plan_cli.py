@@ -26,16 +26,16 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from angel_jax.config import Config, ConfigError, load_config
+from angel_jax.config import Config, load_config
 from angel_jax.errors import AngelError
 from angel_jax.memory.bench_io import default_calibration_path
 from angel_jax.optim.fused import host_update_by
 from angel_jax.train.metrics import Peak, device_peak
 from angel_jax.train.plan_args import add_plan_arguments
 from angel_jax.train.plan_record import plan_summary, predicted_mfu
-from angel_jax.schedule.engine import (Blueprint, blueprint, device_budget, fit_micro_batch, fixed_device_bytes,
-                                       make_store, micro_batching, plan_for, refuse_sharded_optimizer,
-                                       saved_input_bytes)
+from angel_jax.schedule.blueprint import Blueprint, blueprint, refuse_sharded_optimizer
+from angel_jax.schedule.budgets import fit_micro_batch, local_batch, micro_batching, micro_sizes, stated_budgets
+from angel_jax.schedule.engine import plan_for
 from angel_jax.memory.layout import StageLayout
 from angel_jax.schedule.plan import (Bandwidths, Budgets, Plan, PlanError, StageCost, exchange_bytes,
                                      load_bandwidths, make_plan)
@@ -56,14 +56,6 @@ def shard_bytes(stage: StageLayout, ranks: int, apart: bool | None = None) -> in
     page), so every rank holds the same bytes and a rank's shards add up to 1/ranks of the stage and a little
     more. `apart`: only the pages set apart (True: expert weights) or only the others (False)."""
     return sum(-(-p.length // ranks) * p.dtype.itemsize for p in stage.pages if apart is None or p.apart == apart)
-
-
-def local_batch(cfg: Config, ranks: int) -> int:
-    """Rows of the global batch (train.batch_size) each of `ranks` data-parallel ranks computes."""
-    if cfg.train.batch_size % ranks:
-        raise ConfigError(f"'train.batch_size'={cfg.train.batch_size} does not split over {ranks} data-parallel "
-                          f"ranks (--devices): make it a multiple of {ranks}")
-    return cfg.train.batch_size // ranks
 
 
 def target_ranks(cfg: Config, args: argparse.Namespace) -> int:
@@ -136,17 +128,6 @@ def target_bandwidths(args: argparse.Namespace) -> tuple[Bandwidths, float, floa
     return bw, figures.get("device_copy", 1e12), host_bw
 
 
-def micro_sizes(cfg: Config, ranks: int = 1) -> list[int]:
-    """The micro-batch sizes a plan is estimated for: train.micro_batch_size, or with 0 (the planner chooses)
-    the local batch (of one of `ranks` ranks) and its exact halvings, largest first."""
-    if cfg.train.micro_batch_size:
-        return [cfg.train.micro_batch_size]
-    sizes = [local_batch(cfg, ranks)]
-    while sizes[-1] % 2 == 0:
-        sizes.append(sizes[-1] // 2)
-    return sizes
-
-
 def target_peak(args: argparse.Namespace) -> Peak:
     """The peak FLOP/s per device a plan is estimated for: --peak-tflops, else this device's (its table entry, or a
     measured matmul). Taken once per plan: the stage times and the MFU must be over the same figure, and a measured
@@ -177,9 +158,7 @@ def _estimated_plan(cfg: Config, bp: Blueprint, args: argparse.Namespace, peak: 
     for size in micro_sizes(cfg, ranks):  # largest first: a smaller one only when predicted faster by more than noise
         trial = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batch_size=size))
         costs = estimate_costs(trial, bp, peak.flops_per_device, device_bw, host_bw, ranks)
-        budgets = Budgets(device=device_budget(trial, device), host=trial.memory.host_budget or None,
-                          disk=(trial.memory.disk_budget or None) if trial.memory.disk_dir else 0,
-                          fixed_device=fixed_device_bytes(trial, local), saved_device=saved_input_bytes(trial, local))
+        budgets = stated_budgets(trial, device, local)
         try:
             plan = make_plan(costs, bw, budgets, staleness=trial.memory.staleness, shared_cpu=shared_cpu,
                              micro_batches=micro_batching(trial, local)[0], passes=trial.memory.passes or None,
@@ -200,12 +179,8 @@ def _estimated_plan(cfg: Config, bp: Blueprint, args: argparse.Namespace, peak: 
 def _profiled_plan(cfg: Config, bp: Blueprint) -> tuple[Config, Plan, list[StageCost], Budgets, Bandwidths, str]:
     device = jax.devices()[0]
     cfg = fit_micro_batch(cfg, device)
-    store = make_store(cfg, device)
-    try:
-        example = np.zeros((cfg.train.batch_size, cfg.model.seq_len + 1), np.int32)
-        plan, costs, bw, budgets = plan_for(cfg, bp, store, example, device)
-    finally:
-        store.close()
+    example = np.zeros((cfg.train.batch_size, cfg.model.seq_len + 1), np.int32)
+    plan, costs, bw, budgets = plan_for(cfg, bp, example, device)
     return cfg, plan, costs, budgets, bw, f"profiled on {device.device_kind}; bandwidths: {bw.source}"
 
 

@@ -31,7 +31,7 @@ import numpy as np
 from angel_jax.checkpoint import CheckpointEngine, CheckpointError, CheckpointOptions
 from angel_jax.config import Config, ConfigError, load_recorded_config
 from angel_jax.memory.sharded_layout import layout_over
-from angel_jax.schedule.engine import params_layout
+from angel_jax.schedule.blueprint import params_layout
 from angel_jax.train.checkpointing import (assemble_newest, check_same_model, checkpoint_options, owns_memory_tier,
                                           shard_steps)
 from angel_jax.train.paged import first_layout_difference, pages_fingerprint

@@ -137,7 +137,8 @@ def time_update(config: str, overrides: list[str], repeats: int, leafwise: bool 
     from angel_jax.config import load_config
     from angel_jax.memory import HostTier
     from angel_jax.memory.malloc import return_large_frees_to_the_os
-    from angel_jax.schedule.engine import blueprint, params_layout, placements
+    from angel_jax.schedule.blueprint import blueprint, params_layout
+    from angel_jax.schedule.engine import placements
 
     return_large_frees_to_the_os()  # as the paged engine runs
     cfg = load_config(config, overrides)
