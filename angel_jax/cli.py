@@ -241,7 +241,7 @@ def _bench(args: argparse.Namespace) -> int:
 
 
 def _ckpt(args: argparse.Namespace) -> int:
-    from angel_jax.train.checkpointing import list_table, verify_report
+    from angel_jax.train.ckpt_cli import list_table, verify_report
 
     if args.ckpt_command == "ls":
         print("\n".join(list_table(args.run_dir)))

@@ -14,8 +14,8 @@ import pytest
 
 from angel_jax.checkpoint import CheckpointError
 from angel_jax.config import ConfigError
-from angel_jax.train.checkpointing import (OWNER_FILE, RUN_TOKEN_FILE, TIER_LOCK_FILE, claim_memory_tier,
-                                          release_memory_tier)
+from angel_jax.train.tier_ownership import (OWNER_FILE, RUN_TOKEN_FILE, TIER_LOCK_FILE, claim_memory_tier,
+                                           release_memory_tier)
 from angel_jax.train.rundir import LOCK_FILE, RunDirectoryInUse, lock_run_dir
 
 ROOT = Path(__file__).resolve().parent.parent

@@ -8,7 +8,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from angel_jax.train.checkpointing import claim_memory_tier
+from angel_jax.train.tier_ownership import claim_memory_tier
 from angel_jax.memory.shards import ShardMeta, assemble, assemble_pieces
 
 

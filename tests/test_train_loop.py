@@ -258,7 +258,7 @@ def test_resume_in_process_is_exact(straight, tmp_path, write_tiny_config):
 
 
 def test_claim_memory_tier_keeps_only_its_runs_snapshots(tmp_path):
-    from angel_jax.train.checkpointing import OWNER_FILE, RUN_TOKEN_FILE, claim_memory_tier
+    from angel_jax.train.tier_ownership import OWNER_FILE, RUN_TOKEN_FILE, claim_memory_tier
 
     run, mem = tmp_path / "run", tmp_path / "mem"
     run.mkdir()
@@ -277,14 +277,14 @@ def test_a_memory_tier_in_use_by_another_run_is_refused_and_nothing_of_it_delete
     deleted (B once logged "holds snapshots of another run ... removed step_30, step_40", A's live snapshots, and
     later resumed A's step as its own). Free again once A's process ends."""
     from angel_jax.checkpoint import CheckpointError
-    from angel_jax.train.checkpointing import claim_memory_tier, release_memory_tier
+    from angel_jax.train.tier_ownership import claim_memory_tier, release_memory_tier
 
     run_a, run_b, mem = tmp_path / "a", tmp_path / "b", tmp_path / "mem"
     run_a.mkdir(), run_b.mkdir()
     claim_memory_tier(run_a, mem)  # A's tier: its owner token, and a snapshot
     release_memory_tier(mem)
     (mem / "step_30").mkdir()
-    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from angel_jax.train.checkpointing import "
+    holder = subprocess.Popen([sys.executable, "-c", "import sys, time; from angel_jax.train.tier_ownership import "
                                "claim_memory_tier as c; c(sys.argv[1], sys.argv[2]); print('held', flush=True); "
                                "time.sleep(120)", str(run_a), str(mem)], stdout=subprocess.PIPE, text=True,
                               cwd=Path(__file__).resolve().parents[1])

@@ -14,7 +14,7 @@ import yaml
 
 from angel_jax.checkpoint import CheckpointError
 from angel_jax.checkpoint.snapshot import read_index
-from angel_jax.train import weights as weights_mod
+from angel_jax.train import state_formats
 from angel_jax.train.protocol import StateMismatch
 from angel_jax.train.weights import load_params
 
@@ -115,11 +115,11 @@ def test_a_missing_step_and_damaged_checkpoints_are_clear_errors(in_memory_run, 
 @pytest.mark.slow
 def test_a_paged_checkpoint_whose_layout_differs_is_refused(paged_run, monkeypatch):
     run_dir, _ = paged_run
-    real = weights_mod.params_layout  # as if the engine now laid the same model out in pages twice as large
+    real = state_formats.params_layout  # as if the engine now laid the same model out in pages twice as large
 
     def doubled(cfg):
         return real(replace(cfg, memory=replace(cfg.memory, page_size=2 * cfg.memory.page_size)))
 
-    monkeypatch.setattr(weights_mod, "params_layout", doubled)
+    monkeypatch.setattr(state_formats, "params_layout", doubled)
     with pytest.raises(StateMismatch, match=r"page layout rebuilt from the run's config differs .*stage 'embed'"):
         load_params(run_dir)

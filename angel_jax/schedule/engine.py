@@ -30,6 +30,7 @@ from angel_jax.memory.bench_io import default_calibration_path
 from angel_jax.memory.malloc import return_large_frees_to_the_os
 from angel_jax.memory.serial import SerialStore
 from angel_jax.memory.tiers import page_sharding
+from angel_jax.multihost import primary_floats
 from angel_jax.optim import make_optimizer
 from angel_jax.optim.paged import split_opt_state
 from angel_jax.schedule.blueprint import Blueprint, blueprint
@@ -140,12 +141,10 @@ def plan_for(cfg: Config, bp: Blueprint, example_batch: jax.Array, device: jax.D
 def _agreed(costs: list[StageCost], bw: Bandwidths) -> tuple[list[StageCost], Bandwidths]:
     """Process 0's profiled times and bandwidths, on every process (each process timed its own calls, with
     noise; plans made from different figures could differ, and with them the collectives each process runs)."""
-    from jax.experimental import multihost_utils
-
     times = ("forward_s", "backward_s", "update_device_s", "update_host_s", "host_add_s")
     links = ("h2d", "d2h", "disk_read", "disk_write", "disk_read_cpu", "disk_write_cpu")
     mine = np.array([getattr(c, t) for c in costs for t in times] + [getattr(bw, k) for k in links], np.float64)
-    theirs = np.asarray(multihost_utils.broadcast_one_to_all(mine))
+    theirs = primary_floats(mine)
     per = iter(theirs[:len(costs) * len(times)].reshape(len(costs), len(times)))
     costs = [dataclasses.replace(c, **dict(zip(times, map(float, next(per))))) for c in costs]
     return costs, dataclasses.replace(bw, **dict(zip(links, map(float, theirs[len(costs) * len(times):]))))

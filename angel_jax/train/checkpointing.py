@@ -8,6 +8,8 @@ peer copy and an orbax checkpoint in the background) holds
     meta     {"step": k, "data": the data iterator's state, "engine": engine meta (name, page layout),
               "seed": train.seed, "config": the resolved config}
 
+in the format of the engine that wrote it (its array names, meta and assembly: train/state_formats.py).
+
 The run's persistent tier is `<run_dir>/checkpoints/<k>/` (ordinary orbax checkpoints; see
 angel_jax/checkpoint/persist.py for reading one with plain orbax). The memory tier defaults to
 /dev/shm/angel_jax-<uid>/<run id>, so a restarted process finds its predecessor's snapshots there.
@@ -37,14 +39,10 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import os
-import re
 import shutil
-import stat
 import time
-import uuid
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any
 
 import jax
 import numpy as np
@@ -53,148 +51,13 @@ from angel_jax.checkpoint import CheckpointEngine, CheckpointError, CheckpointOp
 from angel_jax.checkpoint import faults
 from angel_jax.checkpoint.filetier import FileTier
 from angel_jax.checkpoint.persist import OrbaxTier
-from angel_jax.checkpoint.snapshot import SnapshotDamaged, is_snapshot_dir
-from angel_jax.checkpoint.state import LazyArray
+from angel_jax.checkpoint.snapshot import SnapshotDamaged
 from angel_jax.config import Config, to_dict
-from angel_jax.memory.shards import ShardMeta, assemble, assemble_pieces
-from angel_jax.units import human_bytes
-from angel_jax.train.rundir import take_lock
+from angel_jax.multihost import barrier, every_process_lists, from_any, from_primary
+from angel_jax.train.state_formats import format_of
+from angel_jax.train.tier_ownership import OWNER_FILE, PROCESS_DIR, claim_memory_tier, release_memory_tier
 
 log = logging.getLogger(__name__)
-
-RUN_TOKEN_FILE = ".checkpoint_run_token"
-"""In the run directory: a random token naming this run's memory tier (see claim_memory_tier)."""
-OWNER_FILE = "run_token"
-"""In the memory tier's directory: the token of the run whose snapshots it holds."""
-PROCESS_DIR = re.compile(r"process_(\d+)")
-"""Every tier's subdirectory of one process's checkpoints, where each process writes its own shards."""
-TIER_LOCK_FILE = ".lock"
-"""In the memory tier's directory: locked (flock) by the process whose run uses the tier, naming it."""
-_held_tier_locks: dict[str, int] = {}
-"""This process's memory-tier locks: resolved directory -> the locked file's descriptor."""
-
-
-def lock_memory_tier(memory_root: Path) -> bool:
-    """Lock the memory tier for this process's run until `release_memory_tier` (or the process's end): a second
-    run naming the same checkpoint.memory_dir is refused with CheckpointError naming the holder, before it deletes
-    anything (it would take the first run's live snapshots for a stale run's). False when the directory cannot be
-    made (no memory tier then: checkpoints are persisted directly)."""
-    key = str(Path(memory_root).resolve())
-    if key in _held_tier_locks:
-        return True
-    try:
-        Path(memory_root).mkdir(mode=0o700, parents=True, exist_ok=True)
-        fd = os.open(Path(memory_root) / TIER_LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW, 0o600)
-    except OSError:
-        return False
-    if holder := take_lock(fd):
-        raise CheckpointError(f"checkpoint.memory_dir {memory_root} is in use by another run ({holder}); nothing "
-                              "was deleted: give each run a memory_dir of its own (or leave it empty for one "
-                              "named after the run directory)")
-    _held_tier_locks[key] = fd
-    return True
-
-
-def release_memory_tier(memory_root: Path) -> None:
-    fd = _held_tier_locks.pop(str(Path(memory_root).resolve()), None)
-    if fd is not None:
-        os.close(fd)  # (the lock goes with the descriptor)
-
-
-def claim_memory_tier(run_dir: Path, memory_root: Path) -> bool:
-    """Ties the memory tier to this run directory; True when it removed another run's snapshots.
-
-    The memory tier outlives the run directory (/dev/shm survives `rm -rf runs/x`), and its default name depends
-    only on the run directory's path: a new run at the same path would otherwise resume a deleted run. The run
-    directory holds a random token and the memory tier a copy of it; snapshots under another token, or under
-    none, belong to another run and are removed (the persistent tier, inside the run directory, is untouched).
-
-    Nothing else is ever deleted: a memory tier holding anything that is not a snapshot (a user's files, a run
-    directory, persistent checkpoints) is refused with CheckpointError before anything is touched. A memory tier
-    that cannot be a directory at all (a file, a path under /proc) is left alone with a warning: the checkpoint
-    engine then persists every checkpoint directly, as it does when the tier is full."""
-    memory_root, run_dir = Path(memory_root), Path(run_dir)
-    if memory_root.exists() and not memory_root.is_dir():
-        log.warning("checkpoint.memory_dir %s is not a directory: no memory tier, checkpoints are persisted "
-                    "directly", memory_root)
-        return False
-    if memory_root.is_dir():
-        _refuse_unless_private(memory_root)
-    entries = list(memory_root.iterdir()) if memory_root.is_dir() else []
-    owner_file, lock_file = memory_root / OWNER_FILE, memory_root / TIER_LOCK_FILE
-    ours = lambda p: (p in (owner_file, lock_file) and _plain_file(p)) or is_snapshot_dir(p) or \
-        (PROCESS_DIR.fullmatch(p.name) is not None and p.is_dir() and not p.is_symlink())  # noqa: E731
-    foreign = sorted(p.name for p in entries if not ours(p))
-    if foreign:
-        shown = ", ".join(foreign[:5]) + (f" and {len(foreign) - 5} more" if len(foreign) > 5 else "")
-        raise CheckpointError(
-            f"checkpoint.memory_dir {memory_root} holds {shown}, which are not checkpoint snapshots; nothing was "
-            "deleted. Point checkpoint.memory_dir at an empty directory of its own (RAM-backed, such as "
-            "/dev/shm/<name>), or leave it empty for /dev/shm/angel_jax-<uid>/<run id>")
-    lock_memory_tier(memory_root)  # (refused here, before anything below is deleted, when a live run holds it)
-    token_file = run_dir / RUN_TOKEN_FILE
-    token = token_file.read_text().strip() if token_file.is_file() else None
-    owner = owner_file.read_text().strip() if _plain_file(owner_file) else None
-    # A run directory without a token owns no snapshot yet: whatever the tier holds then is another run's.
-    stale = [p for p in entries if p not in (owner_file, lock_file)] if token is None or owner != token else []
-    if stale:
-        log.warning("memory tier %s holds snapshots of another run (not of the run directory %s): removed %s",
-                    memory_root, run_dir, ", ".join(sorted(p.name for p in stale)))
-        for p in stale:
-            shutil.rmtree(p)
-    if token is None:
-        token = uuid.uuid4().hex
-        _write_private(token_file, token + "\n")
-    if owner != token:
-        try:
-            memory_root.mkdir(mode=0o700, parents=True, exist_ok=True)
-            _write_private(owner_file, token + "\n")
-        except OSError as e:
-            log.warning("checkpoint.memory_dir %s cannot be created (%s): no memory tier, checkpoints are "
-                        "persisted directly", memory_root, e.strerror or e)
-    return bool(stale)
-
-
-def owns_memory_tier(run_dir: Path, memory_root: Path) -> bool:
-    """Whether the memory tier holds the snapshots of this run directory (its token is the run's; see
-    claim_memory_tier). For readers of a run, which change nothing: a tier of another run (a deleted run at the
-    same path, or a checkpoint.memory_dir shared by two runs) is not to be read as this run's."""
-    token_file, owner_file = Path(run_dir) / RUN_TOKEN_FILE, Path(memory_root) / OWNER_FILE
-    if not (_plain_file(token_file) and _plain_file(owner_file)):
-        return False
-    return token_file.read_text().strip() == owner_file.read_text().strip()
-
-
-def _refuse_unless_private(memory_root: Path) -> None:
-    """A memory tier another user owns or may write to could hold snapshots planted there (a forged step with
-    chosen weights would be resumed like any other): refuse it, and a parent others may replace it in."""
-    st = memory_root.stat()
-    if st.st_uid != os.getuid():
-        raise CheckpointError(f"checkpoint.memory_dir {memory_root} belongs to uid {st.st_uid}, not to this user "
-                              f"(uid {os.getuid()}): its snapshots cannot be trusted; use a directory of your own")
-    if st.st_mode & 0o022:
-        raise CheckpointError(f"checkpoint.memory_dir {memory_root} is writable by other users (mode "
-                              f"{stat.S_IMODE(st.st_mode):o}): its snapshots cannot be trusted; `chmod go-w` it "
-                              "or use a private directory")
-    parent = memory_root.resolve().parent
-    pst = parent.stat()
-    if pst.st_mode & 0o022 and not pst.st_mode & stat.S_ISVTX or pst.st_uid not in (0, os.getuid()):
-        raise CheckpointError(f"checkpoint.memory_dir {memory_root}: its parent {parent} belongs to uid "
-                              f"{pst.st_uid} or lets other users replace the memory tier (mode "
-                              f"{stat.S_IMODE(pst.st_mode):o}, no sticky bit): use a private directory")
-
-
-def _write_private(path: Path, text: str) -> None:
-    """A file only this user can read (a run token names the run's memory tier)."""
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.chmod(path, 0o600)  # an existing file keeps its mode through O_CREAT
-
-
-def _plain_file(path: Path) -> bool:
-    return path.is_file() and not path.is_symlink()
-
 
 ALL_DAMAGED = -2
 """restore_latest's choice when the run has committed checkpoints and none of them verifies."""
@@ -275,7 +138,7 @@ class TrainCheckpointer:
                 # another run's until it is claimed), then this process's own.
                 self._claim(checkpoint_options(cfg, run_dir).resolved_memory_dir())
                 self._claim(self.options.resolved_memory_dir())
-            _barrier("angel_jax.checkpoint.claim")
+            barrier("angel_jax.checkpoint.claim")
             if not primary:
                 self._claim(self.options.resolved_memory_dir())
         elif primary:  # before any restore: other processes restore the step process 0 chooses
@@ -361,7 +224,7 @@ class TrainCheckpointer:
     def _newest_agreed(self) -> int:
         """`per_process`: the newest step committed in every process's own tiers; -1 if none (a collective)."""
         committed = [i.step for i in self.engine.list() if i.committed]
-        return max(set.intersection(*map(set, _all_processes_lists(sorted(committed, reverse=True)))), default=-1)
+        return max(set.intersection(*map(set, every_process_lists(sorted(committed, reverse=True)))), default=-1)
 
     def _newest_shards(self) -> int:
         """The newest step committed in every `process_<p>` persistent directory (process 0 looks); -1 if none."""
@@ -408,7 +271,7 @@ class TrainCheckpointer:
         None when no step is committed in all of them. When there are such steps and none restores, refused as
         every checkpoint damaged is without `per_process`."""
         committed = sorted((i.step for i in self.engine.list() if i.committed), reverse=True)
-        common = sorted(set.intersection(*map(set, _all_processes_lists(committed))), reverse=True)
+        common = sorted(set.intersection(*map(set, every_process_lists(committed))), reverse=True)
         for step in common:
             try:
                 restored, ok = self.engine.restore(step), True
@@ -498,30 +361,6 @@ class TrainCheckpointer:
                 release_memory_tier(root)
 
 
-def _barrier(name: str) -> None:
-    if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
-
-        multihost_utils.sync_global_devices(name)
-
-
-def _all_processes_lists(values: list[int], most: int = 64) -> list[list[int]]:
-    """Every process's list of (at most `most`) non-negative ints, by process (a collective)."""
-    if jax.process_count() == 1:
-        return [list(values[:most])]
-    from jax.experimental import multihost_utils
-
-    padded = np.full(most, -1, np.int64)
-    padded[:min(len(values), most)] = values[:most]
-    every = np.asarray(multihost_utils.process_allgather(padded)).reshape(jax.process_count(), most)
-    return [[int(v) for v in row if v >= 0] for row in every]
-
-
-def from_any(flag: bool) -> bool:
-    """Whether `flag` is true on any process (on every process)."""
-    return any(row[0] for row in _all_processes_lists([int(flag)]))
-
-
 def shard_steps(run_dir: Path) -> list[int]:
     """The steps committed in the persistent tier of every `process_<p>` directory of the run's checkpoints
     (written by a run whose processes each checkpointed their own shards), newest first."""
@@ -573,9 +412,10 @@ def assemble_shards(run_dir: Path, step: int, keep: int = 1) -> tuple[int, dict[
                                   step=step, stage="restore") from None
         parts[process] = (arrays, dict(index.meta.get("engine", {})))
         meta0 = dict(index.meta) if process == 0 else meta0
+    fmt = format_of(parts[min(parts)][1]) if parts else None
     try:
-        counts = {p: _processes_of(engine) for p, (_, engine) in parts.items()}
-    except ValueError as e:
+        counts = {p: fmt.processes(engine) for p, (_, engine) in parts.items()}
+    except (ValueError, KeyError, TypeError) as e:
         raise CheckpointError(f"step {step}: {e}", step=step, stage="restore") from None
     if len(set(counts.values())) != 1 or sorted(parts) != list(range(next(iter(counts.values())))):
         raise CheckpointError(f"step {step}: the run's checkpoints hold the shards of processes {sorted(parts)}, "
@@ -584,125 +424,6 @@ def assemble_shards(run_dir: Path, step: int, keep: int = 1) -> tuple[int, dict[
     log.warning("assembling the checkpoint of step %d from the shards of the %d processes that wrote it (this run "
                 "has %d): from the persistent tier", step, len(parts), jax.process_count())
     engine0 = parts[0][1]
-    whole = _assembled_pieces(parts) if "pieces" in engine0 else _assembled_pages(parts)
+    whole = fmt.assemble(parts)
     meta0["engine"] = {k: v for k, v in engine0.items() if k not in ("shards", "pieces", "process")}
     return step, whole, meta0, f"persistent (the shards of {len(parts)} processes)"
-
-
-def _processes_of(engine_meta: Mapping[str, Any]) -> int:
-    """How many processes wrote the checkpoint one process's engine meta belongs to."""
-    if "pieces" in engine_meta:
-        return int((engine_meta.get("process") or {})["count"])
-    return ShardMeta.from_dict(engine_meta.get("shards") or {}).processes
-
-
-def _assembled_pages(parts: Mapping[int, tuple[dict[str, Any], dict[str, Any]]]) -> dict[str, Any]:
-    """The paged engine's global pages from every process's rank shards (`SHARDED_ARRAYS`)."""
-    shards = {p: ShardMeta.from_dict(engine["shards"]) for p, (_, engine) in parts.items()}
-    arrays0, total, ranks0 = parts[0][0], shards[0].total_ranks, shards[0].ranks
-    whole: dict[str, Any] = {}
-    for name, local in arrays0.items():
-        if name.startswith(SHARDED_ARRAYS):
-            whole[name] = LazyArray(
-                (local.shape[0] // len(ranks0) * total,), local.dtype,
-                lambda name=name: assemble([(np.asarray(a[name]), shards[p].ranks) for p, (a, _) in parts.items()],
-                                           total))
-        else:
-            whole[name] = np.asarray(local)
-    return whole
-
-
-def _assembled_pieces(parts: Mapping[int, tuple[dict[str, Any], dict[str, Any]]]) -> dict[str, Any]:
-    """The in-memory engine's leaves from every process's pieces of them (`<leaf>#<k>`, indices in its meta)."""
-    arrays0, engine0 = parts[0]
-    whole: dict[str, Any] = {}
-    for name, info in engine0["pieces"].items():
-        def read(name: str = name, info: Mapping[str, Any] = info) -> np.ndarray:
-            pieces = [(tuple(tuple(d) for d in index), np.asarray(a[f"{name}#{k}"]))
-                      for a, engine in parts.values() for k, index in enumerate(engine["pieces"][name]["index"])]
-            return assemble_pieces(tuple(info["shape"]), pieces[0][1].dtype, pieces)
-
-        whole[name] = LazyArray(tuple(info["shape"]), arrays0[f"{name}#0"].dtype, read)
-    return whole
-
-
-SHARDED_ARRAYS = ("params/", "opt/")
-"""Names of the arrays a process's shard checkpoint holds its shards of (the paged engine's pages); the others
-(step counts, small optimizer leaves) are whole in every process's."""
-
-
-def from_primary(value: int) -> int:
-    """Process 0's `value` on every process (what process 0 decides about the checkpoints, all of them do)."""
-    if jax.process_count() == 1:
-        return value
-    from jax.experimental import multihost_utils
-
-    return int(multihost_utils.broadcast_one_to_all(np.int64(value)))
-
-
-# ------------------------------------------------------------------------------------------------- inspection
-
-
-def engine_for_run(run_dir: Path, process: int | None = None) -> CheckpointEngine:
-    """A checkpoint engine over a run directory's tiers, as its resolved config (<run_dir>/config.yaml) names
-    them (the defaults when the run wrote no config); with `process`, the tiers of that process's shards."""
-    from angel_jax.config import load_recorded_config
-
-    run_dir = Path(run_dir)
-    if not run_dir.is_dir():
-        raise CheckpointError(f"run directory {run_dir} does not exist")
-    config_file = run_dir / "config.yaml"
-    cfg = load_recorded_config(config_file) if config_file.is_file() else Config()
-    return CheckpointEngine(checkpoint_options(cfg, run_dir, process))
-
-
-def _parts(run_dir: Path) -> list[tuple[str, int | None]]:
-    """(heading, process) of each set of a run's checkpoints: the whole state's, then each process's shards."""
-    processes = sorted(shard_dirs(run_dir)) if Path(run_dir).is_dir() else []
-    return [("", None)] + [(f"process {p} (its shards)", p) for p in processes]
-
-
-def list_table(run_dir: Path) -> list[str]:
-    """`angel-jax ckpt ls`: one line per step with its state and size in each tier (no checksum reading); a run
-    whose processes checkpoint their own shards gets a table per process."""
-    parts = _parts(run_dir)
-    lines: list[str] = []
-    for heading, process in parts:
-        with engine_for_run(run_dir, process) as engine:
-            infos = engine.list()
-            roots = engine.tier_roots()
-        if not infos:
-            if process is None and len(parts) == 1:
-                return [f"no checkpoints ({roots})"]
-            continue
-        lines += [f"{heading}:"] if heading else []
-        rows = [[f"{t.state} {human_bytes(t.nbytes)}" if (t := info.tiers.get(tier)) else "-"
-                 for tier in ("memory", "peer", "persistent")] for info in infos]
-        width = max(22, *(len(c) + 2 for row in rows for c in row))  # a column never runs into the next
-        lines.append(f"{'step':>8}  " + "".join(f"{h:<{width}}" for h in ("memory", "peer", "persistent")).rstrip())
-        lines += [f"{info.step:>8}  " + "".join(f"{c:<{width}}" for c in row).rstrip() for info, row in zip(infos, rows)]
-        lines.append(f"tiers: {roots}")
-    return lines or [f"no checkpoints in {run_dir}"]
-
-
-def verify_report(run_dir: Path, step: int | None = None) -> tuple[bool, list[str]]:
-    """`angel-jax ckpt verify`: read every committed copy of `step` (default: every step) and check each array's
-    XXH3-64 checksum, of the whole state's checkpoints and of every process's shards. Returns (all good, lines)."""
-    ok, lines, found = True, [], []
-    for heading, process in _parts(run_dir):
-        with engine_for_run(run_dir, process) as engine:
-            committed = [i.step for i in engine.list() if i.committed]
-            found += committed
-            steps = [s for s in committed if step is None or s == step]
-            lines += [f"{heading}:"] if heading and steps else []
-            for s in steps:
-                problems = engine.verify(s)
-                ok = ok and not problems
-                lines.append(f"step {s}: " + ("ok" if not problems else "DAMAGED"))
-                lines += [f"  {p}" for p in problems]
-    if step is not None and step not in found:
-        return False, [f"no committed checkpoint of step {step} (committed steps: "
-                       f"{', '.join(map(str, sorted(set(found)))) or 'none'})"]
-    if not found:
-        return False, ["no committed checkpoint to verify"]
-    return ok, lines

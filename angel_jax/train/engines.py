@@ -38,6 +38,7 @@ from angel_jax.schedule.budgets import device_free_bytes, in_memory_budget
 from angel_jax.train.paged import PagedTrainEngine
 from angel_jax.train.protocol import StateMismatch, TrainEngine, check_arrays, named_leaves, path_name  # noqa: F401
 from angel_jax.train.sharding import FSDP, batch_sharding, device_bytes, fsdp_size, state_shardings, whole
+from angel_jax.train.state_formats import piece_name
 from angel_jax.train.step import StepControls, TrainState, init_state, make_micro_loss_fn, make_step_phases
 from angel_jax.units import human_bytes
 import models
@@ -157,7 +158,7 @@ class InMemoryEngine:
         # `state_meta` lists their indices (every process takes a snapshot at a checkpoint and writes its own:
         # the loop's `_save`); never held. Otherwise every leaf whole (a replicated leaf's local shard is all of it).
         if self.checkpoints_per_process:
-            return StateSnapshot({f"{name}#{k}": piece for name, a in named_leaves(self.state).items()
+            return StateSnapshot({piece_name(name, k): piece for name, a in named_leaves(self.state).items()
                                   for k, (_, piece) in enumerate(local_pieces(a))})
         arrays = {name: whole(a) for name, a in named_leaves(self.state).items()}
         if not (may_hold and self._holdable and self._can_hold()):
@@ -220,14 +221,14 @@ class InMemoryEngine:
                                 f"{meta['pieces'].get(differ)}, this process holds {mine.get(differ)} (another model, "
                                 "mesh or device order?)")
         current = named_leaves(self.state)
-        check_arrays({f"{name}#{k}": (tuple(b - a for a, b in index), current[name].dtype)
+        check_arrays({piece_name(name, k): (tuple(b - a for a, b in index), current[name].dtype)
                       for name, info in mine.items() for k, index in enumerate(info["index"])},
                      arrays, "in-memory engine")
         paths, treedef = jax.tree_util.tree_flatten_with_path(self.state)
         leaves = []
         for (path, leaf), sharding in zip(paths, jax.tree.leaves(self.shardings)):
             name = path_name(path)
-            pieces = {tuple(tuple(d) for d in index): np.asarray(arrays[f"{name}#{k}"])
+            pieces = {tuple(tuple(d) for d in index): np.asarray(arrays[piece_name(name, k)])
                       for k, index in enumerate(mine[name]["index"])}
             leaves.append(from_pieces(leaf.shape, sharding, pieces))
         self.state = jax.tree_util.tree_unflatten(treedef, leaves)

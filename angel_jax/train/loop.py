@@ -30,13 +30,14 @@ from angel_jax import data as data_lib
 from angel_jax.checkpoint.engine import PersistenceFailed, PersistStreak
 from angel_jax.config import Config
 from angel_jax.errors import EXIT_EXCLUDE, EXIT_RESTART
+from angel_jax.multihost import from_any, from_primary
 from angel_jax.phases import Phase
 from angel_jax.schedule.budgets import gather_room
 from angel_jax.tee.actions import Action
 from angel_jax.tee.events import EventLog
 from angel_jax.train import metrics as metrics_lib
 from angel_jax.train.anomaly import AnomalyMonitor, RestartRequested, TrainingDiverged, Verdict
-from angel_jax.train.checkpointing import TrainCheckpointer, check_same_model, from_any, from_primary
+from angel_jax.train.checkpointing import TrainCheckpointer, check_same_model
 from angel_jax.train.engines import TrainEngine, build_engine
 from angel_jax.train.evaluation import ValidationSet, eval_due, evaluate
 from angel_jax.train.hooks import HookList, OnStep, TrainHooks

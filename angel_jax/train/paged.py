@@ -6,18 +6,9 @@
     snapshot, meta = engine.state_snapshot(), engine.state_meta()   # not held: pages change in place
     engine.load_state(snapshot.arrays, meta)      # back to that step, bit for bit
 
-The training state is every page family under stable names, read from wherever the current version lives
-(device, host or disk), after every update in flight has landed:
-
-    params/<stage>/<k>       parameter pages (k-th page of the stage)
-    opt/<stage>/<k>          optimizer-state pages
-    opt_small/<stage>/<j>    the optimizer's small leaves (step counts)
-    step                     training steps taken (int32)
-    applied                  updates applied, those the anomaly guard dropped not counted (int32)
-
-`state_meta` carries the engine name, the page size, the number of ranks the pages are sharded over (ZeRO-3;
-absent in checkpoints from before sharding: 1) and a layout fingerprint (per stage: dtype and length of every
-page, dtype and shape of every small leaf); `load_state` refuses a checkpoint whose fingerprint differs from this
+The training state is every page family under stable names (the "pages" format, train/state_formats.py: its
+arrays and meta), read from wherever the current version lives (device, host or disk), after every update in
+flight has landed. `load_state` refuses a checkpoint whose fingerprint differs from this
 model's pages laid out over the checkpoint's ranks, naming the first difference, and puts every page back in the
 home this run's plan gives it. A checkpoint written over another number of ranks is resharded, stage by stage
 (unpacked into whole leaves with its own layout, packed with this run's), with a warning: the losses that follow
@@ -44,7 +35,6 @@ from angel_jax.checkpoint.state import LazyArray, StateSnapshot
 from angel_jax.config import Config
 from angel_jax.optim.fused import host_update_by
 from angel_jax.optim.guard import StepControls
-from angel_jax.memory import PageLayout
 from angel_jax.memory.host_peak import HostPeakCheck
 from angel_jax.memory.layout import to_bits, to_values
 from angel_jax.memory.sharded_layout import layout_over
@@ -54,6 +44,8 @@ from angel_jax.schedule.timeline import Timeline
 from angel_jax.schedule.zero import Zero
 from angel_jax.train.plan_record import plan_summary
 from angel_jax.train.protocol import StateMismatch, check_arrays
+from angel_jax.train.state_formats import (PAGE_FAMILIES, checked_ranks, first_layout_difference, page_name,
+                                           pages_fingerprint, shard_meta_of, small_name)
 from angel_jax.memory.shards import ShardMeta
 from angel_jax.train.sharding import whole
 from angel_jax.units import human_bytes
@@ -64,11 +56,6 @@ WARMUP_STEPS = 3
 RECORDED_STEPS = 2
 HOST_PEAK_AFTER = 2
 """The host peak is compared with the plan's once this step (the first without compilation) is done."""
-
-
-def pages_fingerprint(layout: PageLayout, stage: str) -> list[list]:
-    """[dtype, length] of each of a stage's pages."""
-    return [[p.dtype.name, p.length] for p in layout.stage(stage).pages]
 
 
 def layout_fingerprint(built: PagedEngine, layouts: tuple[Any, Any] | None = None) -> dict[str, Any]:
@@ -85,23 +72,6 @@ def layout_fingerprint(built: PagedEngine, layouts: tuple[Any, Any] | None = Non
             "opt_small": [[np.dtype(dtype).name, list(shape)] for shape, dtype in small[i]],
         }
     return out
-
-
-def first_layout_difference(mine: dict, theirs: Any,
-                            families: tuple[str, ...] = ("params", "opt", "opt_small")) -> str | None:
-    """The first difference between two layout fingerprints in the page families named, or None."""
-    if not isinstance(theirs, dict):
-        return "the checkpoint has no page layout"
-    for name in mine:
-        if name not in theirs:
-            return f"stage {name!r} is missing from the checkpoint (its stages: {', '.join(theirs)})"
-        for family in families:
-            a, b = mine[name][family], theirs[name].get(family)
-            if a != b:
-                return (f"stage {name!r}, {family} pages: this run has {len(a)} x {a[:2]}..., the checkpoint "
-                        f"{len(b or [])} x {(b or [])[:2]}...")
-    extra = [n for n in theirs if n not in mine]
-    return f"the checkpoint has stages this run lacks: {extra}" if extra else None
 
 
 class PagedTrainEngine:
@@ -193,9 +163,9 @@ class PagedTrainEngine:
         model = self.built.model
         params, opt, small = [], [], []
         for i, stage in enumerate(model.staged.stages):
-            params += [(f"params/{stage.name}/{k}", pid) for k, pid in enumerate(model.param_ids(i))]
-            opt += [(f"opt/{stage.name}/{k}", oid) for k, oid in enumerate(model.opt_ids(i))]
-            small += [(f"opt_small/{stage.name}/{j}", i, j) for j in range(len(self.built.updater.small_specs[i]))]
+            params += [(page_name("params", stage.name, k), pid) for k, pid in enumerate(model.param_ids(i))]
+            opt += [(page_name("opt", stage.name, k), oid) for k, oid in enumerate(model.opt_ids(i))]
+            small += [(small_name(stage.name, j), i, j) for j in range(len(self.built.updater.small_specs[i]))]
         return params, opt, small
 
     @property
@@ -269,13 +239,7 @@ class PagedTrainEngine:
         if meta.get("engine") != self.name:
             raise StateMismatch(f"the checkpoint was written by the {meta.get('engine')!r} engine, this run uses "
                                 f"{self.name!r} (memory.mode); resume with the same memory.mode")
-        if meta.get("page_size") != self.cfg.memory.page_size:
-            raise StateMismatch(f"the checkpoint's pages are {meta.get('page_size')} B, this run's "
-                                f"memory.page_size is {self.cfg.memory.page_size} B; resume with the same page size")
-        theirs = meta.get("ranks", 1)  # absent: written before pages were sharded, by one device
-        if not isinstance(theirs, int) or isinstance(theirs, bool) or theirs < 1:
-            raise StateMismatch(f"paged engine: the checkpoint's number of ranks is {theirs!r}, not a positive "
-                                "integer (a damaged or hand-edited checkpoint?)")
+        theirs = checked_ranks(meta, self.cfg.memory.page_size, "paged engine")
         model = self.built.model
         # The checkpoint's pages as the run that wrote them laid them out: the same leaves over its ranks.
         layouts = (model.params_layout, model.opt_layout) if theirs == self.ranks else \
@@ -291,8 +255,8 @@ class PagedTrainEngine:
         expected: dict[str, Any] = {}
         part = (lambda n: n) if shards is None else (lambda n: n // shards.total_ranks * len(shards.ranks))
         for stage in model.staged.stages:
-            for family, layout in zip(("params", "opt"), layouts):
-                expected.update({f"{family}/{stage.name}/{k}": ((part(p.length),), p.dtype)
+            for family, layout in zip(PAGE_FAMILIES, layouts):
+                expected.update({page_name(family, stage.name, k): ((part(p.length),), p.dtype)
                                  for k, p in enumerate(layout.stage(stage.name).pages)})
         expected.update({name: updater.small_specs[i][j] for name, i, j in small_names})
         expected["step"] = expected["applied"] = ((), np.dtype(np.int32))
@@ -326,12 +290,9 @@ class PagedTrainEngine:
         """The shards a checkpoint of one process holds (None: whole pages), refused unless they are exactly
         this process's: another set of processes resumes from every process's shards assembled into whole pages
         (`TrainCheckpointer.restore_latest` does that)."""
-        if "shards" not in meta:
+        theirs = shard_meta_of(meta, "paged engine")
+        if theirs is None:
             return None
-        try:
-            theirs = ShardMeta.from_dict(meta["shards"])
-        except ValueError as e:
-            raise StateMismatch(f"paged engine: {e}") from None
         mine = self._shard_meta()
         if mine is None or (theirs.processes, theirs.ranks, theirs.total_ranks) != \
                 (mine.processes, mine.ranks, mine.total_ranks):

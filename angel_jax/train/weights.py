@@ -8,13 +8,9 @@ What `TrainEngine.params()` returns at that step, from the checkpoint alone: no 
 the optimizer state is read. The checkpoint engine's restore is used as training uses it (memory tier -> peer ->
 persistent, a damaged copy skipped for the next), restricted to the parameter arrays, so only their bytes are read
 and checksummed. A run whose processes checkpointed their own shards (train/checkpointing.py) is read from every
-process's persistent tier, assembled (there every array is checksummed, the optimizer state's too). The two engines name them differently (train/protocol.py, train/paged.py):
-
-    in_memory   params/<path in the params tree>   one array per leaf, e.g. params/blocks/qkv/kernel
-    paged       params/<stage>/<k>                 the k-th page of a stage, unpacked with the page layout that
-                                                   the paged engine builds from the model config and page size
-                                                   (rebuilt here from shapes; checked against the checkpoint's
-                                                   layout fingerprint)
+process's persistent tier, assembled (there every array is checksummed, the optimizer state's too). The two
+engines name the parameters differently; train/state_formats.py reads either (`params/<path>` leaves, or
+`params/<stage>/<k>` pages unpacked with the layout rebuilt from the config and checked against the checkpoint's).
 """
 
 from __future__ import annotations
@@ -23,26 +19,15 @@ import dataclasses
 import logging
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Mapping
-
-import jax
-import numpy as np
+from typing import Any
 
 from angel_jax.checkpoint import CheckpointEngine, CheckpointError, CheckpointOptions
 from angel_jax.config import Config, ConfigError, load_recorded_config
-from angel_jax.memory.sharded_layout import layout_over
-from angel_jax.schedule.blueprint import params_layout
-from angel_jax.train.checkpointing import (assemble_newest, check_same_model, checkpoint_options, owns_memory_tier,
-                                          shard_steps)
-from angel_jax.train.paged import first_layout_difference, pages_fingerprint
-from angel_jax.train.protocol import StateMismatch, check_arrays, path_name
-import models
+from angel_jax.train.checkpointing import assemble_newest, check_same_model, checkpoint_options, shard_steps
+from angel_jax.train.state_formats import PARAMS_PREFIX, format_of
+from angel_jax.train.tier_ownership import owns_memory_tier
 
 log = logging.getLogger(__name__)
-
-PARAMS_PREFIX = "params/"
-"""Both engines name their parameter arrays under this prefix; everything else (optimizer state, counters) is
-left unread."""
 
 
 @dataclass(frozen=True)
@@ -87,10 +72,7 @@ def load_params(run_dir: Path, step: int | None = None) -> LoadedWeights:
     engine_meta = meta.get("engine") or {}
     where = f"{run_dir} step {at}"
     arrays = {k: v for k, v in arrays.items() if k.startswith(PARAMS_PREFIX)}  # (assembled: lazy, not yet read)
-    if engine_meta.get("engine", "in_memory") == "paged":
-        params = _unpack_pages(cfg, arrays, engine_meta, where)
-    else:
-        params = _from_leaves(cfg, arrays, where)
+    params = format_of(engine_meta).params(cfg, arrays, engine_meta, where)
     return LoadedWeights(cfg=cfg, params=params, step=at)
 
 
@@ -121,39 +103,3 @@ def run_config(run_dir: Path) -> Config:
         return load_recorded_config(config_file)
     except ConfigError as e:
         raise CheckpointError(f"run directory {run_dir}: {e}") from e
-
-
-def _from_leaves(cfg: Config, arrays: Mapping[str, Any], where: str) -> Any:
-    """The in-memory engine's checkpoint: one array per leaf of the parameter tree."""
-    _, abstract = models.get(cfg.model).abstract()
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(abstract)
-    names = [PARAMS_PREFIX + path_name(path) for path, _ in leaves]
-    check_arrays({n: (leaf.shape, leaf.dtype) for n, (_, leaf) in zip(names, leaves)}, arrays,
-                 f"the parameters in {where}")
-    return jax.tree_util.tree_unflatten(treedef, [np.array(arrays[n]) for n in names])
-
-
-def _unpack_pages(cfg: Config, arrays: Mapping[str, Any], engine_meta: Mapping[str, Any], where: str) -> Any:
-    """The paged engine's checkpoint: pages `params/<stage>/<k>`, unpacked stage by stage with the layout the
-    engine built from the config, over the checkpoint's ranks (pages sharded over N devices are N ranks' pages
-    end to end: `ShardedPageLayout`), checked against the checkpoint's fingerprint first."""
-    if engine_meta.get("page_size") != cfg.memory.page_size:
-        raise StateMismatch(f"{where}: the checkpoint's pages are {engine_meta.get('page_size')} B, the run's "
-                            f"config says memory.page_size={cfg.memory.page_size}")
-    ranks = engine_meta.get("ranks", 1)  # absent: written before pages were sharded, by one device
-    if not isinstance(ranks, int) or ranks < 1:
-        raise StateMismatch(f"{where}: the checkpoint's number of ranks is {ranks!r}, not a positive integer")
-    layout = layout_over(params_layout(cfg), ranks)
-    mine = {s.name: {"params": pages_fingerprint(layout, s.name)} for s in layout.stages}
-    problem = first_layout_difference(mine, engine_meta.get("layout"), families=("params",))
-    if problem:
-        raise StateMismatch(f"{where}: the page layout rebuilt from the run's config differs from the "
-                            f"checkpoint's: {problem}")
-    expected = {f"{PARAMS_PREFIX}{s.name}/{k}": ((p.length,), p.dtype)
-                for s in layout.stages for k, p in enumerate(s.pages)}
-    check_arrays(expected, arrays, f"the parameter pages in {where}")
-    staged = models.get(cfg.model)
-    stage_params = [layout.stage(s.name).unpack(tuple(np.asarray(arrays[f"{PARAMS_PREFIX}{s.name}/{k}"])
-                                                      for k in range(len(layout.stage(s.name).pages))))
-                    for s in staged.stages]
-    return jax.tree.map(np.asarray, staged.merge(stage_params))
