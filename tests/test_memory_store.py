@@ -35,6 +35,19 @@ def same_bits(a, b) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and a.tobytes() == b.tobytes()
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _collections_scan_this_module_only():
+    """`check_accounting` collects garbage before it counts arrays, dozens of times per property example. A full
+    collection walks every object of the process: late in a suite run, what hundreds of earlier tests left (~0.2 s
+    a collection, a minute for this module). What the earlier tests left is frozen instead (gc.freeze: never
+    collected, never walked), so a collection here walks what this module made, where any garbage that holds
+    the store's arrays comes from."""
+    gc.collect()
+    gc.freeze()
+    yield
+    gc.unfreeze()
+
+
 def arrays_alive_before() -> list:
     """The jax arrays alive now, held so that their ids stay theirs: a test counts the arrays that appeared
     since, whatever earlier tests left alive (or garbage that is collected meanwhile)."""
