@@ -30,9 +30,9 @@ from flax import nnx
 from angel_jax.config import ModelConfig
 from models.attention import cached_attention, causal_attention
 from models import moe_decoder
-from models.common import cross_entropy, pure_dict, stage_key
+from models.common import abstract_params_of, cross_entropy, family_functions, one_stage_params, stage_key, whole_params
 from models.moe import MoE, MoEFigures
-from models.stages import Stage, StagedModel
+from models.stages import PlannerHints, Stage, StagedModel
 
 _INIT_STD = 0.02
 
@@ -176,29 +176,18 @@ def run_blocks(block_def: nnx.GraphDef, stacked: nnx.State | Params, x: jax.Arra
 
 def init(cfg: ModelConfig, seed: int) -> tuple[nnx.GraphDef, Params]:
     """Build the model and return (graphdef, params). Only nnx.Param state exists in this model."""
-    graphdef, state = nnx.split(GPT(cfg, jax.random.key(seed)))
-    return graphdef, pure_dict(state)
+    return whole_params(GPT, cfg, seed)
 
 
 def init_stage(cfg: ModelConfig, seed: int, stage: int) -> Params:
     """Stage `stage`'s params alone (embed, block j = stage 1 + j, or head), equal bit for bit to
     `staged(cfg).split(init(cfg, seed)[1])[stage]`; only that stage's arrays are created."""
-    if not 0 <= stage <= cfg.n_layers + 1:
-        raise IndexError(f"stage {stage} out of range: the model has {cfg.n_layers + 2} stages")
-    rngs = nnx.Rngs(params=stage_key(jax.random.key(seed), stage))
-    if stage == 0:
-        module: nnx.Module = Embed(cfg, rngs)
-    elif stage <= cfg.n_layers:
-        module = Block(cfg, rngs, moe=moe_decoder.is_moe(cfg, stage - 1))
-    else:
-        module = Head(cfg, rngs)
-    return pure_dict(nnx.state(module))
+    return one_stage_params(seed, stage, cfg.n_layers + 2, moe_decoder.decoder_stage(cfg, Embed, Block, Head))
 
 
 def abstract_params(cfg: ModelConfig) -> tuple[nnx.GraphDef, Params]:
     """(graphdef, params as jax.ShapeDtypeStruct) without allocating anything."""
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: GPT(cfg, jax.random.key(0))))
-    return graphdef, pure_dict(state)
+    return abstract_params_of(GPT, cfg)
 
 
 def staged(cfg: ModelConfig) -> StagedModel:
@@ -247,12 +236,8 @@ def staged(cfg: ModelConfig) -> StagedModel:
         loss=cross_entropy,
         split=split,
         merge=merge,
-        init=lambda seed: init(cfg, seed),
-        init_stage=lambda seed, stage: init_stage(cfg, seed, stage),
-        abstract=lambda: abstract_params(cfg),
-        param_count=param_count(cfg),
-        flops_per_token=flops_per_token(cfg),
-        block_activation_width=3 * cfg.d_model + 2 * cfg.hidden,  # qkv, the MLP in and out
+        **family_functions(sys.modules[__name__], cfg),
+        hints=PlannerHints(block_activation_width=3 * cfg.d_model + 2 * cfg.hidden),  # qkv, the MLP in and out
         init_cache=lambda batch, max_len: init_cache(cfg, batch, max_len),
         decode=decode,
     )

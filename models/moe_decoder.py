@@ -25,9 +25,9 @@ import jax.numpy as jnp
 from flax import nnx
 
 from angel_jax.config import ModelConfig
-from models.common import cross_entropy, stage_key
+from models.common import cross_entropy, family_functions, stage_key
 from models.moe import capacity, exchange_values, is_expert_leaf, is_moe
-from models.stages import Stage, StagedModel
+from models.stages import PlannerHints, Stage, StagedModel
 
 Params = dict
 
@@ -118,7 +118,7 @@ def matmul_params(cfg: ModelConfig, attention: int, expert: int) -> tuple[int, i
 
 
 def routed_width(cfg: ModelConfig, hidden_arrays: int) -> int:
-    """Values per token an MoE block's MLP holds at its peak (`StagedModel.block_activation_width`): its expert
+    """Values per token an MoE block's MLP holds at its peak (`PlannerHints.block_activation_width`): its expert
     slots per token (E x C / T, about capacity_factor x top_k) each with `hidden_arrays` hidden activations and its
     input and output, and the float32 dispatch and combine masks, E x C values each (counted twice: float32)."""
     t, moe = cfg.seq_len, cfg.moe
@@ -158,6 +158,20 @@ def add_blocks(model: nnx.Module, cfg: ModelConfig, key: jax.Array, block: Calla
         model.blocks = stacked(jax.vmap(lambda i: stage_key(key, i))(layers))
 
 
+def decoder_stage(cfg: ModelConfig, embed: Callable, block: Callable, head: Callable
+                  ) -> Callable[[int, nnx.Rngs], nnx.Module]:
+    """How a decoder family (GPT, Llama) builds its stage `stage` alone (`common.one_stage_params`): the embedding,
+    block j at stage 1 + j (with experts where `is_moe` says), the head."""
+    def build(stage: int, rngs: nnx.Rngs) -> nnx.Module:
+        if stage == 0:
+            return embed(cfg, rngs)
+        if stage <= cfg.n_layers:
+            return block(cfg, rngs, moe=is_moe(cfg, stage - 1))
+        return head(cfg, rngs)
+
+    return build
+
+
 def staged(cfg: ModelConfig, abstract: nnx.Module, family: Any, block_activation_width: int) -> StagedModel:
     """The stage view of a decoder with MoE blocks (stages pass a `Stream` on; `decoder` samples). `abstract`: the model
     built abstractly (its `embed`, `blocks` if any, `moe_blocks`, `head`); `family`: its module, whose `init`,
@@ -170,17 +184,13 @@ def staged(cfg: ModelConfig, abstract: nnx.Module, family: Any, block_activation
         loss=loss,
         split=lambda params: split(cfg, params),
         merge=lambda stage_params: merge(cfg, stage_params),
-        init=lambda seed: family.init(cfg, seed),
-        init_stage=lambda seed, stage: family.init_stage(cfg, seed, stage),
-        abstract=lambda: family.abstract_params(cfg),
-        param_count=family.param_count(cfg),
-        flops_per_token=family.flops_per_token(cfg),
-        block_activation_width=block_activation_width,
+        **family_functions(family, cfg),
+        hints=PlannerHints(block_activation_width=block_activation_width,
+                           exchange_values_per_row={"moe_block": float(exchange_values(cfg, cfg.seq_len))}),
         figures=figures(cfg),
         init_cache=lambda batch, max_len: family.init_cache(cfg, batch, max_len),
         decode=decoder(cfg, nnx.graphdef(abstract.embed), block_def, nnx.graphdef(abstract.moe_blocks),
                        nnx.graphdef(abstract.head), family.embed_at),
-        exchange_values_per_row={"moe_block": float(exchange_values(cfg, cfg.seq_len))},
         expert_leaf=is_expert_leaf,
     )
 

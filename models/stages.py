@@ -35,6 +35,28 @@ class Stage:
 
 
 @dataclass(frozen=True)
+class PlannerHints:
+    """What the scheduling pass estimates a family's device memory and (`angel-jax plan --estimate`) compute and
+    expert traffic from: figures the stage functions' shapes alone do not give."""
+
+    block_activation_width: int
+    """Values per token that one block call holds at its peak besides attention's T x T scores (its q, k and v,
+    its MLP's hidden activations), for the scheduling pass's device-memory estimate (the GPT's: 3 x d_model + 2 x
+    hidden)."""
+    saved_input_values: int = 0
+    """Values one row's stage inputs hold between a step's forward and backward, summed over every stage but the
+    first (whose input is the token ids), for the scheduling pass's device-memory estimate; 0: a chain of d_model
+    wide activations of seq_len positions, (stages - 1) x seq_len x d_model (the GPT's and Llama's)."""
+    forward_flops_per_row: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Stage kind -> forward FLOPs of one stage of that kind on one row, for `angel-jax plan --estimate`; empty:
+    estimated there from the stage's weights (2 per weight per token, plus attention's for a 'block')."""
+    exchange_values_per_row: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Stage kind -> values (of the compute dtype) one row sends and receives in the expert all-to-alls of one
+    forward of a stage of that kind when its experts are split over devices (`moe.exchange_values` per MoE layer),
+    for `angel-jax plan --estimate`; empty: no experts."""
+
+
+@dataclass(frozen=True)
 class StagedModel:
     stages: tuple[Stage, ...]
     """The stages in forward order."""
@@ -62,23 +84,14 @@ class StagedModel:
     computation uses (all of them but in a mixture of experts; for FLOP counts)."""
     flops_per_token: float
     """Training FLOPs per token (forward + backward) that MFU is stated against (the formula is the family's)."""
+    hints: PlannerHints
+    """The scheduling pass's estimates of what the stage functions' shapes do not say."""
     init_reads_files: bool = False
     """True when `init` and `init_stage` read the parameters from files (model.init_from) and return numpy arrays:
     call them outside jit (inside, the arrays would become constants of the compiled program) and place them."""
-    block_activation_width: int = 0
-    """Values per token that one block call holds at its peak besides attention's T x T scores (its q, k and v,
-    its MLP's hidden activations), for the scheduling pass's device-memory estimate. Every family sets it (the GPT:
-    3 x d_model + 2 x hidden); it has a default only because it follows fields that have one."""
     figures: Callable[[PyTree], dict[str, jax.Array]] | None = None
     """Extra figures of a training step (scalars under their metric names, e.g. 'moe/aux_loss') from the last
     stage's output or input (both carry them); None: the family has none."""
-    saved_input_values: int = 0
-    """Values one row's stage inputs hold between a step's forward and backward, summed over every stage but the
-    first (whose input is the token ids), for the scheduling pass's device-memory estimate; 0: a chain of d_model
-    wide activations of seq_len positions, (stages - 1) x seq_len x d_model (the GPT's and Llama's)."""
-    forward_flops_per_row: dict[str, float] = dataclasses.field(default_factory=dict)
-    """Stage kind -> forward FLOPs of one stage of that kind on one row, for `angel-jax plan --estimate`; empty:
-    estimated there from the stage's weights (2 per weight per token, plus attention's for a 'block')."""
     init_cache: Callable[[int, int], PyTree] | None = None
     """(batch, max_len) -> an empty key/value cache for `decode`; None: the family cannot sample."""
     decode: Callable[[PyTree, PyTree, jax.Array, jax.Array], tuple[jax.Array, PyTree]] | None = None
@@ -86,10 +99,6 @@ class StagedModel:
     runs the tokens at positions pos .. pos+T-1, attending to the cache's keys and values of earlier positions and
     adding their own. Prefill is one call with the prompt at position 0; each further token is one call with T = 1,
     so a new token costs one position, not the whole sequence. Jittable, with `pos` traced."""
-    exchange_values_per_row: dict[str, float] = dataclasses.field(default_factory=dict)
-    """Stage kind -> values (of the compute dtype) one row sends and receives in the expert all-to-alls of one
-    forward of a stage of that kind when its experts are split over devices (`moe.exchange_values` per MoE layer),
-    for `angel-jax plan --estimate`; empty: no experts."""
     expert_leaf: Callable[[str], bool] | None = None
     """Given a leaf's path in a stage's parameters (`jax.tree_util.keystr`), whether it is a mixture of experts'
     stacked expert weight, [E, ...]: such leaves get pages of their own, which a sharded engine keeps on the rank

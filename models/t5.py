@@ -52,16 +52,18 @@ from __future__ import annotations
 
 from typing import Any
 
+import sys
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
 from angel_jax.config import ConfigError, ModelConfig
 from models import moe_decoder
-from models.common import cross_entropy, pure_dict, stage_key
+from models.common import abstract_params_of, cross_entropy, family_functions, one_stage_params, stage_key, whole_params
 from models.moe import MoE, MoEFigures, exchange_values, is_expert_leaf, is_moe
 from models.span_corruption import SpanCorruption
-from models.stages import Stage, StagedModel
+from models.stages import PlannerHints, Stage, StagedModel
 
 _INIT_STD = 0.02
 
@@ -394,34 +396,31 @@ def check(cfg: ModelConfig) -> None:
 
 def init(cfg: ModelConfig, seed: int) -> tuple[nnx.GraphDef, Params]:
     """Build the model and return (graphdef, params). Only nnx.Param state exists in this model."""
-    graphdef, state = nnx.split(T5(cfg, jax.random.key(seed)))
-    return graphdef, pure_dict(state)
+    return whole_params(T5, cfg, seed)
 
 
 def init_stage(cfg: ModelConfig, seed: int, stage: int) -> Params:
     """Stage `stage`'s params alone, equal bit for bit to `staged(cfg).split(init(cfg, seed)[1])[stage]`; only that
     stage's arrays are created."""
     n_enc, n_dec = cfg.n_layers, cfg.decoder_layers
-    if not 0 <= stage <= n_enc + n_dec + 2:
-        raise IndexError(f"stage {stage} out of range: the model has {n_enc + n_dec + 3} stages")
-    rngs = nnx.Rngs(params=stage_key(jax.random.key(seed), stage))
-    if stage == 0:
-        module: nnx.Module = Embed(cfg, rngs)
-    elif stage <= n_enc:
-        module = EncoderBlock(cfg, rngs, is_moe(cfg, stage - 1))
-    elif stage == n_enc + 1:
-        module = _norm(cfg, rngs)
-    elif stage <= n_enc + n_dec + 1:
-        module = DecoderBlock(cfg, rngs, is_moe(cfg, stage - n_enc - 2))
-    else:
-        module = Head(cfg, rngs)
-    return pure_dict(nnx.state(module))
+
+    def build(stage: int, rngs: nnx.Rngs) -> nnx.Module:
+        if stage == 0:
+            return Embed(cfg, rngs)
+        if stage <= n_enc:
+            return EncoderBlock(cfg, rngs, is_moe(cfg, stage - 1))
+        if stage == n_enc + 1:
+            return _norm(cfg, rngs)
+        if stage <= n_enc + n_dec + 1:
+            return DecoderBlock(cfg, rngs, is_moe(cfg, stage - n_enc - 2))
+        return Head(cfg, rngs)
+
+    return one_stage_params(seed, stage, n_enc + n_dec + 3, build)
 
 
 def abstract_params(cfg: ModelConfig) -> tuple[nnx.GraphDef, Params]:
     """(graphdef, params as jax.ShapeDtypeStruct) without allocating anything."""
-    graphdef, state = nnx.split(nnx.eval_shape(lambda: T5(cfg, jax.random.key(0))))
-    return graphdef, pure_dict(state)
+    return abstract_params_of(T5, cfg)
 
 
 def loss(cfg: ModelConfig):
@@ -495,19 +494,17 @@ def staged(cfg: ModelConfig) -> StagedModel:
         loss=loss(cfg),
         split=split,
         merge=merge,
-        init=lambda seed: init(cfg, seed),
-        init_stage=lambda seed, stage: init_stage(cfg, seed, stage),
-        abstract=lambda: abstract_params(cfg),
-        param_count=param_count(cfg),
-        flops_per_token=flops_per_token(cfg),
-        # a decoder block's peak: its q, k, v (self-attention), the cross-attention's q and the encoder output's
-        # k and v (counted per decoder position: an over-estimate, the encoder is the longer), the MLP's gate,
-        # up and their product
-        block_activation_width=6 * d + 3 * hidden,
-        # every stage after the first holds both streams, the encoder's and the decoder's positions d_model wide
-        # (its own copy of the passed-on one: a jitted stage returns a new buffer for an input it returns unchanged)
-        saved_input_values=(n_enc + n_dec + 2) * (c.encoder_length + c.decoder_length) * d,
-        forward_flops_per_row=forward,
+        **family_functions(sys.modules[__name__], cfg),
+        hints=PlannerHints(
+            # a decoder block's peak: its q, k, v (self-attention), the cross-attention's q and the encoder output's
+            # k and v (counted per decoder position: an over-estimate, the encoder is the longer), the MLP's gate,
+            # up and their product
+            block_activation_width=6 * d + 3 * hidden,
+            # every stage after the first holds both streams, the encoder's and the decoder's positions d_model
+            # wide (its own copy of the passed-on one: a jitted stage returns a new buffer for an input it returns
+            # unchanged)
+            saved_input_values=(n_enc + n_dec + 2) * (c.encoder_length + c.decoder_length) * d,
+            forward_flops_per_row=forward),
     )
 
 
@@ -597,20 +594,17 @@ def _staged_moe(cfg: ModelConfig) -> StagedModel:
         loss=moe_loss,
         split=split,
         merge=merge,
-        init=lambda seed: init(cfg, seed),
-        init_stage=lambda seed, stage: init_stage(cfg, seed, stage),
-        abstract=lambda: abstract_params(cfg),
-        param_count=param_count(cfg),
-        flops_per_token=flops_per_token(cfg),
-        # the dense decoder block's peak, or the MoE block's attention inputs and its routed MLP (three hidden
-        # arrays per slot: gate, up and their product)
-        block_activation_width=max(6 * d + 3 * hidden, 6 * d + moe_decoder.routed_width(cfg, 3)),
+        **family_functions(sys.modules[__name__], cfg),
+        hints=PlannerHints(
+            # the dense decoder block's peak, or the MoE block's attention inputs and its routed MLP (three hidden
+            # arrays per slot: gate, up and their product)
+            block_activation_width=max(6 * d + 3 * hidden, 6 * d + moe_decoder.routed_width(cfg, 3)),
+            # as the dense T5's, and the two per-row sums
+            saved_input_values=(n_enc + n_dec + 2) * ((c.encoder_length + c.decoder_length) * d + 2),
+            forward_flops_per_row=forward_flops_per_row(cfg),
+            exchange_values_per_row={"encoder_moe": float(exchange_values(cfg, c.encoder_length)),
+                                     "decoder_moe": float(exchange_values(cfg, c.decoder_length))}),
         figures=figures(cfg),
-        # as the dense T5's, and the two per-row sums
-        saved_input_values=(n_enc + n_dec + 2) * ((c.encoder_length + c.decoder_length) * d + 2),
-        forward_flops_per_row=forward_flops_per_row(cfg),
-        exchange_values_per_row={"encoder_moe": float(exchange_values(cfg, c.encoder_length)),
-                                 "decoder_moe": float(exchange_values(cfg, c.decoder_length))},
         expert_leaf=is_expert_leaf,
     )
 

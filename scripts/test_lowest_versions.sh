@@ -14,7 +14,7 @@ LOWEST=constraints-lowest.txt
 # persisting its checkpoints and resuming from them alone, and the disk tier's tensorstore.
 TESTS=(
     tests/test_persist_floor.py
-    tests/test_checkpoint_engine.py
+    tests/test_checkpoint_manager.py
     tests/test_memory_disk.py::test_round_trip_accounting_and_layout_on_disk
 )
 

@@ -10,7 +10,7 @@ from angel_jax import cli
 from angel_jax.checkpoint import CheckpointError
 from angel_jax.config import load_config
 from angel_jax.train.loop import train
-from test_checkpoint_engine import largest_file
+from test_checkpoint_manager import largest_file
 
 
 @pytest.fixture(scope="module")

@@ -42,9 +42,9 @@ def engine_options(root: Path, peer: bool = True, **kw):
 
 def child_kill(root: Path) -> None:
     """Saves step 1 completely, then step 2; ANGEL_JAX_CKPT_KILL_AT=<point>@2 kills us inside step 2."""
-    from angel_jax.checkpoint import CheckpointEngine, faults
+    from angel_jax.checkpoint import CheckpointManager, faults
 
-    engine = CheckpointEngine(engine_options(root), fault=faults.from_env())
+    engine = CheckpointManager(engine_options(root), fault=faults.from_env())
     engine.save(1, make_state(1), {"step": 1})
     engine.wait()
     print("step 1 saved", flush=True)
@@ -56,9 +56,9 @@ def child_kill(root: Path) -> None:
 def child_fsize(root: Path, limit: int) -> None:
     """Full disk without root: RLIMIT_FSIZE makes every write past `limit` bytes fail with EFBIG at the file-system
     call. Step 2 reuses step 1's memory-tier file (same size, keep_last=1), so only orbax's new files hit the limit."""
-    from angel_jax.checkpoint import CheckpointEngine
+    from angel_jax.checkpoint import CheckpointManager
 
-    engine = CheckpointEngine(engine_options(root, peer=False, keep_last=1))
+    engine = CheckpointManager(engine_options(root, peer=False, keep_last=1))
     state = make_state(1, n=600_000)  # 2.4 MiB float32 array: orbax's data file exceeds the limit
     engine.save(1, state, {"step": 1})
     engine.wait()
@@ -95,9 +95,9 @@ def killed_child(tmp_path: Path, point: str) -> Path:
 
 
 def restore_in_new_process(root: Path):
-    from angel_jax.checkpoint import CheckpointEngine
+    from angel_jax.checkpoint import CheckpointManager
 
-    with CheckpointEngine(engine_options(root)) as engine:
+    with CheckpointManager(engine_options(root)) as engine:
         return engine.restore()
 
 
@@ -111,9 +111,9 @@ def test_sigkill_during_snapshot_restores_previous_step(tmp_path: Path, point: s
     restored = restore_in_new_process(root)  # ... and never used
     assert (restored.step, restored.source, restored.meta) == (1, "memory", {"step": 1})
     assert_bitwise(restored.arrays, make_state(1))
-    from angel_jax.checkpoint import CheckpointEngine
+    from angel_jax.checkpoint import CheckpointManager
 
-    with CheckpointEngine(engine_options(root)) as engine:  # the restarted run saves step 2 again
+    with CheckpointManager(engine_options(root)) as engine:  # the restarted run saves step 2 again
         engine.save(2, make_state(2), {"step": 2})
         engine.wait()
         assert [i.step for i in engine.list()] == [1, 2]
@@ -123,7 +123,7 @@ def test_sigkill_during_snapshot_restores_previous_step(tmp_path: Path, point: s
 
 @pytest.mark.parametrize("point", ["peer.commit", "persist.commit"])
 def test_sigkill_during_backup_or_persistence(tmp_path: Path, point: str) -> None:
-    from angel_jax.checkpoint import CheckpointEngine
+    from angel_jax.checkpoint import CheckpointManager
 
     root = killed_child(tmp_path, point)
     # Step 2 was committed in the memory tier before the crash: it survives the process.
@@ -143,7 +143,7 @@ def test_sigkill_during_backup_or_persistence(tmp_path: Path, point: str) -> Non
     assert (restored.step, restored.source) == (1, "persistent")
     assert_bitwise(restored.arrays, make_state(1))
     # The restarted run saves again; leftovers of the crash are cleaned, nothing partial remains.
-    with CheckpointEngine(engine_options(root)) as engine:
+    with CheckpointManager(engine_options(root)) as engine:
         engine.save(3, make_state(3), {"step": 3})
         engine.wait()
         assert all(s.state != "partial" for info in engine.list() for s in info.tiers.values())
@@ -170,7 +170,7 @@ def test_full_disk_rlimit_fails_the_save_and_keeps_the_previous_checkpoint(tmp_p
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")
 def test_full_disk_tmpfs_fails_the_save_and_training_continues(tmp_path: Path) -> None:
     """A real full file system: a 3 MiB tmpfs as persistent_dir (needs root; skipped where mount is refused)."""
-    from angel_jax.checkpoint import CheckpointEngine, CheckpointError
+    from angel_jax.checkpoint import CheckpointManager, CheckpointError
 
     pers = tmp_path / "persistent"
     pers.mkdir()
@@ -178,7 +178,7 @@ def test_full_disk_tmpfs_fails_the_save_and_training_continues(tmp_path: Path) -
         pytest.skip("cannot mount a tmpfs here")
     try:
         s1, s2 = make_state(1, n=400_000), make_state(2, n=400_000)  # ~2.2 MiB each, incompressible
-        with CheckpointEngine(engine_options(tmp_path)) as engine:
+        with CheckpointManager(engine_options(tmp_path)) as engine:
             engine.save(1, s1, {"step": 1})
             engine.wait()
             handle = engine.save(2, s2, {"step": 2})

@@ -1,4 +1,4 @@
-"""CheckpointEngine against real files and real orbax: round trips, consistency, damage, partial saves, retention,
+"""CheckpointManager against real files and real orbax: round trips, consistency, damage, partial saves, retention,
 fallbacks. Every restore is compared bitwise with an independent copy taken before the save."""
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from angel_jax.checkpoint import CheckpointEngine, CheckpointError, CheckpointOptions, StateSnapshot
+from angel_jax.checkpoint import CheckpointManager, CheckpointError, CheckpointOptions, StateSnapshot
 from angel_jax.checkpoint import persist
 from angel_jax.checkpoint.persist import OrbaxTier
 from angel_jax.checkpoint.snapshot import read_index, write_index
@@ -76,7 +76,7 @@ def flip_byte(path: Path, offset: int | None = None) -> None:
 
 def test_round_trip_from_each_tier(tmp_path: Path) -> None:
     state, meta = make_state(1), {"data": {"shard": 3, "offset": 12345}, "lr": 3e-4, "tags": ["a", "b"]}
-    with CheckpointEngine(options(tmp_path, peer_dir=tmp_path / "peer")) as engine:
+    with CheckpointManager(options(tmp_path, peer_dir=tmp_path / "peer")) as engine:
         handle = engine.save(10, state, meta)
         assert handle.stall_s > 0
         engine.wait()
@@ -93,7 +93,7 @@ def test_round_trip_from_each_tier(tmp_path: Path) -> None:
 def test_plain_orbax_reads_the_persistent_checkpoint(tmp_path: Path) -> None:
     """The module docstring's recipe: nothing from angel_jax is needed to read a persisted step."""
     state = make_state(2)
-    with CheckpointEngine(options(tmp_path)) as engine:
+    with CheckpointManager(options(tmp_path)) as engine:
         engine.save(4, state, {"epoch": 1})
         engine.wait()
     mngr = ocp.CheckpointManager(tmp_path / "persistent")
@@ -117,7 +117,7 @@ def test_plain_orbax_reads_the_persistent_checkpoint(tmp_path: Path) -> None:
 def test_snapshot_is_a_copy_numpy_arrays_mutated_in_place(tmp_path: Path) -> None:
     state = make_state(3)
     expected = copy_of(state)
-    with CheckpointEngine(options(tmp_path)) as engine:
+    with CheckpointManager(options(tmp_path)) as engine:
         engine.save(1, state, {})
         for arr in state.values():  # the trainer's next step overwrites its buffers at once
             if arr.size:
@@ -134,7 +134,7 @@ def test_snapshot_is_a_copy_jax_arrays_donated(tmp_path: Path) -> None:
     state = {"w": jnp.arange(4096, dtype=jnp.float32), "b": jnp.ones((8, 8), jnp.bfloat16)}
     expected = {k: np.array(v) for k, v in state.items()}
     step_fn = jax.jit(lambda s: jax.tree.map(lambda x: x * 3 + 1, s), donate_argnums=0)
-    with CheckpointEngine(options(tmp_path)) as engine:
+    with CheckpointManager(options(tmp_path)) as engine:
         engine.save(1, state, {})
         state = step_fn(state)  # donates (deletes) the saved buffers where the backend supports it
         state = step_fn(state)
@@ -158,7 +158,7 @@ def test_damaged_persisted_array_falls_back_to_older_step(tmp_path: Path, caplog
         monkeypatch.setattr(OrbaxTier, "stream_above", 0)
         monkeypatch.setattr(persist, "CHUNK_BYTES", 4096)
     s1, s2 = make_state(11), make_state(12)
-    with CheckpointEngine(options(tmp_path)) as engine:
+    with CheckpointManager(options(tmp_path)) as engine:
         engine.save(1, s1, {"n": 1})
         engine.wait()  # back to back, step 1's persistence would be skipped as superseded by step 2
         engine.save(2, s2, {"n": 2})
@@ -183,7 +183,7 @@ def test_a_state_over_the_streaming_threshold_is_restored_group_by_group(tmp_pat
     partial restore a group of about CHUNK_BYTES at a time: once to verify every checksum, once as consumed."""
     rng = np.random.default_rng(21)
     state = {**make_state(21), **{f"pages/{i}": rng.standard_normal(1000, dtype=np.float32) for i in range(6)}}
-    with CheckpointEngine(options(tmp_path)) as engine:
+    with CheckpointManager(options(tmp_path)) as engine:
         engine.save(4, state, {"k": 4})
         engine.wait()
     shutil.rmtree(tmp_path / "memory")
@@ -197,7 +197,7 @@ def test_a_state_over_the_streaming_threshold_is_restored_group_by_group(tmp_pat
         return real(self, path, group)
 
     monkeypatch.setattr(OrbaxTier, "_restore_some", counted)
-    with CheckpointEngine(options(tmp_path)) as engine:
+    with CheckpointManager(options(tmp_path)) as engine:
         restored = engine.restore()
     assert (restored.step, restored.source) == (4, "persistent")
     assert {k for k, v in restored.arrays.items() if is_lazy(v)} == {k for k, v in state.items() if v.nbytes}
@@ -210,7 +210,7 @@ def test_a_state_over_the_streaming_threshold_is_restored_group_by_group(tmp_pat
 def test_damaged_memory_snapshot_uses_same_step_from_persistent(tmp_path: Path,
                                                                  caplog: pytest.LogCaptureFixture) -> None:
     s1, s2 = make_state(21), make_state(22)
-    with CheckpointEngine(options(tmp_path)) as engine:
+    with CheckpointManager(options(tmp_path)) as engine:
         engine.save(1, s1, {})
         engine.save(2, s2, {})
         engine.wait()
@@ -233,7 +233,7 @@ def test_a_partial_restore_reads_and_verifies_only_the_selected_arrays(tmp_path:
     state = make_state(41)
     params = lambda name: name.startswith("stage0/params/")  # noqa: E731
     wanted = {k: v for k, v in state.items() if params(k)}
-    with CheckpointEngine(options(tmp_path)) as engine:
+    with CheckpointManager(options(tmp_path)) as engine:
         engine.save(2, state, {"k": 2})
         engine.wait()
         index = read_index(tmp_path / "memory" / "step_2")
@@ -254,7 +254,7 @@ def test_a_partial_restore_reads_and_verifies_only_the_selected_arrays(tmp_path:
         return real(self, path, group)
 
     monkeypatch.setattr(OrbaxTier, "_restore_some", recorded)
-    with CheckpointEngine(options(tmp_path)) as engine:
+    with CheckpointManager(options(tmp_path)) as engine:
         restored = engine.restore(select=params)
     assert restored.source == "persistent"
     assert_bitwise(restored.arrays, wanted)
@@ -263,11 +263,11 @@ def test_a_partial_restore_reads_and_verifies_only_the_selected_arrays(tmp_path:
 
 def test_memory_tier_deleted_restores_from_persistent(tmp_path: Path) -> None:
     state = make_state(5)
-    with CheckpointEngine(options(tmp_path)) as engine:
+    with CheckpointManager(options(tmp_path)) as engine:
         engine.save(3, state, {"k": "v"})
         engine.wait()
     shutil.rmtree(tmp_path / "memory")
-    with CheckpointEngine(options(tmp_path)) as fresh:  # a new process after a node reboot
+    with CheckpointManager(options(tmp_path)) as fresh:  # a new process after a node reboot
         restored = fresh.restore()
         assert (restored.step, restored.source, restored.meta) == (3, "persistent", {"k": "v"})
         assert_bitwise(restored.arrays, state)
@@ -276,7 +276,7 @@ def test_memory_tier_deleted_restores_from_persistent(tmp_path: Path) -> None:
 def test_partial_checkpoints_are_never_used(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     s1 = make_state(31)
     mem, pers = tmp_path / "memory", tmp_path / "persistent"
-    with CheckpointEngine(options(tmp_path)) as engine:
+    with CheckpointManager(options(tmp_path)) as engine:
         engine.save(1, s1, {})
         engine.wait()
         # Complete-looking copies of step 1 under uncommitted names / without the index (the commit marker).
@@ -306,7 +306,7 @@ def test_partial_checkpoints_are_never_used(tmp_path: Path, caplog: pytest.LogCa
 
 def test_retention_keep_last_and_keep_every_in_every_tier(tmp_path: Path) -> None:
     opts = options(tmp_path, peer_dir=tmp_path / "peer", keep_last=2, keep_every=3)
-    with CheckpointEngine(opts) as engine:
+    with CheckpointManager(opts) as engine:
         for step in range(1, 8):
             engine.save(step, make_state(step), {"step": step})
             engine.wait()
@@ -325,7 +325,7 @@ def test_retention_keep_last_and_keep_every_in_every_tier(tmp_path: Path) -> Non
 
 def test_snapshot_buffers_are_reused_but_never_under_restored_arrays(tmp_path: Path) -> None:
     mem = tmp_path / "memory"
-    with CheckpointEngine(options(tmp_path, keep_last=1)) as engine:
+    with CheckpointManager(options(tmp_path, keep_last=1)) as engine:
         engine.save(1, make_state(1), {})
         engine.wait()
         inode1 = (mem / "step_1" / "data.bin").stat().st_ino
@@ -347,7 +347,7 @@ def test_snapshot_buffers_are_reused_but_never_under_restored_arrays(tmp_path: P
 
 
 def test_back_to_back_saves_finish_and_newest_is_persisted(tmp_path: Path) -> None:
-    with CheckpointEngine(options(tmp_path, keep_last=3)) as engine:
+    with CheckpointManager(options(tmp_path, keep_last=3)) as engine:
         handles = [engine.save(s, make_state(s), {}) for s in (1, 2, 3)]
         engine.wait()
         assert all(h.done and h.state in ("persisted", "superseded") for h in handles)
@@ -362,7 +362,7 @@ def test_back_to_back_saves_finish_and_newest_is_persisted(tmp_path: Path) -> No
                                                    (2, ["persisted", "persisted", "persisted"])])
 def test_queued_older_save_is_superseded_unless_kept_by_keep_every(tmp_path: Path, keep_every: int | None,
                                                                     expected: list[str]) -> None:
-    with CheckpointEngine(options(tmp_path, keep_every=keep_every)) as engine:
+    with CheckpointManager(options(tmp_path, keep_every=keep_every)) as engine:
         # A slow disk, made deterministic: step 1's orbax write waits until steps 2 and 3 are queued behind it.
         entered, release = threading.Event(), threading.Event()
         real_save = engine._persistent.save
@@ -385,7 +385,7 @@ def test_queued_older_save_is_superseded_unless_kept_by_keep_every(tmp_path: Pat
 
 
 def test_same_step_saved_again_replaces_it_everywhere(tmp_path: Path) -> None:
-    with CheckpointEngine(options(tmp_path)) as engine:
+    with CheckpointManager(options(tmp_path)) as engine:
         engine.save(5, make_state(1), {"v": 1})
         engine.wait()
         engine.save(5, make_state(2), {"v": 2})  # e.g. after a rollback the step is reached again
@@ -401,7 +401,7 @@ def test_same_step_saved_again_replaces_it_everywhere(tmp_path: Path) -> None:
 
 
 def test_bad_input_raises_before_anything_is_written(tmp_path: Path) -> None:
-    with CheckpointEngine(options(tmp_path)) as engine:
+    with CheckpointManager(options(tmp_path)) as engine:
         with pytest.raises(TypeError, match="not JSON serializable"):
             engine.save(1, make_state(1), {"when": object()})
         with pytest.raises(TypeError, match="raw bytes"):
@@ -409,7 +409,7 @@ def test_bad_input_raises_before_anything_is_written(tmp_path: Path) -> None:
         with pytest.raises(ValueError, match="step"):
             engine.save(-1, make_state(1), {})
     assert not (tmp_path / "memory").exists() and not (tmp_path / "persistent").exists()
-    with CheckpointEngine(options(tmp_path)) as engine:
+    with CheckpointManager(options(tmp_path)) as engine:
         with pytest.raises(CheckpointError, match="no valid checkpoint"):
             engine.restore()
         assert engine.latest_valid() is None and engine.list() == []
@@ -418,7 +418,7 @@ def test_bad_input_raises_before_anything_is_written(tmp_path: Path) -> None:
 def test_background_error_is_surfaced_once_and_training_continues(tmp_path: Path) -> None:
     blocker = tmp_path / "not_a_dir"
     blocker.write_text("x")  # persistent_dir below a regular file: every orbax save fails
-    with CheckpointEngine(options(tmp_path, persistent_dir=blocker / "ckpt")) as engine:
+    with CheckpointManager(options(tmp_path, persistent_dir=blocker / "ckpt")) as engine:
         handle = engine.save(1, make_state(1), {})
         assert handle.wait(timeout=60) == "failed"
         errors = engine.poll_errors()
@@ -438,7 +438,7 @@ def test_unusable_memory_tier_falls_back_to_direct_persistence(tmp_path: Path,
     blocker.write_text("x")
     state = make_state(6)
     caplog.set_level(logging.WARNING)
-    with CheckpointEngine(options(tmp_path, memory_dir=blocker / "shm")) as engine:
+    with CheckpointManager(options(tmp_path, memory_dir=blocker / "shm")) as engine:
         handle = engine.save(1, state, {"m": 1})
         assert handle.state == "persisted"  # persisted before save() returned: nothing to copy from later
         assert "persisting directly" in caplog.text
@@ -472,7 +472,7 @@ def test_a_lazy_state_is_copied_one_array_at_a_time_and_persisted_through_a_disk
 
     lazy = {k: LazyArray(v.shape, v.dtype, reader(k)) for k, v in state.items()}
     nonempty = sorted(k for k, v in state.items() if v.nbytes)  # an empty array has nothing to read
-    with CheckpointEngine(options(tmp_path)) as engine:  # the memory tier takes them
+    with CheckpointManager(options(tmp_path)) as engine:  # the memory tier takes them
         engine.save(1, lazy, {"m": 1}).wait()
         assert sorted(reads) == nonempty and peak[0] == 1, (reads, peak)
         assert_bitwise(engine.restore(1).arrays, state)
@@ -481,7 +481,7 @@ def test_a_lazy_state_is_copied_one_array_at_a_time_and_persisted_through_a_disk
     blocker = tmp_path / "file"
     blocker.write_text("x")
     caplog.set_level(logging.WARNING)
-    with CheckpointEngine(options(tmp_path, memory_dir=blocker / "shm")) as engine:  # it cannot: persisted directly
+    with CheckpointManager(options(tmp_path, memory_dir=blocker / "shm")) as engine:  # it cannot: persisted directly
         handle = engine.save(2, lazy, {"m": 2})
         assert handle.state == "persisted" and "persisting directly" in caplog.text
         assert sorted(reads) == nonempty and peak[0] == 1, (reads, peak)
@@ -506,7 +506,7 @@ def test_full_memory_tier_falls_back_with_a_warning(tmp_path: Path, small_tmpfs:
                                                    caplog: pytest.LogCaptureFixture) -> None:
     big = {"w": np.random.default_rng(0).standard_normal(1 << 20, dtype=np.float32)}  # 4 MiB > 2 MiB tmpfs
     caplog.set_level(logging.WARNING)
-    with CheckpointEngine(options(tmp_path, memory_dir=small_tmpfs / "shm")) as engine:
+    with CheckpointManager(options(tmp_path, memory_dir=small_tmpfs / "shm")) as engine:
         handle = engine.save(1, big, {})
         assert handle.state == "persisted"
         assert "No space left" in caplog.text and "persisting directly" in caplog.text
@@ -527,14 +527,14 @@ def test_a_snapshot_the_machine_has_no_ram_for_is_persisted_directly(tmp_path: P
     monkeypatch.setattr(memtier.psutil, "virtual_memory", lambda: real._replace(available=3 << 29))
     state = {"w": np.arange(1 << 16, dtype=np.float32)}
     caplog.set_level(logging.WARNING)
-    with CheckpointEngine(options(tmp_path, memory_dir=small_tmpfs / "shm")) as engine:
+    with CheckpointManager(options(tmp_path, memory_dir=small_tmpfs / "shm")) as engine:
         handle = engine.save(1, state, {})
         assert handle.state == "persisted"
         assert re.search(r"the snapshot would take [\d,]+ B more of RAM, 1,610,612,736 B are available", caplog.text)
         assert "persisting directly" in caplog.text and not any(small_tmpfs.rglob("*.bin"))
         assert_bitwise(engine.restore().arrays, state)
     if not memtier.in_ram(tmp_path):
-        with CheckpointEngine(options(tmp_path / "disk")) as engine:
+        with CheckpointManager(options(tmp_path / "disk")) as engine:
             assert engine.save(1, state, {}).wait() in ("snapshotted", "persisted")
             assert any((tmp_path / "disk" / "memory").rglob("data.bin"))
 
@@ -551,7 +551,7 @@ def test_held_save_copies_in_the_background_and_releases(tmp_path: Path) -> None
     expected = {k: np.array(v) for k, v in state.items()}
     step_fn = jax.jit(lambda s: jax.tree.map(lambda x: x * 3 + 1, s))  # no donation while the save holds `state`
     donating = jax.jit(lambda s: jax.tree.map(lambda x: x * 3 + 1, s), donate_argnums=0)
-    with CheckpointEngine(options(tmp_path)) as engine:
+    with CheckpointManager(options(tmp_path)) as engine:
         snapshot = StateSnapshot(state, held=True)
         handle = engine.save(1, snapshot, {"k": 1})
         new = step_fn(state)
@@ -572,7 +572,7 @@ def test_held_save_into_a_full_memory_tier_persists_and_still_releases(tmp_path:
     big = {"w": jnp.asarray(np.random.default_rng(1).standard_normal(1 << 20, dtype=np.float32))}  # 4 MiB
     expected = {"w": np.array(big["w"])}
     caplog.set_level(logging.WARNING)
-    with CheckpointEngine(options(tmp_path, memory_dir=small_tmpfs / "shm")) as engine:
+    with CheckpointManager(options(tmp_path, memory_dir=small_tmpfs / "shm")) as engine:
         snapshot = StateSnapshot(big, held=True)
         handle = engine.save(1, snapshot, {})
         assert snapshot.wait_released(30)
@@ -582,7 +582,7 @@ def test_held_save_into_a_full_memory_tier_persists_and_still_releases(tmp_path:
 
 
 def test_non_held_save_is_released_when_it_returns(tmp_path: Path) -> None:
-    with CheckpointEngine(options(tmp_path)) as engine:
+    with CheckpointManager(options(tmp_path)) as engine:
         snapshot = StateSnapshot(make_state(5))
         engine.save(1, snapshot, {})
         assert snapshot.released
@@ -591,7 +591,7 @@ def test_non_held_save_is_released_when_it_returns(tmp_path: Path) -> None:
 
 
 def test_a_snapshot_is_released_when_save_refuses_it(tmp_path: Path) -> None:
-    with CheckpointEngine(options(tmp_path)) as engine:
+    with CheckpointManager(options(tmp_path)) as engine:
         snapshot = StateSnapshot({"o": np.array([object()])}, held=True)
         with pytest.raises(TypeError, match="raw bytes"):
             engine.save(1, snapshot, {})
@@ -604,7 +604,7 @@ def test_a_full_peer_tier_keeps_no_partial_copy(tmp_path: Path, small_tmpfs: Pat
     the peer holds no half-written step_<k>.tmp (it used to stay, holding the space the peer lacked)."""
     big = {"w": np.random.default_rng(2).standard_normal(1 << 20, dtype=np.float32)}
     caplog.set_level(logging.WARNING)
-    with CheckpointEngine(options(tmp_path, peer_dir=small_tmpfs / "peer")) as engine:
+    with CheckpointManager(options(tmp_path, peer_dir=small_tmpfs / "peer")) as engine:
         handle = engine.save(1, big, {})
         assert handle.wait(60) == "persisted"
         assert_bitwise(engine.restore().arrays, big)
@@ -621,7 +621,7 @@ def test_fault_hook_is_called_at_every_point_of_a_save_in_order(tmp_path: Path) 
 
     calls: list[tuple[str, int]] = []
     opts = options(tmp_path, peer_dir=tmp_path / "peer")
-    with CheckpointEngine(opts, fault=lambda point, step: calls.append((point, step))) as engine:
+    with CheckpointManager(opts, fault=lambda point, step: calls.append((point, step))) as engine:
         engine.save(4, make_state(4), {})
         engine.wait()
     assert calls == [(p, 4) for p in faults.POINTS]
@@ -634,7 +634,7 @@ def test_a_failing_peer_copy_is_reported_and_the_save_still_persists(tmp_path: P
         if point == "peer.commit":
             raise OSError("peer unreachable")
 
-    with CheckpointEngine(options(tmp_path, peer_dir=tmp_path / "peer"), fault=fault) as engine:
+    with CheckpointManager(options(tmp_path, peer_dir=tmp_path / "peer"), fault=fault) as engine:
         handle = engine.save(1, make_state(1), {})
         assert handle.wait(60) == "persisted"
         errors = engine.poll_errors()
@@ -648,14 +648,14 @@ def test_a_renamed_checkpoint_is_damaged_not_the_step_its_name_says(tmp_path: Pa
     """The step is what the checksummed index says: step 30 renamed to 50, in every tier, is reported damaged by
     verify and skipped by restore, which falls back to step 20, the newest checkpoint that is what it says."""
     states = {s: make_state(s) for s in (20, 30)}
-    with CheckpointEngine(options(tmp_path, peer_dir=tmp_path / "peer")) as engine:
+    with CheckpointManager(options(tmp_path, peer_dir=tmp_path / "peer")) as engine:
         for s, state in states.items():
             engine.save(s, copy_of(state), {"s": s})
         engine.wait()
     (tmp_path / "memory" / "step_30").rename(tmp_path / "memory" / "step_50")
     (tmp_path / "peer" / "step_30").rename(tmp_path / "peer" / "step_50")
     (tmp_path / "persistent" / "30").rename(tmp_path / "persistent" / "50")
-    with CheckpointEngine(options(tmp_path, peer_dir=tmp_path / "peer")) as engine:
+    with CheckpointManager(options(tmp_path, peer_dir=tmp_path / "peer")) as engine:
         problems = engine.verify(50)
         assert len(problems) == 3 and all("holds step 30, but its name says step 50" in p for p in problems), problems
         assert engine.latest_valid().step == 20
@@ -674,13 +674,13 @@ def test_a_checkpoint_planted_by_another_user_or_in_a_shared_directory_is_never_
     """Step 30 owned by another uid (nobody) in every tier is not listed, verified or restored: restore takes step
     20, with one warning per refused copy naming the owner; a tier root others can write to is refused whole."""
     states = {s: make_state(s) for s in (20, 30)}
-    with CheckpointEngine(options(tmp_path, peer_dir=tmp_path / "peer")) as engine:
+    with CheckpointManager(options(tmp_path, peer_dir=tmp_path / "peer")) as engine:
         for s, state in states.items():
             engine.save(s, copy_of(state), {"s": s})
         engine.wait()
     for planted in (tmp_path / "memory" / "step_30", tmp_path / "peer" / "step_30", tmp_path / "persistent" / "30"):
         os.chown(planted, 65534, 65534)
-    with caplog.at_level(logging.WARNING), CheckpointEngine(options(tmp_path, peer_dir=tmp_path / "peer")) as engine:
+    with caplog.at_level(logging.WARNING), CheckpointManager(options(tmp_path, peer_dir=tmp_path / "peer")) as engine:
         restored = engine.restore()
         assert restored.step == 20 and restored.meta == {"s": 20}
         assert_bitwise(restored.arrays, states[20])
@@ -691,7 +691,7 @@ def test_a_checkpoint_planted_by_another_user_or_in_a_shared_directory_is_never_
     (tmp_path / "persistent").chmod(0o777)
     (tmp_path / "memory").chmod(0o777)
     (tmp_path / "peer").chmod(0o777)
-    with caplog.at_level(logging.WARNING), CheckpointEngine(options(tmp_path, peer_dir=tmp_path / "peer")) as engine:
+    with caplog.at_level(logging.WARNING), CheckpointManager(options(tmp_path, peer_dir=tmp_path / "peer")) as engine:
         with pytest.raises(CheckpointError, match="no valid checkpoint"):
             engine.restore()
     assert "is writable by other users (mode 777" in caplog.text
@@ -702,7 +702,7 @@ def test_every_tier_a_run_creates_is_private(tmp_path: Path) -> None:
     plants a checkpoint in them (the persistent one was 0755)."""
     import stat
 
-    with CheckpointEngine(options(tmp_path, peer_dir=tmp_path / "peer")) as engine:
+    with CheckpointManager(options(tmp_path, peer_dir=tmp_path / "peer")) as engine:
         engine.save(1, make_state(1), {})
         engine.wait()
     for tier in ("memory", "peer", "persistent"):

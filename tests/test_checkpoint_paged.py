@@ -15,7 +15,7 @@ import jax
 import numpy as np
 import pytest
 
-from angel_jax.checkpoint import CheckpointEngine, CheckpointOptions
+from angel_jax.checkpoint import CheckpointManager, CheckpointOptions
 from angel_jax.checkpoint import persist
 from angel_jax.checkpoint.persist import OrbaxTier
 from angel_jax.checkpoint.state import is_lazy
@@ -54,7 +54,7 @@ def _final_arrays(run_dir: Path) -> dict[str, np.ndarray]:
     cfg = load_config(run_dir / "config.yaml")
     opts = CheckpointOptions(persistent_dir=(run_dir / "checkpoints").absolute(),
                              memory_dir=Path(cfg.checkpoint.memory_dir))
-    with CheckpointEngine(opts) as engine:
+    with CheckpointManager(opts) as engine:
         return engine.restore(STEPS).arrays
 
 
@@ -111,7 +111,7 @@ def test_paged_run_killed_and_resumed_is_bitwise_the_uninterrupted_run(tmp_path,
 
 @pytest.mark.slow
 def test_checkpoint_holds_its_step_while_training_goes_on(tmp_path, write_tiny_config):
-    """Save step k through the checkpoint engine, keep training (pages updated in place on every tier) while the
+    """Save step k through the checkpoint manager, keep training (pages updated in place on every tier) while the
     save persists, then restore k from the persistent tier alone: every array equals a copy taken at step k."""
     cfg = load_config(_write(write_tiny_config, tmp_path, "consistency"))
     mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1], axis_types=(jax.sharding.AxisType.Auto,))
@@ -126,7 +126,7 @@ def test_checkpoint_holds_its_step_while_training_goes_on(tmp_path, write_tiny_c
         snapshot = engine.state_snapshot()
         assert not snapshot.held  # pages change in place: the checkpoint must copy before save() returns
         copy_at_k = {k: np.array(v, copy=True) for k, v in snapshot.arrays.items()}
-        with CheckpointEngine(opts) as ckpt:
+        with CheckpointManager(opts) as ckpt:
             handle = ckpt.save(3, snapshot, {"engine": engine.state_meta()})
             assert snapshot.released
             changed = 0
@@ -140,7 +140,7 @@ def test_checkpoint_holds_its_step_while_training_goes_on(tmp_path, write_tiny_c
         import shutil
 
         shutil.rmtree(tmp_path / "memory")
-        with CheckpointEngine(opts) as ckpt:
+        with CheckpointManager(opts) as ckpt:
             restored = ckpt.restore(3)
         assert restored.source == "persistent"
         assert restored.arrays.keys() == copy_at_k.keys()
@@ -151,7 +151,7 @@ def test_checkpoint_holds_its_step_while_training_goes_on(tmp_path, write_tiny_c
         with pytest.MonkeyPatch.context() as mp:
             mp.setattr(OrbaxTier, "stream_above", 0)
             mp.setattr(persist, "CHUNK_BYTES", 1 << 20)
-            with CheckpointEngine(opts) as ckpt:
+            with CheckpointManager(opts) as ckpt:
                 streamed = ckpt.restore(3)
             assert sum(is_lazy(v) for v in streamed.arrays.values()) > len(copy_at_k) // 2
             engine.load_state(streamed.arrays, streamed.meta["engine"])

@@ -1,4 +1,4 @@
-"""Pure parts of the checkpoint engine: checksum algebra, retention policy, the snapshot format, options."""
+"""Pure parts of the checkpoint manager: checksum algebra, retention policy, the snapshot format, options."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import xxhash
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from angel_jax.checkpoint import CheckpointEngine, CheckpointOptions
+from angel_jax.checkpoint import CheckpointManager, CheckpointOptions
 from angel_jax.checkpoint.checksum import digest, digest_many
 from angel_jax.checkpoint.retention import steps_to_keep
 from angel_jax.checkpoint.snapshot import ALIGN, SnapshotIndex, decode_dtype, encode_dtype, plan_layout
@@ -127,7 +127,7 @@ def test_default_memory_dir_is_stable_and_constructor_has_no_side_effects(tmp_pa
     assert mem != CheckpointOptions(persistent_dir=tmp_path / "other" / "ckpt").resolved_memory_dir()
     if os.path.isdir("/dev/shm"):
         assert mem.is_relative_to(f"/dev/shm/angel_jax-{os.getuid()}")
-    engine = CheckpointEngine(opts)
+    engine = CheckpointManager(opts)
     assert not mem.exists() and not (tmp_path / "run").exists()
     engine.close()
     assert not mem.exists() and not (tmp_path / "run").exists()

@@ -9,7 +9,7 @@ import shutil
 
 import numpy as np
 
-from angel_jax.checkpoint import CheckpointEngine, CheckpointOptions
+from angel_jax.checkpoint import CheckpointManager, CheckpointOptions
 
 
 def _state(seed: int) -> dict[str, np.ndarray]:
@@ -23,7 +23,7 @@ def _options(tmp_path, memory) -> CheckpointOptions:
 
 
 def test_persisted_as_snapshot_directories_and_restored_from_them(tmp_path):
-    with CheckpointEngine(_options(tmp_path, tmp_path / "mem")) as engine:
+    with CheckpointManager(_options(tmp_path, tmp_path / "mem")) as engine:
         for step in (1, 2, 3):
             engine.save(step, _state(step), {"data": step})
             engine.wait()  # each one persisted (a save queued behind a newer one would be superseded)
@@ -31,7 +31,7 @@ def test_persisted_as_snapshot_directories_and_restored_from_them(tmp_path):
         assert {i.tiers["persistent"].state for i in engine.list()} == {"persisted"}
     assert sorted(p.name for p in (tmp_path / "persistent").iterdir()) == ["step_2", "step_3"]
     shutil.rmtree(tmp_path / "mem")  # the host's memory lost: the persistent copy
-    with CheckpointEngine(_options(tmp_path, tmp_path / "mem")) as engine:
+    with CheckpointManager(_options(tmp_path, tmp_path / "mem")) as engine:
         restored = engine.restore()
     assert (restored.step, restored.source, restored.meta["data"]) == (3, "persistent", 3)
     np.testing.assert_array_equal(restored.arrays["params/a"], _state(3)["params/a"])
@@ -40,7 +40,7 @@ def test_persisted_as_snapshot_directories_and_restored_from_them(tmp_path):
 def test_without_a_memory_tier_a_save_is_written_straight_to_it_and_damage_is_found(tmp_path):
     no_memory = tmp_path / "not-a-directory"
     no_memory.write_text("a file where the memory tier would be")
-    with CheckpointEngine(_options(tmp_path, no_memory)) as engine:
+    with CheckpointManager(_options(tmp_path, no_memory)) as engine:
         handle = engine.save(7, _state(7), {})
         assert handle.state == "persisted"
         restored = engine.restore()
@@ -59,11 +59,11 @@ def test_a_process_directory_keeps_the_format_its_shards_were_written_in(tmp_pat
     from angel_jax.train.checkpointing import persistent_format_of, shard_tier
 
     old, new = tmp_path / "old" / "process_0", tmp_path / "new" / "process_0"
-    with CheckpointEngine(CheckpointOptions(persistent_dir=old, memory_dir=tmp_path / "m1",
+    with CheckpointManager(CheckpointOptions(persistent_dir=old, memory_dir=tmp_path / "m1",
                                             persistent_format="snapshot")) as engine:
         engine.save(4, _state(4), {})
     assert persistent_format_of(new) == "orbax"  # nothing there yet
-    with CheckpointEngine(CheckpointOptions(persistent_dir=new, memory_dir=tmp_path / "m2")) as engine:
+    with CheckpointManager(CheckpointOptions(persistent_dir=new, memory_dir=tmp_path / "m2")) as engine:
         engine.save(5, _state(5), {})
     assert (persistent_format_of(old), persistent_format_of(new)) == ("snapshot", "orbax")
     for directory, step in ((old, 4), (new, 5)):

@@ -20,7 +20,7 @@ from angel_jax.memory.layout import bits_dtype, to_bits
 from angel_jax.optim.factory import make_optimizer
 from angel_jax.optim.fused import host_optimizer, host_update_by, kernel_table, kernel_threads
 from angel_jax.optim.kernels import HOST_OPTIMIZER, build, load_host_optimizer
-from angel_jax.optim.paged import make_stage_update, make_stage_update_norm, split_opt_state
+from angel_jax.optim.stage_update import make_stage_update, make_stage_update_norm, split_opt_state
 from test_optim_flat import _setup, _tree
 
 STEPS = 10

@@ -23,11 +23,11 @@ import pytest
 from angel_jax.config import Config, ConfigError, MemoryConfig, ModelConfig, OptimizerConfig, TrainConfig, \
     config_from_dict
 import angel_jax.schedule.budgets as budgets_lib
-import angel_jax.schedule.engine as engine_lib
+import angel_jax.schedule.runtime as runtime_lib
 from angel_jax.schedule.costs import profile_costs
 from angel_jax.schedule.blueprint import blueprint
 from angel_jax.schedule.budgets import fixed_device_bytes
-from angel_jax.schedule.engine import build_paged_engine
+from angel_jax.schedule.runtime import build_paged_runtime
 from angel_jax.schedule.simulate import StageCost, Bandwidths, simulate
 from angel_jax.schedule.trace import split_batch
 from angel_jax.optim import make_optimizer
@@ -115,11 +115,11 @@ def _paged(micro: int, monkeypatch) -> tuple[list[dict], float, object, Counter,
         profiled.append((tuple(tokens.shape), micro_batches))
         return profile_costs(fns, updates, pl, ol, small, tokens, where, micro_batches)
 
-    monkeypatch.setattr(engine_lib, "profile_costs", profile)
+    monkeypatch.setattr(runtime_lib, "profile_costs", profile)
     cfg = _cfg(micro, "paged", STREAMING_BUDGET)
     params = jax.tree.map(np.array, _in_memory()[2].params)  # the in-memory engine's initial parameters
     data = _data()
-    engine = build_paged_engine(cfg, params, data[0])
+    engine = build_paged_runtime(cfg, params, data[0])
     counting = _Counting(engine.executor.fns)
     engine.executor.fns = counting.fns
     fetches: Counter = Counter()

@@ -15,7 +15,7 @@ from flax import nnx
 from angel_jax.config import (Config, ConfigError, MemoryConfig, ModelConfig, MoEConfig, OptimizerConfig,
                               TrainConfig, config_from_dict)
 from angel_jax.optim import make_optimizer
-from angel_jax.schedule.engine import build_paged_engine
+from angel_jax.schedule.runtime import build_paged_runtime
 from angel_jax.train.step import init_state, make_train_step
 import models
 from models.moe import MoE, capacity, route
@@ -228,7 +228,7 @@ def test_paged_engine_with_streamed_stages_matches_the_reference():
     ref, params = _reference()
     cfg = _cfg(device_budget=1_000_000, micro=2)
     data = batches(STEPS, TINY, BATCH)
-    engine = build_paged_engine(cfg, params, data[0])
+    engine = build_paged_runtime(cfg, params, data[0])
     try:
         assert len(engine.plan.streamed) >= 2, engine.plan.home
         got = [{k: float(v) for k, v in engine.executor.step(b).items()} for b in data]

@@ -1,4 +1,4 @@
-"""The stage update on flat segments of the pages (optim/flat.py) against the leaf-wise one (optim/paged.py): the
+"""The stage update on flat segments of the pages (optim/flat.py) against the leaf-wise one (optim/stage_update.py): the
 same optax transformation, grouped into leaves or into segments cut at page ends, must give the same pages: to the
 last bit where nothing is computed (a dropped update), within float32 rounding otherwise (XLA compiles the two
 groupings into different loops, which may round an element's last bit differently)."""
@@ -14,7 +14,7 @@ import pytest
 from angel_jax.memory import PageLayout
 from angel_jax.optim.factory import stored_as, with_lr_scale
 from angel_jax.optim.flat import FlatPlan
-from angel_jax.optim.paged import make_stage_update, split_opt_state
+from angel_jax.optim.stage_update import make_stage_update, split_opt_state
 
 PAGE = 256  # bytes: 64 float32 elements, so leaves span pages and each moment family starts mid-page
 

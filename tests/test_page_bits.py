@@ -71,7 +71,7 @@ def test_a_paged_engine_holds_only_unsigned_pages_in_every_tier(tmp_path):
     """A tiny GPT streamed from the host and the disk (bfloat16 compute over float32 parameters, AdamW), after a
     step: every page in every tier is bits."""
     from angel_jax.config import Config, MemoryConfig, ModelConfig, OptimizerConfig, TrainConfig
-    from angel_jax.schedule.engine import build_paged_engine
+    from angel_jax.schedule.runtime import build_paged_runtime
     from models import gpt
 
     # test_paged_state.py's mixed placement (some stages resident, the rest streamed, optimizer state partly on
@@ -83,7 +83,7 @@ def test_a_paged_engine_holds_only_unsigned_pages_in_every_tier(tmp_path):
                  memory=MemoryConfig(mode="paged", page_size=64 * 1024, device_budget=3_600_000,
                                      host_budget=4_200_000, disk_dir=str(tmp_path / "disk")))
     batch = jnp.asarray(np.random.default_rng(0).integers(0, 256, (2, 17)), jnp.int32)
-    engine = build_paged_engine(cfg, jax.tree.map(np.array, gpt.init(model, 0)[1]), batch)
+    engine = build_paged_runtime(cfg, jax.tree.map(np.array, gpt.init(model, 0)[1]), batch)
     try:
         engine.executor.step(batch)
         engine.updater.drain()

@@ -17,7 +17,7 @@ from angel_jax.config import Config, MemoryConfig, ModelConfig, OptimizerConfig,
 from angel_jax.memory import PageStore
 from angel_jax.optim import make_optimizer
 from angel_jax.optim.fused import host_update_by
-from angel_jax.schedule.engine import build_paged_engine
+from angel_jax.schedule.runtime import build_paged_runtime
 from angel_jax.train.step import init_state, make_train_step
 import models
 from models import gpt
@@ -82,7 +82,7 @@ def paged(cfg: Config, data: list[jax.Array], on_access=None) -> tuple[list[floa
     # The initial model on the host, as the engine's (np.array: np.asarray of a CPU array would alias its buffer).
     params = jax.tree.map(np.array, models.get(cfg.model).init(0)[1])
     gc.collect()  # Flax's module graph has cycles: its device arrays would stay alive until a collection
-    engine = build_paged_engine(cfg, params, data[0])
+    engine = build_paged_runtime(cfg, params, data[0])
     engine.executor.on_access = on_access
     try:
         metrics = [engine.executor.step(b) for b in data]

@@ -12,7 +12,7 @@ import numpy as np
 from flax import nnx
 
 from angel_jax.config import Config, MemoryConfig, ModelConfig, OptimizerConfig, TrainConfig
-from angel_jax.schedule.engine import build_paged_engine
+from angel_jax.schedule.runtime import build_paged_runtime
 from models import gpt
 from test_paged import PAGE
 
@@ -45,7 +45,7 @@ def stdlib_windows(n: int, seed: int) -> np.ndarray:
 
 
 def _train(staleness: int, data: list[jax.Array]) -> tuple[list[float], dict, object]:
-    engine = build_paged_engine(_cfg(staleness), jax.tree.map(np.array, gpt.init(MODEL, 0)[1]), data[0])
+    engine = build_paged_runtime(_cfg(staleness), jax.tree.map(np.array, gpt.init(MODEL, 0)[1]), data[0])
     try:
         metrics = [engine.executor.step(b) for b in data]
         losses = [float(m["loss"]) for m in metrics]

@@ -12,7 +12,7 @@ import numpy as np
 
 from angel_jax.config import Config, MemoryConfig, ModelConfig, OptimizerConfig, TrainConfig
 from angel_jax.schedule import execute
-from angel_jax.schedule.engine import build_paged_engine
+from angel_jax.schedule.runtime import build_paged_runtime
 from angel_jax.schedule.timeline import Recorder
 from models import gpt
 from test_paged import PAGE, batches
@@ -47,7 +47,7 @@ def test_ending_a_recording_while_the_worker_updates_is_safe(monkeypatch):
     data = batches(3, MODEL, 2)
     params = jax.tree.map(np.array, gpt.init(cfg.model, 0)[1])
     gc.collect()
-    engine = build_paged_engine(cfg, params, data[0])
+    engine = build_paged_runtime(cfg, params, data[0])
     ex, updater = engine.executor, engine.updater
     last_update = f"update {engine.model.staged.stages[-1].name}"
     step1_started = threading.Event()

@@ -196,7 +196,7 @@ def test_engine_writes_predicted_and_measured_timelines(tmp_path):
 
 
 def test_training_loop_resumes_a_paged_run_exactly(tmp_path, write_tiny_config):
-    """Through the training loop and its checkpoint engine: 4 steps, a fresh process-level start from the
+    """Through the training loop and its checkpoint manager: 4 steps, a fresh process-level start from the
     checkpoint, 4 more, against 8 straight (the data iterator's state comes back with the pages)."""
     from angel_jax.config import load_config
     from angel_jax.train.loop import train
@@ -298,14 +298,14 @@ def test_a_model_the_budgets_cannot_hold_is_refused_before_it_is_built(tmp_path,
     below what the streamed stages need (without a disk tier: all their pages; with one: the host window) is
     refused naming the bytes and the keys, before the model is initialised or any stage is profiled (a big
     model used to be profiled for minutes and then refused, or OOM-killed)."""
-    from angel_jax.schedule import engine as engine_lib
+    from angel_jax.schedule import runtime as runtime_lib
     from angel_jax.schedule.plan import PlanError
 
     def must_not_run(*args, **kwargs):
         raise AssertionError("profiled or initialised before the refusal")
 
-    monkeypatch.setattr(engine_lib, "profile_costs", must_not_run)
-    monkeypatch.setattr(engine_lib, "split_opt_state", must_not_run)
+    monkeypatch.setattr(runtime_lib, "profile_costs", must_not_run)
+    monkeypatch.setattr(runtime_lib, "split_opt_state", must_not_run)
     cfg = _cfg(tmp_path, device_budget=3_600_000, host_budget=1_000_000)
     with pytest.raises(PlanError, match=r"host budget 1,000,000 B cannot hold the streamed stages' parameters, "
                                         r"gradients and optimizer state \([\d,]+ B\) and there is no disk tier: set "

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from angel_jax.config import Config, MemoryConfig, ModelConfig, OptimizerConfig, TrainConfig
-from angel_jax.schedule.engine import build_paged_engine
+from angel_jax.schedule.runtime import build_paged_runtime
 from angel_jax.schedule.plan import Budgets, PlanError, fetches_per_step, make_plan
 from angel_jax.schedule.simulate import Bandwidths, StageCost, simulate
 from angel_jax.schedule.stagefns import HostSums
@@ -57,7 +57,7 @@ def _paged(passes: int, drop_pass: int | None = None) -> tuple[list[dict], objec
     """Metrics, final parameters, the engine and the last step's parameter-page fetches of a paged run with
     `passes` passes; `drop_pass`: streamed stages' gradients of that pass are not added on the host (a broken
     accumulation, which the comparison must catch)."""
-    engine = build_paged_engine(_cfg("paged", passes, STREAMING_BUDGET), _in_memory()[2], _data()[0])
+    engine = build_paged_runtime(_cfg("paged", passes, STREAMING_BUDGET), _in_memory()[2], _data()[0])
     fetches: Counter = Counter()
     prefetch, params_pages = engine.store.prefetch, engine.model.params_layout.num_pages
 
@@ -139,7 +139,7 @@ def test_a_pass_left_out_of_the_host_sums_is_caught():
 
 def test_passes_that_do_not_divide_the_micro_batches_are_refused_by_key():
     with pytest.raises(PlanError, match=r"memory\.passes=3 does not divide the step's 4 micro-batches"):
-        build_paged_engine(_cfg("paged", 3, STREAMING_BUDGET), None, _data()[0])
+        build_paged_runtime(_cfg("paged", 3, STREAMING_BUDGET), None, _data()[0])
 
 
 def test_the_predicted_step_spans_every_pass():

@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 
 from angel_jax import cli
-from angel_jax.checkpoint import CheckpointEngine, CheckpointOptions
-from angel_jax.checkpoint.engine import PersistenceFailed, PersistStreak
+from angel_jax.checkpoint import CheckpointManager, CheckpointOptions
+from angel_jax.checkpoint.manager import PersistenceFailed, PersistStreak
 from angel_jax.checkpoint.persist import _MutedThreadErrors
 from angel_jax.config import ConfigError, Config, load_config
 from angel_jax.errors import EXIT_CONFIG
@@ -98,7 +98,7 @@ def test_the_engine_counts_real_failures_and_stops_persisting_at_the_limit(tmp_p
     persistent = tmp_path / "persistent"
     persistent.write_text("a file where the persistent directory should be\n")
     options = CheckpointOptions(persistent_dir=persistent, memory_dir=tmp_path / "memory", keep_last=5)
-    with CheckpointEngine(options) as engine:
+    with CheckpointManager(options) as engine:
         engine.stop_persisting_after(3)
         states = [engine.save(s, _state(s), {"step": s}).wait() for s in (1, 2)]
         assert states == ["failed", "failed"] and engine.persist_streak.failures == 2

@@ -15,7 +15,7 @@ from angel_jax.config import Config, MemoryConfig, ModelConfig, MoEConfig, Optim
 from angel_jax.optim import make_optimizer
 from angel_jax.schedule.blueprint import blueprint
 from angel_jax.schedule.budgets import saved_input_bytes
-from angel_jax.schedule.engine import build_paged_engine
+from angel_jax.schedule.runtime import build_paged_runtime
 from angel_jax.train.plan_cli import estimate_costs
 from angel_jax.train.step import init_state, make_train_step
 import models
@@ -192,7 +192,7 @@ def test_paged_training_with_streamed_stages_matches_the_reference():
     for batch in data:
         state, m = step(state, batch)
         ref.append({k: float(v) for k, v in m.items()})
-    engine = build_paged_engine(cfg, params, data[0])
+    engine = build_paged_runtime(cfg, params, data[0])
     try:
         assert len(engine.plan.streamed) >= 0.5 * len(engine.plan.home), engine.plan.home
         got = [{k: float(v) for k, v in engine.executor.step(b).items()} for b in data]

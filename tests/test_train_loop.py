@@ -26,7 +26,7 @@ import pytest
 from angel_jax.config import dump_yaml, load_config
 from angel_jax.errors import AngelError
 from angel_jax.train import metrics as M
-from angel_jax.checkpoint import CheckpointEngine, CheckpointOptions
+from angel_jax.checkpoint import CheckpointManager, CheckpointOptions
 from angel_jax.train.hooks import TrainHooks
 from angel_jax.train.loop import TrainResult, train
 from models import gpt
@@ -83,10 +83,10 @@ def _leaves_equal(a, b) -> bool:
                                       for x, y in zip(la, lb))
 
 
-def _engine(run_dir: Path) -> CheckpointEngine:
-    """A checkpoint engine over a run's tiers (the trainer's options: see conftest's memory_dir)."""
+def _engine(run_dir: Path) -> CheckpointManager:
+    """A checkpoint manager over a run's tiers (the trainer's options: see conftest's memory_dir)."""
     cfg = load_config(run_dir / "config.yaml")  # the resolved config the run wrote
-    return CheckpointEngine(CheckpointOptions(persistent_dir=(run_dir / "checkpoints").absolute(),
+    return CheckpointManager(CheckpointOptions(persistent_dir=(run_dir / "checkpoints").absolute(),
                                               memory_dir=Path(cfg.checkpoint.memory_dir)))
 
 
@@ -155,7 +155,7 @@ def test_run_directory_contents(straight):
 @pytest.mark.slow
 def test_saves_hold_the_state_instead_of_copying_it(straight):
     """Once the non-donating step is compiled (in the background from step 1), a save only hands references to
-    the checkpoint engine, which copies them while training goes on; the resume tests check that the steps run
+    the checkpoint manager, which copies them while training goes on; the resume tests check that the steps run
     meanwhile (non-donating) give the same numbers bit for bit."""
     assert sorted(straight.saves) == [10, 20, 30]
     assert all(info["held"] for step, info in straight.saves.items() if step >= 20), straight.saves

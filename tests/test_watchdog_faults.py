@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from angel_jax.checkpoint import CheckpointEngine, CheckpointOptions
+from angel_jax.checkpoint import CheckpointManager, CheckpointOptions
 from angel_jax.tee.events import read_events
 from angel_jax.tol.heartbeat import encode
 from angel_jax.train import metrics as M
@@ -160,7 +160,7 @@ class Reference:
 
 
 def _final_arrays(job: Job, step: int = STEPS) -> dict[str, np.ndarray]:
-    engine = CheckpointEngine(CheckpointOptions(persistent_dir=job.run_dir / "checkpoints", memory_dir=job.memory_dir))
+    engine = CheckpointManager(CheckpointOptions(persistent_dir=job.run_dir / "checkpoints", memory_dir=job.memory_dir))
     try:
         return dict(engine.restore(step).arrays)
     finally:
@@ -299,7 +299,7 @@ def test_sigstop_of_a_worker_is_a_hang(rank1_faults, reference):
 @pytest.fixture(scope="module")
 def rank0_killed(launches) -> tuple[Job, int]:
     """One launch for two tests: process 0 is SIGKILLed from outside in attempt 0 (after step 5), then by the
-    checkpoint engine's kill point while it copies step 12's snapshot into the memory tier in attempt 1. The job
+    checkpoint manager's kill point while it copies step 12's snapshot into the memory tier in attempt 1. The job
     keeps its compilation cache in its run directory (the default), not in the module's shared one. Returns the
     job and the pid killed first."""
     job = launches.start("rank0", shared_cache=False, env={"ANGEL_JAX_CKPT_KILL_AT": "snapshot.copy@12:attempt=1"})

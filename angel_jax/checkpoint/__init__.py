@@ -1,6 +1,6 @@
 """TRANSOM TCE for angel_jax: memory-tier snapshots, asynchronous orbax persistence, integrity, ordered restore.
 
-    engine = CheckpointEngine(CheckpointOptions(persistent_dir=Path("runs/x/checkpoints")))
+    engine = CheckpointManager(CheckpointOptions(persistent_dir=Path("runs/x/checkpoints")))
     handle = engine.save(step, {"w": w, "opt/m": m}, {"data": iterator_state})   # blocks only for a memory copy
     handle = engine.save(step, StateSnapshot(arrays, held=True), meta)             # the copy in the background too
     ...                                                                            # training goes on
@@ -16,11 +16,11 @@ retention (pure policy), faults (the crash-test hook, passed in as a callable), 
 SaveHandle), engine (the manager that chains the tiers).
 """
 
-from angel_jax.checkpoint.engine import CheckpointEngine, SaveHandle
+from angel_jax.checkpoint.manager import CheckpointManager, SaveHandle
 from angel_jax.checkpoint.options import CheckpointOptions
 from angel_jax.checkpoint.records import (TIERS, CheckpointError, CheckpointInfo, CheckpointRef, Restored, Tier,
                                           TierState)
 from angel_jax.checkpoint.state import StateSnapshot
 
-__all__ = ["CheckpointEngine", "CheckpointError", "CheckpointInfo", "CheckpointOptions", "CheckpointRef",
+__all__ = ["CheckpointManager", "CheckpointError", "CheckpointInfo", "CheckpointOptions", "CheckpointRef",
            "Restored", "SaveHandle", "StateSnapshot", "TIERS", "Tier", "TierState"]

@@ -2,7 +2,7 @@
 
 The checkpoint code takes faults as a callable, `fault(point, step)`, called at each point below; the default
 (`no_fault`) does nothing. Nothing under angel_jax/checkpoint reads the environment: the program's edge (the
-trainer building its checkpoint engine, a crash test's child process) builds the callable with `from_env()`.
+trainer building its checkpoint manager, a crash test's child process) builds the callable with `from_env()`.
 
 Set `ANGEL_JAX_CKPT_KILL_AT=<point>` or `<point>@<step>` in a child process's environment; when the engine reaches
 that point (for that step) the process kills itself with SIGKILL, the way an OOM killer or a node failure would:

@@ -1,4 +1,4 @@
-"""CheckpointEngine: the small manager that chains the tiers (memory -> peer -> persistent) for saves and restores.
+"""CheckpointManager: the small manager that chains the tiers (memory -> peer -> persistent) for saves and restores.
 
 A save, in order:
 
@@ -66,7 +66,7 @@ from angel_jax.errors import EXIT_CONFIG
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CheckpointEngine", "PersistStreak", "PersistenceFailed", "SaveHandle"]
+__all__ = ["CheckpointManager", "PersistStreak", "PersistenceFailed", "SaveHandle"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -114,7 +114,7 @@ def one_line(e: BaseException) -> str:
     return " ".join(str(e).split()) or type(e).__name__
 
 
-class CheckpointEngine:
+class CheckpointManager:
     """Saves to memory first, persists in the background, restores from the fastest valid tier."""
 
     def __init__(self, options: CheckpointOptions, *, clock: Callable[[], float] = time.monotonic,
@@ -466,7 +466,7 @@ class CheckpointEngine:
         if self._checksum_pool is not None:
             self._checksum_pool.shutdown()
 
-    def __enter__(self) -> "CheckpointEngine":
+    def __enter__(self) -> "CheckpointManager":
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -1,4 +1,4 @@
-"""Options of the checkpoint engine: where each tier lives and what retention keeps."""
+"""Options of the checkpoint manager: where each tier lives and what retention keeps."""
 
 from __future__ import annotations
 

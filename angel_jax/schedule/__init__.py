@@ -9,7 +9,7 @@
     updater.py       PageUpdater: each stage's optimizer update where its pages live, exact or lock-free
     staging.py       the bounds on disk traffic held in host memory (shared by the runtime and the planner)
     timeline.py      predicted and measured timelines (JSON, Gantt PNG)
-    engine.py        build_paged_engine: config -> layouts -> profile -> plan -> page store -> executor
+    engine.py        build_paged_runtime: config -> layouts -> profile -> plan -> page store -> executor
 
 It sees stages (models/stages.py) and pages (angel_jax/memory), never a model family or Flax module. The training
 loop drives it through train/paged.py (`PagedTrainEngine`); `angel-jax plan` is train/plan_cli.py.

@@ -23,7 +23,7 @@ from angel_jax.memory import PageLayout
 from angel_jax.memory.sharded_layout import ShardedPageLayout
 from angel_jax.optim import is_elementwise, make_optimizer
 from angel_jax.optim.fused import host_optimizer
-from angel_jax.optim.paged import OptLayout, abstract_opt_state, paged_paths
+from angel_jax.optim.stage_update import OptLayout, abstract_opt_state, paged_paths
 from angel_jax.schedule.stagefns import StageFunctions
 from angel_jax.schedule.updater import StageUpdates
 from angel_jax.schedule.zero import Zero

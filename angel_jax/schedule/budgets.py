@@ -279,7 +279,7 @@ def saved_input_bytes(cfg: Config, local_batch: int) -> int:
     """Device bytes of every stage's saved input for the whole local batch (a plan of P accumulation passes holds
     1/P of them): the family's `saved_input_values` per row, or a chain of d_model-wide activations."""
     m = cfg.model
-    per_row = models.get(m).saved_input_values or (m.n_layers + 1) * m.seq_len * m.d_model
+    per_row = models.get(m).hints.saved_input_values or (m.n_layers + 1) * m.seq_len * m.d_model
     return local_batch * per_row * jnp.dtype(m.compute_dtype).itemsize
 
 
@@ -287,7 +287,7 @@ def fixed_device_bytes(cfg: Config, local_batch: int) -> int:
     """Device bytes every step needs whatever the placement: the saved input of every stage (for the whole local
     batch: every micro-batch's), the working set of the largest stage call (logits and their gradient for the
     head; attention and MLP intermediates for a block) for one micro-batch, estimated from shapes (the block's
-    intermediates are the family's, `StagedModel.block_activation_width`), and with several micro-batches the
+    intermediates are the family's, `PlannerHints.block_activation_width`), and with several micro-batches the
     float32 gradient sums of the largest stage."""
     m = cfg.model
     micro_batches, size = micro_batching(cfg, local_batch)
@@ -295,7 +295,7 @@ def fixed_device_bytes(cfg: Config, local_batch: int) -> int:
     tokens, call_tokens = local_batch * m.seq_len, size * m.seq_len
     saved = saved_input_bytes(cfg, local_batch)
     head = 3 * call_tokens * m.vocab_size * 4
-    width = models.get(m).block_activation_width
+    width = models.get(m).hints.block_activation_width
     assert width > 0, f"model family {m.name!r} does not state its block_activation_width"
     block = call_tokens * width * itemsize * 2 + size * m.n_heads * m.seq_len * m.seq_len * 4
     sums = 0

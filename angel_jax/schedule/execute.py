@@ -68,7 +68,7 @@ import numpy as np
 from angel_jax.memory import PageStore
 from angel_jax.memory.layout import PageLayout
 from angel_jax.optim.guard import StepControls, before_update_ok
-from angel_jax.optim.paged import global_norm, join_opt_state
+from angel_jax.optim.stage_update import global_norm, join_opt_state
 from angel_jax.schedule.staging import GRAD_SPILL
 from angel_jax.schedule.updater import Guard, PageUpdater, StepOrder
 from angel_jax.schedule.plan import Plan

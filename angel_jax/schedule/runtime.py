@@ -1,11 +1,11 @@
-"""Build the paged engine from a config: layouts -> stage functions -> profiled costs -> plan -> page store.
+"""The paged runtime from a config: layouts -> stage functions -> profiled costs -> plan -> page store -> pages.
 
-    built = build_paged_engine(cfg, params, example_batch)      # params: numpy in the model's structure, or None:
-                                                                # initialised stage by stage into their homes
+    built = build_paged_runtime(cfg, params, example_batch)   # params: numpy in the model's structure, or None:
+                                                              # initialised stage by stage into their homes
     metrics = built.executor.step(batch)
 
 `blueprint(cfg)` makes the page layouts and compiled stage functions from shapes alone (cached per configuration
-in the process); `plan_for` profiles them and plans under the config's budgets; `build_paged_engine` then puts
+in the process); `plan_for` profiles them and plans under the config's budgets; `build_paged_runtime` then puts
 every page in its planned home and wires the executor to the updater. `angel_jax/train/paged.py` wraps
 the result in the `TrainEngine` protocol the training loop drives; `angel-jax plan` (train/plan_cli.py) stops after
 `plan_for`, without allocating the model.
@@ -32,7 +32,7 @@ from angel_jax.memory.serial import SerialStore
 from angel_jax.memory.tiers import page_sharding
 from angel_jax.multihost import primary_floats
 from angel_jax.optim import make_optimizer
-from angel_jax.optim.paged import split_opt_state
+from angel_jax.optim.stage_update import split_opt_state
 from angel_jax.schedule.blueprint import Blueprint, blueprint
 from angel_jax.schedule.budgets import budgets_for, micro_batching
 from angel_jax.schedule.costs import profile_costs, profile_transfers
@@ -45,8 +45,8 @@ log = logging.getLogger(__name__)
 
 
 @dataclass
-class PagedEngine:
-    """Everything the paged engine is made of (what `build_paged_engine` returns)."""
+class PagedRuntime:
+    """Everything the paged engine is made of (what `build_paged_runtime` returns)."""
 
     executor: PagedExecutor
     plan: Plan
@@ -167,8 +167,8 @@ def _young_garbage_collected() -> Iterator[None]:
     gc.collect(0)
 
 
-def build_paged_engine(cfg: Config, params: Any, example_batch: jax.Array, *,
-                       device: jax.Device | None = None, zero: Zero | None = None) -> PagedEngine:
+def build_paged_runtime(cfg: Config, params: Any, example_batch: jax.Array, *,
+                       device: jax.Device | None = None, zero: Zero | None = None) -> PagedRuntime:
     """The paged engine, planned for `example_batch`'s shape. `params`: the whole model's (numpy, in its
     structure), or None to initialise it stage by stage (`StagedModel.init_stage` with train.seed) straight into
     each page's home, so that the whole model never exists in memory. `zero`: every page sharded over its mesh's
@@ -220,4 +220,4 @@ def build_paged_engine(cfg: Config, params: Any, example_batch: jax.Array, *,
                              host_compute=where["host"].compute, overlap=cfg.memory.overlap)
     log.info("paged engine: %d stages, %d resident, prefetch %d, predicted step %.3f s",
              len(staged.stages), len(plan.resident), plan.prefetch, plan.predicted.step_time)
-    return PagedEngine(executor, plan, costs, bw, budgets, model, store, updater)
+    return PagedRuntime(executor, plan, costs, bw, budgets, model, store, updater)

@@ -11,7 +11,7 @@ respect to the unpacked parameters and packed into pages by one concatenation in
 through `unpack` instead would build each page from one zero-padded page per leaf: measured 39% slower on a
 block), so they leave the call page shaped, padding zero, ready for the host; each backward also returns the sum of
 squares of its gradient pages, from which the global norm for clipping is formed without another pass.
-The optimizer update per kind is `angel_jax.optim.paged.make_stage_update`, jitted where it runs by the updater.
+The optimizer update per kind is `angel_jax.optim.stage_update.make_stage_update`, jitted where it runs by the updater.
 
 Micro-batches (gradient accumulation): `forward_micro` and `backward_micro` run a stage on every micro-batch of
 an access in one call, a `scan` over them (stacked on a leading axis): the pages are unpacked once, and the call's
@@ -44,7 +44,7 @@ from angel_jax.memory.crossing import onto
 from angel_jax.memory.layout import PageLayout, StageLayout, to_bits, to_values
 from angel_jax.memory.tiers import HOST_MEMORY_KINDS
 from angel_jax.optim.fused import HostOptimizer
-from angel_jax.optim.paged import OptLayout, make_stage_update, make_stage_update_norm, sqsum
+from angel_jax.optim.stage_update import OptLayout, make_stage_update, make_stage_update_norm, sqsum
 from angel_jax.schedule.updater import in_host_memory
 from angel_jax.schedule.zero import Zero, psum, serial
 from models.stages import StagedModel

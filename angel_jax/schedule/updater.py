@@ -4,7 +4,7 @@ The executor hands over each stage's gradient pages as its backward finishes (`s
 pass is over, the global gradient norm and the anomaly guard's verdict on the loss and gradient norm (`finish`).
 A worker thread then updates the stages one at a time, in forward order (the next step needs stage 0 first): it
 takes the stage's parameter and optimizer pages from the page store, runs the stage update (one jit: unpack ->
-optax -> pack, `angel_jax.optim.paged`) on the device for resident stages or on the host (the XLA CPU backend)
+optax -> pack, `angel_jax.optim.stage_update`) on the device for resident stages or on the host (the XLA CPU backend)
 for streamed ones, and puts the new pages back. Optimizer state whose home is the disk is read into host memory
 ahead of its update and written back after it, so the disk works while other stages update; at most `OPT_STAGING`
 stages' optimizer pages are on the host for this at any time, read-ahead and write-backs still in flight counted

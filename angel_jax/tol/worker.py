@@ -27,7 +27,7 @@ restart / exclusion; 1 on any other error (its traceback in the log, its last li
 SIGTERM. A failed worker leaves with os._exit: JAX's exit-time shutdown waits for peers that may be gone.
 
 Fault injection for the watchdog's tests: ANGEL_JAX_FAULTS (angel_jax.tol.faults: raise@S, hang@S, ... with
-rank= and attempt=), and ANGEL_JAX_CKPT_KILL_AT=<point>[@<step>][:attempt=A], the checkpoint engine's SIGKILL
+rank= and attempt=), and ANGEL_JAX_CKPT_KILL_AT=<point>[@<step>][:attempt=A], the checkpoint manager's SIGKILL
 point, here optionally limited to one attempt so the restart does not die the same way.
 """
 

@@ -1,6 +1,6 @@
 """The trainer's side of checkpoints: what a checkpoint of a run holds, and when it is written and read.
 
-A checkpoint of step k (written by `angel_jax.checkpoint.CheckpointEngine`: a memory-tier snapshot first, then a
+A checkpoint of step k (written by `angel_jax.checkpoint.CheckpointManager`: a memory-tier snapshot first, then a
 peer copy and an orbax checkpoint in the background) holds
 
     arrays   every array of the engine's training state (`TrainEngine.state_snapshot`: parameters and optimizer
@@ -47,7 +47,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from angel_jax.checkpoint import CheckpointEngine, CheckpointError, CheckpointOptions, SaveHandle, StateSnapshot
+from angel_jax.checkpoint import CheckpointManager, CheckpointError, CheckpointOptions, SaveHandle, StateSnapshot
 from angel_jax.checkpoint import faults
 from angel_jax.checkpoint.filetier import FileTier
 from angel_jax.checkpoint.persist import OrbaxTier
@@ -112,13 +112,13 @@ def shard_tier(directory: Path, keep: int = 1) -> OrbaxTier | FileTier:
     return (OrbaxTier if persistent_format_of(directory) == "orbax" else FileTier)(directory, keep)
 
 
-def training_engine(options: CheckpointOptions) -> CheckpointEngine:
+def training_engine(options: CheckpointOptions) -> CheckpointManager:
     """The engine a training run saves through: with the crash tests' fault hook when the environment asks."""
-    return CheckpointEngine(options, fault=faults.from_env())
+    return CheckpointManager(options, fault=faults.from_env())
 
 
 class TrainCheckpointer:
-    """Saves and restores a run's training state through the checkpoint engine: process 0 saves the whole state
+    """Saves and restores a run's training state through the checkpoint manager: process 0 saves the whole state
     and every process restores the step it chooses; or, `per_process` (an engine whose state is sharded across
     the processes, `TrainEngine.checkpoints_per_process`), every process saves and restores its own shards in
     its own tiers (`process_<p>` directories), and the processes agree on the newest step each of them can
@@ -150,7 +150,7 @@ class TrainCheckpointer:
 
     def save(self, step: int, snapshot: StateSnapshot, meta: dict[str, Any]) -> SaveHandle | None:
         """Blocks only for the memory-tier snapshot (for a held snapshot, not even for that: see
-        CheckpointEngine.save), which is released when the copy is done; None on processes other than 0, which
+        CheckpointManager.save), which is released when the copy is done; None on processes other than 0, which
         release the snapshot at once (unless `per_process`: every process saves its own shards)."""
         if not (self.primary or self.per_process):
             snapshot.release()
@@ -186,7 +186,7 @@ class TrainCheckpointer:
         every process can restore."""
         # Whole states: this run's own engine, or (`per_process`) the run's whole-state tiers beside its shards,
         # which the engine reshards (written by a run over another set of processes, or by another engine).
-        with (CheckpointEngine(checkpoint_options(self.cfg, self.run_dir)) if self.per_process
+        with (CheckpointManager(checkpoint_options(self.cfg, self.run_dir)) if self.per_process
               else contextlib.nullcontext(self.engine)) as whole:
             kinds = [(self._newest_agreed(), self._restore_agreed)] if self.per_process else []
             kinds += [(self._newest_of(whole), lambda: self._restore_newest_of(whole)),
@@ -211,11 +211,11 @@ class TrainCheckpointer:
                 "start over from step 1 over them (see `angel-jax ckpt ls`; train.resume=false moves them aside)")
         return None
 
-    def _newest_of(self, engine: CheckpointEngine) -> int:
+    def _newest_of(self, engine: CheckpointManager) -> int:
         """The newest step committed in `engine`'s tiers (process 0 looks, every process gets it); -1 if none."""
         return from_primary(max((i.step for i in engine.list() if i.committed), default=-1) if self.primary else -1)
 
-    def _restore_newest_of(self, engine: CheckpointEngine) -> tuple[int, dict[str, np.ndarray], dict[str, Any],
+    def _restore_newest_of(self, engine: CheckpointManager) -> tuple[int, dict[str, np.ndarray], dict[str, Any],
                                                                     str] | None:
         """The newest valid step of `engine`'s tiers, process 0's choice, on every process."""
         return self._restore_chosen(engine, engine.latest_valid() if self.primary else None,
@@ -249,7 +249,7 @@ class TrainCheckpointer:
             return None
         return mine if mine is not None else assemble_shards(self.run_dir, chosen, self.cfg.checkpoint.keep)
 
-    def _restore_chosen(self, engine: CheckpointEngine, ref: Any, has_any: bool
+    def _restore_chosen(self, engine: CheckpointManager, ref: Any, has_any: bool
                         ) -> tuple[int, dict[str, np.ndarray], dict[str, Any], str] | None:
         """Restore, on every process, the step process 0 found valid (`ref`; `has_any`: whether it has any)."""
         chosen = ref.step if ref else (ALL_DAMAGED if has_any else -1)
@@ -330,7 +330,7 @@ class TrainCheckpointer:
         """`per_process`: the whole-state checkpoints in the run's tiers moved aside, each tier's `process_<p>`
         directories (the processes' own, which each of them moves) left where they are."""
         options = checkpoint_options(self.cfg, self.run_dir)
-        with CheckpointEngine(options) as whole:
+        with CheckpointManager(options) as whole:
             if not any(i.committed for i in whole.list()):
                 return
         archive = options.persistent_dir.with_name(

@@ -5,14 +5,14 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from angel_jax.checkpoint import CheckpointEngine, CheckpointError
+from angel_jax.checkpoint import CheckpointManager, CheckpointError
 from angel_jax.config import Config
 from angel_jax.train.checkpointing import checkpoint_options, shard_dirs
 from angel_jax.units import human_bytes
 
 
-def engine_for_run(run_dir: Path, process: int | None = None) -> CheckpointEngine:
-    """A checkpoint engine over a run directory's tiers, as its resolved config (<run_dir>/config.yaml) names
+def manager_for_run(run_dir: Path, process: int | None = None) -> CheckpointManager:
+    """A checkpoint manager over a run directory's tiers, as its resolved config (<run_dir>/config.yaml) names
     them (the defaults when the run wrote no config); with `process`, the tiers of that process's shards."""
     from angel_jax.config import load_recorded_config
 
@@ -21,7 +21,7 @@ def engine_for_run(run_dir: Path, process: int | None = None) -> CheckpointEngin
         raise CheckpointError(f"run directory {run_dir} does not exist")
     config_file = run_dir / "config.yaml"
     cfg = load_recorded_config(config_file) if config_file.is_file() else Config()
-    return CheckpointEngine(checkpoint_options(cfg, run_dir, process))
+    return CheckpointManager(checkpoint_options(cfg, run_dir, process))
 
 
 def _parts(run_dir: Path) -> list[tuple[str, int | None]]:
@@ -36,7 +36,7 @@ def list_table(run_dir: Path) -> list[str]:
     parts = _parts(run_dir)
     lines: list[str] = []
     for heading, process in parts:
-        with engine_for_run(run_dir, process) as engine:
+        with manager_for_run(run_dir, process) as engine:
             infos = engine.list()
             roots = engine.tier_roots()
         if not infos:
@@ -58,7 +58,7 @@ def verify_report(run_dir: Path, step: int | None = None) -> tuple[bool, list[st
     XXH3-64 checksum, of the whole state's checkpoints and of every process's shards. Returns (all good, lines)."""
     ok, lines, found = True, [], []
     for heading, process in _parts(run_dir):
-        with engine_for_run(run_dir, process) as engine:
+        with manager_for_run(run_dir, process) as engine:
             committed = [i.step for i in engine.list() if i.committed]
             found += committed
             steps = [s for s in committed if step is None or s == step]

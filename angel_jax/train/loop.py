@@ -4,7 +4,7 @@ The loop knows nothing about where the model state lives: it drives a `TrainEngi
 paged, by `memory.mode`; see engines.py). Data parallel over every device of every process, on a ('data',
 'fsdp') mesh (`mesh.*`: the in-memory engine shards its state over 'fsdp'): each process feeds its rows of the
 global batch. Metrics are fetched one step late (step t's numbers are read after step t+1 is
-dispatched) so the host never stalls the device just to log. Checkpoints go through the checkpoint engine: the
+dispatched) so the host never stalls the device just to log. Checkpoints go through the checkpoint manager: the
 loop blocks only for handing the state over. A run whose checkpoints stop reaching the persistent tier
 (`checkpoint.max_persist_failures` failed persists in a row) stops at its next checkpoint, or at the end, with
 PersistenceFailed, its memory-tier snapshots kept: training on with every checkpoint in RAM only would pretend
@@ -27,7 +27,7 @@ import numpy as np
 
 from angel_jax import config as config_lib
 from angel_jax import data as data_lib
-from angel_jax.checkpoint.engine import PersistenceFailed, PersistStreak
+from angel_jax.checkpoint.manager import PersistenceFailed, PersistStreak
 from angel_jax.config import Config
 from angel_jax.errors import EXIT_EXCLUDE, EXIT_RESTART
 from angel_jax.multihost import from_any, from_primary
@@ -381,7 +381,7 @@ def _rollback(t: Trainer, bad_step: int, verdict: Verdict) -> int:
 
 
 def _report_checkpoint_errors(t: Trainer) -> None:
-    """Background save failures (a full disk, ...), once each, in the events log: the checkpoint engine has
+    """Background save failures (a full disk, ...), once each, in the events log: the checkpoint manager has
     logged each on one line naming its cause. A few do not stop training; `_stop_unless_persisting` decides."""
     for error in t.checkpointer.poll_errors():
         if t.is_primary:

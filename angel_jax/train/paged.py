@@ -39,7 +39,7 @@ from angel_jax.memory.host_peak import HostPeakCheck
 from angel_jax.memory.layout import to_bits, to_values
 from angel_jax.memory.sharded_layout import layout_over
 from angel_jax.schedule.budgets import check_host_room, fit_micro_batch
-from angel_jax.schedule.engine import PagedEngine, build_paged_engine
+from angel_jax.schedule.runtime import PagedRuntime, build_paged_runtime
 from angel_jax.schedule.timeline import Timeline
 from angel_jax.schedule.zero import Zero
 from angel_jax.train.plan_record import plan_summary
@@ -58,7 +58,7 @@ HOST_PEAK_AFTER = 2
 """The host peak is compared with the plan's once this step (the first without compilation) is done."""
 
 
-def layout_fingerprint(built: PagedEngine, layouts: tuple[Any, Any] | None = None) -> dict[str, Any]:
+def layout_fingerprint(built: PagedRuntime, layouts: tuple[Any, Any] | None = None) -> dict[str, Any]:
     """Per stage: [dtype, length] of each parameter and optimizer page, [dtype, shape] of each small leaf.
     `layouts`: (params, optimizer) layouts of the same leaves to describe instead of the engine's own (those of
     a checkpoint written over another number of ranks)."""
@@ -81,7 +81,7 @@ class PagedTrainEngine:
     name = "paged"
     guards_update_norm = False
     """The anomaly monitor leaves max_update_norm unbounded for this engine: the update norm is known only once
-    every stage's update is computed, so guarding it costs a second pass over all stages (see optim/paged.py)."""
+    every stage's update is computed, so guarding it costs a second pass over all stages (see optim/stage_update.py)."""
 
     def __init__(self, cfg: Config, mesh: jax.sharding.Mesh):
         self.host_peak = HostPeakCheck.start()  # before anything is built: the growth from here is the engine's
@@ -100,7 +100,7 @@ class PagedTrainEngine:
                                                lambda index: np.zeros((cfg.train.batch_size, cfg.model.seq_len + 1),
                                                                       np.int32)[index])
         # The model is initialised stage by stage straight into its pages' homes: never whole in memory.
-        self.built: PagedEngine = build_paged_engine(cfg, None, example, device=self.device, zero=self.zero)
+        self.built: PagedRuntime = build_paged_runtime(cfg, None, example, device=self.device, zero=self.zero)
         self.executor = self.built.executor
         self._timelines_due = {"predicted": True, "measured": True}
         self._steps_here = 0  # steps run by this engine (a resumed run warms up again before recording)

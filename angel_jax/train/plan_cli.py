@@ -35,7 +35,7 @@ from angel_jax.train.plan_args import add_plan_arguments
 from angel_jax.train.plan_record import plan_summary, predicted_mfu
 from angel_jax.schedule.blueprint import Blueprint, blueprint, refuse_sharded_optimizer
 from angel_jax.schedule.budgets import fit_micro_batch, local_batch, micro_batching, micro_sizes, stated_budgets
-from angel_jax.schedule.engine import plan_for
+from angel_jax.schedule.runtime import plan_for
 from angel_jax.memory.layout import StageLayout
 from angel_jax.schedule.plan import (Bandwidths, Budgets, Plan, PlanError, StageCost, exchange_bytes,
                                      load_bandwidths, make_plan)
@@ -75,7 +75,7 @@ def estimate_costs(cfg: Config, bp: Blueprint, peak_flops: float, device_bw: flo
     global batch over `ranks`) from model FLOPs at the device's peak (forward: 2 FLOPs per weight of the stage per
     token, plus attention's QK^T and AV for a block; backward: recompute + 2x forward) and optimizer updates from the bytes they
     touch (parameters and gradients read, optimizer state read and written, parameters written) at memory
-    bandwidth. A family that states its stages' forward FLOPs (`StagedModel.forward_flops_per_row`: an
+    bandwidth. A family that states its stages' forward FLOPs (`PlannerHints.forward_flops_per_row`: an
     encoder-decoder, whose stages see other lengths than seq_len) is timed by those. The weights are counted from
     the stage's page layout, so the family's shapes (grouped-query attention, a gated MLP) count as they are; norms
     and biases, a fraction of a percent, are counted as weights. With several ranks every byte is one rank's shard
@@ -86,8 +86,8 @@ def estimate_costs(cfg: Config, bp: Blueprint, peak_flops: float, device_bw: flo
     costs = []
     for stage in bp.staged.stages:
         weights = sum(slot.size for slot in bp.params_layout.stage(stage.name).slots)
-        if stage.kind in bp.staged.forward_flops_per_row:  # the family's own count (an encoder-decoder's)
-            fwd = rows * bp.staged.forward_flops_per_row[stage.kind]
+        if stage.kind in bp.staged.hints.forward_flops_per_row:  # the family's own count (an encoder-decoder's)
+            fwd = rows * bp.staged.hints.forward_flops_per_row[stage.kind]
         elif stage.kind == "block":
             fwd = 2 * tokens * weights + 4 * tokens * m.seq_len * m.d_model
         elif stage.kind == "head":
@@ -100,7 +100,8 @@ def estimate_costs(cfg: Config, bp: Blueprint, peak_flops: float, device_bw: flo
         touched = 3 * p_bytes + 2 * o_bytes
         fwd_s = fwd / peak_flops
         experts = ranks > 1 and layout.apart_splits(ranks)
-        exchange = rows * bp.staged.exchange_values_per_row.get(stage.kind, 0.0) * np.dtype(m.compute_dtype).itemsize
+        per_row = bp.staged.hints.exchange_values_per_row.get(stage.kind, 0.0)
+        exchange = rows * per_row * np.dtype(m.compute_dtype).itemsize
         costs.append(StageCost(stage.name, p_bytes, o_bytes, 0.0 if stage.kind == "head" else fwd_s, 3 * fwd_s,
                                touched / device_bw, touched / host_bw, host_add_s=3 * p_bytes / host_bw,
                                expert_bytes=shard_bytes(layout, ranks, apart=True) if experts else 0,

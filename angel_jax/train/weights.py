@@ -5,7 +5,7 @@
     weights.params                                        # numpy, in the family's `init` structure
 
 What `TrainEngine.params()` returns at that step, from the checkpoint alone: no engine is built and nothing of
-the optimizer state is read. The checkpoint engine's restore is used as training uses it (memory tier -> peer ->
+the optimizer state is read. The checkpoint manager's restore is used as training uses it (memory tier -> peer ->
 persistent, a damaged copy skipped for the next), restricted to the parameter arrays, so only their bytes are read
 and checksummed. A run whose processes checkpointed their own shards (train/checkpointing.py) is read from every
 process's persistent tier, assembled (there every array is checksummed, the optimizer state's too). The two
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from angel_jax.checkpoint import CheckpointEngine, CheckpointError, CheckpointOptions
+from angel_jax.checkpoint import CheckpointManager, CheckpointError, CheckpointOptions
 from angel_jax.config import Config, ConfigError, load_recorded_config
 from angel_jax.train.checkpointing import assemble_newest, check_same_model, checkpoint_options, shard_steps
 from angel_jax.train.state_formats import PARAMS_PREFIX, format_of
@@ -47,7 +47,7 @@ def load_params(run_dir: Path, step: int | None = None) -> LoadedWeights:
     `step`), or holds only damaged ones; StateMismatch when the checkpoint does not fit the recorded config."""
     run_dir = Path(run_dir)
     cfg = run_config(run_dir)
-    with CheckpointEngine(_read_options(cfg, run_dir)) as engine:
+    with CheckpointManager(_read_options(cfg, run_dir)) as engine:
         committed = sorted(info.step for info in engine.list() if info.committed)
         shards = shard_steps(run_dir)  # newest first
         if not committed and not shards:

@@ -1,4 +1,4 @@
-"""Training stall per save and restore time: the TCE checkpoint engine against plain blocking orbax.
+"""Training stall per save and restore time: the TCE checkpoint manager against plain blocking orbax.
 
     python experiments/bench/checkpoint.py [--arrays 16] [--mib 64] [--repeats 3] [--workdir DIR] [--no-save]
 
@@ -6,7 +6,7 @@ State: `arrays` float32 arrays of `mib` MiB each (default 1 GiB), random (incomp
 Figures (one JSON line each, appended to experiments/results/checkpoint_<platform>.jsonl unless --no-save):
 
   save_blocking_orbax_s      orbax Checkpointer.save of the state to the persistent directory, blocking (median)
-  save_stall_held_s          what the in-memory trainer blocks for: CheckpointEngine.save of a held StateSnapshot of
+  save_stall_held_s          what the in-memory trainer blocks for: CheckpointManager.save of a held StateSnapshot of
                              the state as jax arrays (references handed over; the copy runs in the background) (median)
   held_copy_s                the background copy of a held save into the memory tier (median)
   save_stall_ratio           save_stall_held_s / save_blocking_orbax_s (target <= 0.05)
@@ -16,7 +16,7 @@ Figures (one JSON line each, appended to experiments/results/checkpoint_<platfor
   save_stall_copy_ratio      save_stall_engine_s / save_blocking_orbax_s
   engine_persisted_after_s   from save() to "persisted" in the background (median): the same orbax write
   restore_orbax_s            plain orbax restore of the persisted step, page cache dropped if permitted (median)
-  restore_memory_s           CheckpointEngine.restore() from the memory tier, XXH3-64 of every array verified:
+  restore_memory_s           CheckpointManager.restore() from the memory tier, XXH3-64 of every array verified:
                              zero-copy (copy-on-write) views of the snapshot file, every byte read (median)
   restore_memory_noverify_s  the same with verify_on_restore=False (maps the file, reads nothing)
   restore_memory_copy_s      verified restore plus a copy of every array into fresh process memory, i.e. the same
@@ -45,7 +45,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 
 from angel_jax.benchinfo import emit, machine_info, results_path
-from angel_jax.checkpoint import CheckpointEngine, CheckpointOptions, StateSnapshot
+from angel_jax.checkpoint import CheckpointManager, CheckpointOptions, StateSnapshot
 
 
 def drop_page_cache() -> bool:
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         next_state = jax.jit(lambda s, k: {**s, "layer00/w": s["layer00/w"].at[0].set(k)})
         jstate = {k: jnp.array(v, copy=True) for k, v in state.items()}
         held_stalls, copies = [], []
-        with CheckpointEngine(opts) as engine:
+        with CheckpointManager(opts) as engine:
             for step in range(1, args.repeats + 3):
                 jstate = jax.block_until_ready(next_state(jstate, step))
                 handle = engine.save(step, StateSnapshot(jstate, held=True), {"step": step})
@@ -125,7 +125,7 @@ def main(argv: list[str] | None = None) -> int:
 
         # ---- engine: first save allocates; later ones reuse the evicted snapshot's file (keep_last=2)
         opts = CheckpointOptions(persistent_dir=persistent, memory_dir=memory, keep_last=2)
-        engine = CheckpointEngine(opts)
+        engine = CheckpointManager(opts)
         stalls, persisted = [], []
         for step in range(1, args.repeats + 3):
             state["layer00/w"][0] = step  # a new training state each time (in place, as a trainer would)
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> int:
         figure("restore_orbax_s", statistics.median(orbax_times), samples=[round(x, 4) for x in orbax_times],
                page_cache_dropped=all(dropped))
 
-        def timed_restore(engine: CheckpointEngine, copy: bool) -> float:
+        def timed_restore(engine: CheckpointManager, copy: bool) -> float:
             t0 = time.perf_counter()
             r = engine.restore()
             arrays = {k: np.array(v) for k, v in r.arrays.items()} if copy else r.arrays
@@ -166,7 +166,7 @@ def main(argv: list[str] | None = None) -> int:
         mem_times = [timed_restore(engine, copy=False) for _ in range(args.repeats)]
         copy_times = [timed_restore(engine, copy=True) for _ in range(args.repeats)]
         engine.close()
-        with CheckpointEngine(CheckpointOptions(persistent_dir=persistent, memory_dir=memory, keep_last=2,
+        with CheckpointManager(CheckpointOptions(persistent_dir=persistent, memory_dir=memory, keep_last=2,
                                                 verify_on_restore=False)) as unverified:
             noverify = [timed_restore(unverified, copy=False) for _ in range(args.repeats)]
         figure("restore_memory_s", statistics.median(mem_times), samples=[round(x, 4) for x in mem_times],

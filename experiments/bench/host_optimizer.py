@@ -39,7 +39,7 @@ Figures (one JSON line each, appended to experiments/results/host_optimizer_<pla
                    `speedup_all_cores`); with them and `optimizer.host_kernel=false`, XLA's flat update
                    (optim/flat.py: `xla_flat_s`, its loop partitions and bytes per byte needed, `speedup_kernel` =
                    xla_flat_s / the update's median); and the leaf-wise update the engine runs for optimizers that
-                   are not element-wise (optim/paged.py: unpack, optax per leaf, pack), which was every
+                   are not element-wise (optim/stage_update.py: unpack, optax per leaf, pack), which was every
                    optimizer's before the flat update: `leafwise_s`, `leafwise_xla_bytes_per_byte_needed`,
                    `speedup_flat` (= leafwise_s / xla_flat_s). All timed in the same run, under the same load.
 """
@@ -138,7 +138,7 @@ def time_update(config: str, overrides: list[str], repeats: int, leafwise: bool 
     from angel_jax.memory import HostTier
     from angel_jax.memory.malloc import return_large_frees_to_the_os
     from angel_jax.schedule.blueprint import blueprint, params_layout
-    from angel_jax.schedule.engine import placements
+    from angel_jax.schedule.runtime import placements
 
     return_large_frees_to_the_os()  # as the paged engine runs
     cfg = load_config(config, overrides)
@@ -153,7 +153,7 @@ def time_update(config: str, overrides: list[str], repeats: int, leafwise: bool 
     updates = bp.updates
     if leafwise:
         from angel_jax.optim import make_optimizer
-        from angel_jax.optim.paged import make_stage_update
+        from angel_jax.optim.stage_update import make_stage_update
         from angel_jax.schedule.updater import StageUpdates
 
         tx, _ = make_optimizer(cfg.optimizer, cfg.train.steps, clip=False)  # as blueprint() makes it

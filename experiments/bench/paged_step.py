@@ -57,7 +57,7 @@ import numpy as np
 from angel_jax.benchinfo import emit, results_path
 from angel_jax.config import Config, MemoryConfig, load_config
 from angel_jax.optim import make_optimizer, split_optimizer
-from angel_jax.schedule.engine import build_paged_engine
+from angel_jax.schedule.runtime import build_paged_runtime
 from angel_jax.train.step import StepControls, init_state, make_step_phases, make_train_step
 from models import gpt
 
@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
                                            dtype=np.int32)) for _ in range(4)]
     t0 = time.perf_counter()
     params = jax.tree.map(np.array, gpt.init(cfg.model, cfg.train.seed)[1])
-    paged = build_paged_engine(cfg, params, batches[0])
+    paged = build_paged_runtime(cfg, params, batches[0])
     build_s = time.perf_counter() - t0
     del params
     plan = paged.plan

@@ -103,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         child(args.child[0], Path(args.child[1]), Path(args.child[2]))
         return 0
 
-    from angel_jax.checkpoint import CheckpointEngine, CheckpointOptions
+    from angel_jax.checkpoint import CheckpointManager, CheckpointOptions
 
     results = None if args.no_save else results_path("persist_memory")
     machine = machine_info()
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
             rng = np.random.default_rng(0)
             n = args.mib * (1 << 20) // 4
             state = {f"layer{i:02d}/w": rng.random(n, dtype=np.float32) for i in range(args.arrays)}
-            with CheckpointEngine(CheckpointOptions(persistent_dir=work / "engine", memory_dir=memory)) as engine:
+            with CheckpointManager(CheckpointOptions(persistent_dir=work / "engine", memory_dir=memory)) as engine:
                 engine.save(1, state, {"step": 1})
             del state
         snapshot = args.snapshot or memory / "step_1"
