@@ -180,6 +180,9 @@ def test_engine_writes_predicted_and_measured_timelines(tmp_path):
         report = "\n".join(engine.memory_report())
         assert "paged" in report and "predicted step" in report and "disk" in report
         assert "host updates       the fused host kernel (adamw)" in report
+        took = engine.built.build_seconds  # where building went, each part timed and the report saying so
+        assert set(took) == {"layouts", "profile", "pages"} and all(t >= 0 for t in took.values())
+        assert took["profile"] > 0 and f"built in           {sum(took.values()):.1f} s" in report
         _steps(engine, batches(7, MODEL, 2))
     finally:
         engine.close()

@@ -4,9 +4,10 @@ The only reader of `memory.device_budget`, `memory.host_budget` and `memory.disk
 free (device memory, RAM, disk space). The paged engine, `angel-jax plan` and the in-memory engine's fit test ask
 here; nothing patches a budget afterwards.
 
-    budgets = budgets_for(cfg, device, local_batch)     # Budgets(device, host, disk, fixed_device, saved_device)
-    micro_batches, rows = micro_batching(cfg, local_batch)
-    cfg = fit_micro_batch(cfg, device)                  # train.micro_batch_size chosen where it is 0
+    decision = decide(cfg, device, local_batch)         # once per engine: everything below, together
+    decision.cfg                                        # train.micro_batch_size chosen where it was 0
+    decision.budgets                                    # Budgets(device, host, disk, fixed_device, saved_device)
+    decision.micro_batches, decision.rows               # micro-batches per step, rows per micro-batch
 
 Budgets set in the config win. A 0 (unset) budget is the machine's: the device's free memory, the RAM available
 less a margin, the disk tier's free space. On the CPU backend the "device" and the host are the same RAM, so what
@@ -16,6 +17,7 @@ one takes the other loses (`cpu_split`).
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 import logging
 import os
 import shutil
@@ -36,6 +38,32 @@ from angel_jax.units import device_memory_stats
 import models
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Decision:
+    """What the paged engine is built under, decided once: the config it runs (train.micro_batch_size chosen), the
+    tiers' budgets, and how a step's batch splits."""
+
+    cfg: Config
+    budgets: Budgets
+    micro_batches: int
+    """Micro-batches per step."""
+    rows: int
+    """Rows per micro-batch."""
+
+
+def decide(cfg: Config, device: jax.Device, local_batch: int, zero: Zero | None = None, *,
+           fit: bool = True) -> Decision:
+    """The paged engine's budgets and micro-batching for a local batch of `local_batch` rows (with `zero`: the
+    ranks' whole batch). With `fit` and one device, train.micro_batch_size 0 is chosen (`fit_micro_batch`) and a
+    model the budgets cannot hold is refused from shapes alone (`check_host_room`), before anything is allocated
+    or profiled."""
+    if fit and zero is None:
+        cfg = fit_micro_batch(cfg, device)
+        check_host_room(cfg, device)
+    micro_batches, rows = micro_batching(cfg, local_batch, zero)
+    return Decision(cfg, budgets_for(cfg, device, local_batch, zero), micro_batches, rows)
 
 
 def device_free_bytes(device: jax.Device) -> int:

@@ -17,6 +17,7 @@ import contextlib
 import dataclasses
 import gc
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
@@ -34,7 +35,7 @@ from angel_jax.multihost import primary_floats
 from angel_jax.optim import make_optimizer
 from angel_jax.optim.stage_update import split_opt_state
 from angel_jax.schedule.blueprint import Blueprint, blueprint
-from angel_jax.schedule.budgets import budgets_for, micro_batching
+from angel_jax.schedule.budgets import Decision, decide
 from angel_jax.schedule.costs import profile_costs, profile_transfers
 from angel_jax.schedule.execute import PagedExecutor, PagedModel
 from angel_jax.schedule.plan import Bandwidths, Budgets, Plan, StageCost, load_bandwidths, make_plan
@@ -56,6 +57,10 @@ class PagedRuntime:
     model: PagedModel
     store: PageStore
     updater: PageUpdater
+    build_seconds: dict[str, float] = dataclasses.field(default_factory=dict)
+    """Where building took its time: 'layouts' (page layouts and stage functions traced from shapes), 'profile'
+    (compiling and timing the stage programs, then planning), 'pages' (every stage initialised, or split from the
+    given params, and its pages put in their homes)."""
 
     @property
     def layout(self) -> PageLayout:
@@ -114,20 +119,19 @@ def tier_shardings(device: jax.Device, zero: Zero | None = None) -> tuple[jax.sh
             page_sharding(device, host_memory_kind(device), over))
 
 
-def plan_for(cfg: Config, bp: Blueprint, example_batch: jax.Array, device: jax.Device,
-             zero: Zero | None = None) -> tuple[Plan, list[StageCost], Bandwidths, Budgets]:
+def plan_for(decision: Decision, bp: Blueprint, example_batch: jax.Array, device: jax.Device,
+             zero: Zero | None = None) -> tuple[Plan, list[StageCost], Bandwidths]:
     """Profile the stage functions (on one micro-batch: the shape every call has) and transfers, then plan under
-    the budgets (schedule/budgets.py) for `example_batch`'s rows."""
+    the decided budgets (schedule/budgets.py) for `example_batch`'s rows."""
+    cfg, budgets, micro_batches = decision.cfg, decision.budgets, decision.micro_batches
     device_sharding, host_sharding = tier_shardings(device, zero)
-    micro_batches, size = micro_batching(cfg, example_batch.shape[0], zero)
     costs = profile_costs(bp.fns, bp.updates, bp.params_layout, bp.opt_layout, bp.opt_small,
-                          jax.device_put(example_batch[:size], device_sharding),
+                          jax.device_put(example_batch[:decision.rows], device_sharding),
                           placements(device, host_sharding, zero), micro_batches)
     bw = profile_transfers(bp.params_layout, device_sharding, host_sharding,
                            load_bandwidths(default_calibration_path()))
     if jax.process_count() > 1:  # every process must make the same plan: the programs they run are collectives
         costs, bw = _agreed(costs, bw)
-    budgets = budgets_for(cfg, device, example_batch.shape[0], zero)
     plan = make_plan(costs, bw, budgets, staleness=cfg.memory.staleness, shared_cpu=device.platform == "cpu",
                      micro_batches=micro_batches, passes=cfg.memory.passes or None, overlap=cfg.memory.overlap)
     if "disk" in plan.home + plan.grad_home + plan.opt_home and not Path(default_calibration_path()).is_file():
@@ -135,7 +139,7 @@ def plan_for(cfg: Config, bp: Blueprint, example_batch: jax.Array, device: jax.D
         log.warning("the plan puts pages on the disk, but this machine's disk is not calibrated (no %s): the plan "
                     "assumes %.1f GB/s each way and no CPU cost per byte. Run `angel-jax bench io` once to measure it.",
                     default_calibration_path(), bw.disk_read / 1e9)
-    return plan, costs, bw, budgets
+    return plan, costs, bw
 
 
 def _agreed(costs: list[StageCost], bw: Bandwidths) -> tuple[list[StageCost], Bandwidths]:
@@ -167,17 +171,30 @@ def _young_garbage_collected() -> Iterator[None]:
     gc.collect(0)
 
 
-def build_paged_runtime(cfg: Config, params: Any, example_batch: jax.Array, *,
-                       device: jax.Device | None = None, zero: Zero | None = None) -> PagedRuntime:
+def build_paged_runtime(cfg: Config, params: Any, example_batch: jax.Array, *, device: jax.Device | None = None,
+                        zero: Zero | None = None, decision: Decision | None = None) -> PagedRuntime:
     """The paged engine, planned for `example_batch`'s shape. `params`: the whole model's (numpy, in its
     structure), or None to initialise it stage by stage (`StagedModel.init_stage` with train.seed) straight into
     each page's home, so that the whole model never exists in memory. `zero`: every page sharded over its mesh's
-    devices (ZeRO-3, schedule/zero.py); `example_batch` is then the ranks' whole batch."""
+    devices (ZeRO-3, schedule/zero.py); `example_batch` is then the ranks' whole batch. `decision`: the budgets and
+    micro-batching decided for it (`budgets.decide`, whose config then replaces `cfg`); by default decided here,
+    with train.micro_batch_size as the config sets it."""
     device = device or (zero.local_device() if zero else jax.local_devices()[0])
     return_large_frees_to_the_os()  # page buffers stream through the host: freed ones must leave the process
+    clock = [time.perf_counter()]
+
+    def lap() -> float:
+        clock.append(time.perf_counter())
+        return clock[-1] - clock[-2]
+
+    if decision is None:
+        decision = decide(cfg, device, example_batch.shape[0], zero, fit=False)
+    cfg, budgets = decision.cfg, decision.budgets
     bp = blueprint(cfg, zero)
     staged = bp.staged
-    plan, costs, bw, budgets = plan_for(cfg, bp, example_batch, device, zero)
+    seconds = {"layouts": lap()}
+    plan, costs, bw = plan_for(decision, bp, example_batch, device, zero)
+    seconds["profile"] = lap()
     store = make_store(cfg, device, budgets, plan, zero)
     model = PagedModel(staged, bp.params_layout, bp.opt_layout, opt_offset=bp.params_layout.num_pages,
                        grad_sets=1 + plan.staleness)
@@ -216,8 +233,11 @@ def build_paged_runtime(cfg: Config, params: Any, example_batch: jax.Array, *,
     updater = PageUpdater(store, slots, bp.updates, small, where, bp.schedule, staleness=cfg.memory.staleness,
                           inline=zero is not None or not cfg.memory.overlap)
     executor = PagedExecutor(model, bp.fns, plan, store, updater,
-                             micro_batch_size=micro_batching(cfg, example_batch.shape[0], zero)[1],
+                             micro_batch_size=decision.rows,
                              host_compute=where["host"].compute, overlap=cfg.memory.overlap)
-    log.info("paged engine: %d stages, %d resident, prefetch %d, predicted step %.3f s",
-             len(staged.stages), len(plan.resident), plan.prefetch, plan.predicted.step_time)
-    return PagedRuntime(executor, plan, costs, bw, budgets, model, store, updater)
+    seconds["pages"] = lap()
+    log.info("paged engine: %d stages, %d resident, prefetch %d, predicted step %.3f s; built in %.1f s (layouts "
+             "%.1f s, compile and profile %.1f s, pages %.1f s)", len(staged.stages), len(plan.resident),
+             plan.prefetch, plan.predicted.step_time, sum(seconds.values()), seconds["layouts"], seconds["profile"],
+             seconds["pages"])
+    return PagedRuntime(executor, plan, costs, bw, budgets, model, store, updater, seconds)

@@ -38,7 +38,7 @@ from angel_jax.optim.guard import StepControls
 from angel_jax.memory.host_peak import HostPeakCheck
 from angel_jax.memory.layout import to_bits, to_values
 from angel_jax.memory.sharded_layout import layout_over
-from angel_jax.schedule.budgets import check_host_room, fit_micro_batch
+from angel_jax.schedule.budgets import decide
 from angel_jax.schedule.runtime import PagedRuntime, build_paged_runtime
 from angel_jax.schedule.timeline import Timeline
 from angel_jax.schedule.zero import Zero
@@ -88,19 +88,19 @@ class PagedTrainEngine:
         # Several devices: every page sharded over all of them, each rank computing on its rows (ZeRO-3).
         self.zero = Zero.over(mesh.devices) if mesh.devices.size > 1 else None
         self.device = self.zero.local_device() if self.zero else mesh.devices.flat[0]
-        if self.zero is None:
-            # train.micro_batch_size 0: the whole batch, or the largest halving whose working set the device holds.
-            cfg = fit_micro_batch(cfg, self.device)
-            self.batch_sharding: jax.sharding.Sharding = jax.sharding.SingleDeviceSharding(self.device)
-            check_host_room(cfg, self.device)  # before anything is profiled or allocated: a refusal costs nothing
-        else:
-            self.batch_sharding = self.zero.rows()
-        self.cfg = cfg
+        self.batch_sharding: jax.sharding.Sharding = self.zero.rows() if self.zero else \
+            jax.sharding.SingleDeviceSharding(self.device)
+        # Budgets and micro-batching decided once (schedule/budgets.py): train.micro_batch_size 0 becomes the whole
+        # batch or the largest halving whose working set the device holds, and a model the budgets cannot hold is
+        # refused from shapes alone, before anything is profiled or allocated.
+        decision = decide(cfg, self.device, cfg.train.batch_size, self.zero)
+        self.cfg = cfg = decision.cfg
         example = jax.make_array_from_callback((cfg.train.batch_size, cfg.model.seq_len + 1), self.batch_sharding,
                                                lambda index: np.zeros((cfg.train.batch_size, cfg.model.seq_len + 1),
                                                                       np.int32)[index])
         # The model is initialised stage by stage straight into its pages' homes: never whole in memory.
-        self.built: PagedRuntime = build_paged_runtime(cfg, None, example, device=self.device, zero=self.zero)
+        self.built: PagedRuntime = build_paged_runtime(cfg, None, example, device=self.device, zero=self.zero,
+                                                       decision=decision)
         self.executor = self.built.executor
         self._timelines_due = {"predicted": True, "measured": True}
         self._steps_here = 0  # steps run by this engine (a resumed run warms up again before recording)
@@ -379,6 +379,10 @@ class PagedTrainEngine:
                          f"small for pages of {human_bytes(layout.page_size_bytes)}; memory, checkpoints and copies "
                          f"carry it): memory.page_size={layout.fitted_page_size()} fits each stage on a page")
         lines.append(f"  predicted step     {plan.predicted.step_time:.3f} s (bandwidths: {built.bandwidths.source})")
+        took = built.build_seconds
+        if took:
+            lines.append(f"  built in           {sum(took.values()):.1f} s: page layouts {took['layouts']:.1f} s, "
+                         f"compile and profile {took['profile']:.1f} s, pages into their homes {took['pages']:.1f} s")
         return lines
 
     def _check_host_peak(self) -> None:

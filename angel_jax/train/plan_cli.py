@@ -34,7 +34,7 @@ from angel_jax.train.metrics import Peak, device_peak
 from angel_jax.train.plan_args import add_plan_arguments
 from angel_jax.train.plan_record import plan_summary, predicted_mfu
 from angel_jax.schedule.blueprint import Blueprint, blueprint, refuse_sharded_optimizer
-from angel_jax.schedule.budgets import fit_micro_batch, local_batch, micro_batching, micro_sizes, stated_budgets
+from angel_jax.schedule.budgets import decide, local_batch, micro_batching, micro_sizes, stated_budgets
 from angel_jax.schedule.runtime import plan_for
 from angel_jax.memory.layout import StageLayout
 from angel_jax.schedule.plan import (Bandwidths, Budgets, Plan, PlanError, StageCost, exchange_bytes,
@@ -179,9 +179,11 @@ def _estimated_plan(cfg: Config, bp: Blueprint, args: argparse.Namespace, peak: 
 
 def _profiled_plan(cfg: Config, bp: Blueprint) -> tuple[Config, Plan, list[StageCost], Budgets, Bandwidths, str]:
     device = jax.devices()[0]
-    cfg = fit_micro_batch(cfg, device)
+    decision = decide(cfg, device, cfg.train.batch_size)
+    cfg = decision.cfg
     example = np.zeros((cfg.train.batch_size, cfg.model.seq_len + 1), np.int32)
-    plan, costs, bw, budgets = plan_for(cfg, bp, example, device)
+    plan, costs, bw = plan_for(decision, bp, example, device)
+    budgets = decision.budgets
     return cfg, plan, costs, budgets, bw, f"profiled on {device.device_kind}; bandwidths: {bw.source}"
 
 
