@@ -302,7 +302,7 @@ def test_estimated_plans_choose_the_micro_batch_size_and_state_mfu_and_bound():
     roomy = _cfg(0, "paged", 10**9)
     cfg, plan, costs, budgets, bw, source = _estimated_plan(roomy, blueprint(roomy), args)
     assert cfg.train.micro_batch_size == BATCH and plan.micro_batches == 1 and "chosen by the planner" in source
-    assert bw.h2d == bw.d2h == 5e9 and "h2d 5 GB/s" in bw.source
+    assert bw.h2d == bw.d2h == 5e9 and "h2d, d2h: 5 GB/s (--h2d-gbps)" in bw.source
     whole = budgets_lib.fixed_device_bytes(dataclasses.replace(roomy, train=dataclasses.replace(roomy.train,
                                                                                               micro_batch_size=8)), 8)
     tight = _cfg(0, "paged", whole)  # the whole batch's working set alone fills it

@@ -85,11 +85,12 @@ def gather_room() -> int:
     return int(psutil.virtual_memory().available) // 2
 
 
-def stated_budgets(cfg: Config, device: jax.Device, local_batch: int) -> Budgets:
-    """The budgets of a plan for another machine (`angel-jax plan --estimate`): the ones the config sets, the
-    device's only where it sets none, and no limit on the host or the disk (this machine's RAM and disk say
-    nothing about the target's)."""
-    return Budgets(device=device_budget(cfg, device), host=cfg.memory.host_budget or None,
+def stated_budgets(cfg: Config, device: jax.Device, local_batch: int, target_device: int | None = None) -> Budgets:
+    """The budgets of a plan for another machine (`angel-jax plan --estimate`): the ones the config sets; where it
+    sets no device budget, the target's device memory (`target_device`, from its calibration) or else this
+    device's; no limit on the host or the disk (this machine's RAM and disk say nothing about the target's)."""
+    device_bytes = cfg.memory.device_budget or target_device or device_budget(cfg, device)
+    return Budgets(device=device_bytes, host=cfg.memory.host_budget or None,
                    disk=(cfg.memory.disk_budget or None) if cfg.memory.disk_dir else 0,
                    fixed_device=fixed_device_bytes(cfg, local_batch),
                    saved_device=saved_input_bytes(cfg, local_batch))

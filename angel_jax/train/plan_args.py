@@ -17,8 +17,14 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="with --estimate: the target device's peak (default: this device's, from the device table "
                         "or a measured matmul)")
-    target = p.add_argument_group("the target machine's links, with --estimate (default: this machine's "
-                                  "calibration from `angel-jax bench io`, else built-in defaults)")
+    target = p.add_argument_group("the target machine, with --estimate: its calibration file, or its links one by "
+                                  "one (they win over the file); with neither, built-in figures labelled assumed. "
+                                  "No target named at all: this machine (its peak and `angel-jax bench io` "
+                                  "calibration)")
+    target.add_argument("--calibration", type=Path, default=None,
+                        help="the target's measured figures (experiments/bench/calibration.py builds one from a "
+                             "machine's committed measurements, e.g. experiments/results/h200_calibration.json): "
+                             "the compute rate stage times are estimated at, links, disk, host update speed")
     target.add_argument("--h2d-gbps", type=float, default=None, help="host -> device copies, GB/s (pinned)")
     target.add_argument("--d2h-gbps", type=float, default=None, help="device -> host copies, GB/s (default: h2d)")
     target.add_argument("--disk-read-gbps", type=float, default=None, help="disk tier reads, GB/s")

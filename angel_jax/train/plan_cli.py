@@ -4,8 +4,10 @@ Prints the page table (bytes of each page family on each tier), the predicted st
 bytes per tier, and writes the predicted timeline (a Gantt chart per stream) as `timeline_predicted.png` and
 `.json`, plus `plan.json`, to `--out` (default: the config's run directory). Nothing of the model is allocated:
 layouts come from abstract shapes. Stage times are profiled on this machine's first device with zero-filled pages
-(the functions training would run), or, with `--estimate`, derived from FLOPs and the device's peak (to plan a GPU
-run on a machine without that GPU: pass the budgets the GPU machine will have, e.g. memory.device_budget=80e9).
+(the functions training would run), or, with `--estimate`, derived from FLOPs at the target's compute rate and its
+links (to plan a GPU run on a machine without that GPU: `--calibration` with the GPU machine's measured figures,
+or its peak and links as flags, and the budgets it will have, e.g. memory.device_budget=80e9; train/plan_target.py
+says where each figure comes from, and the report names each one's source).
 
 `--estimate --devices N --link-gbps G` plans a data-parallel run of N ranks (ZeRO-3): every page family is
 partitioned over the ranks, and the plan is one rank's. Its costs are per rank: a stage's bytes are one rank's
@@ -20,7 +22,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-from dataclasses import replace
 from pathlib import Path
 
 import jax
@@ -28,17 +29,16 @@ import numpy as np
 
 from angel_jax.config import Config, load_config
 from angel_jax.errors import AngelError
-from angel_jax.memory.bench_io import default_calibration_path
 from angel_jax.optim.fused import host_update_by
-from angel_jax.train.metrics import Peak, device_peak
+from angel_jax.train.metrics import device_peak
 from angel_jax.train.plan_args import add_plan_arguments
 from angel_jax.train.plan_record import plan_summary, predicted_mfu
+from angel_jax.train.plan_target import PlanTarget, plan_target
 from angel_jax.schedule.blueprint import Blueprint, blueprint, refuse_sharded_optimizer
 from angel_jax.schedule.budgets import decide, local_batch, micro_batching, micro_sizes, stated_budgets
 from angel_jax.schedule.runtime import plan_for
 from angel_jax.memory.layout import StageLayout
-from angel_jax.schedule.plan import (Bandwidths, Budgets, Plan, PlanError, StageCost, exchange_bytes,
-                                     load_bandwidths, make_plan)
+from angel_jax.schedule.plan import Bandwidths, Budgets, Plan, PlanError, StageCost, exchange_bytes, make_plan
 from angel_jax.units import human_bytes
 import models
 
@@ -110,37 +110,11 @@ def estimate_costs(cfg: Config, bp: Blueprint, peak_flops: float, device_bw: flo
 
 
 
-def target_bandwidths(args: argparse.Namespace) -> tuple[Bandwidths, float, float]:
-    """(copy and disk bandwidths, device memory bandwidth, host memory bandwidth) of the machine a plan is
-    estimated for: the command line's figures where given, else this machine's calibration, else defaults."""
-    bw = load_bandwidths(default_calibration_path())
-    figures = json.loads(Path(default_calibration_path()).read_text()).get("bandwidth_Bps", {}) \
-        if Path(default_calibration_path()).is_file() else {}
-    given = {key: getattr(args, f"{key}_gbps", None)
-             for key in ("h2d", "d2h", "disk_read", "disk_write", "link", "host")}
-    if given["h2d"] and not given["d2h"]:
-        given["d2h"] = given["h2d"]
-    changes = {key: value * 1e9 for key, value in given.items() if value and key != "host"}
-    if changes:
-        named = ", ".join(f"{k.replace('_', '-')} {v:g} GB/s" for k, v in given.items() if v)
-        bw = replace(bw, **changes, disk_read_cpu=0.0, disk_write_cpu=0.0, source=f"given: {named}; "
-                     f"otherwise {bw.source}")
-    host_bw = given["host"] * 1e9 if given["host"] else figures.get("host_memcpy", 10e9)
-    return bw, figures.get("device_copy", 1e12), host_bw
-
-
-def target_peak(args: argparse.Namespace) -> Peak:
-    """The peak FLOP/s per device a plan is estimated for: --peak-tflops, else this device's (its table entry, or a
-    measured matmul). Taken once per plan: the stage times and the MFU must be over the same figure, and a measured
-    peak moves between two measurements."""
-    return Peak(args.peak_tflops * 1e12, "--peak-tflops") if args.peak_tflops else device_peak(jax.devices()[0])
-
-
-def _estimated_plan(cfg: Config, bp: Blueprint, args: argparse.Namespace, peak: Peak | None = None
+def _estimated_plan(cfg: Config, bp: Blueprint, args: argparse.Namespace, target: PlanTarget | None = None
                     ) -> tuple[Config, Plan, list[StageCost], Budgets, Bandwidths, str]:
     device = jax.devices()[0]
-    peak = peak or target_peak(args)
-    bw, device_bw, host_bw = target_bandwidths(args)
+    target = target or plan_target(args)
+    bw = target.bandwidths
     ranks = target_ranks(cfg, args)
     if ranks > 1:
         refuse_sharded_optimizer(cfg)
@@ -149,17 +123,15 @@ def _estimated_plan(cfg: Config, bp: Blueprint, args: argparse.Namespace, peak: 
                          "collectives: give --link-gbps (GB/s each rank sends; e.g. NVLink ~150-300 per GPU within "
                          "a server, InfiniBand ~25-50 across servers)")
     local = local_batch(cfg, ranks)
-    # A target named by its peak or links is another machine, an accelerator with streams of its own; without
-    # them the plan is for this machine, whose CPU backend computes, copies and updates on the same cores.
-    target = args.peak_tflops or any(getattr(args, f"{k}_gbps", None)
-                                     for k in ("h2d", "d2h", "disk_read", "disk_write", "link", "host"))
-    shared_cpu = device.platform == "cpu" and not target
+    # A target named by its peak, links or calibration is another machine, an accelerator with streams of its own;
+    # without one the plan is for this machine, whose CPU backend computes, copies and updates on the same cores.
+    shared_cpu = device.platform == "cpu" and not target.other_machine
     best = None
     errors = []
     for size in micro_sizes(cfg, ranks):  # largest first: a smaller one only when predicted faster by more than noise
         trial = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batch_size=size))
-        costs = estimate_costs(trial, bp, peak.flops_per_device, device_bw, host_bw, ranks)
-        budgets = stated_budgets(trial, device, local)
+        costs = estimate_costs(trial, bp, target.compute_flops, target.device_bw, target.host_bw, ranks)
+        budgets = stated_budgets(trial, device, local, target.device_memory)
         try:
             plan = make_plan(costs, bw, budgets, staleness=trial.memory.staleness, shared_cpu=shared_cpu,
                              micro_batches=micro_batching(trial, local)[0], passes=trial.memory.passes or None,
@@ -173,8 +145,8 @@ def _estimated_plan(cfg: Config, bp: Blueprint, args: argparse.Namespace, peak: 
         raise errors[-1]
     trial, plan, costs, budgets = best
     chosen = " (micro-batch size chosen by the planner)" if not cfg.train.micro_batch_size else ""
-    return trial, plan, costs, budgets, bw, f"estimated from FLOPs at {peak.flops_per_device / 1e12:.1f} " \
-                                            f"TFLOP/s ({peak.source}); bandwidths: {bw.source}{chosen}"
+    return trial, plan, costs, budgets, bw, f"estimated from FLOPs at {target.compute_flops / 1e12:.1f} " \
+                                            f"TFLOP/s ({target.sources['compute']}); {bw.source}{chosen}"
 
 
 def _profiled_plan(cfg: Config, bp: Blueprint) -> tuple[Config, Plan, list[StageCost], Budgets, Bandwidths, str]:
@@ -264,8 +236,9 @@ def main(args: list[str] | argparse.Namespace | None = None) -> int:
                          "(a profiled plan is this process's, of one rank)")
     cfg = load_config(args.config, list(args.overrides))
     bp = blueprint(cfg)
-    peak = target_peak(args) if args.estimate else device_peak(jax.devices()[0])
-    cfg, plan, costs, budgets, bw, source = (_estimated_plan(cfg, bp, args, peak) if args.estimate
+    target = plan_target(args) if args.estimate else None
+    peak = target.peak if target else device_peak(jax.devices()[0])
+    cfg, plan, costs, budgets, bw, source = (_estimated_plan(cfg, bp, args, target) if target
                                              else _profiled_plan(cfg, bp))
     peak = peak.flops_per_device
     print("\n".join(report(cfg, plan, costs, budgets, bw, source, peak)))

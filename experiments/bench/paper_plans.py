@@ -18,12 +18,15 @@ on each command line.
     python experiments/bench/paper_plans.py [--only NAME] [--no-save]
 
 Nothing is measured here: every figure is the planner's prediction from FLOPs at the stated peak (989 TFLOP/s,
-an H100/H200 SXM's dense bf16) and the stated bandwidths. Two sets of links are assumed:
+an H100/H200 SXM's dense bf16) and the stated bandwidths. Two sets of links are assumed, and one is measured:
 
   conservative   h2d/d2h 25 GB/s (a PCIe Gen4 x16 link), disk 3 GB/s read and write (one NVMe SSD), host memory
                  traffic 50 GB/s for the host optimizer and gradient sums (a fraction of a server socket's)
   gen5           h2d/d2h 50 GB/s (PCIe Gen5 x16, as on H100/H200 SXM servers), disk 6 GB/s read / 4 GB/s write
                  (one PCIe Gen4 NVMe SSD), host 100 GB/s
+  h200_measured  experiments/results/h200_calibration.json: one H200 machine's figures (compute at the rate the
+                 in-memory engine reached there, ~420 TFLOP/s of the 989; pinned links ~49 GB/s; disk tier 1.4 read
+                 / 1.8 write GB/s; host update 5.1 GB/s), under that machine's budgets (`H200_CASES`)
 
 Per case (one JSON line each, appended to experiments/results/paper_plans_<platform>.jsonl unless --no-save; the
 Gantt chart, plan.json and the command line (command.txt) under experiments/results/paper_plans/<case>/): the
@@ -52,7 +55,20 @@ RANK_1TB = ["memory.device_budget=80000000000", "memory.host_budget=100000000000
 """Each rank's budgets in the GPT-3 setting (its batch is the config's: 1536)."""
 PEAK = ["--estimate", "--peak-tflops", "989"]
 LINKS = {"conservative": ["--h2d-gbps", "25", "--disk-read-gbps", "3", "--disk-write-gbps", "3", "--host-gbps", "50"],
-         "gen5": ["--h2d-gbps", "50", "--disk-read-gbps", "6", "--disk-write-gbps", "4", "--host-gbps", "100"]}
+         "gen5": ["--h2d-gbps", "50", "--disk-read-gbps", "6", "--disk-write-gbps", "4", "--host-gbps", "100"],
+         # One H200 machine's measured figures (experiments/bench/calibration.py): compute at the rate the in-memory
+         # engine reached there, its links, disk tier and host update speed.
+         "h200_measured": ["--calibration", "experiments/results/h200_calibration.json"]}
+H200_BUDGETS = ["memory.device_budget=141000000000", "memory.host_budget=118111600640",
+                "memory.disk_budget=64424509440"]
+"""One H200 machine as measured: 141 GB of HBM, 110 GiB of host memory for the host tier, 60 GiB of disk."""
+H200_CASES = {
+    # The throughput issue's two figures on paper: gpt_13b at 64 x 2048 tokens per step, and gpt_1b with a quarter
+    # of its training state's bytes (19.4 GB: 1.21 B parameters x 16 B) on the device at 32 x 2048.
+    "gpt_13b_h200_measured_64x2048": ("experiments/gpt_13b.yaml", ["train.batch_size=64"], H200_BUDGETS),
+    "gpt_1b_h200_measured_state4_32x2048": ("experiments/gpt_1b.yaml", ["train.batch_size=32"],
+                                            ["memory.device_budget=4850000000", *H200_BUDGETS[1:]]),
+}
 COLLECTIVES = {"nvlink": ["--link-gbps", "150"], "infiniband": ["--link-gbps", "25"]}
 
 
@@ -150,6 +166,8 @@ def main() -> int:
     cases = {name: (config, overrides, links, BUDGETS, []) for name, (config, overrides, links) in CASES.items()}
     cases.update({name: (c.config, list(c.overrides), c.links, list(c.budgets),
                          ["--devices", str(c.devices), *COLLECTIVES[c.collectives]]) for name, c in MULTI.items()})
+    cases.update({name: (config, overrides, "h200_measured", budgets, [])
+                  for name, (config, overrides, budgets) in H200_CASES.items()})
     with tempfile.TemporaryDirectory() as tmp:
         for name, (config, overrides, links, budgets, target) in cases.items():
             if args.only and name != args.only:
