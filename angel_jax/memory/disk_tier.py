@@ -68,12 +68,16 @@ def _reason(msg: str) -> str:
     return "I/O error"
 
 
+PAGES_SUBDIR = "angel_jax_pages"
+"""The disk tier's directory inside memory.disk_dir (a process of a multi-process job appends `.process_<p>`)."""
+
+
 class DiskTier(Tier):
     """Pages on local disk through tensorstore zarr3. Construction touches nothing; `open()` (called by the first
     write) checks the directory and prepares the tier's subdirectory."""
 
     def __init__(self, directory: str | os.PathLike, budget: int | None = None, *, name: str = "disk",
-                 subdir: str = "angel_jax_pages", file_io_concurrency: int = 8, data_copy_concurrency: int = 2,
+                 subdir: str = PAGES_SUBDIR, file_io_concurrency: int = 8, data_copy_concurrency: int = 2,
                  checksum_workers: int = 2, io_mode: str = "memmap", sync: bool = True):
         if io_mode not in IO_MODES:
             raise ValueError(f"io_mode must be one of {IO_MODES}, got {io_mode!r}")

@@ -28,6 +28,7 @@ import numpy as np
 from angel_jax.config import Config, ConfigError
 from angel_jax.memory import DeviceTier, DiskTier, HostTier, PageLayout, PageStore, host_memory_kind
 from angel_jax.memory.bench_io import default_calibration_path
+from angel_jax.memory.disk_tier import PAGES_SUBDIR
 from angel_jax.memory.malloc import return_large_frees_to_the_os
 from angel_jax.memory.serial import SerialStore
 from angel_jax.memory.tiers import page_sharding
@@ -100,11 +101,9 @@ def make_store(cfg: Config, device: jax.Device, budgets: Budgets, plan: Plan, ze
     over = zero.mesh if zero is not None else None
     disk = None
     if cfg.memory.disk_dir:
-        if zero is not None and len({d.process_index for d in zero.mesh.devices.flat}) > 1:
-            disk = DiskTier(cfg.memory.disk_dir, budget=budgets.disk,
-                            subdir=f"angel_jax_pages.process_{jax.process_index()}")
-        else:
-            disk = DiskTier(cfg.memory.disk_dir, budget=budgets.disk)
+        per_process = zero is not None and len({d.process_index for d in zero.mesh.devices.flat}) > 1
+        subdir = f"{PAGES_SUBDIR}.process_{jax.process_index()}" if per_process else PAGES_SUBDIR
+        disk = DiskTier(cfg.memory.disk_dir, budget=budgets.disk, subdir=subdir)
     return PageStore(DeviceTier(device, budget=budgets.device - plan.fixed_device, over=over),
                      HostTier(device, budget=budgets.host, over=over), disk)
 

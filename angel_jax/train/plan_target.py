@@ -31,6 +31,8 @@ from angel_jax.train.metrics import Peak, device_peak
 
 LINK_FLAGS = ("h2d", "d2h", "disk_read", "disk_write", "link", "host")
 """The `--<name>-gbps` flags that name a target's links."""
+LINK_FIGURES = ("h2d", "d2h", "disk read", "disk write", "host update")
+"""The figures besides compute whose source the report names."""
 ASSUMED_DEVICE_BW = 1e12
 """Device memory bytes/s an estimate assumes when nothing states the target's (the device's own updates)."""
 ASSUMED_HOST_BW = 10e9
@@ -94,8 +96,7 @@ def plan_target(args: argparse.Namespace) -> PlanTarget:
                         disk_write=figures["disk_write"], source=label)
         device_bw = float(figures.get("device_copy", ASSUMED_DEVICE_BW))
         host_bw = float(figures["host_update"])
-        for key in ("h2d", "d2h", "disk read", "disk write", "host update"):
-            sources[key] = label
+        sources.update(dict.fromkeys(LINK_FIGURES, label))
         device_memory = cal.get("device_memory_bytes")
     elif other:
         label = "assumed (built-in: name the target's with --calibration or the --*-gbps flags)"
@@ -104,8 +105,7 @@ def plan_target(args: argparse.Namespace) -> PlanTarget:
         sources["compute"] = peak.source
         bw = Bandwidths(source=label)
         device_bw, host_bw, device_memory = ASSUMED_DEVICE_BW, ASSUMED_HOST_BW, None
-        for key in ("h2d", "d2h", "disk read", "disk write", "host update"):
-            sources[key] = label
+        sources.update(dict.fromkeys(LINK_FIGURES, label))
     else:  # this machine
         path = default_calibration_path()
         bw = load_bandwidths(path)
@@ -115,8 +115,7 @@ def plan_target(args: argparse.Namespace) -> PlanTarget:
         sources["compute"] = peak.source
         device_bw = figures.get("device_copy", ASSUMED_DEVICE_BW)
         host_bw = figures.get("host_memcpy", ASSUMED_HOST_BW)
-        for key in ("h2d", "d2h", "disk read", "disk write", "host update"):
-            sources[key] = f"this machine ({bw.source})"
+        sources.update(dict.fromkeys(LINK_FIGURES, f"this machine ({bw.source})"))
         device_memory = None
     if args.peak_tflops and calibration is not None:
         peak = Peak(args.peak_tflops * 1e12, "--peak-tflops")  # the MFU's reference; stage times stay measured

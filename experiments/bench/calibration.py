@@ -18,7 +18,8 @@ From the `*_gpu.jsonl` records whose machine is that device:
   device_memory_bytes  the device's memory (probe_device's memory statistics), the device budget of a plan
                   whose config sets none
 
-Each figure names the file, record and date it came from (`sources`).
+Each figure names the file, record and date it came from (`sources`); `machines` gives, per file, the machine,
+versions and date of the record used.
 """
 
 from __future__ import annotations
@@ -26,14 +27,13 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 from pathlib import Path
 from typing import Any, Iterator
 
+from angel_jax.train.metrics import PEAK_FLOPS
+
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "experiments" / "results"
-REMAT_CONFIGS = {"gpt_1b", "gpt_13b"}
-"""Configs whose blocks are rematerialised (model.remat: true), the ones paged_gpu.py's in-memory runs use."""
 
 
 def records(name: str, device: str) -> Iterator[dict[str, Any]]:
@@ -43,7 +43,7 @@ def records(name: str, device: str) -> Iterator[dict[str, Any]]:
     for line in path.read_text().splitlines():
         if line.strip():
             r = json.loads(line)
-            if device in str(r.get("machine", {}).get("device", "")) or device in str(r.get("kind", "")):
+            if device in str(r.get("machine", {}).get("device", "")):
                 yield r
 
 
@@ -51,10 +51,13 @@ def _where(name: str, r: dict) -> str:
     return f"{name} {r.get('figure') or r.get('what')} ({str(r.get('machine', {}).get('date', '?'))[:10]})"
 
 
-def peak_flops(device: str) -> float:
-    sys.path.insert(0, str(ROOT))
-    from angel_jax.train.metrics import PEAK_FLOPS
+def _machines(used: dict[str, dict]) -> dict[str, dict]:
+    """Per source file, the machine its record was measured on: device, host CPU, versions, date."""
+    return {name: {k: r.get("machine", {}).get(k) for k in ("device", "cpu", "cpu_count", "versions", "date")}
+            for name, r in used.items()}
 
+
+def peak_flops(device: str) -> float:
     keys = [k for k in PEAK_FLOPS if k in device]
     if not keys:
         raise SystemExit(f"{device!r} is not in train/metrics.py's peak table: add its datasheet peak there")
@@ -64,13 +67,16 @@ def peak_flops(device: str) -> float:
 def build(device: str) -> dict[str, Any]:
     peak = peak_flops(device)
     sources: dict[str, str] = {}
+    used: dict[str, dict] = {}
     mfus = []
     for r in records("paged_gpu_gpu.jsonl", device):
         if r.get("figure") == "fits_auto" and r.get("reference_mfu"):
             mfus.append((r["reference_mfu"], _where("paged_gpu_gpu.jsonl", r) + ": the in-memory reference"))
+            used["paged_gpu_gpu.jsonl"] = r
     for r in records("paged_gpu_rungs_gpu.jsonl", device):
         if r.get("figure") == "rung" and r.get("engine") == "in_memory" and r.get("ok") and r.get("mfu"):
             mfus.append((r["mfu"], _where("paged_gpu_rungs_gpu.jsonl", r) + f": {r['layers']} layers in memory"))
+            used["paged_gpu_rungs_gpu.jsonl"] = r
     if not mfus:
         raise SystemExit(f"no in-memory MFU measured on {device}: run experiments/bench/paged_gpu.py there")
     remat = 4 / 3  # paged_gpu.py builds its rungs on gpt_1b.yaml (model.remat: true)
@@ -85,10 +91,12 @@ def build(device: str) -> dict[str, Any]:
     bandwidth = {key: io[figure]["GBps"] * 1e9 for key, figure in need.items()}
     for key, figure in need.items():
         sources[key] = _where("io_gpu.jsonl", io[figure])
+    used["io_gpu.jsonl"] = io["h2d_pinned"]
     updates = [r for r in records("host_optimizer_gpu.jsonl", device) if r.get("figure") == "update"]
     if not updates:
         raise SystemExit(f"no host update measured on {device}: run experiments/bench/host_optimizer.py there")
     latest = max(updates, key=lambda r: r.get("machine", {}).get("date", ""))
+    used["host_optimizer_gpu.jsonl"] = latest
     bandwidth["host_update"] = latest["bytes_moved"] / latest["update_s_median"]
     how = "the fused host kernel" if latest.get("update_by") == "host kernel" else \
         "XLA's CPU update (no fused-kernel figure there yet)"
@@ -106,8 +114,10 @@ def build(device: str) -> dict[str, Any]:
         if isinstance(stats, dict) and stats.get("bytes_limit"):
             out["device_memory_bytes"] = int(stats["bytes_limit"])
             sources["device_memory_bytes"] = _where("probe_device_gpu.jsonl", r) + ": memory_stats bytes_limit"
+            used["probe_device_gpu.jsonl"] = r
     sources["compute_flops"] = "; ".join(w for _, w in mfus)
     out["sources"] = sources
+    out["machines"] = _machines(used)
     out["built_by"] = "experiments/bench/calibration.py"
     return out
 
