@@ -175,7 +175,7 @@ def _train(args: argparse.Namespace) -> int:
     from angel_jax.tol.faults import FaultHooks
     from angel_jax.train.loop import persisted_text, train  # jax is imported only when needed: `--help` stays instant
 
-    from angel_jax.schedule.budgets import configure_pinned_limit
+    from angel_jax.schedule.pinned_limit import configure_pinned_limit
     from angel_jax.train.preemption import Preempted
 
     if line := configure_pinned_limit(cfg):  # before jax starts a GPU client, which reads the limit once

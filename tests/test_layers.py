@@ -149,3 +149,22 @@ def test_budgets_are_decided_in_one_module():
             if isinstance(node, ast.FunctionDef) and node.name == "device_free_bytes" and m != BUDGETS_MODULE:
                 wrong.append(f"{m}:{node.lineno} defines device_free_bytes")
     assert not wrong, f"budgets decided outside {BUDGETS_MODULE}:\n" + "\n".join(wrong)
+
+
+SETUP_ORDER = ["angel_jax.schedule.blueprint", "angel_jax.schedule.budgets", "angel_jax.schedule.runtime"]
+"""The paged engine's set-up, in the order it runs: the model's layouts and stage functions from shapes, the
+budgets decided from their sizes, the runtime under that decision (train/paged.py)."""
+
+
+def test_the_paged_engines_setup_runs_one_way():
+    """Each set-up step imports none of the steps after it, and the budgets none of the others (they take the
+    model's sizes as an argument): the config goes blueprint -> budgets -> runtime and never back, so a budget is
+    decided before anything uses it and nothing decides one again."""
+    modules = all_modules()
+    known = set(modules)
+    wrong = []
+    for i, step in enumerate(SETUP_ORDER):
+        later = set(SETUP_ORDER[i + 1:]) | ({"angel_jax.schedule.blueprint"} if step.endswith("budgets") else set())
+        for imported in imports_of(modules[step], known) & later:
+            wrong.append(f"{step} imports {imported}")
+    assert not wrong, "\n".join(wrong)

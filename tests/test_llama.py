@@ -262,7 +262,7 @@ def test_the_planning_estimates_count_this_familys_shapes():
     width = (CFG.n_heads + 2 * CFG.kv_heads) * D + 3 * CFG.hidden  # q, k, v; gate, up, their product
     block = tokens * width * 4 * 2 + B * CFG.n_heads * T * T * 4
     assert block > 3 * tokens * V * 4  # the block's working set is the larger, so it is the one counted
-    assert fixed_device_bytes(cfg, B) == (L + 1) * tokens * d * 4 + block + tokens * 8
+    assert fixed_device_bytes(cfg, B, blueprint(cfg).sizes) == (L + 1) * tokens * d * 4 + block + tokens * 8
 
 
 # ---------------------------------------------------------------------------------------------- decoding

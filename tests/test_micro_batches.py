@@ -273,7 +273,8 @@ def test_plan_charges_each_access_the_calls_of_every_micro_batch():
                              and not e.label.startswith("update"))
     np.testing.assert_allclose(compute(four), 4 * compute(one))
     # Device bytes: the saved stage inputs of the whole batch, the working set of one micro-batch, float32 sums.
-    whole, micro = fixed_device_bytes(_cfg(0), BATCH), fixed_device_bytes(_cfg(MICRO), BATCH)
+    sizes = blueprint(_cfg(0)).sizes
+    whole, micro = fixed_device_bytes(_cfg(0), BATCH, sizes), fixed_device_bytes(_cfg(MICRO), BATCH, sizes)
     assert micro < whole
     tokens = BATCH * MODEL.seq_len
     saved = (MODEL.n_layers + 1) * tokens * MODEL.d_model * 4
@@ -304,7 +305,8 @@ def test_estimated_plans_choose_the_micro_batch_size_and_state_mfu_and_bound():
     assert cfg.train.micro_batch_size == BATCH and plan.micro_batches == 1 and "chosen by the planner" in source
     assert bw.h2d == bw.d2h == 5e9 and "h2d, d2h: 5 GB/s (--h2d-gbps)" in bw.source
     whole = budgets_lib.fixed_device_bytes(dataclasses.replace(roomy, train=dataclasses.replace(roomy.train,
-                                                                                              micro_batch_size=8)), 8)
+                                                                                              micro_batch_size=8)), 8,
+                                           blueprint(roomy).sizes)
     tight = _cfg(0, "paged", whole)  # the whole batch's working set alone fills it
     cfg, plan, costs, budgets, bw, source = _estimated_plan(tight, blueprint(tight), args)
     assert cfg.train.micro_batch_size < BATCH and plan.peak_bytes["device"] <= whole
@@ -350,11 +352,12 @@ def test_the_paged_engine_halves_a_whole_batch_the_device_cannot_hold():
     from angel_jax.schedule.plan import minimum_device_bytes
 
     cpu = jax.devices()[0]
-    assert budgets_lib.fit_micro_batch(_cfg(0, "paged", 10**9), cpu).train.micro_batch_size == 0
-    costs = budgets_lib.shape_costs(_cfg(0, "paged"))
-    need = {size: minimum_device_bytes(costs, budgets_lib.budgets_for(_cfg(size, "paged"), cpu, BATCH), BATCH // size)
+    sizes = blueprint(_cfg(0, "paged")).sizes
+    assert budgets_lib.fit_micro_batch(_cfg(0, "paged", 10**9), cpu, sizes).train.micro_batch_size == 0
+    need = {size: minimum_device_bytes(sizes.stages, budgets_lib.budgets_for(_cfg(size, "paged"), cpu, BATCH, sizes),
+                                       BATCH // size)
             for size in (8, 4, 2, 1)}
     assert need[8] > need[4] > need[2]
-    assert budgets_lib.fit_micro_batch(_cfg(0, "paged", need[4]), cpu).train.micro_batch_size == 4
-    assert budgets_lib.fit_micro_batch(_cfg(0, "paged", need[2]), cpu).train.micro_batch_size == 2
-    assert budgets_lib.fit_micro_batch(_cfg(0, "paged", need[1] - 1), cpu).train.micro_batch_size == 0
+    assert budgets_lib.fit_micro_batch(_cfg(0, "paged", need[4]), cpu, sizes).train.micro_batch_size == 4
+    assert budgets_lib.fit_micro_batch(_cfg(0, "paged", need[2]), cpu, sizes).train.micro_batch_size == 2
+    assert budgets_lib.fit_micro_batch(_cfg(0, "paged", need[1] - 1), cpu, sizes).train.micro_batch_size == 0

@@ -345,6 +345,7 @@ def test_on_the_cpu_with_a_disk_tier_the_default_budgets_give_the_host_its_windo
 
     from angel_jax.config import load_config
     from angel_jax.schedule import budgets as budgets_lib
+    from angel_jax.schedule.blueprint import blueprint
     from angel_jax.schedule.plan import min_host_bytes
 
     vm = collections.namedtuple("vm", "total available")
@@ -353,14 +354,15 @@ def test_on_the_cpu_with_a_disk_tier_the_default_budgets_give_the_host_its_windo
                       ["model.d_model=2048", "model.n_heads=16", "model.seq_len=128", "model.n_layers=64",
                        "train.batch_size=1", "memory.mode=paged", f"memory.disk_dir={tmp_path}"])
     cpu = jax.devices("cpu")[0]
-    device, host = budgets_lib.device_budget(cfg, cpu), budgets_lib.host_budget(cfg, cpu)
-    window = min_host_bytes(budgets_lib.shape_costs(cfg))
+    sizes = blueprint(cfg).sizes
+    device, host = budgets_lib.device_budget(cfg, cpu, sizes), budgets_lib.host_budget(cfg, cpu, sizes)
+    window = min_host_bytes(sizes.stages)
     assert host == int(budgets_lib.HOST_WINDOW_SLACK * window) and window > 2.3 * 2**30
     assert device + host == (21 << 30) - (24 << 30) // 10  # the room, split
-    budgets_lib.check_host_room(cfg, cpu)  # plans: no PlanError
+    budgets_lib.check_host_room(cfg, cpu, sizes)  # plans: no PlanError
     # Without a disk tier the streamed pages live on the host: the budgets keep their own rules.
     cfg.memory.disk_dir = ""
-    assert budgets_lib.cpu_split(cfg, cpu) is None
+    assert budgets_lib.cpu_split(cfg, cpu, sizes) is None
 
 
 def test_lock_free_with_gradients_on_disk(tmp_path):

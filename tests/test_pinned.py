@@ -13,6 +13,8 @@ import pytest
 from angel_jax.config import load_config
 from angel_jax.memory import pinned
 from angel_jax.schedule import budgets as budgets_lib
+from angel_jax.schedule.blueprint import blueprint
+from angel_jax.schedule.pinned_limit import configure_pinned_limit
 
 GIB, MIB = 1 << 30, 1 << 20
 ROOT = Path(__file__).resolve().parents[1]
@@ -59,8 +61,8 @@ def _cfg(*overrides: str):
 
 def test_before_the_gpu_client_starts_the_limit_is_set_to_the_plans_host_tier(h200, monkeypatch):
     cfg = _cfg("memory.mode=paged")
-    line = budgets_lib.configure_pinned_limit(cfg)
-    need = budgets_lib.pinned_host_need(cfg, int(141e9 * 0.75))
+    line = configure_pinned_limit(cfg)
+    need = budgets_lib.pinned_host_need(cfg, blueprint(cfg).sizes, int(141e9 * 0.75))
     assert need is not None and need > 64 * GIB  # more than XLA's default would give
     gib = int(os.environ[pinned.LIMIT_ENV])
     assert gib == pinned.limit_for(need) and gib * GIB < 120 * GIB - 12.5 * GIB  # under the host budget
@@ -69,11 +71,11 @@ def test_before_the_gpu_client_starts_the_limit_is_set_to_the_plans_host_tier(h2
 
 def test_the_limit_is_left_alone_when_set_in_memory_or_without_a_gpu(h200, monkeypatch):
     monkeypatch.setenv(pinned.LIMIT_ENV, "50")
-    assert budgets_lib.configure_pinned_limit(_cfg("memory.mode=paged")) is None
+    assert configure_pinned_limit(_cfg("memory.mode=paged")) is None
     monkeypatch.delenv(pinned.LIMIT_ENV)
-    assert budgets_lib.configure_pinned_limit(_cfg("memory.mode=in_memory")) is None
+    assert configure_pinned_limit(_cfg("memory.mode=in_memory")) is None
     monkeypatch.setattr(pinned, "gpu_memory_bytes", lambda: None)
-    assert budgets_lib.configure_pinned_limit(_cfg("memory.mode=paged")) is None
+    assert configure_pinned_limit(_cfg("memory.mode=paged")) is None
     assert pinned.LIMIT_ENV not in os.environ
 
 

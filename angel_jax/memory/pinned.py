@@ -8,7 +8,7 @@ So a pool whose limit is far above what the engine needs can take all of it in i
 H200 held 64 GiB of pages when its first step's gradients needed a little more, and the pool asked for the next
 region, 113 GiB (the limit, 90% of RAM) less 64 = 49 GiB in one piece (52,613,349,376 B), and the process was
 killed for host memory. The limit is the only bound on the pool: the engine sets it, before the GPU client starts,
-to what its plan puts in the host tier (`schedule.budgets.configure_pinned_limit`), and holds its plans to it.
+to what its plan puts in the host tier (`schedule.pinned_limit.configure_pinned_limit`), and holds its plans to it.
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@ page exists (what planning, profiling, checkpoint reading and the engine share).
 
     bp = blueprint(cfg)              # cached per configuration in the process
     bp.params_layout.stage("block").nbytes
+    bp.sizes                         # what the budgets need to know of the model (schedule/budgets.py)
     params_layout(cfg)               # the parameter pages alone: nothing compiled
 """
 
@@ -24,6 +25,7 @@ from angel_jax.memory.sharded_layout import ShardedPageLayout
 from angel_jax.optim import is_elementwise, make_optimizer
 from angel_jax.optim.fused import host_optimizer
 from angel_jax.optim.stage_update import OptLayout, abstract_opt_state, paged_paths
+from angel_jax.schedule.plan import ModelBytes, StageCost
 from angel_jax.schedule.stagefns import StageFunctions
 from angel_jax.schedule.updater import StageUpdates
 from angel_jax.schedule.zero import Zero
@@ -44,6 +46,8 @@ class Blueprint:
     fns: StageFunctions
     updates: StageUpdates
     schedule: Any
+    sizes: ModelBytes
+    """What the budgets need to know of the model: its stages' bytes and its parameters' layout on one device."""
 
 
 def blueprint(cfg: Config, zero: Zero | None = None) -> Blueprint:
@@ -134,5 +138,9 @@ def _blueprint(cfg: Config, zero: Zero | None = None) -> Blueprint:
     kernel = host_optimizer(cfg.optimizer, schedule)
     fns = StageFunctions(staged, params_layout, opt_layout, structure, tx, cfg.optimizer.grad_clip, zero,
                          elementwise=is_elementwise(cfg.optimizer), kernel=kernel)
+    one_device = params_layout if zero is None else \
+        PageLayout.build(zip(names, stage_params), cfg.memory.page_size, params_apart(staged))
+    sizes = ModelBytes([StageCost(n, params_layout.stage(n).nbytes, opt_layout.stage(n).nbytes, 0.0, 0.0, 0.0, 0.0)
+                        for n in names], one_device)
     return Blueprint(staged, params_layout, opt_layout, structure, opt_small, fns,
-                     StageUpdates(fns.update, fns.update_norm), schedule)
+                     StageUpdates(fns.update, fns.update_norm), schedule, sizes)

@@ -4,7 +4,8 @@ The only reader of `memory.device_budget`, `memory.host_budget` and `memory.disk
 free (device memory, RAM, disk space). The paged engine, `angel-jax plan` and the in-memory engine's fit test ask
 here; nothing patches a budget afterwards.
 
-    decision = decide(cfg, device, local_batch)         # once per engine: everything below, together
+    sizes = blueprint(cfg, zero).sizes                  # the model's bytes, from shapes (schedule/blueprint.py)
+    decision = decide(cfg, device, local_batch, sizes)  # once per engine: everything below, together
     decision.cfg                                        # train.micro_batch_size chosen where it was 0
     decision.budgets                                    # Budgets(device, host, disk, fixed_device, saved_device)
     decision.micro_batches, decision.rows               # micro-batches per step, rows per micro-batch
@@ -12,6 +13,10 @@ here; nothing patches a budget afterwards.
 Budgets set in the config win. A 0 (unset) budget is the machine's: the device's free memory, the RAM available
 less a margin, the disk tier's free space. On the CPU backend the "device" and the host are the same RAM, so what
 one takes the other loses (`cpu_split`).
+
+What the budgets need to know of the model comes in as `ModelBytes` (its stages' bytes and parameter layout, from
+shapes alone): this module builds no layout and compiles nothing, so the engine's set-up runs one way, blueprint
+-> budgets -> runtime.
 """
 
 from __future__ import annotations
@@ -19,7 +24,6 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 import logging
-import os
 import shutil
 
 import jax
@@ -30,8 +34,7 @@ from angel_jax import config as config_lib
 from angel_jax.config import Config, ConfigError
 from angel_jax.memory import pinned
 from angel_jax.memory.layout import StageLayout
-from angel_jax.schedule.blueprint import blueprint, params_layout
-from angel_jax.schedule.plan import (Bandwidths, Budgets, PlanError, StageCost, make_plan, min_host_bytes,
+from angel_jax.schedule.plan import (Bandwidths, Budgets, ModelBytes, PlanError, make_plan, min_host_bytes,
                                      minimum_device_bytes)
 from angel_jax.schedule.zero import Zero
 from angel_jax.units import device_memory_stats
@@ -53,17 +56,17 @@ class Decision:
     """Rows per micro-batch."""
 
 
-def decide(cfg: Config, device: jax.Device, local_batch: int, zero: Zero | None = None, *,
+def decide(cfg: Config, device: jax.Device, local_batch: int, sizes: ModelBytes, zero: Zero | None = None, *,
            fit: bool = True) -> Decision:
     """The paged engine's budgets and micro-batching for a local batch of `local_batch` rows (with `zero`: the
     ranks' whole batch). With `fit` and one device, train.micro_batch_size 0 is chosen (`fit_micro_batch`) and a
     model the budgets cannot hold is refused from shapes alone (`check_host_room`), before anything is allocated
     or profiled."""
     if fit and zero is None:
-        cfg = fit_micro_batch(cfg, device)
-        check_host_room(cfg, device)
+        cfg = fit_micro_batch(cfg, device, sizes)
+        check_host_room(cfg, device, sizes)
     micro_batches, rows = micro_batching(cfg, local_batch, zero)
-    return Decision(cfg, budgets_for(cfg, device, local_batch, zero), micro_batches, rows)
+    return Decision(cfg, budgets_for(cfg, device, local_batch, sizes, zero), micro_batches, rows)
 
 
 def device_free_bytes(device: jax.Device) -> int:
@@ -85,23 +88,24 @@ def gather_room() -> int:
     return int(psutil.virtual_memory().available) // 2
 
 
-def stated_budgets(cfg: Config, device: jax.Device, local_batch: int, target_device: int | None = None) -> Budgets:
+def stated_budgets(cfg: Config, device: jax.Device, local_batch: int, sizes: ModelBytes,
+                   target_device: int | None = None) -> Budgets:
     """The budgets of a plan for another machine (`angel-jax plan --estimate`): the ones the config sets; where it
     sets no device budget, the target's device memory (`target_device`, from its calibration) or else this
     device's; no limit on the host or the disk (this machine's RAM and disk say nothing about the target's)."""
-    device_bytes = cfg.memory.device_budget or target_device or device_budget(cfg, device)
+    device_bytes = cfg.memory.device_budget or target_device or device_budget(cfg, device, sizes)
     return Budgets(device=device_bytes, host=cfg.memory.host_budget or None,
                    disk=(cfg.memory.disk_budget or None) if cfg.memory.disk_dir else 0,
-                   fixed_device=fixed_device_bytes(cfg, local_batch),
+                   fixed_device=fixed_device_bytes(cfg, local_batch, sizes),
                    saved_device=saved_input_bytes(cfg, local_batch))
 
 
-def device_budget(cfg: Config, device: jax.Device) -> int:
+def device_budget(cfg: Config, device: jax.Device, sizes: ModelBytes) -> int:
     """memory.device_budget, or what the device has free (80% of available host RAM for the CPU backend, or
     `cpu_split`'s share)."""
     if cfg.memory.device_budget:
         return cfg.memory.device_budget
-    split = cpu_split(cfg, device)
+    split = cpu_split(cfg, device, sizes)
     return split[0] if split else device_free_bytes(device)
 
 
@@ -117,25 +121,27 @@ def _host_room() -> int:
     return int(vm.available) - max(HOST_MARGIN, int(vm.total) // 10)
 
 
-def host_budget(cfg: Config, device: jax.Device | None = None) -> int:
+def host_budget(cfg: Config, device: jax.Device | None = None, sizes: ModelBytes | None = None) -> int:
     """memory.host_budget, or what this machine can give the host tier now: available RAM less a margin
     (`HOST_MARGIN`), so that a plan larger than the machine is refused instead of meeting the OOM killer. On the
-    CPU backend (`device` a CPU) the "device" is that same RAM: the device budget is taken out of it too."""
+    CPU backend (`device` a CPU, with the model's `sizes`) the "device" is that same RAM: the device budget is
+    taken out of it too."""
     if cfg.memory.host_budget:
         return cfg.memory.host_budget
-    split = cpu_split(cfg, device)
-    if split:
-        return split[1]
     room = _host_room()
     if device is not None and device.platform == "cpu":
-        room -= device_budget(cfg, device)
+        assert sizes is not None, "the CPU backend's host budget depends on the model: give its sizes"
+        split = cpu_split(cfg, device, sizes)
+        if split:
+            return split[1]
+        room -= device_budget(cfg, device, sizes)
     return max(0, room)
 
 
 _splits: dict[str, tuple[int, int]] = {}
 
 
-def cpu_split(cfg: Config, device: jax.Device | None) -> tuple[int, int] | None:
+def cpu_split(cfg: Config, device: jax.Device | None, sizes: ModelBytes) -> tuple[int, int] | None:
     """(device, host) budgets on the CPU backend when neither is set and a disk tier is: the two tiers are one RAM
     there, and a stage kept on the "device" needs no copies at all, so the host tier gets only what its window
     needs with every streamed page on disk (`min_host_bytes`, times HOST_WINDOW_SLACK) and the device the rest of
@@ -144,69 +150,63 @@ def cpu_split(cfg: Config, device: jax.Device | None) -> tuple[int, int] | None:
     if (device is None or device.platform != "cpu" or cfg.memory.device_budget or cfg.memory.host_budget
             or not cfg.memory.disk_dir):
         return None
-    key = config_lib.dump_yaml(cfg)  # (shape_costs takes ~2 s for a 64-block model: once per config)
+    key = config_lib.dump_yaml(cfg)  # (once per config: the RAM available moves as the engine allocates)
     if key not in _splits:
         room = max(0, _host_room())
-        host = min(room, int(HOST_WINDOW_SLACK * min_host_bytes(shape_costs(cfg), cfg.memory.staleness)))
+        host = min(room, int(HOST_WINDOW_SLACK * min_host_bytes(sizes.stages, cfg.memory.staleness)))
         _splits[key] = (room - host, host)
     return _splits[key]
 
 
-def shape_costs(cfg: Config) -> list[StageCost]:
-    """Per stage its bytes and no times: what a plan judged from shapes alone needs (nothing is profiled)."""
-    bp = blueprint(cfg)
-    return [StageCost(s.name, bp.params_layout.stage(s.name).nbytes, bp.opt_layout.stage(s.name).nbytes,
-                      0.0, 0.0, 0.0, 0.0) for s in bp.staged.stages]
-
-
-def check_host_room(cfg: Config, device: jax.Device) -> None:
+def check_host_room(cfg: Config, device: jax.Device, sizes: ModelBytes) -> None:
     """Refuse, from shapes alone and before anything large is allocated or profiled, a model the budgets cannot
     hold: the plan is made on the page layouts' bytes (with no compute times), so the refusal is the one the
     profiled plan would give, naming the bytes missing and the key to raise."""
-    costs = shape_costs(cfg)
-    make_plan(costs, Bandwidths(), budgets_for(cfg, device, cfg.train.batch_size), staleness=cfg.memory.staleness,
+    make_plan(sizes.stages, Bandwidths(), budgets_for(cfg, device, cfg.train.batch_size, sizes),
+              staleness=cfg.memory.staleness,
               micro_batches=micro_batching(cfg, cfg.train.batch_size)[0], passes=cfg.memory.passes or None)
 
 
-def fit_micro_batch(cfg: Config, device: jax.Device) -> Config:
+def fit_micro_batch(cfg: Config, device: jax.Device, sizes: ModelBytes) -> Config:
     """`cfg` with train.micro_batch_size chosen where it is 0: the whole batch when some plan holds its working
     set on the device, else the largest of its halvings that one does (the fewest stage calls), judged from shapes
     alone as `check_host_room` judges. A set size, or a batch no halving fits, is left as it is (the plan then says
     what is missing)."""
     if cfg.train.micro_batch_size:
         return cfg
-    costs = shape_costs(cfg)
     size = cfg.train.batch_size
     while True:
         trial = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batch_size=size))
-        budgets = budgets_for(trial, device, cfg.train.batch_size)
+        budgets = budgets_for(trial, device, cfg.train.batch_size, sizes)
         most_passes = cfg.memory.passes or cfg.train.batch_size // size
-        if minimum_device_bytes(costs, budgets, most_passes) <= budgets.device:
+        if minimum_device_bytes(sizes.stages, budgets, most_passes) <= budgets.device:
             return cfg if size == cfg.train.batch_size else trial
         if size % 2:
             return cfg
         size //= 2
 
 
-def budgets_for(cfg: Config, device: jax.Device, local_batch: int, zero: Zero | None = None) -> Budgets:
+def budgets_for(cfg: Config, device: jax.Device, local_batch: int, sizes: ModelBytes,
+                zero: Zero | None = None) -> Budgets:
     """The plan's budgets. With `zero` (ZeRO-3 over N ranks) the plan is made for the ranks together, as one
     device N times a rank's: the memory.*_budget keys are per rank and count N times, pages are counted whole (N
     times a rank's shard), and the activations are those of the whole batch plus, per rank, the whole parameters
     and gradients of the largest stage while it computes (gathered, not yet reduce-scattered). Budgets taken from
     the machine (0) are the machine's: the device's own memory per rank, the host's RAM once."""
     if zero is None:
-        return Budgets(device=device_budget(cfg, device), host=pinned_cap(host_budget(cfg, device), device),
+        return Budgets(device=device_budget(cfg, device, sizes),
+                       host=pinned_cap(host_budget(cfg, device, sizes), device),
                        disk=disk_budget(cfg) if cfg.memory.disk_dir else 0,
-                       fixed_device=fixed_device_bytes(cfg, local_batch),
+                       fixed_device=fixed_device_bytes(cfg, local_batch, sizes),
                        saved_device=saved_input_bytes(cfg, local_batch))
     n = zero.ranks
     shared = device.platform == "cpu"  # the CPU backend's devices are one RAM: its free bytes count once
     dev = cfg.memory.device_budget * n if cfg.memory.device_budget else device_free_bytes(device) * (1 if shared else n)
     host = cfg.memory.host_budget * n if cfg.memory.host_budget else host_budget(cfg, None) - (dev if shared else 0)
     disk = (cfg.memory.disk_budget * n if cfg.memory.disk_budget else disk_budget(cfg)) if cfg.memory.disk_dir else 0
-    gathered = n * 2 * max(gathered_bytes(s, n) for s in params_layout(cfg).stages)  # each rank holds its own
+    gathered = n * 2 * max(gathered_bytes(s, n) for s in sizes.params.stages)  # each rank holds its own
     return Budgets(device=dev, host=pinned_cap(max(0, host), device, jax.process_count()), disk=disk,
-                   fixed_device=fixed_device_bytes(cfg, local_batch) + gathered,
+                   fixed_device=fixed_device_bytes(cfg, local_batch, sizes) + gathered,
                    saved_device=saved_input_bytes(cfg, local_batch))
 
 
@@ -222,7 +222,7 @@ def pinned_cap(host: int, device: jax.Device, processes: int = 1) -> int:
     return min(host, cap)
 
 
-def pinned_host_need(cfg: Config, device_bytes: int, processes: int = 1) -> int | None:
+def pinned_host_need(cfg: Config, sizes: ModelBytes, device_bytes: int, processes: int = 1) -> int | None:
     """The host tier's peak in a plan made from shapes alone (no device or GPU client needed) for a device with
     `device_bytes` free, one of `processes`: the pinned host memory the paged engine will hold; None when no plan
     fits (the engine's own refusal then says why)."""
@@ -230,32 +230,13 @@ def pinned_host_need(cfg: Config, device_bytes: int, processes: int = 1) -> int 
     try:
         budgets = Budgets(device=cfg.memory.device_budget or device_bytes, host=host_budget(cfg, None),
                           disk=(disk_budget(cfg) or 0) if cfg.memory.disk_dir else 0,
-                          fixed_device=fixed_device_bytes(cfg, local), saved_device=saved_input_bytes(cfg, local))
-        plan = make_plan(shape_costs(cfg), Bandwidths(), budgets, staleness=cfg.memory.staleness,
+                          fixed_device=fixed_device_bytes(cfg, local, sizes),
+                          saved_device=saved_input_bytes(cfg, local))
+        plan = make_plan(sizes.stages, Bandwidths(), budgets, staleness=cfg.memory.staleness,
                          micro_batches=micro_batching(cfg, local)[0], passes=cfg.memory.passes or None)
     except (PlanError, ConfigError):
         return None
     return plan.peak_bytes["host"]
-
-
-def configure_pinned_limit(cfg: Config, processes: int = 1) -> str | None:
-    """Before jax starts its GPU client: set XLA's pinned host memory limit to what the paged engine's plan puts in
-    the host tier (+10% + 1 GiB), unless the environment sets it, the run is not paged (memory.mode in_memory) or
-    there is no NVIDIA GPU. Left at XLA's 64 GiB the pool refused plans that need more; raised to most of the RAM
-    (as a benchmark once did) it grew in doubling regions past what the plan needed, into the memory the host
-    updates use, and the process was killed. Returns the line that says what was set, or None."""
-    if pinned.LIMIT_ENV in os.environ or cfg.memory.mode == "in_memory":
-        return None
-    hbm = pinned.gpu_memory_bytes()
-    if hbm is None:
-        return None
-    need = pinned_host_need(cfg, hbm, processes)
-    if need is None:
-        return None
-    gib = min(pinned.limit_for(need), max(pinned.LEAST_LIMIT_GIB, host_budget(cfg, None) // pinned.GIB))
-    os.environ[pinned.LIMIT_ENV] = str(gib)
-    return (f"pinned host memory limited to {gib} GiB ({pinned.LIMIT_ENV}): the plan's host tier needs "
-            f"{need / pinned.GIB:.1f} GiB, + {pinned.SLACK - 1:.0%} + {pinned.OVERHEAD // pinned.GIB} GiB")
 
 
 def gathered_bytes(stage: StageLayout, ranks: int) -> int:
@@ -312,7 +293,7 @@ def saved_input_bytes(cfg: Config, local_batch: int) -> int:
     return local_batch * per_row * jnp.dtype(m.compute_dtype).itemsize
 
 
-def fixed_device_bytes(cfg: Config, local_batch: int) -> int:
+def fixed_device_bytes(cfg: Config, local_batch: int, sizes: ModelBytes) -> int:
     """Device bytes every step needs whatever the placement: the saved input of every stage (for the whole local
     batch: every micro-batch's), the working set of the largest stage call (logits and their gradient for the
     head; attention and MLP intermediates for a block) for one micro-batch, estimated from shapes (the block's
@@ -329,7 +310,7 @@ def fixed_device_bytes(cfg: Config, local_batch: int) -> int:
     block = call_tokens * width * itemsize * 2 + size * m.n_heads * m.seq_len * m.seq_len * 4
     sums = 0
     if micro_batches > 1:
-        sums = max(sum(p.length for p in s.pages) for s in params_layout(cfg).stages) * 4
+        sums = max(sum(p.length for p in s.pages) for s in sizes.params.stages) * 4
     return saved + max(head, block) + tokens * 8 + sums
 
 

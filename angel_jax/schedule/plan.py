@@ -44,6 +44,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from angel_jax.errors import AngelError
 from angel_jax.schedule.staging import GRAD_SPILL, OPT_STAGING
@@ -51,7 +52,10 @@ from angel_jax.schedule.simulate import Bandwidths, StageCost, simulate
 from angel_jax.schedule.timeline import Timeline
 from angel_jax.schedule.trace import compute_sequence
 
-__all__ = ["Bandwidths", "Budgets", "Plan", "PlanError", "StageCost", "load_bandwidths", "make_plan", "place_streamed"]
+if TYPE_CHECKING:
+    from angel_jax.memory.layout import PageLayout
+
+__all__ = ["Bandwidths", "Budgets", "ModelBytes", "Plan", "PlanError", "StageCost", "load_bandwidths", "make_plan", "place_streamed"]
 
 
 class PlanError(AngelError, ValueError):
@@ -99,6 +103,16 @@ class Budgets:
     def fixed_for(self, passes: int) -> int:
         """`fixed_device` with the step run in `passes` accumulation passes."""
         return self.fixed_device - self.saved_device + -(-self.saved_device // passes)
+
+
+@dataclass(frozen=True)
+class ModelBytes:
+    """What budgets and plans judged from shapes need to know of a model (`Blueprint.sizes`)."""
+
+    stages: list[StageCost]
+    """Per stage its parameter and optimizer-state bytes, with no times."""
+    params: PageLayout
+    """The parameters' page layout on one device (unsharded)."""
 
 
 @dataclass(frozen=True)

@@ -1,12 +1,15 @@
-"""The paged runtime from a config: layouts -> stage functions -> profiled costs -> plan -> page store -> pages.
+"""The paged runtime: profiled costs -> plan -> page store -> pages, from a blueprint and the budgets decided for it.
 
-    built = build_paged_runtime(cfg, params, example_batch)   # params: numpy in the model's structure, or None:
-                                                              # initialised stage by stage into their homes
+    bp = blueprint(cfg)                                       # layouts and stage functions (schedule/blueprint.py)
+    decision = decide(cfg, device, batch, bp.sizes)           # budgets, micro-batching (schedule/budgets.py)
+    built = assemble_runtime(decision, bp, params, example_batch, device)
     metrics = built.executor.step(batch)
 
-`blueprint(cfg)` makes the page layouts and compiled stage functions from shapes alone (cached per configuration
-in the process); `plan_for` profiles them and plans under the config's budgets; `build_paged_runtime` then puts
-every page in its planned home and wires the executor to the updater. `angel_jax/train/paged.py` wraps
+    built = build_paged_runtime(cfg, params, example_batch)   # the three in one, micro-batching as configured
+
+`params`: numpy in the model's structure, or None: initialised stage by stage into their homes. `plan_for`
+profiles the blueprint's stage functions and plans under the decided budgets; `assemble_runtime` then puts every
+page in its planned home and wires the executor to the updater. `angel_jax/train/paged.py` wraps
 the result in the `TrainEngine` protocol the training loop drives; `angel-jax plan` (train/plan_cli.py) stops after
 `plan_for`, without allocating the model.
 """
@@ -171,14 +174,24 @@ def _young_garbage_collected() -> Iterator[None]:
 
 
 def build_paged_runtime(cfg: Config, params: Any, example_batch: jax.Array, *, device: jax.Device | None = None,
-                        zero: Zero | None = None, decision: Decision | None = None) -> PagedRuntime:
-    """The paged engine, planned for `example_batch`'s shape. `params`: the whole model's (numpy, in its
-    structure), or None to initialise it stage by stage (`StagedModel.init_stage` with train.seed) straight into
-    each page's home, so that the whole model never exists in memory. `zero`: every page sharded over its mesh's
-    devices (ZeRO-3, schedule/zero.py); `example_batch` is then the ranks' whole batch. `decision`: the budgets and
-    micro-batching decided for it (`budgets.decide`, whose config then replaces `cfg`); by default decided here,
-    with train.micro_batch_size as the config sets it."""
+                        zero: Zero | None = None) -> PagedRuntime:
+    """The paged runtime for `cfg`, planned for `example_batch`'s shape, with train.micro_batch_size as the config
+    sets it: `blueprint`, `decide` and `assemble_runtime` in turn."""
     device = device or (zero.local_device() if zero else jax.local_devices()[0])
+    start = time.perf_counter()
+    bp = blueprint(cfg, zero)
+    decision = decide(cfg, device, example_batch.shape[0], bp.sizes, zero, fit=False)
+    return assemble_runtime(decision, bp, params, example_batch, device, zero,
+                            layouts_seconds=time.perf_counter() - start)
+
+
+def assemble_runtime(decision: Decision, bp: Blueprint, params: Any, example_batch: jax.Array, device: jax.Device,
+                     zero: Zero | None = None, *, layouts_seconds: float = 0.0) -> PagedRuntime:
+    """The paged engine of blueprint `bp` under `decision` (`budgets.decide`: its config is the one run), planned
+    for `example_batch`'s shape. `params`: the whole model's (numpy, in its structure), or None to initialise it
+    stage by stage (`StagedModel.init_stage` with train.seed) straight into each page's home, so that the whole
+    model never exists in memory. `zero`: every page sharded over its mesh's devices (ZeRO-3, schedule/zero.py);
+    `example_batch` is then the ranks' whole batch. `layouts_seconds`: what making `bp` took, for the report."""
     return_large_frees_to_the_os()  # page buffers stream through the host: freed ones must leave the process
     clock = [time.perf_counter()]
 
@@ -186,12 +199,9 @@ def build_paged_runtime(cfg: Config, params: Any, example_batch: jax.Array, *, d
         clock.append(time.perf_counter())
         return clock[-1] - clock[-2]
 
-    if decision is None:
-        decision = decide(cfg, device, example_batch.shape[0], zero, fit=False)
     cfg, budgets = decision.cfg, decision.budgets
-    bp = blueprint(cfg, zero)
     staged = bp.staged
-    seconds = {"layouts": lap()}
+    seconds = {"layouts": layouts_seconds}
     plan, costs, bw = plan_for(decision, bp, example_batch, device, zero)
     seconds["profile"] = lap()
     store = make_store(cfg, device, budgets, plan, zero)

@@ -147,7 +147,7 @@ def _configure_jax(cfg: Config, wenv: WorkerEnv) -> Any:
     # at once, without a save), `_on_sigterm` ends the worker.
     if not cfg.checkpoint.on_signal:
         jax.config.update("jax_enable_preemption_service", False)
-    from angel_jax.schedule.budgets import configure_pinned_limit
+    from angel_jax.schedule.pinned_limit import configure_pinned_limit
 
     if line := configure_pinned_limit(cfg, wenv.num_processes or 1):  # (before the GPU client starts)
         log.info("%s", line)

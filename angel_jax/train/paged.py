@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -38,8 +39,9 @@ from angel_jax.optim.guard import StepControls
 from angel_jax.memory.host_peak import HostPeakCheck
 from angel_jax.memory.layout import to_bits, to_values
 from angel_jax.memory.sharded_layout import layout_over
+from angel_jax.schedule.blueprint import blueprint
 from angel_jax.schedule.budgets import decide
-from angel_jax.schedule.runtime import PagedRuntime, build_paged_runtime
+from angel_jax.schedule.runtime import PagedRuntime, assemble_runtime
 from angel_jax.schedule.timeline import Timeline
 from angel_jax.schedule.zero import Zero
 from angel_jax.train.plan_record import plan_summary
@@ -90,17 +92,21 @@ class PagedTrainEngine:
         self.device = self.zero.local_device() if self.zero else mesh.devices.flat[0]
         self.batch_sharding: jax.sharding.Sharding = self.zero.rows() if self.zero else \
             jax.sharding.SingleDeviceSharding(self.device)
-        # Budgets and micro-batching decided once (schedule/budgets.py): train.micro_batch_size 0 becomes the whole
-        # batch or the largest halving whose working set the device holds, and a model the budgets cannot hold is
-        # refused from shapes alone, before anything is profiled or allocated.
-        decision = decide(cfg, self.device, cfg.train.batch_size, self.zero)
+        # Built one way: the blueprint (page layouts and stage functions, from shapes), then the budgets and
+        # micro-batching decided once from its sizes (train.micro_batch_size 0 becomes the whole batch or the
+        # largest halving whose working set the device holds; a model the budgets cannot hold is refused before
+        # anything is profiled or allocated), then the runtime under that decision.
+        start = time.perf_counter()
+        bp = blueprint(cfg, self.zero)
+        layouts_seconds = time.perf_counter() - start
+        decision = decide(cfg, self.device, cfg.train.batch_size, bp.sizes, self.zero)
         self.cfg = cfg = decision.cfg
         example = jax.make_array_from_callback((cfg.train.batch_size, cfg.model.seq_len + 1), self.batch_sharding,
                                                lambda index: np.zeros((cfg.train.batch_size, cfg.model.seq_len + 1),
                                                                       np.int32)[index])
         # The model is initialised stage by stage straight into its pages' homes: never whole in memory.
-        self.built: PagedRuntime = build_paged_runtime(cfg, None, example, device=self.device, zero=self.zero,
-                                                       decision=decision)
+        self.built: PagedRuntime = assemble_runtime(decision, bp, None, example, self.device, self.zero,
+                                                    layouts_seconds=layouts_seconds)
         self.executor = self.built.executor
         self._timelines_due = {"predicted": True, "measured": True}
         self._steps_here = 0  # steps run by this engine (a resumed run warms up again before recording)

@@ -131,7 +131,7 @@ def _estimated_plan(cfg: Config, bp: Blueprint, args: argparse.Namespace, target
     for size in micro_sizes(cfg, ranks):  # largest first: a smaller one only when predicted faster by more than noise
         trial = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batch_size=size))
         costs = estimate_costs(trial, bp, target.compute_flops, target.device_bw, target.host_bw, ranks)
-        budgets = stated_budgets(trial, device, local, target.device_memory)
+        budgets = stated_budgets(trial, device, local, bp.sizes, target.device_memory)
         try:
             plan = make_plan(costs, bw, budgets, staleness=trial.memory.staleness, shared_cpu=shared_cpu,
                              micro_batches=micro_batching(trial, local)[0], passes=trial.memory.passes or None,
@@ -151,7 +151,7 @@ def _estimated_plan(cfg: Config, bp: Blueprint, args: argparse.Namespace, target
 
 def _profiled_plan(cfg: Config, bp: Blueprint) -> tuple[Config, Plan, list[StageCost], Budgets, Bandwidths, str]:
     device = jax.devices()[0]
-    decision = decide(cfg, device, cfg.train.batch_size)
+    decision = decide(cfg, device, cfg.train.batch_size, bp.sizes)
     cfg = decision.cfg
     example = np.zeros((cfg.train.batch_size, cfg.model.seq_len + 1), np.int32)
     plan, costs, bw = plan_for(decision, bp, example, device)

@@ -16,8 +16,8 @@ Figures (one JSON line each; appended to experiments/results/paged_gpu_<platform
   beyond_hbm       tokens/s and MFU of the paged engine at twice the largest model the reference trains in HBM
 
 The host tier is pinned host memory, capped by XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB: each rung sets it, unless the
-environment does, to what its plan puts in the host tier (schedule.budgets.configure_pinned_limit; at 90% of RAM the
-pool grew past the plan and a 9.7 B rung was killed for host memory); host updates run on the XLA CPU backend. MFU = 6 * N_matmul + 12 * L * d * T FLOPs per token (models/gpt.py)
+environment does, to what its plan puts in the host tier (schedule.pinned_limit.configure_pinned_limit; at 90% of
+RAM the pool grew past the plan and a 9.7 B rung was killed for host memory); host updates run on the XLA CPU backend. MFU = 6 * N_matmul + 12 * L * d * T FLOPs per token (models/gpt.py)
 over the device's dense bf16 peak (angel_jax/train/metrics.py).
 """
 
@@ -41,7 +41,7 @@ import numpy as np  # noqa: E402
 from angel_jax.benchinfo import emit, machine_info, results_path  # noqa: E402
 from angel_jax.config import Config, load_config  # noqa: E402
 from angel_jax.memory.host_peak import peak_rss  # noqa: E402
-from angel_jax.schedule.budgets import configure_pinned_limit  # noqa: E402
+from angel_jax.schedule.pinned_limit import configure_pinned_limit  # noqa: E402
 from angel_jax.train.engines import build_engine, state_bytes  # noqa: E402
 from angel_jax.train.metrics import device_peak, throughput  # noqa: E402
 from models import gpt  # noqa: E402
