@@ -54,21 +54,24 @@ finished, 1 when it failed."""
 _IMPORT_HELP = """\
 Write a training config (OUT.yaml) that starts from a Hugging Face checkpoint directory (config.json +
 model.safetensors; GPT-2 and Llama): the base config (--base, default: every key's default) with the model
-section's architecture keys taken from config.json and model.init_from = HF_DIR, then the key=value overrides.
-Nothing but config.json is read; training reads the weights (stage by stage in the paged engine)."""
+section's architecture keys taken from config.json and model.init_from = HF_DIR, the checkpoint's tokenizer when
+HF_DIR has a tokenizer.json (data.tokenizer: hf, data.tokenizer_path = HF_DIR), then the key=value overrides. No
+weight is read; training reads them (stage by stage in the paged engine)."""
 
 _EXPORT_HELP = """\
 Write the parameters of a run's newest valid checkpoint (or --step N), of either engine, as a Hugging Face
 checkpoint: OUT_DIR/config.json + OUT_DIR/model.safetensors (GPT -> GPT2LMHeadModel, Llama -> LlamaForCausalLM,
-head untied), which transformers' AutoModelForCausalLM.from_pretrained loads."""
+head untied), which transformers' AutoModelForCausalLM.from_pretrained loads, and the run's tokenizer files
+(tokenizer.json, tokenizer_config.json, special_tokens_map.json) when it was trained with data.tokenizer: hf."""
 _SAMPLE_HELP = """\
 Continue --prompt with the model of a trained run, read from the run directory's newest valid checkpoint (or
 --step) of either engine, and print the prompt and the continuation (streamed as it is generated when there is one
-sample). The prompt is encoded with the run's tokenizer (bytes, or the BPE in the run's data directory); the prompt
-goes through the model once and each new token is one step over a key/value cache. --temperature 0 is greedy;
-otherwise tokens are drawn from the top-k, then top-p (nucleus) filtered distribution, and the same --seed gives
-the same text. Generation stops at --max-tokens, at the end-of-text token (BPE), or when the model's context
-(model.seq_len) is full: a prompt plus --max-tokens longer than the context generates fewer tokens, with a note."""
+sample). The prompt is encoded with the run's tokenizer (bytes, the BPE in the run's data directory, or the Hugging
+Face tokenizer of data.tokenizer_path / model.init_from); the prompt goes through the model once and each new token
+is one step over a key/value cache. --temperature 0 is greedy; otherwise tokens are drawn from the top-k, then
+top-p (nucleus) filtered distribution, and the same --seed gives the same text. Generation stops at --max-tokens,
+at the end-of-text token (BPE, Hugging Face EOS), or when the model's context (model.seq_len) is full: a prompt
+plus --max-tokens longer than the context generates fewer tokens, with a note."""
 
 _DATA_HELP = """\
 Tokenize text files into memory-mapped token shards (uint16 .bin files) plus meta.json. `--source stdlib` (the
@@ -109,7 +112,11 @@ def _parser() -> argparse.ArgumentParser:
     prep = data_sub.add_parser("prepare", help="tokenize text into shards", description=_DATA_HELP)
     prep.add_argument("--source", default="stdlib", help="'stdlib', a file, a directory or a glob (default stdlib)")
     prep.add_argument("--out", type=Path, default=None, help="output directory (default data/<source>-<tokenizer>)")
-    prep.add_argument("--tokenizer", choices=["byte", "bpe"], default="byte")
+    prep.add_argument("--tokenizer", choices=["byte", "bpe", "hf"], default="byte",
+                      help="byte (the default), bpe (trained on the source) or hf (a Hugging Face tokenizer.json: "
+                           "--tokenizer-path)")
+    prep.add_argument("--tokenizer-path", type=Path, default=None, metavar="DIR",
+                      help="with --tokenizer hf: the directory holding tokenizer.json (a Hugging Face checkpoint's)")
     prep.add_argument("--vocab-size", type=int, default=4096, help="BPE vocabulary size")
     prep.add_argument("--max-bytes", type=int, default=0, help="read at most this much source text (0 = all)")
     prep.add_argument("--text-key", default="text",
@@ -158,8 +165,9 @@ def _parser() -> argparse.ArgumentParser:
                             default=option.default, help=f"{option.metadata['doc']} (default {option.default})")
     sample.add_argument("--step", type=int, default=None, help="the checkpoint's step (default: the newest valid)")
     sample.add_argument("--data-dir", type=Path, default=None,
-                        help="the run's prepared data directory, which holds a BPE tokenizer (default: the run's "
-                             "data.dir, else data/<source>-<tokenizer> under the working directory)")
+                        help="the run's prepared data directory, which holds its BPE or a copy of its Hugging Face "
+                             "tokenizer (default: the run's data.dir, else data/<source>-<tokenizer> under the "
+                             "working directory; a Hugging Face tokenizer is read from data.tokenizer_path)")
 
     cfg = sub.add_parser("config", help="list every config key with type, default and meaning")
     cfg.add_argument("config", type=Path, nargs="?", help="show this file's resolved values instead")
@@ -218,12 +226,17 @@ def _data(args: argparse.Namespace) -> int:
     from angel_jax.config import Config, DataConfig
     from angel_jax.train.loop import data_dir_for
 
+    if (args.tokenizer == "hf") != (args.tokenizer_path is not None):
+        raise ConfigError("--tokenizer-path DIR goes with --tokenizer hf, and --tokenizer hf needs it (the directory "
+                          "of a Hugging Face tokenizer.json)")
     dcfg = DataConfig(source=args.source, tokenizer=args.tokenizer, bpe_vocab_size=args.vocab_size,
-                      max_bytes=args.max_bytes, text_key=args.text_key)
+                      max_bytes=args.max_bytes, text_key=args.text_key,
+                      tokenizer_path=str(args.tokenizer_path or ""))
     out = args.out or data_dir_for(Config(data=dcfg))
     meta = data_lib.prepare(data_lib.resolve_sources(args.source), out, tokenizer=args.tokenizer,
                             vocab_size=args.vocab_size if args.tokenizer == "bpe" else 256,
-                            max_bytes=args.max_bytes or None, text_key=args.text_key)
+                            max_bytes=args.max_bytes or None, text_key=args.text_key,
+                            tokenizer_path=args.tokenizer_path)
     print(f"{out}: {meta['total_tokens']:,} tokens in {len(meta['shards'])} shard(s), vocabulary {meta['vocab_size']}")
     return 0
 

@@ -3,13 +3,16 @@
 A prepared data directory holds:
 
     meta.json        format, tokenizer, vocab size, shard list, token counts and the spec it was prepared from
-    train_00000.bin  raw little-endian uint16 tokens (np.memmap-able); every shard but the last has shard_tokens
+    train_00000.bin  raw little-endian uint16 tokens (uint32 for a vocabulary past 65536 ids; np.memmap-able);
+                     every shard but the last has shard_tokens
     val_00000.bin    optional held-out tail of the token stream (val_fraction > 0)
-    tokenizer.json   the locally trained BPE (tokenizer == "bpe" only)
+    tokenizer.json   the locally trained BPE (tokenizer "bpe"), or a copy of the Hugging Face tokenizer's files
+                     (tokenizer "hf": with its tokenizer_config.json and special_tokens_map.json when it has them)
 
 The shards are one token stream cut only for storage: the iterator reads windows across shard boundaries, so the
 batches do not depend on shard_tokens. Nothing is downloaded: the byte tokenizer needs no vocabulary, the BPE is
-trained on the corpus itself, and the default corpus is this interpreter's own standard library source.
+trained on the corpus itself, the Hugging Face tokenizer is a local directory (tokenizers_hf.py), and the default
+corpus is this interpreter's own standard library source.
 """
 
 from __future__ import annotations
@@ -30,9 +33,12 @@ import numpy as np
 
 # DataError and resolve_sources are also this module's API (callers name them through it).
 from angel_jax.data_sources import DataError, ReadStats, holds_records, read_documents, resolve_sources
+from angel_jax.tokenizers_hf import HfTokenizer, copy_files, fingerprint
 
 FORMAT = 1
 DTYPE = np.dtype("<u2")  # little-endian on every host, so shards are portable
+DTYPES = {"uint16": DTYPE, "uint32": np.dtype("<u4")}
+"""A shard's dtype by name (meta.json's "dtype"): uint16 while the ids fit, uint32 past 65536 ids."""
 META = "meta.json"
 TOKENIZER_FILE = "tokenizer.json"
 EOT = "<|endoftext|>"
@@ -57,12 +63,17 @@ class ByteTokenizer:
             raise DataError(f"byte tokenizer ids must be in [0, 255], got [{arr.min()}, {arr.max()}]")
         return arr.astype(np.uint8).tobytes().decode("utf-8", errors="replace")
 
+    def decode_after(self, prompt: Iterable[int]) -> Callable[[Iterable[int]], str]:
+        """A decoder of the ids that follow `prompt` (bytes decode alike with or without what precedes them)."""
+        return self.decode
+
 
 def _import_tokenizers() -> Any:
     try:
-        import tokenizers  # optional dependency: only the BPE path needs it
+        import tokenizers  # a dependency, imported where it is used: the byte tokenizer never loads it
     except ImportError as e:
-        raise DataError("tokenizer 'bpe' needs the `tokenizers` library: pip install 'angel-jax[bpe]'") from e
+        raise DataError("tokenizer 'bpe' needs the `tokenizers` library, a dependency of angel-jax: "
+                        "pip install tokenizers") from e
     return tokenizers
 
 
@@ -123,15 +134,29 @@ class BpeTokenizer:
         # Keep EOT visible so decoded samples show document boundaries; invalid UTF-8 becomes U+FFFD.
         return self._tok.decode([int(i) for i in np.asarray(ids).ravel()], skip_special_tokens=False)
 
+    def decode_after(self, prompt: Iterable[int]) -> Callable[[Iterable[int]], str]:
+        """A decoder of the ids that follow `prompt` (the byte-level decoder needs no context)."""
+        return self.decode
 
-def load_tokenizer(data_dir: Path) -> ByteTokenizer | BpeTokenizer:
+
+Tokenizer = ByteTokenizer | BpeTokenizer | HfTokenizer
+
+
+def load_tokenizer(data_dir: Path) -> Tokenizer:
     """The tokenizer a prepared directory was made with (to encode prompts and decode samples)."""
     meta = load_meta(data_dir)
     if meta["tokenizer"] == "byte":
         return ByteTokenizer()
     if meta["tokenizer"] == "bpe":
         return BpeTokenizer.load(Path(data_dir) / TOKENIZER_FILE)
+    if meta["tokenizer"] == "hf":  # its copy, with the special tokens as they were resolved from the original
+        return HfTokenizer.load(Path(data_dir), "a prepared data directory", meta.get("special_tokens"))
     raise DataError(f"{Path(data_dir) / META}: tokenizer {meta['tokenizer']!r} has no encoder")
+
+
+def shard_dtype(vocab_size: int) -> str:
+    """The narrowest dtype of DTYPES that holds every id of a vocabulary."""
+    return "uint16" if vocab_size <= 2**16 else "uint32"
 
 
 # ---------------------------------------------------------------------------------------------------- shards
@@ -140,9 +165,9 @@ def load_tokenizer(data_dir: Path) -> ByteTokenizer | BpeTokenizer:
 class _ShardWriter:
     """Appends tokens to `<prefix>_00000.bin`, `<prefix>_00001.bin`, ... of shard_tokens each."""
 
-    def __init__(self, directory: Path, prefix: str, shard_tokens: int) -> None:
+    def __init__(self, directory: Path, prefix: str, shard_tokens: int, dtype: np.dtype) -> None:
         self.directory, self.prefix = directory, prefix
-        self.buf = np.empty(shard_tokens, DTYPE)  # np.empty is lazy: a small corpus touches little of it
+        self.buf = np.empty(shard_tokens, dtype)  # np.empty is lazy: a small corpus touches little of it
         self.fill = 0
         self.shards: list[dict[str, Any]] = []
 
@@ -170,11 +195,11 @@ class _ShardWriter:
         return self.shards
 
 
-def _split_tail(directory: Path, shards: list[dict[str, Any]], n_val: int,
-                shard_tokens: int) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def _split_tail(directory: Path, shards: list[dict[str, Any]], n_val: int, shard_tokens: int,
+                dtype: np.dtype) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Move the last n_val tokens of the train stream into val shards (the total is only known at the end)."""
     keep = sum(s["tokens"] for s in shards) - n_val
-    val = _ShardWriter(directory, "val", shard_tokens)
+    val = _ShardWriter(directory, "val", shard_tokens, dtype)
     train, start = [], 0
     for s in shards:
         path, end = directory / s["file"], start + s["tokens"]
@@ -182,9 +207,9 @@ def _split_tail(directory: Path, shards: list[dict[str, Any]], n_val: int,
             train.append(s)
         else:
             cut = max(keep - start, 0)
-            val.append(np.fromfile(path, DTYPE)[cut:])  # at most one shard in RAM
+            val.append(np.fromfile(path, dtype)[cut:])  # at most one shard in RAM
             if cut:
-                os.truncate(path, cut * DTYPE.itemsize)
+                os.truncate(path, cut * dtype.itemsize)
                 train.append({"file": s["file"], "tokens": cut})
             else:
                 path.unlink()
@@ -205,12 +230,21 @@ def _fingerprint(files: list[Path]) -> str:
 
 
 def _spec(files: list[Path], tokenizer: str, vocab_size: int, max_bytes: int | None,
-          val_fraction: float | None, text_key: str) -> dict[str, Any]:
+          val_fraction: float | None, text_key: str, tokenizer_path: Path | None = None) -> dict[str, Any]:
     # The text key is part of the data only where there are records to read it from: a text corpus prepared before
-    # the key existed (its spec has none) is still reused, and changing the key does not prepare it again.
-    return {"tokenizer": tokenizer, "vocab_size": 256 if tokenizer == "byte" else vocab_size,
+    # the key existed (its spec has none) is still reused, and changing the key does not prepare it again. The same
+    # holds for the Hugging Face tokenizer's hash: None for the others, as in specs written before it existed.
+    hf = tokenizer == "hf"
+    return {"tokenizer": tokenizer, "vocab_size": 256 if tokenizer == "byte" else None if hf else vocab_size,
             "max_bytes": max_bytes or None, "val_fraction": val_fraction, "fingerprint": _fingerprint(files),
-            "text_key": text_key if holds_records(files) else None}
+            "text_key": text_key if holds_records(files) else None,
+            "tokenizer_sha256": fingerprint(_hf_path(tokenizer_path)) if hf else None}
+
+
+def _hf_path(tokenizer_path: Path | None) -> Path:
+    if tokenizer_path is None:
+        raise DataError("tokenizer 'hf' needs tokenizer_path: the directory holding the Hugging Face tokenizer.json")
+    return Path(tokenizer_path)
 
 
 def _publish(out_dir: Path, build: Callable[[Path], dict[str, Any]]) -> dict[str, Any]:
@@ -244,26 +278,28 @@ def _publish(out_dir: Path, build: Callable[[Path], dict[str, Any]]) -> dict[str
 def _base_meta(tokenizer: str, vocab_size: int, train: list[dict[str, Any]],
                val: list[dict[str, Any]]) -> dict[str, Any]:
     n_train, n_val = sum(s["tokens"] for s in train), sum(s["tokens"] for s in val)
-    return {"format": FORMAT, "tokenizer": tokenizer, "vocab_size": vocab_size, "dtype": "uint16",
+    return {"format": FORMAT, "tokenizer": tokenizer, "vocab_size": vocab_size, "dtype": shard_dtype(vocab_size),
             "shards": train, "val_shards": val, "total_tokens": n_train + n_val, "train_tokens": n_train,
             "val_tokens": n_val}
 
 
 def prepare(sources: list[Path], out_dir: Path, *, tokenizer: str = "byte", vocab_size: int = 256,
             shard_tokens: int = 16 * 2**20, max_bytes: int | None = None, val_fraction: float = 0.0,
-            text_key: str = "text", allow_binary: bool = False) -> dict:
-    """Tokenize `sources` in order into uint16 shards under out_dir (replaced atomically); returns the meta dict.
+            text_key: str = "text", allow_binary: bool = False, tokenizer_path: Path | None = None) -> dict:
+    """Tokenize `sources` in order into shards under out_dir (replaced atomically); returns the meta dict.
 
     A document is a text file, a JSON Lines record or a Parquet row (its text under `text_key`; see
     data_sources). Documents are simply concatenated for the byte tokenizer: all 256 ids are real bytes, so a
     separator would have to be a byte that also occurs in text, and source files already end in a newline. The BPE
-    appends its EOT id after every document. vocab_size only applies to the BPE. max_bytes (None or 0 = all) caps
-    the text read; the last document read is cut to fit. val_fraction moves that share of the stream's tail to
-    val_*.bin. A plain-text source that looks binary (NUL bytes, mostly not UTF-8) is refused unless allow_binary.
+    appends its EOT id after every document. The Hugging Face tokenizer in `tokenizer_path` (tokenizer "hf") makes
+    each document what transformers' `tokenizer(text)` gives (its BOS, if the checkpoint has one) followed by its
+    EOS. vocab_size only applies to the BPE. max_bytes (None or 0 = all) caps the text read; the last document read
+    is cut to fit. val_fraction moves that share of the stream's tail to val_*.bin. A plain-text source that looks
+    binary (NUL bytes, mostly not UTF-8) is refused unless allow_binary.
     """
     sources = [Path(s) for s in sources]
-    if tokenizer not in ("byte", "bpe"):
-        raise DataError(f"unknown tokenizer {tokenizer!r}: expected 'byte' or 'bpe'")
+    if tokenizer not in ("byte", "bpe", "hf"):
+        raise DataError(f"unknown tokenizer {tokenizer!r}: expected 'byte', 'bpe' or 'hf'")
     if shard_tokens < 1 or (max_bytes is not None and max_bytes < 0) or not 0.0 <= val_fraction < 1.0:
         raise DataError(f"bad prepare arguments: shard_tokens={shard_tokens} (>= 1), max_bytes={max_bytes} "
                         f"(>= 0), val_fraction={val_fraction} (in [0, 1))")
@@ -272,22 +308,21 @@ def prepare(sources: list[Path], out_dir: Path, *, tokenizer: str = "byte", voca
     for p in sources:
         if not p.is_file():
             raise DataError(f"source file not found: {p}")
-    spec = _spec(sources, tokenizer, vocab_size, max_bytes, val_fraction, text_key)
+    spec = _spec(sources, tokenizer, vocab_size, max_bytes, val_fraction, text_key, tokenizer_path)
 
     def build(tmp: Path) -> dict[str, Any]:
         stats = ReadStats()
-        writer = _ShardWriter(tmp, "train", shard_tokens)
         documents = read_documents(sources, text_key=text_key, max_bytes=max_bytes, stats=stats,
                                    allow_binary=allow_binary)
-        if tokenizer == "byte":
-            tok: ByteTokenizer | BpeTokenizer = ByteTokenizer()
+        tok = _tokenizer_for(tokenizer, tmp, sources, vocab_size, tokenizer_path, max_bytes=max_bytes,
+                             text_key=text_key, allow_binary=allow_binary)
+        dtype = DTYPES[shard_dtype(tok.vocab_size)]
+        writer = _ShardWriter(tmp, "train", shard_tokens, dtype)
+        if isinstance(tok, ByteTokenizer):
             for _, block, _ in documents:
                 writer.append(np.frombuffer(block, dtype=np.uint8))
         else:
-            tok = BpeTokenizer.train(sources, vocab_size, max_bytes=max_bytes, text_key=text_key,
-                                     allow_binary=allow_binary)
-            tok.save(tmp / TOKENIZER_FILE)
-            _encode_bpe(tok, documents, writer)
+            _encode_documents(tok, documents, writer)
         train = writer.close()
         total = sum(s["tokens"] for s in train)
         if total == 0:
@@ -297,29 +332,54 @@ def prepare(sources: list[Path], out_dir: Path, *, tokenizer: str = "byte", voca
         n_val = int(round(total * val_fraction))
         if n_val >= total:
             raise DataError(f"val_fraction={val_fraction} leaves no training tokens out of {total}")
-        train, val = _split_tail(tmp, train, n_val, shard_tokens) if n_val else (train, [])
+        train, val = _split_tail(tmp, train, n_val, shard_tokens, dtype) if n_val else (train, [])
         meta = _base_meta(tokenizer, tok.vocab_size, train, val)
         meta.update(sources=stats.files, source_bytes=stats.bytes, spec=spec,
-                    tokenizer_file=TOKENIZER_FILE if tokenizer == "bpe" else None)
+                    tokenizer_file=None if tokenizer == "byte" else TOKENIZER_FILE)
+        if isinstance(tok, HfTokenizer):  # what a copy without config.json still needs (load_tokenizer)
+            meta.update(tokenizer_path=str(Path(tokenizer_path).absolute()), special_tokens=tok.special_tokens)
         return meta
 
     return _publish(Path(out_dir), build)
 
 
-def _encode_bpe(tok: BpeTokenizer, blocks: Iterable[tuple[Path, bytes, bool]], writer: _ShardWriter) -> None:
+def _tokenizer_for(tokenizer: str, tmp: Path, sources: list[Path], vocab_size: int, tokenizer_path: Path | None,
+                   **read: Any) -> Tokenizer:
+    """The tokenizer to prepare with; its files (the trained BPE, the Hugging Face tokenizer's) saved in tmp."""
+    if tokenizer == "byte":
+        return ByteTokenizer()
+    if tokenizer == "bpe":
+        bpe = BpeTokenizer.train(sources, vocab_size, **read)
+        bpe.save(tmp / TOKENIZER_FILE)
+        return bpe
+    hf = HfTokenizer.load(_hf_path(tokenizer_path))
+    copy_files(_hf_path(tokenizer_path), tmp)
+    return hf
+
+
+def _encode_documents(tok: BpeTokenizer | HfTokenizer, blocks: Iterable[tuple[Path, bytes, bool]],
+                      writer: _ShardWriter) -> None:
+    """Each document's blocks encoded, between what the tokenizer puts around a document (the BPE: its EOT after
+    it; a Hugging Face tokenizer: its template's BOS before, its EOS after)."""
     # encode_batch runs on all cores in Rust; batches of blocks keep that parallel without holding the corpus.
-    eot = np.asarray([tok.eot_id], dtype=np.uint16)
-    pending: list[tuple[str, bool]] = []
+    hf = isinstance(tok, HfTokenizer)
+    start = np.asarray(tok.document_start if hf else [], dtype=np.uint32)
+    end = np.asarray(tok.document_end if hf else [tok.eot_id], dtype=np.uint32)
+    pending: list[tuple[str, bool, bool]] = []
+    first = True  # the next block begins a document
 
     def flush() -> None:
-        for ids, (_, last) in zip(tok.encode_batch([t for t, _ in pending]), pending):
+        for ids, (_, begins, last) in zip(tok.encode_batch([t for t, _, _ in pending]), pending):
+            if begins:
+                writer.append(start)
             writer.append(ids)
             if last:
-                writer.append(eot)
+                writer.append(end)
         pending.clear()
 
     for _, block, last in blocks:
-        pending.append((block.decode("utf-8", errors="replace"), last))
+        pending.append((block.decode("utf-8", errors="replace"), first, last))
+        first = last
         if len(pending) >= 256:
             flush()
     flush()
@@ -329,12 +389,13 @@ def write_tokens(tokens: np.ndarray, out_dir: Path, *, vocab_size: int, shard_to
                  tokenizer: str = "raw") -> dict:
     """Publish an in-memory token array as a prepared directory (synthetic data for tests and benchmarks)."""
     tokens = np.asarray(tokens)
-    if tokens.ndim != 1 or tokens.size == 0 or tokens.min() < 0 or tokens.max() >= min(vocab_size, 65536):
+    if tokens.ndim != 1 or tokens.size == 0 or tokens.min() < 0 or tokens.max() >= min(vocab_size, 2**32):
         raise DataError(f"write_tokens needs a non-empty 1-D array of ids in [0, {vocab_size})")
 
     def build(tmp: Path) -> dict[str, Any]:
-        writer = _ShardWriter(tmp, "train", shard_tokens)
-        writer.append(tokens.astype(DTYPE))
+        dtype = DTYPES[shard_dtype(vocab_size)]
+        writer = _ShardWriter(tmp, "train", shard_tokens, dtype)
+        writer.append(tokens.astype(dtype))
         meta = _base_meta(tokenizer, vocab_size, writer.close(), [])
         meta.update(sources=0, source_bytes=0, spec=None, tokenizer_file=None)
         return meta
@@ -358,8 +419,8 @@ def load_meta(data_dir: Path) -> dict:
                      ("total_tokens", int)):
         if not isinstance(meta.get(key), typ):
             raise DataError(f"{path}: missing or malformed {key!r}")
-    if meta["dtype"] != "uint16":
-        raise DataError(f"{path}: dtype {meta['dtype']!r} is not supported (expected 'uint16')")
+    if meta["dtype"] not in DTYPES:
+        raise DataError(f"{path}: dtype {meta['dtype']!r} is not supported (expected one of {', '.join(DTYPES)})")
     for s in meta["shards"] + meta.get("val_shards", []):
         if not (isinstance(s, dict) and isinstance(s.get("file"), str) and isinstance(s.get("tokens"), int)):
             raise DataError(f"{path}: malformed shard entry {s!r}")
@@ -378,17 +439,18 @@ def _file_lock(path: Path) -> Iterator[None]:
 
 def ensure_prepared(data_dir: Path, source: str, *, tokenizer: str = "byte", vocab_size: int = 256,
                     max_bytes: int | None = None, val_fraction: float | None = None, text_key: str = "text",
-                    allow_binary: bool = False) -> dict:
+                    allow_binary: bool = False, tokenizer_path: Path | None = None) -> dict:
     """Reuse data_dir if it was prepared from the same sources and settings, else prepare it (once per host group).
 
     "Same sources" means the same resolved file list with the same sizes and mtimes (and, for JSON Lines and
     Parquet sources, the same text key), so a directory made by `angel-jax data prepare` is reused by training,
-    and an edited corpus is prepared again. val_fraction=None accepts whatever split exists (and prepares with
-    none).
+    and an edited corpus is prepared again; "same settings" include the Hugging Face tokenizer's fingerprint (its
+    tokenizer.json and special tokens), so another tokenizer in the same place prepares again. val_fraction=None
+    accepts whatever split exists (and prepares with none).
     """
     data_dir = Path(data_dir)
     files = resolve_sources(source)
-    want = _spec(files, tokenizer, vocab_size, max_bytes, val_fraction, text_key)
+    want = _spec(files, tokenizer, vocab_size, max_bytes, val_fraction, text_key, tokenizer_path)
     data_dir.parent.mkdir(parents=True, exist_ok=True)
     with _file_lock(data_dir.parent / f".{data_dir.name}.lock"):
         if (data_dir / META).is_file():
@@ -400,7 +462,8 @@ def ensure_prepared(data_dir: Path, source: str, *, tokenizer: str = "byte", voc
             if all(have.get(k) == v for k, v in want.items() if not (k == "val_fraction" and v is None)):
                 return meta
         return prepare(files, data_dir, tokenizer=tokenizer, vocab_size=vocab_size, max_bytes=max_bytes,
-                       val_fraction=val_fraction or 0.0, text_key=text_key, allow_binary=allow_binary)
+                       val_fraction=val_fraction or 0.0, text_key=text_key, allow_binary=allow_binary,
+                       tokenizer_path=tokenizer_path)
 
 
 # -------------------------------------------------------------------------------------------------- iterator
@@ -453,7 +516,9 @@ class TokenIterator:
         self.batch_size, self.seq_len, self.seed = batch_size, seq_len, seed
         self.local_batch_size = batch_size // shard_count
         self._row0 = shard_index * self.local_batch_size
-        self._maps = [self._open_shard(data_dir, s) for s in self.meta["shards" if split == "train" else "val_shards"]]
+        dtype = DTYPES[self.meta["dtype"]]
+        self._maps = [self._open_shard(data_dir, s, dtype)
+                      for s in self.meta["shards" if split == "train" else "val_shards"]]
         self._starts = np.cumsum([0] + [m.size for m in self._maps], dtype=np.int64)
         total = int(self._starts[-1])
         self.window = seq_len + 1
@@ -467,14 +532,14 @@ class TokenIterator:
         self._perm_epoch, self._perm = -1, np.empty(0, np.int64)
 
     @staticmethod
-    def _open_shard(data_dir: Path, shard: dict[str, Any]) -> np.memmap:
+    def _open_shard(data_dir: Path, shard: dict[str, Any], dtype: np.dtype) -> np.memmap:
         path = data_dir / shard["file"]
-        want = shard["tokens"] * DTYPE.itemsize
+        want = shard["tokens"] * dtype.itemsize
         size = path.stat().st_size if path.is_file() else None
         if size != want:
             raise DataError(f"shard {path} is {'missing' if size is None else f'{size} bytes'}, "
                             f"meta.json says {want} bytes: the data directory is damaged; prepare it again")
-        return np.memmap(path, dtype=DTYPE, mode="r")
+        return np.memmap(path, dtype=dtype, mode="r")
 
     def _permutation(self) -> np.ndarray:
         if self._perm_epoch != self.epoch:  # one epoch's permutation is small (8 bytes per window)

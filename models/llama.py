@@ -1,5 +1,5 @@
 """A Llama decoder in Flax NNX: RMSNorm pre-norm blocks, rotary position embeddings, grouped-query attention, a
-SwiGLU MLP, no biases; bf16 compute over fp32 parameters.
+SwiGLU MLP, no biases by default; bf16 compute over fp32 parameters.
 
 The layout follows Hugging Face's `LlamaForCausalLM` one module for one module, so its weights load with a plain
 copy (each `nn.Linear` weight transposed into an `nnx.Linear` kernel, nothing permuted):
@@ -14,7 +14,15 @@ copy (each `nn.Linear` weight transposed into an `nnx.Linear` kernel, nothing pe
 
 Rotary embeddings use Hugging Face's convention (`rotate_half`: the head dimension's two halves are the pairs
 that rotate together), not the interleaved one of Meta's original code, whose q/k weights are permuted on import.
-The embedding and the unembedding are separate matrices: each stage owns its parameters.
+With model.rope_scaling: llama3 their frequencies get Llama 3.1's adjustment (`llama3_frequencies`).
+
+Variants of the same layout: model.qkv_bias adds biases to q, k and v (Qwen2's `*_proj.bias`), model.o_bias to o
+(Llama's attention_bias sets both: blocks.q.bias is self_attn.q_proj.bias, ...). With model.tie_embeddings the head
+has no `unembed`: it multiplies by the embedding matrix transposed (`nnx.Embed.attend`), one parameter for both
+uses, whose gradient is the sum of both uses' in the whole model (the in-memory engine). The stage view cannot
+express that: each stage owns its parameters and the head stage does not hold the embedding, so a tied head stage
+refuses to run alone (the paged engine runs one stage at a time); `split` and `merge` still give the one matrix
+to the embedding stage, which is what export writes.
 
 As in `models/gpt.py`, the blocks are created stacked (leading axis n_layers, through `nnx.vmap`) so one
 `jax.lax.scan` body runs them, and stage i (0 = embed, 1 + j = block j, n_layers + 1 = head) draws its parameters
@@ -28,9 +36,10 @@ Mixture of experts (model.moe.experts > 0): every moe.every-th block has a mixtu
 
 from __future__ import annotations
 
-from typing import Any, Callable
-
+import math
 import sys
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -64,10 +73,55 @@ def head_dim(cfg: ModelConfig) -> int:
 # ------------------------------------------------------------------------------------------------------- RoPE
 
 
-def rope_angles(positions: jax.Array, dim: int, theta: float) -> tuple[jax.Array, jax.Array]:
-    """cos and sin [T, dim] (float32) of the rotation at each position: frequency j = theta^(-2j/dim) for j < dim/2,
-    repeated for the second half (`concat([freqs, freqs])`, Hugging Face's layout)."""
+@dataclass(frozen=True)
+class Llama3Scaling:
+    """Llama 3.1's RoPE frequency adjustment (model.rope_scaling: llama3 and its rope_* keys)."""
+
+    factor: float
+    """How much a long wavelength is stretched (rope_factor)."""
+    low_freq_factor: float
+    """Wavelengths above original_max_positions / low_freq_factor are stretched by `factor`."""
+    high_freq_factor: float
+    """Wavelengths below original_max_positions / high_freq_factor are kept."""
+    original_max_positions: int
+    """The context length the model was pretrained at."""
+
+
+def rope_scaling(cfg: ModelConfig) -> Llama3Scaling | None:
+    """The config's RoPE scaling, None for plain RoPE."""
+    if cfg.rope_scaling == "none":
+        return None
+    return Llama3Scaling(cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor,
+                         cfg.rope_original_max_positions)
+
+
+def llama3_frequencies(inv_freq: jax.Array, s: Llama3Scaling) -> jax.Array:
+    """RoPE frequencies adjusted as transformers' `_compute_llama3_parameters` does, in float32 as there: a
+    wavelength longer than original_max_positions / low_freq_factor (a rotation the original context saw little
+    of) is stretched by `factor`, so that factor x the original context turns it no further than pretraining did;
+    one shorter than original_max_positions / high_freq_factor (local position detail) is kept; those between move
+    smoothly from one to the other."""
+    low_freq_wavelen = s.original_max_positions / s.low_freq_factor
+    high_freq_wavelen = s.original_max_positions / s.high_freq_factor
+    wavelen = 2 * math.pi / inv_freq
+    stretched = jnp.where(wavelen > low_freq_wavelen, inv_freq / s.factor, inv_freq)
+    smooth = (s.original_max_positions / wavelen - s.low_freq_factor) / (s.high_freq_factor - s.low_freq_factor)
+    smoothed = (1 - smooth) * stretched / s.factor + smooth * stretched
+    medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
+    return jnp.where(medium, smoothed, stretched)
+
+
+def rope_frequencies(dim: int, theta: float, scaling: Llama3Scaling | None = None) -> jax.Array:
+    """The dim/2 rotation frequencies (float32): theta^(-2j/dim) for j < dim/2, adjusted by `scaling`."""
     inv_freq = 1.0 / (theta ** (jnp.arange(0, dim, 2, dtype=jnp.float32) / dim))
+    return inv_freq if scaling is None else llama3_frequencies(inv_freq, scaling)
+
+
+def rope_angles(positions: jax.Array, dim: int, theta: float, scaling: Llama3Scaling | None = None
+                ) -> tuple[jax.Array, jax.Array]:
+    """cos and sin [T, dim] (float32) of the rotation at each position: frequency j (`rope_frequencies`) for
+    j < dim/2, repeated for the second half (`concat([freqs, freqs])`, Hugging Face's layout)."""
+    inv_freq = rope_frequencies(dim, theta, scaling)
     freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
     angles = jnp.concatenate([freqs, freqs], axis=-1)
     return jnp.cos(angles), jnp.sin(angles)
@@ -107,12 +161,13 @@ class Block(nnx.Module):
         # depth when training from scratch (imported weights replace all of this).
         out_init = nnx.initializers.normal(_INIT_STD / (2 * cfg.n_layers) ** 0.5)
         lin = dict(use_bias=False, dtype=cdt, param_dtype=pdt, rngs=rngs)
+        qkv = {**lin, "use_bias": cfg.qkv_bias}  # biases start at zero (nnx.Linear's default)
         norm = dict(epsilon=cfg.norm_eps, dtype=cdt, param_dtype=pdt, rngs=rngs)
         self.attn_norm = nnx.RMSNorm(d, **norm)
-        self.q = nnx.Linear(d, cfg.n_heads * hd, kernel_init=init, **lin)
-        self.k = nnx.Linear(d, cfg.kv_heads * hd, kernel_init=init, **lin)
-        self.v = nnx.Linear(d, cfg.kv_heads * hd, kernel_init=init, **lin)
-        self.o = nnx.Linear(cfg.n_heads * hd, d, kernel_init=out_init, **lin)
+        self.q = nnx.Linear(d, cfg.n_heads * hd, kernel_init=init, **qkv)
+        self.k = nnx.Linear(d, cfg.kv_heads * hd, kernel_init=init, **qkv)
+        self.v = nnx.Linear(d, cfg.kv_heads * hd, kernel_init=init, **qkv)
+        self.o = nnx.Linear(cfg.n_heads * hd, d, kernel_init=out_init, **{**lin, "use_bias": cfg.o_bias})
         self.mlp_norm = nnx.RMSNorm(d, **norm)
         if moe:
             self.moe = MoE(cfg, gated=True, out_std=_INIT_STD / (2 * cfg.n_layers) ** 0.5, rngs=rngs)
@@ -121,6 +176,7 @@ class Block(nnx.Module):
             self.up = nnx.Linear(d, hidden, kernel_init=init, **lin)
             self.down = nnx.Linear(hidden, d, kernel_init=out_init, **lin)
         self.n_heads, self.kv_heads, self.head_dim, self.rope_theta = cfg.n_heads, cfg.kv_heads, hd, cfg.rope_theta
+        self.rope_scaling = rope_scaling(cfg)
 
     def _qkv(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         b, t, _ = x.shape
@@ -128,7 +184,7 @@ class Block(nnx.Module):
         q = self.q(h).reshape(b, t, self.n_heads, self.head_dim)
         k = self.k(h).reshape(b, t, self.kv_heads, self.head_dim)
         v = self.v(h).reshape(b, t, self.kv_heads, self.head_dim)
-        cos, sin = rope_angles(positions, self.head_dim, self.rope_theta)
+        cos, sin = rope_angles(positions, self.head_dim, self.rope_theta, self.rope_scaling)
         return apply_rope(q, cos, sin), apply_rope(k, cos, sin), v
 
     def _rest(self, x: jax.Array, attn: jax.Array) -> jax.Array:
@@ -172,11 +228,25 @@ class Head(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         cdt, pdt = _dtypes(cfg)
         self.norm = nnx.RMSNorm(cfg.d_model, epsilon=cfg.norm_eps, dtype=cdt, param_dtype=pdt, rngs=rngs)
-        self.unembed = nnx.Linear(cfg.d_model, cfg.vocab_size, use_bias=False, dtype=cdt, param_dtype=pdt,
-                                  kernel_init=nnx.initializers.normal(_INIT_STD), rngs=rngs)
+        self.tied = cfg.tie_embeddings
+        if not self.tied:  # tied: the embedding's matrix unembeds, the head owns none
+            self.unembed = nnx.Linear(cfg.d_model, cfg.vocab_size, use_bias=False, dtype=cdt, param_dtype=pdt,
+                                      kernel_init=nnx.initializers.normal(_INIT_STD), rngs=rngs)
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        return self.unembed(self.norm(x)).astype(jnp.float32)
+    def __call__(self, x: jax.Array, embed: Embed | None = None) -> jax.Array:
+        """float32 logits; a tied head needs the model's `embed`."""
+        h = self.norm(x)
+        if self.tied:
+            if embed is None:
+                raise ConfigError(_TIED_STAGE)
+            return embed.tokens.attend(h).astype(jnp.float32)  # h @ embedding.T in the compute dtype
+        return self.unembed(h).astype(jnp.float32)
+
+
+_TIED_STAGE = ("'model.tie_embeddings': the head unembeds with the embedding stage's matrix, so it cannot run as a "
+               "stage of its own: train a tied model with the in-memory engine (memory.mode=in_memory); the paged "
+               "engine runs each stage on its own parameters (or set model.tie_embeddings=false: a separate head, "
+               "imported as a copy of the embedding)")
 
 
 class Llama(nnx.Module):
@@ -202,7 +272,7 @@ class Llama(nnx.Module):
             return nnx.merge(block_def, params)(h), None
 
         x, _ = scan_layers(body, self.embed(tokens), block_state, scan=self.cfg.scan_blocks, remat=self.cfg.remat)
-        return self.head(x)
+        return self.head(x, self.embed)
 
     def decode(self, tokens: jax.Array, cache: Cache, pos: jax.Array) -> tuple[jax.Array, Cache]:
         """Logits of tokens [B, T] at positions pos .. pos+T-1, and the cache with their keys and values added."""
@@ -215,7 +285,7 @@ class Llama(nnx.Module):
 
         x, (k, v) = scan_layers(body, self.embed(tokens), (block_state, cache["k"], cache["v"]),
                                 scan=self.cfg.scan_blocks, remat=False)
-        return self.head(x), {"k": k, "v": v}
+        return self.head(x, self.embed), {"k": k, "v": v}
 
 
 def scan_layers(body: Callable[[jax.Array, Any], tuple[jax.Array, Any]], x: jax.Array, per_layer: Any, *,
@@ -241,6 +311,9 @@ def check(cfg: ModelConfig) -> None:
     if head_dim(cfg) % 2:
         raise ConfigError(f"'model.n_heads': rotary embeddings need an even head dimension, but d_model "
                           f"{cfg.d_model} / n_heads {cfg.n_heads} = {head_dim(cfg)}")
+    if cfg.tie_embeddings and cfg.moe.experts:  # the MoE decoder's head (models/moe_decoder.py) is untied
+        raise ConfigError("'model.tie_embeddings': a tied head is not implemented with mixture-of-experts blocks "
+                          "(model.moe.experts > 0)")
 
 
 def init(cfg: ModelConfig, seed: int) -> tuple[nnx.GraphDef, Params]:
@@ -306,7 +379,7 @@ def staged(cfg: ModelConfig) -> StagedModel:
         apply={
             "embed": lambda p, tokens: nnx.merge(embed_def, p)(tokens),
             "block": jax.checkpoint(apply_block) if cfg.remat else apply_block,
-            "head": lambda p, x: nnx.merge(head_def, p)(x),
+            "head": lambda p, x: nnx.merge(head_def, p)(x),  # a tied head refuses: it lacks the embedding
         },
         loss=cross_entropy,
         split=split,
@@ -327,18 +400,20 @@ def _staged_moe(cfg: ModelConfig, abstract: Llama) -> StagedModel:
 
 
 def param_count(cfg: ModelConfig) -> dict[str, int]:
-    """Parameter counts: total, the part that enters matmuls (excludes the embedding and the norms), and of that the
-    part one token's computation uses ('active': with MoE blocks, top_k experts of each)."""
+    """Parameter counts: total, the part that enters matmuls (excludes the embedding lookup, the norms and the
+    biases; a tied head's matrix is counted there as the unembedding, and once in total), and of that the part one
+    token's computation uses ('active': with MoE blocks, top_k experts of each)."""
     d, hidden, L, V = cfg.d_model, cfg.hidden, cfg.n_layers, cfg.vocab_size
     q_width, kv_width = cfg.n_heads * head_dim(cfg), cfg.kv_heads * head_dim(cfg)
     attention = d * q_width + 2 * d * kv_width + q_width * d  # q, k, v, o
     per_block_matmul = attention + 3 * d * hidden  # gate, up, down
-    per_block_norms = 2 * d
+    per_block_vectors = 2 * d + cfg.qkv_bias * (q_width + 2 * kv_width) + cfg.o_bias * d  # norms, biases
+    unembed = 0 if cfg.tie_embeddings else d * V  # tied: the embedding matrix, counted once
     routed = moe_decoder.moe_layers(cfg)
     moe_matmul, moe_active = moe_decoder.matmul_params(cfg, attention, 3 * d * hidden)
     dense = L - routed
     return {
-        "total": V * d + dense * per_block_matmul + routed * moe_matmul + L * per_block_norms + d + d * V,
+        "total": V * d + dense * per_block_matmul + routed * moe_matmul + L * per_block_vectors + d + unembed,
         "matmul": dense * per_block_matmul + routed * moe_matmul + d * V,
         "active": dense * per_block_matmul + routed * moe_active + d * V,
     }

@@ -49,7 +49,7 @@ build_venv() {
     "$py" -m venv "$VENV"
     "$VENV/bin/python" -m pip install -q uv
     write_constraints "$VENV/constraints.txt"
-    # Only what the tests import: the `test` extra would add wandb and tokenizers, which none of them needs.
+    # Only what the tests import: the `test` extra would add wandb, which none of them needs.
     "$VENV/bin/uv" pip install -q --python "$VENV/bin/python" -c "$VENV/constraints.txt" -e . pytest hypothesis
 }
 

@@ -1,9 +1,10 @@
 """Hugging Face checkpoints in and out (models/hf/), against transformers itself.
 
-The fixtures in tests/fixtures/hf/ were made by transformers (experiments/hf/make_fixtures.py): a tiny GPT-2 and
-a tiny Llama with every tensor perturbed, and the float32 logits transformers computed for fixed tokens. Imported
-with model.init_from, our models must give those logits; exported, our params must come back bit for bit and
-in HF's own tensor layout (the fixture's tensors, name for name). No torch is needed here.
+The fixtures in tests/fixtures/hf/ were made by transformers (experiments/hf/make_fixtures.py): a tiny GPT-2,
+tiny Llamas (plain, with Llama 3.1's RoPE scaling, with a tied head) and a tiny Qwen2 with every tensor perturbed,
+and the float32 logits transformers computed for fixed tokens. Imported with model.init_from, our models must give
+those logits; exported, our params must come back bit for bit and in HF's own tensor layout (the fixture's
+tensors, name for name). No torch is needed here.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import shutil
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
@@ -22,11 +24,12 @@ from safetensors import safe_open
 from safetensors.numpy import load_file, save_file
 
 import models
-from angel_jax.config import ConfigError, ModelConfig
-from models import hf
+from angel_jax.config import Config, ConfigError, MemoryConfig, ModelConfig, OptimizerConfig, TrainConfig
+from angel_jax.train.engines import InMemoryEngine
+from models import hf, llama
 
 FIXTURES = Path(__file__).parent / "fixtures" / "hf"
-NAMES = ("gpt2", "llama")
+NAMES = ("gpt2", "llama", "llama3", "llama_tied", "qwen2")
 
 
 def fixture_cfg(fixture: str, **changes) -> ModelConfig:
@@ -97,9 +100,41 @@ def test_model_fields_of_the_fixtures():
     assert hf.model_fields(FIXTURES / "gpt2") == {
         "name": "gpt", "vocab_size": 256, "seq_len": 64, "d_model": 48, "n_layers": 2, "n_heads": 4,
         "n_kv_heads": 0, "mlp_hidden": 192, "norm_eps": 1e-5}
+    plain = {"rope_scaling": "none", "tie_embeddings": False, "qkv_bias": False, "o_bias": False}
     assert hf.model_fields(FIXTURES / "llama") == {
         "name": "llama", "vocab_size": 256, "seq_len": 64, "d_model": 64, "n_layers": 2, "n_heads": 4,
-        "n_kv_heads": 2, "mlp_hidden": 96, "norm_eps": 1e-6, "rope_theta": 50000.0}
+        "n_kv_heads": 2, "mlp_hidden": 96, "norm_eps": 1e-6, "rope_theta": 50000.0, **plain}
+    small = {"name": "llama", "vocab_size": 256, "d_model": 32, "n_layers": 2, "n_heads": 4, "n_kv_heads": 2,
+             "mlp_hidden": 64, "norm_eps": 1e-6}
+    assert hf.model_fields(FIXTURES / "llama3") == {
+        **small, **plain, "seq_len": 512, "rope_theta": 20000.0, "rope_scaling": "llama3", "rope_factor": 4.0,
+        "rope_low_freq_factor": 1.0, "rope_high_freq_factor": 4.0, "rope_original_max_positions": 128}
+    assert hf.model_fields(FIXTURES / "llama_tied") == {
+        **small, **plain, "seq_len": 64, "rope_theta": 10000.0, "tie_embeddings": True}
+    assert hf.model_fields(FIXTURES / "qwen2") == {
+        **small, **plain, "seq_len": 64, "rope_theta": 1e6, "qkv_bias": True}
+
+
+def test_the_llama3_fixture_scales_the_frequencies_of_the_positions_tested():
+    """Its scaling changes the rotation angles of the tested positions (all three of llama3's cases: a frequency
+    kept, one interpolated, two stretched), and the logits: imported without it the model misses transformers'."""
+    cfg = fixture_cfg("llama3")
+    positions = jnp.arange(np.load(FIXTURES / "llama3" / "logits.npz")["tokens"].shape[1])
+    plain = np.asarray(llama.rope_frequencies(8, cfg.rope_theta), np.float64)
+    scaled = llama.rope_frequencies(8, cfg.rope_theta, llama.rope_scaling(cfg))
+    # Wavelengths 2 pi / f: 6.3 (under 128 / 4: kept), 74.7 (between: interpolated), 889 and 10563 (over 128 / 1:
+    # stretched by 4).
+    smooth = (128 / (2 * np.pi / plain[1]) - 1) / (4 - 1)
+    interpolated = (1 - smooth) * plain[1] / 4 + smooth * plain[1]
+    np.testing.assert_allclose(scaled, [plain[0], interpolated, plain[2] / 4, plain[3] / 4], rtol=1e-6)
+    plain_cos, scaled_cos = (llama.rope_angles(positions, 8, cfg.rope_theta, s)[0]
+                             for s in (None, llama.rope_scaling(cfg)))
+    assert np.abs(plain_cos - scaled_cos).max() > 0.5  # the rotations of the positions tested differ
+    ref = np.load(FIXTURES / "llama3" / "logits.npz")
+    graphdef, params = models.get(cfg).init(0)
+    unscaled = models.get(dataclasses.replace(cfg, rope_scaling="none", init_from="")).abstract()[0]
+    logits = np.asarray(jax.jit(lambda p, t: nnx.merge(unscaled, p)(t))(params, ref["tokens"]))
+    assert np.abs(logits - ref["logits"]).max() > 1e-2
 
 
 # --------------------------------------------------------------------------------------------- export
@@ -110,15 +145,21 @@ def test_model_fields_of_the_fixtures():
     ModelConfig(name="llama", d_model=32, n_layers=2, n_heads=4, n_kv_heads=1, seq_len=16, mlp_hidden=80,
                 rope_theta=5e5),
     ModelConfig(name="llama", d_model=32, n_layers=2, n_heads=2, seq_len=16, param_dtype="bfloat16"),
-], ids=["gpt", "llama-gqa", "llama-bf16"])
+    ModelConfig(name="llama", d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, seq_len=16, mlp_hidden=48,
+                tie_embeddings=True, qkv_bias=True, o_bias=True, rope_scaling="llama3", rope_factor=8.0,
+                rope_original_max_positions=64),
+    ModelConfig(name="llama", d_model=32, n_layers=2, n_heads=4, n_kv_heads=2, seq_len=16, qkv_bias=True),
+], ids=["gpt", "llama-gqa", "llama-bf16", "llama-tied-biased-llama3", "qwen2"])
 def test_export_then_import_gives_the_params_bit_for_bit(cfg, tmp_path):
     staged = models.get(cfg)
     params = random_params(staged, seed=7)
     hf.export(cfg, staged.split(params), tmp_path)
     raw = json.loads((tmp_path / "config.json").read_text())
-    model_type = {"gpt": "gpt2", "llama": "llama"}[cfg.name]
-    assert raw["model_type"] == model_type and raw["tie_word_embeddings"] is False
-    assert raw["architectures"] == [{"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM"}[model_type]]
+    # q/k/v biases alone are Qwen2's; Llama's attention_bias biases o too.
+    model_type = "qwen2" if cfg.qkv_bias and not cfg.o_bias else {"gpt": "gpt2", "llama": "llama"}[cfg.name]
+    assert raw["model_type"] == model_type and raw["tie_word_embeddings"] is cfg.tie_embeddings
+    assert raw["architectures"] == [{"gpt2": "GPT2LMHeadModel", "llama": "LlamaForCausalLM",
+                                     "qwen2": "Qwen2ForCausalLM"}[model_type]]
     assert raw["torch_dtype"] == raw["dtype"] == cfg.param_dtype
     # What transformers needs to build the model: every architecture key, as config.json states it.
     fields = hf.model_fields(tmp_path)
@@ -129,7 +170,9 @@ def test_export_then_import_gives_the_params_bit_for_bit(cfg, tmp_path):
             assert value == {"mlp_hidden": cfg.hidden}.get(key, getattr(cfg, key)), key
     with safe_open(str(tmp_path / "model.safetensors"), framework="numpy") as f:
         assert f.metadata() == {"format": "pt"}
-        assert "lm_head.weight" in f.keys()
+        assert ("lm_head.weight" in f.keys()) is not cfg.tie_embeddings  # tied: the embedding alone
+        assert ("model.layers.1.self_attn.v_proj.bias" in f.keys()) is cfg.qkv_bias
+        assert ("model.layers.1.self_attn.o_proj.bias" in f.keys()) is cfg.o_bias
         assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"F32" if cfg.param_dtype == "float32" else "BF16"}
     back = models.get(dataclasses.replace(cfg, init_from=str(tmp_path))).init(0)[1]
     _assert_bit_identical(back, params)
@@ -138,16 +181,58 @@ def test_export_then_import_gives_the_params_bit_for_bit(cfg, tmp_path):
 @pytest.mark.parametrize("name", NAMES)
 def test_an_import_exports_as_the_checkpoint_it_came_from(name, tmp_path):
     """Export writes HF's own layout: every tensor of the fixture, under its name, bit for bit (GPT-2's tied head
-    comes out as its own lm_head.weight, equal to wte)."""
+    comes out as its own lm_head.weight, equal to wte; the tied Llama's stays the embedding alone), and the
+    architecture of its config.json; imported again, the same parameters."""
     cfg = fixture_cfg(name)
     staged = models.get(cfg)
-    hf.export(cfg, staged.split(staged.init(0)[1]), tmp_path)
+    params = staged.init(0)[1]
+    hf.export(cfg, staged.split(params), tmp_path)
     original, exported = load_file(str(FIXTURES / name / "model.safetensors")), load_file(str(tmp_path / "model.safetensors"))
     if name == "gpt2":
         original["lm_head.weight"] = original["transformer.wte.weight"]
     assert sorted(exported) == sorted(original)
     for key in original:
         assert exported[key].dtype == original[key].dtype and np.array_equal(exported[key], original[key]), key
+    assert hf.model_fields(tmp_path) == hf.model_fields(FIXTURES / name)
+    raw, fixture = (json.loads((d / "config.json").read_text()) for d in (tmp_path, FIXTURES / name))
+    same = ("model_type", "architectures") + (("tie_word_embeddings", "rope_parameters", "attention_bias")
+                                               if name != "gpt2" else ())  # our GPT's head is untied
+    for key in same:
+        assert raw.get(key) == fixture.get(key), key
+    _assert_bit_identical(models.get(dataclasses.replace(cfg, init_from=str(tmp_path))).init(0)[1], params)
+
+
+@pytest.mark.compares_programs
+def test_a_tied_model_stays_tied_through_training_and_export(tmp_path):
+    """Three AdamW steps of the in-memory engine from the tied fixture: the head has no matrix of its own, the
+    embedding rows of ids no input holds move (only the head's use reaches them: its gradient goes to the one
+    matrix), and the export stores the embedding alone, as a tied checkpoint, which transformers' tie (and our
+    import untied) reads as a head equal to the trained embedding."""
+    model = fixture_cfg("llama_tied", seq_len=16)
+    cfg = Config(model=model, optimizer=OptimizerConfig(lr=1e-2, warmup_steps=0, weight_decay=0.0),
+                 train=TrainConfig(steps=3, batch_size=2), memory=MemoryConfig(mode="in_memory"))
+    engine = InMemoryEngine(cfg, jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Auto,)))
+    batches = np.random.default_rng(0).integers(0, 128, (3, 2, model.seq_len + 1)).astype(np.int32)
+    try:
+        before = engine.params()
+        losses = [float(engine.step(jnp.asarray(b))["loss"]) for b in batches]
+        params = engine.params()
+    finally:
+        engine.close()
+    assert np.isfinite(losses).all() and set(params["head"]) == {"norm"}
+    start, trained = before["embed"]["tokens"]["embedding"], params["embed"]["tokens"]["embedding"]
+    assert (trained[128:] != start[128:]).mean() > 0.99  # ids 128..255 are never inputs, only outputs
+
+    staged = models.get(model)
+    hf.export(model, staged.split(params), tmp_path / "out")
+    raw = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert raw["tie_word_embeddings"] is True
+    exported = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert "lm_head.weight" not in exported
+    np.testing.assert_array_equal(exported["model.embed_tokens.weight"], trained)
+    _assert_bit_identical(models.get(dataclasses.replace(model, init_from=str(tmp_path / "out"))).init(0)[1], params)
+    untied = models.get(dataclasses.replace(model, init_from=str(tmp_path / "out"), tie_embeddings=False)).init(0)[1]
+    np.testing.assert_array_equal(untied["head"]["unembed"]["kernel"], trained.T)
 
 
 def test_export_dtype_and_refusals(tmp_path):
@@ -166,6 +251,9 @@ def test_export_dtype_and_refusals(tmp_path):
     hf.export(cfg, stages, tmp_path / "bf16", overwrite=True)
     with pytest.raises(ConfigError, match="export dtype 'int8'"):
         hf.export(cfg, stages, tmp_path / "other", dtype="int8")
+    o_only = ModelConfig(name="llama", d_model=32, n_layers=1, n_heads=2, seq_len=16, o_bias=True)
+    with pytest.raises(ConfigError, match="'model.o_bias' without 'model.qkv_bias' has no Hugging Face"):
+        hf.export(o_only, models.get(o_only).split(random_params(models.get(o_only), 0)), tmp_path / "o")
 
 
 # --------------------------------------------------------------------------------------------- checkpoint forms
@@ -213,11 +301,19 @@ def test_checkpoint_variants_import_the_same_params(tmp_path):
     ("gpt2", {"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx=True is not supported"),
     ("gpt2", {"add_cross_attention": True}, "add_cross_attention=True is not supported"),
     ("gpt2", {"n_head": 5}, "n_embd=48 is not divisible by n_head=5"),
-    ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}}, "rope_scaling=.* is not supported"),
+    ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 2.0}},
+     "rope_scaling.rope_type='linear' is not supported"),
+    ("llama", {"rope_scaling": {"type": "dynamic", "factor": 2.0}}, "rope_scaling.rope_type='dynamic'"),
+    ("llama", {"rope_parameters": {"rope_type": "yarn", "rope_theta": 5e5, "factor": 8.0}},
+     "rope_parameters.rope_type='yarn' is not supported"),
     ("llama", {"rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, "factor": 8.0}},
-     "rope_parameters.rope_type='llama3' is not supported"),
-    ("llama", {"attention_bias": True}, "attention_bias=True is not supported"),
+     "'rope_parameters.low_freq_factor' must be a finite number > 0, got None"),
+    ("llama3", {"rope_parameters": {"full_attention": {"rope_type": "default"}}}, "not one per layer type"),
+    ("llama", {"partial_rotary_factor": 0.5}, "partial_rotary_factor=0.5 is not supported"),
+    ("llama", {"attention_bias": "yes"}, "attention_bias='yes' is not supported"),
     ("llama", {"mlp_bias": True}, "mlp_bias=True is not supported"),
+    ("qwen2", {"use_sliding_window": True}, "use_sliding_window=True is not supported"),
+    ("qwen2", {"layer_types": ["full_attention", "sliding_attention"]}, "layer_types=.* is not supported"),
     ("llama", {"hidden_act": "gelu"}, "hidden_act='gelu' is not supported"),
     ("llama", {"head_dim": 32}, "head_dim=32 is not supported"),
     ("llama", {"num_hidden_layers": "2"}, "'num_hidden_layers' must be an integer"),
@@ -241,6 +337,13 @@ def test_unsupported_hf_settings_are_refused_by_key(name, change, named, tmp_pat
     ("llama", {"rope_theta": 10000.0}, "'model.rope_theta'=10000.0 differs from rope_theta=50000.0"),
     ("llama", {"name": "gpt"}, "'model.name'='gpt' differs from model_type='llama' -> 'llama'"),
     ("llama", {"seq_len": 128}, "'model.seq_len'=128 exceeds max_position_embeddings=64"),
+    ("llama", {"rope_scaling": "llama3"}, "'model.rope_scaling'='llama3' differs from rope_parameters.rope_type"),
+    ("llama3", {"rope_factor": 8.0}, "'model.rope_factor'=8.0 differs from rope_parameters.factor=4.0"),
+    ("llama3", {"rope_original_max_positions": 8192},
+     "'model.rope_original_max_positions'=8192 differs from rope_parameters.original_max_position_embeddings=128"),
+    ("llama", {"tie_embeddings": True}, "'model.tie_embeddings'=True differs from tie_word_embeddings=False"),
+    ("qwen2", {"qkv_bias": False}, "'model.qkv_bias'=False differs from attention_bias=True"),
+    ("llama", {"qkv_bias": True, "o_bias": True}, "'model.qkv_bias'=True differs from attention_bias=False"),
 ])
 def test_an_architecture_that_differs_from_the_checkpoint_is_refused_naming_the_key(name, change, named):
     cfg = fixture_cfg(name, **change)

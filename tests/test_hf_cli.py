@@ -46,6 +46,22 @@ def test_import_writes_a_config_that_starts_from_the_checkpoint(tmp_path, capsys
     assert not (tmp_path / "x.yaml").exists() and not (tmp_path / "y.yaml").exists()
 
 
+@pytest.mark.parametrize("name", ["llama3", "llama_tied", "qwen2"])
+def test_import_carries_rope_scaling_tied_heads_and_biases(name, tmp_path, capsys):
+    """The config written for a Llama 3.1-style, a tied or a Qwen2 checkpoint has its rope_*, tie_embeddings and
+    bias keys, whatever the base config says, and trains from it."""
+    out = tmp_path / f"{name}.yaml"
+    base = tmp_path / "base.yaml"
+    base.write_text("model: {name: llama, rope_scaling: none, tie_embeddings: false, qkv_bias: false, "
+                    "rope_factor: 2.0}\n")
+    assert cli.main(["import", str(FIXTURES / name), "--config", str(out), "--base", str(base)]) == 0
+    cfg = load_config(out)
+    fields = hf.model_fields(FIXTURES / name)
+    assert {k: getattr(cfg.model, k) for k in fields} == fields
+    assert fields["rope_scaling"] == "llama3" or fields["tie_embeddings"] or fields["qkv_bias"]
+    models.check_init_from(cfg.model)
+
+
 def _assert_equal_trees(got, want) -> None:
     assert jax.tree.structure(got) == jax.tree.structure(want)
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
@@ -104,3 +120,18 @@ def test_init_from_may_change_on_resume():
     saved["model"]["d_model"] = 64
     with pytest.raises(CheckpointError, match="model.d_model=128"):
         check_same_model(saved, cfg, 3)
+
+
+def test_a_checkpoint_from_before_a_model_key_existed_resumes_as_its_default():
+    """A model key added to the config since a checkpoint was written (rope scaling, tied embeddings, biases)
+    stands for its default, the model that checkpoint computed; set to something else, it is another model."""
+    from angel_jax.checkpoint import CheckpointError
+    from angel_jax.config import to_dict
+    from angel_jax.train.checkpointing import check_same_model
+
+    saved = to_dict(load_config(None))
+    for key in ("rope_scaling", "tie_embeddings", "qkv_bias", "o_bias", "rope_factor"):
+        del saved["model"][key]
+    check_same_model(saved, load_config(None), 3)
+    with pytest.raises(CheckpointError, match=r"model.qkv_bias=True \(the checkpoint's: False\)"):
+        check_same_model(saved, load_config(None, ["model.name=llama", "model.qkv_bias=true"]), 3)

@@ -15,9 +15,10 @@ import pytest
 from flax import nnx
 
 import models
-from angel_jax.config import Config, ConfigError, ModelConfig, TrainConfig, load_config
+from angel_jax.config import Config, ConfigError, MemoryConfig, ModelConfig, MoEConfig, TrainConfig, load_config
 from angel_jax.schedule.blueprint import blueprint
 from angel_jax.schedule.budgets import fixed_device_bytes
+from angel_jax.train.engines import build_engine
 from angel_jax.train.plan_cli import estimate_costs
 from models import llama
 from test_paged import _cfg, assert_mostly_streamed, batches, eighth, paged, reference
@@ -27,6 +28,11 @@ ROOT = Path(__file__).resolve().parent.parent
 CFG = ModelConfig(name="llama", vocab_size=64, seq_len=16, d_model=32, n_layers=2, n_heads=4, n_kv_heads=2,
                   mlp_hidden=48, rope_theta=500.0, norm_eps=1e-5, compute_dtype="float32")
 B = 2
+# Llama 3.1's RoPE scaling with an original context of 32: of the wavelengths 6.3, 29.7, 140 and 664 (head
+# dimension 8, rope_theta 500) the first is kept (under 32 / 4), the second interpolated, the others stretched.
+LLAMA3 = dict(rope_scaling="llama3", rope_factor=4.0, rope_original_max_positions=32)
+# Every variant of the layout at once: that scaling, q/k/v and o biases, a tied head.
+VARIANT = dataclasses.replace(CFG, **LLAMA3, qkv_bias=True, o_bias=True, tie_embeddings=True)
 
 
 def _tokens(t: int = CFG.seq_len, seed: int = 1) -> jax.Array:
@@ -56,9 +62,28 @@ def _random_params(cfg: ModelConfig, seed: int = 0) -> dict:
 # ------------------------------------------------------------------------- a numpy Hugging Face-style reference
 
 
+def _llama3_inv_freq(inv_freq: np.ndarray, cfg: ModelConfig) -> np.ndarray:
+    """modeling_rope_utils.py's `_compute_llama3_parameters`, in float64 numpy, one frequency at a time."""
+    low_wavelen = cfg.rope_original_max_positions / cfg.rope_low_freq_factor
+    high_wavelen = cfg.rope_original_max_positions / cfg.rope_high_freq_factor
+    out = []
+    for f in inv_freq:
+        wavelen = 2 * np.pi / f
+        if wavelen < high_wavelen:
+            out.append(f)
+        elif wavelen > low_wavelen:
+            out.append(f / cfg.rope_factor)
+        else:
+            smooth = ((cfg.rope_original_max_positions / wavelen - cfg.rope_low_freq_factor)
+                      / (cfg.rope_high_freq_factor - cfg.rope_low_freq_factor))
+            out.append((1 - smooth) * f / cfg.rope_factor + smooth * f)
+    return np.array(out)
+
+
 def _hf_reference_logits(params: dict, cfg: ModelConfig, tokens: np.ndarray) -> np.ndarray:
     """The forward of transformers' LlamaForCausalLM in float64 numpy, step by step as modeling_llama.py writes it
-    (each nn.Linear weight being our kernel transposed: y = x @ W.T = x @ kernel)."""
+    (each nn.Linear weight being our kernel transposed: y = x @ W.T + bias = x @ kernel + bias; a tied lm_head
+    being the embedding: y = x @ E.T)."""
     p = jax.tree.map(lambda a: np.asarray(a, np.float64), params)
     H, K, D, L = cfg.n_heads, cfg.kv_heads, cfg.d_model // cfg.n_heads, cfg.n_layers
     b, t = tokens.shape
@@ -70,7 +95,12 @@ def _hf_reference_logits(params: dict, cfg: ModelConfig, tokens: np.ndarray) -> 
         x1, x2 = x[..., : D // 2], x[..., D // 2:]
         return np.concatenate([-x2, x1], axis=-1)
 
+    def linear(x, w):  # nn.Linear, with its bias when it has one
+        return x @ w["kernel"] + w["bias"] if "bias" in w else x @ w["kernel"]
+
     inv_freq = 1.0 / (cfg.rope_theta ** (np.arange(0, D, 2) / D))  # LlamaRotaryEmbedding
+    if cfg.rope_scaling == "llama3":
+        inv_freq = _llama3_inv_freq(inv_freq, cfg)
     freqs = np.outer(np.arange(t), inv_freq)
     emb = np.concatenate([freqs, freqs], axis=-1)
     cos, sin = np.cos(emb), np.sin(emb)  # [T, D], broadcast over [B, heads, T, D]
@@ -80,26 +110,39 @@ def _hf_reference_logits(params: dict, cfg: ModelConfig, tokens: np.ndarray) -> 
     for layer in range(L):
         w = jax.tree.map(lambda a: a[layer], p["blocks"])
         h = rms_norm(x, w["attn_norm"]["scale"])
-        q = (h @ w["q"]["kernel"]).reshape(b, t, H, D).transpose(0, 2, 1, 3)
-        k = (h @ w["k"]["kernel"]).reshape(b, t, K, D).transpose(0, 2, 1, 3)
-        v = (h @ w["v"]["kernel"]).reshape(b, t, K, D).transpose(0, 2, 1, 3)
+        q = linear(h, w["q"]).reshape(b, t, H, D).transpose(0, 2, 1, 3)
+        k = linear(h, w["k"]).reshape(b, t, K, D).transpose(0, 2, 1, 3)
+        v = linear(h, w["v"]).reshape(b, t, K, D).transpose(0, 2, 1, 3)
         q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin  # apply_rotary_pos_emb
         k, v = np.repeat(k, H // K, axis=1), np.repeat(v, H // K, axis=1)  # repeat_kv: head h reads kv head h // G
         scores = q @ k.transpose(0, 1, 3, 2) / np.sqrt(D) + causal
         probs = np.exp(scores - scores.max(-1, keepdims=True))
         probs /= probs.sum(-1, keepdims=True)
         attn = (probs @ v).transpose(0, 2, 1, 3).reshape(b, t, H * D)
-        x = x + attn @ w["o"]["kernel"]
+        x = x + linear(attn, w["o"])
         h = rms_norm(x, w["mlp_norm"]["scale"])
         gate = h @ w["gate"]["kernel"]
         x = x + (gate / (1 + np.exp(-gate)) * (h @ w["up"]["kernel"])) @ w["down"]["kernel"]
-    return rms_norm(x, p["head"]["norm"]["scale"]) @ p["head"]["unembed"]["kernel"]
+    unembed = p["head"]["unembed"]["kernel"] if "unembed" in p["head"] else p["embed"]["tokens"]["embedding"].T
+    return rms_norm(x, p["head"]["norm"]["scale"]) @ unembed
 
 
 @pytest.mark.compares_programs
 @pytest.mark.parametrize("kv_heads", [2, 4, 1], ids=["gqa", "mha", "mqa"])
 def test_logits_equal_the_hugging_face_formulation(kv_heads):
-    cfg = dataclasses.replace(CFG, n_kv_heads=kv_heads)
+    _assert_hf_logits(dataclasses.replace(CFG, n_kv_heads=kv_heads))
+
+
+@pytest.mark.compares_programs
+@pytest.mark.parametrize("cfg", [dataclasses.replace(CFG, **LLAMA3), dataclasses.replace(CFG, qkv_bias=True),
+                                 dataclasses.replace(CFG, qkv_bias=True, o_bias=True),
+                                 dataclasses.replace(CFG, tie_embeddings=True), VARIANT],
+                         ids=["llama3", "qwen2", "attention_bias", "tied", "all"])
+def test_variants_equal_the_hugging_face_formulation(cfg):
+    _assert_hf_logits(cfg)
+
+
+def _assert_hf_logits(cfg: ModelConfig) -> None:
     params = _random_params(cfg)
     tokens = _tokens()
     got = np.asarray(_forward(cfg)(params, tokens))
@@ -178,13 +221,14 @@ def test_gqa_equals_multi_head_attention_with_repeated_key_value_heads():
 
 
 @pytest.mark.compares_programs
-def test_staged_forward_equals_whole_model():
+@pytest.mark.parametrize("cfg", [CFG, dataclasses.replace(VARIANT, tie_embeddings=False)], ids=["plain", "variant"])
+def test_staged_forward_equals_whole_model(cfg):
     """Stage by stage (one jitted program per kind, blocks one at a time) vs the whole model with scanned blocks."""
-    staged = models.get(CFG)
+    staged = models.get(cfg)
     assert [s.name for s in staged.stages] == ["embed", "block.0", "block.1", "head"]
-    _, params = staged.init(0)
+    params = _random_params(cfg)
     tokens = _tokens()
-    whole = np.asarray(_forward(CFG)(params, tokens))
+    whole = np.asarray(_forward(cfg)(params, tokens))
     apply = {kind: jax.jit(fn) for kind, fn in staged.apply.items()}
     x = tokens
     for stage, p in zip(staged.stages, staged.split(params)):
@@ -203,8 +247,8 @@ def test_block_execution_variants_give_the_same_logits(variant):
                                np.asarray(_forward(CFG)(params, tokens)), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("cfg", [CFG, dataclasses.replace(CFG, compute_dtype="bfloat16", param_dtype="bfloat16")],
-                         ids=["float32", "bfloat16"])
+@pytest.mark.parametrize("cfg", [CFG, dataclasses.replace(CFG, compute_dtype="bfloat16", param_dtype="bfloat16"),
+                                 VARIANT], ids=["float32", "bfloat16", "variant"])
 def test_every_stage_initialised_alone_equals_the_whole_model_split_bit_for_bit(cfg):
     staged = models.get(cfg)
     for seed in (0, 7):
@@ -233,6 +277,17 @@ def test_param_count_and_flops_match_the_real_leaves(kv_heads):
     assert llama.flops_per_token(cfg) == 6 * counts["matmul"] + 12 * cfg.n_layers * cfg.d_model * cfg.seq_len
 
 
+def test_param_count_of_biases_and_a_tied_head():
+    """Biases count in the total, not as matmul weights; a tied head has no matrix of its own, but the embedding's
+    enters its product: counted once in the total, and in the matmul weights as the unembedding."""
+    counts = _counts(llama.abstract_params(VARIANT)[1])
+    unembedding = VARIANT.d_model * VARIANT.vocab_size
+    assert llama.param_count(VARIANT) == {**counts, "matmul": counts["matmul"] + unembedding,
+                                          "active": counts["matmul"] + unembedding}
+    biases = VARIANT.n_layers * ((VARIANT.n_heads + 2 * VARIANT.kv_heads) * 8 + VARIANT.d_model)
+    assert llama.param_count(VARIANT)["total"] == llama.param_count(CFG)["total"] + biases - unembedding
+
+
 @pytest.mark.parametrize("name,total", [("llama_7b", 6_738_415_616), ("llama_13b", 13_015_864_320),
                                         ("llama_tiny", 791_680)])
 def test_the_committed_configs_have_their_parameter_counts(name, total):
@@ -246,6 +301,58 @@ def test_the_committed_configs_have_their_parameter_counts(name, total):
 def test_an_odd_head_dimension_is_refused_naming_the_key():
     with pytest.raises(ConfigError, match="'model.n_heads'.*even head dimension"):
         models.get(dataclasses.replace(CFG, d_model=36, n_heads=4))
+
+
+@pytest.mark.parametrize("changes, named", [
+    (dict(rope_factor=0.5), "'model.rope_factor' .*: must be >= 1"),
+    (dict(rope_low_freq_factor=4.0), "'model.rope_high_freq_factor' .*: must exceed rope_low_freq_factor=4.0"),
+    (dict(rope_original_max_positions=0), "'model.rope_original_max_positions' .*: must be >= 1"),
+    (dict(name="gpt", tie_embeddings=True), "'model.tie_embeddings' .*: only the llama family has it"),
+    (dict(name="gpt", qkv_bias=True), "'model.qkv_bias' .*: only the llama family has it"),
+])
+def test_bad_rope_scaling_and_variant_keys_are_refused_by_name(changes, named):
+    with pytest.raises(ConfigError, match=named):
+        load_config(None, [f"model.{k}={v}" for k, v in changes.items()])
+
+
+def test_a_tied_head_is_refused_with_experts_and_as_a_stage_of_its_own():
+    with pytest.raises(ConfigError, match="'model.tie_embeddings': a tied head is not implemented with mixture"):
+        models.get(dataclasses.replace(VARIANT, moe=MoEConfig(experts=2)))
+    staged = models.get(VARIANT)
+    head = staged.split(_random_params(VARIANT))[-1]
+    assert set(head) == {"norm"}  # the one matrix is the embedding stage's
+    with pytest.raises(ConfigError, match="'model.tie_embeddings'.*memory.mode=in_memory"):
+        staged.apply["head"](head, jnp.zeros((B, CFG.seq_len, CFG.d_model)))
+
+
+def test_the_paged_engine_refuses_a_tied_head_naming_the_key():
+    """The paged engine runs each stage on its own pages: it refuses a head that needs the embedding stage's
+    matrix, before it has allocated its pages."""
+    cfg = Config(model=VARIANT, train=TrainConfig(steps=2, batch_size=B),
+                 memory=MemoryConfig(mode="paged", page_size=65536))
+    with pytest.raises(ConfigError, match="'model.tie_embeddings'.*paged engine"):
+        build_engine(cfg, jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Auto,)))
+
+
+@pytest.mark.compares_programs
+def test_a_tied_matrix_gets_the_gradients_of_both_its_uses():
+    """The tied model's gradient of the embedding equals, in an untied model whose head holds a copy of it, the
+    embedding's gradient plus the head's (transposed): one parameter, both uses' gradients summed."""
+    tied_params = _random_params(VARIANT)
+    untied_cfg = dataclasses.replace(VARIANT, tie_embeddings=False)
+    matrix = tied_params["embed"]["tokens"]["embedding"]
+    untied_params = {**tied_params, "head": {**tied_params["head"], "unembed": {"kernel": matrix.T}}}
+    tokens = _tokens()
+
+    def grads(cfg, params):
+        graphdef, loss = llama.abstract_params(cfg)[0], models.get(cfg).loss
+        return jax.jit(jax.grad(lambda p: loss(nnx.merge(graphdef, p)(tokens[:, :-1]), tokens[:, 1:])))(params)
+
+    tied, untied = grads(VARIANT, tied_params), grads(untied_cfg, untied_params)
+    both = untied["embed"]["tokens"]["embedding"] + untied["head"]["unembed"]["kernel"].T
+    np.testing.assert_allclose(tied["embed"]["tokens"]["embedding"], both, rtol=1e-5, atol=1e-7)
+    for one_use in (untied["embed"]["tokens"]["embedding"], untied["head"]["unembed"]["kernel"].T):
+        assert np.abs(tied["embed"]["tokens"]["embedding"] - one_use).max() > 1e-3  # each use's share counts
 
 
 def test_the_planning_estimates_count_this_familys_shapes():
@@ -269,11 +376,12 @@ def test_the_planning_estimates_count_this_familys_shapes():
 
 
 @pytest.mark.compares_programs
-def test_prefill_and_one_token_steps_equal_the_whole_sequence_forward():
-    staged = models.get(CFG)
-    params = _random_params(CFG)
+@pytest.mark.parametrize("cfg", [CFG, VARIANT], ids=["plain", "variant"])
+def test_prefill_and_one_token_steps_equal_the_whole_sequence_forward(cfg):
+    staged = models.get(cfg)
+    params = _random_params(cfg)
     tokens = _tokens(CFG.seq_len)
-    whole = np.asarray(_forward(CFG)(params, tokens))
+    whole = np.asarray(_forward(cfg)(params, tokens))
     decode = jax.jit(staged.decode)  # pos traced: one program per token count
     cache = staged.init_cache(B, CFG.seq_len + 4)
     assert cache["k"].shape == (CFG.n_layers, B, CFG.seq_len + 4, CFG.kv_heads, CFG.d_model // CFG.n_heads)

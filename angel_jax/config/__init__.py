@@ -73,6 +73,19 @@ class ModelConfig:
     mlp_hidden: int = doc(0, "MLP hidden width exactly (Llama's intermediate_size); 0 = mlp_ratio x d_model.")
     norm_eps: float = doc(1e-5, "Epsilon of the LayerNorm / RMSNorm layers.")
     rope_theta: float = doc(10000.0, "Base of the rotary position embedding's frequencies (Llama).")
+    rope_scaling: Literal["none", "llama3"] = doc("none", "RoPE frequency scaling (Llama): none, or llama3 (Llama "
+                                                          "3.1's: long wavelengths slowed by rope_factor).")
+    rope_factor: float = doc(8.0, "llama3 RoPE scaling: how much longer the context is than the original one.")
+    rope_low_freq_factor: float = doc(1.0, "llama3 RoPE scaling: wavelengths above original / this are slowed "
+                                           "by rope_factor.")
+    rope_high_freq_factor: float = doc(4.0, "llama3 RoPE scaling: wavelengths below original / this are kept; "
+                                            "those between are interpolated.")
+    rope_original_max_positions: int = doc(8192, "llama3 RoPE scaling: the context length the model was "
+                                                 "pretrained at (original_max_position_embeddings).")
+    tie_embeddings: bool = doc(False, "Unembed with the token embedding's transpose: one matrix for both (Llama; "
+                                      "in-memory engine).")
+    qkv_bias: bool = doc(False, "Biases on the attention's q, k and v projections (Llama; Qwen2 has them).")
+    o_bias: bool = doc(False, "A bias on the attention's output projection (Llama; attention_bias sets both).")
     relative_buckets: int = doc(32, "Buckets of the relative position bias (T5): half exact distances, half "
                                     "logarithmic up to relative_max_distance (per direction in the encoder).")
     relative_max_distance: int = doc(128, "Relative distance from which positions share the last bucket (T5).")
@@ -104,6 +117,10 @@ class ModelConfig:
             errs.append(("norm_eps", f"must be in (0, 1), got {self.norm_eps!r}"))
         if not self.rope_theta > 0:
             errs.append(("rope_theta", f"must be > 0, got {self.rope_theta!r}"))
+        errs += self._rope_scaling_errors()
+        for key in ("tie_embeddings", "qkv_bias", "o_bias"):
+            if getattr(self, key) and self.name != "llama":
+                errs.append((key, f"only the llama family has it (model.name={self.name!r})"))
         if self.n_decoder_layers < 0:
             errs.append(("n_decoder_layers", f"must be >= 0 (0 = n_layers), got {self.n_decoder_layers}"))
         if self.relative_buckets < 4 or self.relative_buckets % 4:
@@ -116,6 +133,21 @@ class ModelConfig:
             errs.append(("moe.experts", "a Hugging Face checkpoint (model.init_from) holds a dense model: "
                                         "set moe.experts to 0"))
         return errs + [("moe." + key, problem) for key, problem in self.moe.validate(self.n_layers)]
+
+    def _rope_scaling_errors(self) -> list[tuple[str, str]]:
+        # The ranges transformers' llama3 RoPE checks (it only warns; a smoothing ramp of zero width would divide
+        # by zero).
+        errs = []
+        if not self.rope_factor >= 1:
+            errs.append(("rope_factor", f"must be >= 1, got {self.rope_factor!r}"))
+        if not self.rope_low_freq_factor > 0:
+            errs.append(("rope_low_freq_factor", f"must be > 0, got {self.rope_low_freq_factor!r}"))
+        if not self.rope_high_freq_factor > self.rope_low_freq_factor:
+            errs.append(("rope_high_freq_factor", f"must exceed rope_low_freq_factor={self.rope_low_freq_factor!r}, "
+                                                  f"got {self.rope_high_freq_factor!r}"))
+        if self.rope_original_max_positions < 1:
+            errs.append(("rope_original_max_positions", f"must be >= 1, got {self.rope_original_max_positions}"))
+        return errs
 
     @property
     def hidden(self) -> int:
@@ -138,9 +170,14 @@ class DataConfig:
     source: str = doc("stdlib", "Text to train on: 'stdlib' (this Python's standard library source), a file, a "
                                 "directory or a glob; *.jsonl, *.jsonl.gz and *.parquet files are read as records.")
     text_key: str = doc("text", "JSON Lines key / Parquet column holding each record's document text.")
-    tokenizer: Literal["byte", "bpe"] = doc("byte", "'byte' (256 ids, nothing to download) or 'bpe' (trained locally).")
+    tokenizer: Literal["byte", "bpe", "hf"] = doc("byte", "'byte' (256 ids, nothing to download), 'bpe' (trained "
+                                                         "locally) or 'hf' (a Hugging Face tokenizer.json: "
+                                                         "data.tokenizer_path).")
     bpe_vocab_size: int = doc(4096, "Vocabulary size when training a BPE tokenizer.")
-    dir: str = doc("", "Where prepared token shards live; empty = data/<source>-<tokenizer> under the working directory.")
+    tokenizer_path: str = doc("", "With tokenizer 'hf': the directory holding tokenizer.json (and its "
+                                  "tokenizer_config.json, special_tokens_map.json); empty = model.init_from's.")
+    dir: str = doc("", "Where prepared token shards live; empty = data/<source>-<tokenizer> under the working "
+                       "directory (data/<source>-hf-<hash of the tokenizer> for 'hf').")
     max_bytes: int = doc(0, "Read at most this many bytes of source text (0 = all).")
     allow_binary: bool = doc(False, "Train on plain-text source files that look binary (a NUL byte or mostly not "
                                     "UTF-8 in their first MiB), which are refused otherwise.")
@@ -444,6 +481,9 @@ class Config:
             errs.append(("model.vocab_size", "must be >= 256 for the byte tokenizer"))
         if self.data.tokenizer == "bpe" and self.model.vocab_size < self.data.bpe_vocab_size:
             errs.append(("model.vocab_size", f"must be >= data.bpe_vocab_size={self.data.bpe_vocab_size}"))
+        if self.data.tokenizer == "hf" and not (self.data.tokenizer_path or self.model.init_from):
+            errs.append(("data.tokenizer_path", "must name a directory with tokenizer.json for data.tokenizer 'hf' "
+                                                "(empty takes model.init_from's, which is empty too)"))
         if self.optimizer.master_weights and self.model.param_dtype == "float32":
             errs.append(("optimizer.master_weights", "keeps a float32 copy of parameters stored narrower: it needs "
                                                      "model.param_dtype=bfloat16 (float32 parameters are their own "

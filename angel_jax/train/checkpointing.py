@@ -68,10 +68,12 @@ RESUMABLE_MODEL_CHANGES = ("remat", "init_from")
 
 def check_same_model(saved_config: dict | None, cfg: Config, step: int) -> None:
     """Refuse to resume a checkpoint into a model that computes another function (e.g. other n_heads: the same
-    parameter shapes, a different model). Checkpoints written before the config was recorded pass."""
+    parameter shapes, a different model). Checkpoints written before the config was recorded pass; a key the
+    checkpoint's config lacks (one added to ModelConfig since) stands for its default, the model it computed."""
     saved = (saved_config or {}).get("model")
     if not isinstance(saved, dict):
         return
+    saved = {**to_dict(Config())["model"], **saved}
     now = to_dict(cfg)["model"]
     differ = [k for k in sorted(set(saved) | set(now)) if k not in RESUMABLE_MODEL_CHANGES
               and saved.get(k) != now.get(k)]

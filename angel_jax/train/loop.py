@@ -27,6 +27,7 @@ import numpy as np
 
 from angel_jax import config as config_lib
 from angel_jax import data as data_lib
+from angel_jax import tokenizers_hf
 from angel_jax.checkpoint.manager import PersistenceFailed, PersistStreak
 from angel_jax.config import Config
 from angel_jax.errors import EXIT_EXCLUDE, EXIT_RESTART
@@ -113,16 +114,29 @@ def data_dir_for(cfg: Config) -> Path:
     # Another split is other training data: its own directory, so configs with and without one never re-prepare
     # each other's.
     suffix += f"-val{cfg.data.val_fraction:g}" if cfg.data.val_fraction else ""
-    return Path("data") / f"{source}-{cfg.data.tokenizer}{suffix}"
+    return Path("data") / f"{source}-{_tokenizer_name(cfg)}{suffix}"
+
+
+def _tokenizer_name(cfg: Config) -> str:
+    # A Hugging Face tokenizer is named by its fingerprint: another tokenizer never finds this one's shards.
+    if cfg.data.tokenizer != "hf":
+        return cfg.data.tokenizer
+    directory, key = tokenizers_hf.tokenizer_dir(cfg)
+    return f"hf-{tokenizers_hf.fingerprint(directory, key)[:12]}"
 
 
 def _data(cfg: Config) -> tuple[data_lib.TokenIterator, ValidationSet | None]:
     # Every process prepares nothing twice (a file lock inside), then reads its rows of each global batch.
     vocab = cfg.data.bpe_vocab_size if cfg.data.tokenizer == "bpe" else 256
+    tokenizer_path = None
+    if cfg.data.tokenizer == "hf":  # checked before a corpus is tokenized for a model that cannot take it
+        tokenizers_hf.load_for(cfg)
+        tokenizer_path = tokenizers_hf.tokenizer_dir(cfg)[0]
     data_dir = data_dir_for(cfg)
     data_lib.ensure_prepared(data_dir, cfg.data.source, tokenizer=cfg.data.tokenizer, vocab_size=vocab,
                              max_bytes=cfg.data.max_bytes or None, val_fraction=cfg.data.val_fraction or None,
-                             text_key=cfg.data.text_key, allow_binary=cfg.data.allow_binary)
+                             text_key=cfg.data.text_key, allow_binary=cfg.data.allow_binary,
+                             tokenizer_path=tokenizer_path)
     shard = {"shard_index": jax.process_index(), "shard_count": jax.process_count()}
     data = data_lib.TokenIterator(data_dir, batch_size=cfg.train.batch_size, seq_len=cfg.model.seq_len,
                                   seed=cfg.data.seed, **shard)

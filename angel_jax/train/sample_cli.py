@@ -15,7 +15,8 @@ from typing import TextIO
 import numpy as np
 
 from angel_jax import data as data_lib
-from angel_jax.config import Config
+from angel_jax import tokenizers_hf
+from angel_jax.config import Config, ConfigError
 from angel_jax.train.loop import data_dir_for
 from angel_jax.config.sampling import SamplingOptions
 from angel_jax.train.sample import Sampler, SamplingError, TextStream, generation_length
@@ -26,15 +27,23 @@ STOPS = {"max_tokens": "--max-tokens reached", "context": "the model's context i
          "end_of_text": "end of text"}
 
 
-def run_tokenizer(cfg: Config, data_dir: Path | None = None) -> data_lib.ByteTokenizer | data_lib.BpeTokenizer:
-    """The tokenizer the run was trained with: bytes need nothing; a BPE is read from the prepared data directory."""
+def run_tokenizer(cfg: Config, data_dir: Path | None = None) -> data_lib.Tokenizer:
+    """The tokenizer the run was trained with: bytes need nothing; a BPE is read from the prepared data directory;
+    a Hugging Face tokenizer from its directory (data.tokenizer_path, else model.init_from), or from the copy in
+    `data_dir` when one is given."""
     if cfg.data.tokenizer == "byte":
-        tokenizer: data_lib.ByteTokenizer | data_lib.BpeTokenizer = data_lib.ByteTokenizer()
+        tokenizer: data_lib.Tokenizer = data_lib.ByteTokenizer()
+    elif cfg.data.tokenizer == "hf" and data_dir is None:
+        try:
+            tokenizer = tokenizers_hf.HfTokenizer.load(*tokenizers_hf.tokenizer_dir(cfg))
+        except ConfigError as e:
+            raise SamplingError(f"{e} (--data-dir reads the copy of the tokenizer in the run's prepared data "
+                                "directory instead)") from e
     else:
         directory = data_dir or data_dir_for(cfg)
         try:
             tokenizer = data_lib.load_tokenizer(directory)
-        except (data_lib.DataError, OSError) as e:
+        except (data_lib.DataError, ConfigError, OSError) as e:
             raise SamplingError(f"the run's {cfg.data.tokenizer} tokenizer could not be read from its data "
                                 f"directory {directory} ({e}); point --data-dir at the directory the run was "
                                 "trained from") from e
@@ -68,8 +77,9 @@ def main(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None
     sampler = Sampler(staged, weights.params, context=context, options=options, family=cfg.model.name,
                       vocab_limit=tokenizer.vocab_size)
     eot = tokenizer.eot_id
+    decode = tokenizer.decode_after(prompt)  # the continuation's text in the prompt's context
     if options.num_samples == 1:
-        stream = TextStream(tokenizer.decode)
+        stream = TextStream(decode)
         out.write(args.prompt)
         out.flush()
 
@@ -83,7 +93,7 @@ def main(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None
     else:
         generation = sampler.generate(prompt, end_of_text=eot)
         for i, tokens in enumerate(generation.tokens):
-            out.write(f"--- sample {i + 1} of {options.num_samples} ---\n{args.prompt}{tokenizer.decode(tokens)}\n")
+            out.write(f"--- sample {i + 1} of {options.num_samples} ---\n{args.prompt}{decode(tokens)}\n")
     out.flush()
     lengths = sorted({len(t) for t in generation.tokens})
     print(f"[{'/'.join(map(str, lengths))} tokens from step {weights.step} of {args.run_dir}; stopped: "

@@ -6,11 +6,12 @@ make_fixtures.py):
     .venv/bin/python experiments/hf/export_reference.py --out /tmp/angel-hf-exports
     /work/hfgen/bin/python experiments/hf/make_fixtures.py check /tmp/angel-hf-exports/*
 
-Four exports, each a directory with config.json + model.safetensors (written by `angel-jax export --hf`'s
+Seven exports, each a directory with config.json + model.safetensors (written by `angel-jax export --hf`'s
 code path), `angel_logits.npz` (`tokens` int32 [B, T], `logits` float32 [B, T, V] of our model, float32
 compute) and `angel_meta.json` (what it is, the versions of jax / flax / numpy):
 
-    gpt2-fixture, llama-fixture   the committed HF fixtures imported with model.init_from and exported again
+    gpt2-fixture, llama-fixture,  the committed HF fixtures imported with model.init_from and exported again
+    llama3-fixture, llama_tied-fixture, qwen2-fixture   (Llama 3 RoPE scaling, tied embeddings, Qwen2 biases)
     gpt-trained                   a GPT trained 40 steps by the in-memory engine, exported from its checkpoint
     llama-trained                 a Llama (1 key/value head, MLP width 160) trained 40 steps by the paged
                                   engine, exported from its checkpoint
@@ -54,8 +55,11 @@ def _versions() -> dict:
 
 
 def _logits(model_cfg, params, tokens: np.ndarray) -> np.ndarray:
-    staged = models.get(dataclasses.replace(model_cfg, init_from="", compute_dtype="float32"))
-    return np.asarray(staged.forward(staged.split(params), tokens), np.float32)
+    """Through the whole model (a tied head is not a stage of its own: its matrix is the embedding stage's)."""
+    from flax import nnx
+
+    graphdef = models.get(dataclasses.replace(model_cfg, init_from="", compute_dtype="float32")).abstract()[0]
+    return np.asarray(jax.jit(lambda p, t: nnx.merge(graphdef, p)(t))(params, tokens), np.float32)
 
 
 def _write_reference(out: Path, model_cfg, params, tokens: np.ndarray, source: str) -> None:
@@ -65,7 +69,7 @@ def _write_reference(out: Path, model_cfg, params, tokens: np.ndarray, source: s
 
 
 def fixture_exports(root: Path) -> None:
-    for name in ("gpt2", "llama"):
+    for name in ("gpt2", "llama", "llama3", "llama_tied", "qwen2"):
         src = FIXTURES / name
         model_cfg = ModelConfig(**hf.model_fields(src), compute_dtype="float32", init_from=str(src))
         params = models.get(model_cfg).init(0)[1]

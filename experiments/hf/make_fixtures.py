@@ -6,16 +6,21 @@ never need either. Set that environment up once, outside the repository:
     python3.11 -m venv /work/hfgen
     /work/hfgen/bin/pip install torch==2.13.0 transformers safetensors numpy    # torch pinned: the CPU wheel
 
+(The committed fixtures: transformers 5.24.0, torch 2.13.0+cpu, safetensors 0.8.0, numpy 2.4.6 under Python
+3.11; made again with these, gpt2 and llama come out byte for byte as committed.)
+
 Two modes:
 
-    /work/hfgen/bin/python experiments/hf/make_fixtures.py make [--out tests/fixtures/hf]
+    /work/hfgen/bin/python experiments/hf/make_fixtures.py make [--out tests/fixtures/hf] [--only NAME ...]
 
-builds a tiny, randomly initialised (fixed seed) `GPT2LMHeadModel` and `LlamaForCausalLM` (vocabulary 256, so
-the byte tokenizer fits), saves each with `save_pretrained` (safetensors: config.json + model.safetensors) into
+builds tiny, randomly initialised (fixed seed) models (vocabulary 256, so the byte tokenizer fits): a
+`GPT2LMHeadModel`, `LlamaForCausalLM`s (plain; with Llama 3.1's "llama3" RoPE scaling; with a tied head) and a
+`Qwen2ForCausalLM`, saves each with `save_pretrained` (safetensors: config.json + model.safetensors) into
 `<out>/<name>/` and the float32
 logits of fixed token ids beside it (`<out>/<name>/logits.npz`: `tokens` int32 [B, T], `logits` float32
 [B, T, V]). Every tensor is perturbed after HF's initialisation (norm scales around 1, biases non-zero), so a
-mapping that swaps two tensors of the same shape, or drops a bias, cannot go unnoticed.
+mapping that swaps two tensors of the same shape, or drops a bias, cannot go unnoticed. `--only` makes the named
+fixtures alone (the others are left as they are).
 
     /work/hfgen/bin/python experiments/hf/make_fixtures.py check DIR [DIR ...] [--results FILE]
 
@@ -56,13 +61,48 @@ FIXTURES = {
     "llama": ("LlamaForCausalLM", dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                                        rope_theta=50000.0, bos_token_id=0, eos_token_id=0)),
+    # Llama 3.1's RoPE scaling, shrunk to a head dimension of 8 (4 frequencies): with an original context of 128
+    # the wavelengths kept are those under 128 / 4 = 32 (frequency 0: 6.3), stretched by 4 those over 128
+    # (frequencies 2 and 3: 889 and 10563), interpolated between (frequency 1: 74.7), so all three cases change
+    # the logits of the 32 tokens tested. Smaller than the other Llama (hidden 32) to keep the fixture small.
+    "llama3": ("LlamaForCausalLM", dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                        rope_theta=20000.0, rope_scaling=dict(
+                                            rope_type="llama3", factor=4.0, low_freq_factor=1.0,
+                                            high_freq_factor=4.0, original_max_position_embeddings=128),
+                                        bos_token_id=0, eos_token_id=0)),
+    # A Llama whose head is the embedding (tie_word_embeddings: lm_head.weight is not stored).
+    "llama_tied": ("LlamaForCausalLM", dict(vocab_size=256, hidden_size=32, intermediate_size=64,
+                                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                            max_position_embeddings=64, tie_word_embeddings=True,
+                                            bos_token_id=0, eos_token_id=0)),
+    # Qwen2: biases on q, k and v (perturbed, so each one shows), none on o; grouped-query attention, Qwen's RoPE
+    # base, untied head.
+    "qwen2": ("Qwen2ForCausalLM", dict(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                       rope_theta=1000000.0, tie_word_embeddings=False, bos_token_id=0,
+                                       eos_token_id=0)),
 }
 
 
 def _config(arch: str, kwargs: dict) -> transformers.PretrainedConfig:
-    # rope_theta as a keyword: transformers 5 moves it into rope_parameters, 4.x keeps it as is.
-    cls = {"GPT2LMHeadModel": transformers.GPT2Config, "LlamaForCausalLM": transformers.LlamaConfig}[arch]
+    # rope_theta and rope_scaling as keywords: transformers 5 moves them into rope_parameters, 4.x keeps them.
+    cls = {"GPT2LMHeadModel": transformers.GPT2Config, "LlamaForCausalLM": transformers.LlamaConfig,
+           "Qwen2ForCausalLM": transformers.Qwen2Config}[arch]
     return cls(**kwargs)
+
+
+def _check_rope_scaled(name: str, model: torch.nn.Module, kwargs: dict) -> None:
+    """A scaled fixture whose frequencies equal the plain ones would test nothing: refuse it."""
+    if "rope_scaling" not in kwargs:
+        return
+    dim = kwargs["hidden_size"] // kwargs["num_attention_heads"]
+    plain = 1.0 / (kwargs["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    scaled = model.model.rotary_emb.inv_freq.float()
+    changed = int((~torch.isclose(scaled, plain, rtol=1e-3)).sum())
+    print(f"{name}: RoPE frequencies {plain.tolist()} -> {scaled.tolist()} ({changed} of {len(plain)} changed)")
+    if changed < 2:
+        raise SystemExit(f"{name}: the RoPE scaling leaves the frequencies (almost) unchanged")
 
 
 def _perturb(model: torch.nn.Module, gen: torch.Generator) -> None:
@@ -83,13 +123,19 @@ def _logits(model: torch.nn.Module, tokens: np.ndarray) -> np.ndarray:
         return model(input_ids=torch.from_numpy(tokens.astype(np.int64))).logits.float().numpy()
 
 
-def make(out: Path) -> None:
+def make(out: Path, only: list[str] | None = None) -> None:
+    unknown = sorted(set(only or ()) - set(FIXTURES))
+    if unknown:
+        raise SystemExit(f"no fixture named {', '.join(unknown)} (known: {', '.join(FIXTURES)})")
     for name, (arch, kwargs) in FIXTURES.items():
+        if only and name not in only:
+            continue
         torch.manual_seed(SEED)
         gen = torch.Generator().manual_seed(SEED)
         model = getattr(transformers, arch)(_config(arch, kwargs)).float().eval()
         _perturb(model, gen)
-        model.tie_weights()  # GPT-2 ties lm_head to wte: perturbed once, shared
+        model.tie_weights()  # GPT-2 and llama_tied tie lm_head to the embedding: perturbed once, shared
+        _check_rope_scaled(name, model, kwargs)
         tokens = np.random.default_rng(SEED).integers(0, kwargs["vocab_size"], TOKENS_SHAPE).astype(np.int32)
         target = out / name
         target.mkdir(parents=True, exist_ok=True)
@@ -168,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="mode", required=True)
     mk = sub.add_parser("make", help="write the tiny HF checkpoints and their logits")
     mk.add_argument("--out", type=Path, default=Path(__file__).resolve().parents[2] / "tests/fixtures/hf")
+    mk.add_argument("--only", nargs="+", metavar="NAME", help=f"make only these fixtures ({', '.join(FIXTURES)})")
     ck = sub.add_parser("check", help="load angel-jax exports into transformers and compare logits")
     ck.add_argument("dirs", type=Path, nargs="+")
     ck.add_argument("--results", type=Path,
@@ -175,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
     ck.add_argument("--tol", type=float, default=1e-4)
     args = p.parse_args(argv)
     if args.mode == "make":
-        make(args.out)
+        make(args.out, args.only)
         return 0
     return check(args.dirs, args.results, args.tol)
 

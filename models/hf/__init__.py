@@ -33,13 +33,14 @@ from models.stages import StagedModel
 
 Params = dict
 
-MAPPINGS = {"gpt2": "models.hf.gpt2", "llama": "models.hf.llama"}
-"""HF model_type -> the module that maps it."""
+MAPPINGS = {"gpt2": "models.hf.gpt2", "llama": "models.hf.llama", "qwen2": "models.hf.llama"}
+"""HF model_type -> the module that maps it (Qwen2 is a Llama with q/k/v biases)."""
 BY_FAMILY = {"gpt": "gpt2", "llama": "llama"}
 """Our model.name -> the HF model_type it is exported as."""
 
 ARCHITECTURE_KEYS = ("name", "vocab_size", "seq_len", "d_model", "n_layers", "n_heads", "n_kv_heads",
-                     "mlp_hidden", "norm_eps", "rope_theta")
+                     "mlp_hidden", "norm_eps", "rope_theta", "rope_scaling", "rope_factor", "rope_low_freq_factor",
+                     "rope_high_freq_factor", "rope_original_max_positions", "tie_embeddings", "qkv_bias", "o_bias")
 """The model.* keys a checkpoint fixes (in the order they are compared); the rest (dtypes, remat, scan) are ours."""
 
 SPECIAL_TOKENS = ("bos_token_id", "eos_token_id", "pad_token_id")
@@ -115,7 +116,7 @@ def check_matches(cfg: ModelConfig, hf_dir: str | Path) -> None:
         if _effective(cfg, key) > want if shorter_ok else _effective(cfg, key) != want:
             hf_key = "model_type" if key == "name" else mapping.HF_KEYS[key]
             shown = f"{raw.get(hf_key)!r} -> {want!r}" if key == "name" else repr(want)
-            differs = "exceeds" if shorter_ok else "differs from"
+            differs = "exceeds" if shorter_ok and not isinstance(want, bool) else "differs from"
             raise ConfigError(f"'model.{key}'={_effective(cfg, key)!r} {differs} {hf_key}={shown} in {where} "
                               f"(model.init_from): the config's architecture must be the checkpoint's "
                               f"(`angel-jax import {hf_dir} --config OUT.yaml` writes a matching config)")
@@ -166,8 +167,9 @@ def export(cfg: ModelConfig, stage_params: list[Params], out_dir: str | Path, *,
            carry: dict[str, Any] | None = None, overwrite: bool = False) -> Path:
     """Write our model's params, one pytree per stage (`StagedModel.split`), as a Hugging Face checkpoint:
     model.safetensors (tensors in `dtype`, default the params' own) and config.json (our architecture as the HF
-    model_type, untied head). `carry`: extra config.json keys (the special token ids of the checkpoint a run
-    started from). An existing config.json or model.safetensors in `out_dir` is refused unless `overwrite`."""
+    model_type; a head tied by model.tie_embeddings writes no lm_head.weight). `carry`: extra config.json keys
+    (the special token ids of the checkpoint a run started from). An existing config.json or model.safetensors in
+    `out_dir` is refused unless `overwrite`."""
     out_dir = Path(out_dir)
     mapping = mapping_for(cfg)
     dtype = dtype or str(jax.tree.leaves(stage_params)[0].dtype)
