@@ -12,6 +12,7 @@ INSTALLER ?= auto
 CONFIG ?= experiments/gpt_tiny.yaml
 ARGS ?=
 PYTEST_ARGS ?=
+TEST_WORKERS ?= 2
 SETUP = VENV="$(VENV)" ACCEL="$(ACCEL)" INSTALLER="$(INSTALLER)" PYTHON="$(PYTHON)" scripts/setup_env.sh
 
 # The test files that put arrays on devices (memory kinds, tiers, layouts, the step, the engines, paged and
@@ -34,10 +35,12 @@ venv:
 train: setup
 	$(VENV)/bin/angel-jax train $(CONFIG) $(ARGS)
 
-# Property tests draw the same examples every run (HYPOTHESIS_PROFILE=explore draws new ones); the 15 slowest
-# tests are listed at the end so that a slow-down shows.
+# Property tests draw the same examples every run (HYPOTHESIS_PROFILE=explore draws new ones); the slowest tests
+# are listed at the end so that a slow-down shows. scripts/run_tests.sh runs the suite in TEST_WORKERS pytest-xdist
+# workers, then the tests that check wall-clock bounds alone.
 test: setup
-	HYPOTHESIS_PROFILE=$${HYPOTHESIS_PROFILE:-ci} $(VENV)/bin/python -m pytest -q --durations=15 $(PYTEST_ARGS)
+	HYPOTHESIS_PROFILE=$${HYPOTHESIS_PROFILE:-ci} PY=$(VENV)/bin/python TEST_WORKERS=$(TEST_WORKERS) \
+		scripts/run_tests.sh $(PYTEST_ARGS)
 
 # The device-touching tests on a CUDA device (JAX_PLATFORMS=cuda,cpu: the host updates compute on the CPU
 # backend), memory allocated as needed (child processes share the GPU); refused in one line when jax sees none.

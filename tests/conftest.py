@@ -112,10 +112,27 @@ def updates_agree_bitwise() -> bool:
     return jax.default_backend() == "cpu"
 
 
+SERIAL_MODULES = {
+    "test_watchdog_faults": "the watchdog's crash, hang and heartbeat timings, checked to the second",
+    "test_tol_heartbeat": "the heartbeat server's idle and line deadlines, a few tenths of a second",
+    "test_tol_launch": "heartbeats forged against the launcher's clock",
+    "test_tol_worker": "a worker's exit and heartbeats timed against its server",
+    "test_preemption": "signals sent at a step the test waits for, and the handler's timing",
+}
+"""Test modules `make test` runs alone after the rest (scripts/run_tests.sh runs the rest in two workers): their
+assertions hold wall-clock bounds that a second test suite on the same two cores could push over."""
+
+
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "compares_programs: compares the results of two different programs (engines, "
                                        "stage programs, a reference formula); runs with fp32 matmuls at full "
                                        "precision (conftest.highest_matmul_precision)")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.module is not None and item.module.__name__.rsplit(".", 1)[-1] in SERIAL_MODULES:
+            item.add_marker(pytest.mark.serial)
 
 
 @pytest.hookimpl(wrapper=True)
