@@ -61,8 +61,10 @@ weight is read; training reads them (stage by stage in the paged engine)."""
 _EXPORT_HELP = """\
 Write the parameters of a run's newest valid checkpoint (or --step N), of either engine, as a Hugging Face
 checkpoint: OUT_DIR/config.json + OUT_DIR/model.safetensors (GPT -> GPT2LMHeadModel, Llama -> LlamaForCausalLM,
-head untied), which transformers' AutoModelForCausalLM.from_pretrained loads, and the run's tokenizer files
-(tokenizer.json, tokenizer_config.json, special_tokens_map.json) when it was trained with data.tokenizer: hf."""
+head untied), or shards of at most --max-shard-size named by model.safetensors.index.json, which transformers'
+AutoModelForCausalLM.from_pretrained loads, and the run's tokenizer files (tokenizer.json, tokenizer_config.json,
+special_tokens_map.json) when it was trained with data.tokenizer: hf. A paged run is read and written a stage at
+a time: the export holds one stage of the model, not all of it."""
 _SAMPLE_HELP = """\
 Continue --prompt with the model of a trained run, read from the run directory's newest valid checkpoint (or
 --step) of either engine, and print the prompt and the continuation (streamed as it is generated when there is one
@@ -155,6 +157,10 @@ def _parser() -> argparse.ArgumentParser:
     export.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None,
                         help="dtype of the written tensors (default: the parameters' own)")
     export.add_argument("--overwrite", action="store_true", help="replace an export already in OUT_DIR")
+    export.add_argument("--max-shard-size", default="5GB", metavar="SIZE",
+                        help="largest weight file, e.g. 500MB, 2GB (decimal units as huggingface_hub, or GiB) or a "
+                             "number of bytes; a model larger than that is written in shards named by "
+                             "model.safetensors.index.json (default: 5GB)")
     sample = sub.add_parser("sample", help="text from a trained run (its newest valid checkpoint)",
                             description=_SAMPLE_HELP)
     sample.add_argument("run_dir", type=Path, help="the run directory (e.g. runs/gpt_tiny)")

@@ -2,29 +2,41 @@
 weights out to a directory transformers loads.
 
     angel-jax import HF_DIR --config OUT.yaml [--base experiments/gpt_tiny.yaml] [key=value ...]
-    angel-jax export RUN_DIR [--step N] --hf OUT_DIR [--dtype float32|bfloat16|float16]
+    angel-jax export RUN_DIR [--step N] --hf OUT_DIR [--dtype float32|bfloat16|float16] [--max-shard-size 5GB]
 
 `import` writes OUT.yaml: the base config (defaults without --base) with its model section's architecture keys
 replaced by the checkpoint's (config.json) and model.init_from = HF_DIR, the checkpoint's tokenizer when it has a
 tokenizer.json (data.tokenizer: hf, data.tokenizer_path = HF_DIR), then the overrides; no weight is read. `export`
 reads the parameters of the run's newest valid checkpoint (or step N) of either engine (`train/weights.py`) and
-writes config.json + model.safetensors, and the tokenizer's files when the run used a Hugging Face tokenizer.
+writes config.json + model.safetensors (or shards named by model.safetensors.index.json), and the tokenizer's files
+when the run used a Hugging Face tokenizer. A paged run's checkpoint is read and written a stage at a time, so its
+export holds one stage, not the model; the export refuses to start when that is more than half the RAM available
+(the room the budgets give a large copy, leaving the rest to the machine), and states its peak.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import yaml
 
 from angel_jax import tokenizers_hf
-from angel_jax.config import ConfigError, config_from_dict, parse_override
-from angel_jax.train.weights import load_params, run_config
+from angel_jax.config import ConfigError, ModelConfig, config_from_dict, parse_override
+from angel_jax.errors import AngelError
+from angel_jax.memory.host_peak import peak_rss, reset_peak
+from angel_jax.schedule.budgets import gather_room
+from angel_jax.train.weights import open_stages, run_config
+from angel_jax.units import human_bytes
 import models
 from models import hf
+
+
+class ExportMemoryError(AngelError):
+    """An export would hold more host memory at once than the machine can give it."""
 
 
 def import_config(hf_dir: Path, out: Path, base: Path | None = None, overrides: list[str] = ()) -> dict[str, Any]:
@@ -78,23 +90,74 @@ def import_main(args: argparse.Namespace) -> int:
     return 0
 
 
+@dataclass(frozen=True)
+class Exported:
+    out_dir: Path
+    step: int
+    """The training step exported."""
+    files: list[str]
+    """The weight files written (model.safetensors, or the index and its shards)."""
+    held: int
+    """The most host bytes the export planned to hold at once: one stage read (the whole parameters for a run read
+    whole) and one converted tensor."""
+    streamed: bool
+    """True when the stages were read one at a time (a paged run)."""
+    peak: int | None
+    """The process's peak resident memory during the export (None where the OS does not say)."""
+
+
 def export_run(run_dir: Path, out_dir: Path, *, step: int | None = None, dtype: str | None = None,
-               overwrite: bool = False) -> tuple[Path, int]:
-    """Export the parameters of a run's checkpoint (newest valid, or `step`); returns (out_dir, step)."""
-    weights = load_params(run_dir, step)
-    model_cfg = weights.cfg.model
-    staged = models.get(dataclasses.replace(model_cfg, init_from=""))
+               overwrite: bool = False, max_shard_size: str | int = hf.DEFAULT_MAX_SHARD_SIZE,
+               room: int | None = None) -> Exported:
+    """Export the parameters of a run's checkpoint (newest valid, or `step`), stage by stage for a paged run.
+    Refused (ExportMemoryError) before any parameter is read when what it would hold at once exceeds `room`
+    bytes (default: what a large copy may take on this machine now, `budgets.gather_room`: half the RAM
+    available)."""
+    reset_peak()  # the peak reported is the export's
+    cfg = run_config(run_dir)
+    model_cfg = cfg.model
+    try:
+        hf.parse_size(max_shard_size)
+    except ValueError as e:
+        raise ConfigError(f"--max-shard-size: {e}") from None
+    abstract = hf.abstract_stages(models.get(dataclasses.replace(model_cfg, init_from="")))
+    largest = largest_tensor(model_cfg, abstract, dtype)
     # The tokenizer's special ids of the checkpoint the run started from, when it is still there.
     carry = hf.special_tokens(model_cfg.init_from) if model_cfg.init_from else {}
-    tokenizer = tokenizers_hf.load_for(weights.cfg) if weights.cfg.data.tokenizer == "hf" else None
+    tokenizer = tokenizers_hf.load_for(cfg) if cfg.data.tokenizer == "hf" else None
     if tokenizer is not None:
         carry = special_ids(carry, tokenizer.special_ids())
         _refuse_tokenizer_files(out_dir, overwrite)
-    hf.export(model_cfg, staged.split(weights.params), out_dir, dtype=dtype, carry=carry, overwrite=overwrite)
+    planned: dict[str, Any] = {}
+
+    def admit(held: tuple[int, ...], streamed: bool) -> None:
+        planned.update(held=max(held, default=0) + largest, streamed=streamed)
+        check_host_memory(planned["held"], streamed, gather_room() if room is None else room, run_dir)
+
+    with open_stages(run_dir, step, admit) as weights:
+        hf.export(model_cfg, weights.read, out_dir, abstract=abstract, dtype=dtype, carry=carry,
+                  overwrite=overwrite, max_shard_size=max_shard_size)
     if tokenizer is not None:
-        directory, key = tokenizers_hf.tokenizer_dir(weights.cfg)
+        directory, key = tokenizers_hf.tokenizer_dir(cfg)
         tokenizers_hf.copy_files(directory, out_dir, key)
-    return out_dir, weights.step
+    return Exported(out_dir=out_dir, step=weights.step, files=hf.weight_files(out_dir), held=planned["held"],
+                    streamed=planned["streamed"], peak=peak_rss())
+
+
+def largest_tensor(model_cfg: ModelConfig, abstract: list, dtype: str | None) -> int:
+    """Bytes of the export's largest tensor (one is converted and written at a time), from shapes alone."""
+    specs = hf.export_specs(model_cfg, abstract, dtype or model_cfg.param_dtype)
+    return max((s.nbytes for s in specs), default=0)
+
+
+def check_host_memory(held: int, streamed: bool, room: int, run_dir: Path) -> None:
+    """Refuse an export that would hold more at once than `room` (one line, naming both and why)."""
+    if held > room:
+        what = "one stage of" if streamed else "the whole parameters of"
+        raise ExportMemoryError(f"exporting {run_dir} would hold {human_bytes(held)} of host memory at once "
+                                f"({what} the model, unpacked, and one converted tensor), more than the "
+                                f"{human_bytes(room)} it may take (half the RAM available now): free memory, or "
+                                "export on a larger machine")
 
 
 def special_ids(checkpoint: dict[str, Any], tokenizer: dict[str, int]) -> dict[str, Any]:
@@ -118,8 +181,15 @@ def _refuse_tokenizer_files(out_dir: Path, overwrite: bool) -> None:
 
 
 def export_main(args: argparse.Namespace) -> int:
-    out, step = export_run(args.run_dir, args.hf, step=args.step, dtype=args.dtype, overwrite=args.overwrite)
-    print(f"wrote {out}/config.json and {out}/{hf.SINGLE_FILE}: the parameters of step {step} of {args.run_dir}")
+    done = export_run(args.run_dir, args.hf, step=args.step, dtype=args.dtype, overwrite=args.overwrite,
+                      max_shard_size=args.max_shard_size)
+    out = done.out_dir
+    weights = (f"{out}/{hf.SINGLE_FILE}" if done.files == [hf.SINGLE_FILE] else
+               f"{len(done.files) - 1} shards named by {out}/{hf.INDEX_FILE}")
+    reading = "a stage at a time" if done.streamed else "whole"
+    peak = human_bytes(done.peak) if done.peak is not None else "not measured"
+    print(f"wrote {out}/config.json and {weights}: the parameters of step {done.step} of {args.run_dir}; peak host "
+          f"memory {peak} (parameters read {reading}: at most {human_bytes(done.held)} held at once)")
     if run_config(args.run_dir).data.tokenizer == "hf":
         written = [n for n in tokenizers_hf.TOKENIZER_FILES if (out / n).is_file()]
         print(f"and the run's tokenizer: {', '.join(written)}")

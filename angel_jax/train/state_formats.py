@@ -197,6 +197,16 @@ class Pages:
         """Pages `params/<stage>/<k>` unpacked stage by stage with the layout the engine builds from the config,
         over the checkpoint's ranks (pages sharded over N devices are N ranks' pages end to end), checked against
         the checkpoint's fingerprint first."""
+        layout = self.params_layout(cfg, engine_meta, where)
+        expected = {name: spec for s in layout.stages for name, spec in stage_pages(layout, s.name).items()}
+        check_arrays(expected, arrays, f"the parameter pages in {where}")
+        staged = models.get(cfg.model)
+        stage_params = [self.stage_params(layout, s.name, arrays, where) for s in staged.stages]
+        return jax.tree.map(np.asarray, staged.merge(stage_params))
+
+    def params_layout(self, cfg: Config, engine_meta: Mapping[str, Any], where: str) -> Any:
+        """The parameters' page layout the engine builds from the config, over the checkpoint's ranks, once it is
+        the checkpoint's (StateMismatch naming `where` and the first difference otherwise)."""
         ranks = checked_ranks(engine_meta, cfg.memory.page_size, where)
         layout = layout_over(params_layout(cfg), ranks)
         mine = {s.name: {"params": pages_fingerprint(layout, s.name)} for s in layout.stages}
@@ -204,14 +214,25 @@ class Pages:
         if problem:
             raise StateMismatch(f"{where}: the page layout rebuilt from the run's config differs from the "
                                 f"checkpoint's: {problem}")
-        expected = {page_name("params", s.name, k): ((p.length,), p.dtype)
-                    for s in layout.stages for k, p in enumerate(s.pages)}
-        check_arrays(expected, arrays, f"the parameter pages in {where}")
-        staged = models.get(cfg.model)
-        stage_params = [layout.stage(s.name).unpack(tuple(np.asarray(arrays[page_name("params", s.name, k)])
-                                                          for k in range(len(layout.stage(s.name).pages))))
-                        for s in staged.stages]
-        return jax.tree.map(np.asarray, staged.merge(stage_params))
+        return layout
+
+    def stage_params(self, layout: Any, stage: str, arrays: Mapping[str, Any], where: str) -> Any:
+        """One stage's parameters (numpy) from its pages `params/<stage>/<k>` in `arrays`: only those are read
+        (lazy arrays stay unread for the other stages), so a model larger than RAM is read a stage at a time."""
+        expected = stage_pages(layout, stage)
+        pages = {name: arrays[name] for name in expected if name in arrays}
+        check_arrays(expected, pages, f"the parameter pages of stage {stage!r} in {where}")
+        return layout.stage(stage).unpack(tuple(np.asarray(pages[name]) for name in expected))
+
+
+def stage_pages(layout: Any, stage: str) -> dict[str, tuple[tuple[int, ...], np.dtype]]:
+    """A stage's parameter pages in order: name -> (shape, dtype) as a checkpoint stores them."""
+    return {page_name("params", stage, k): ((p.length,), p.dtype) for k, p in enumerate(layout.stage(stage).pages)}
+
+
+def stage_page_prefix(stage: str) -> str:
+    """The prefix of exactly one stage's parameter pages ('params/block.1/' is not a prefix of block.10's)."""
+    return f"params/{stage}/"
 
 
 FORMATS: dict[str, StateFormat] = {Leaves.engine: Leaves(), Pages.engine: Pages()}

@@ -6,12 +6,14 @@ make_fixtures.py):
     .venv/bin/python experiments/hf/export_reference.py --out /tmp/angel-hf-exports
     /work/hfgen/bin/python experiments/hf/make_fixtures.py check /tmp/angel-hf-exports/*
 
-Seven exports, each a directory with config.json + model.safetensors (written by `angel-jax export --hf`'s
-code path), `angel_logits.npz` (`tokens` int32 [B, T], `logits` float32 [B, T, V] of our model, float32
-compute) and `angel_meta.json` (what it is, the versions of jax / flax / numpy):
+Eight exports, each a directory with config.json + model.safetensors (or shards named by
+model.safetensors.index.json; written by `angel-jax export --hf`'s code path), `angel_logits.npz` (`tokens` int32
+[B, T], `logits` float32 [B, T, V] of our model, float32 compute) and `angel_meta.json` (what it is, the versions
+of jax / flax / numpy):
 
     gpt2-fixture, llama-fixture,  the committed HF fixtures imported with model.init_from and exported again
     llama3-fixture, llama_tied-fixture, qwen2-fixture   (Llama 3 RoPE scaling, tied embeddings, Qwen2 biases)
+    llama-fixture-sharded         the Llama fixture exported in shards of at most 20 KB (--max-shard-size)
     gpt-trained                   a GPT trained 40 steps by the in-memory engine, exported from its checkpoint
     llama-trained                 a Llama (1 key/value head, MLP width 160) trained 40 steps by the paged
                                   engine, exported from its checkpoint
@@ -78,6 +80,11 @@ def fixture_exports(root: Path) -> None:
         hf.export(model_cfg, staged.split(params), out, carry=hf.special_tokens(src))
         tokens = np.load(src / "logits.npz")["tokens"]
         _write_reference(out, model_cfg, params, tokens, f"tests/fixtures/hf/{name} imported and exported")
+        if name == "llama":  # the same weights in shards: transformers reads them through the index
+            out = root / f"{name}-fixture-sharded"
+            hf.export(model_cfg, staged.split(params), out, carry=hf.special_tokens(src), max_shard_size="20KB")
+            _write_reference(out, model_cfg, params, tokens, f"tests/fixtures/hf/{name} imported and exported in "
+                             f"{len(hf.weight_files(out)) - 1} shards of at most 20 KB")
 
 
 def trained_exports(root: Path, steps: int) -> None:
@@ -89,7 +96,8 @@ def trained_exports(root: Path, steps: int) -> None:
                "train": {"steps": steps, "batch_size": 8, "log_every": 10, "progress": False, "run_dir": str(run_dir)},
                "memory": memory, "checkpoint": {"every": 0, "memory_dir": str(root / "memtier" / name)}}
         result = train(config_from_dict(raw, name))
-        out, step = export_run(run_dir, root / name)
+        done = export_run(run_dir, root / name)
+        out, step = done.out_dir, done.step
         weights = load_params(run_dir)
         tokens = np.random.default_rng(0).integers(0, 256, (2, 32)).astype(np.int32)
         _write_reference(out, weights.cfg.model, weights.params, tokens,

@@ -3,13 +3,15 @@
     fields = hf.model_fields("ckpt/")                  # ModelConfig's architecture fields from config.json
     hf.check_matches(cfg.model, "ckpt/")               # ConfigError naming the first model.* key that differs
     params = hf.load_stage(cfg.model, "ckpt/", 3, abstract_stage)   # one stage, read from the file alone
-    hf.export(cfg.model, staged.split(params), "out/") # config.json + model.safetensors, loadable by transformers
+    hf.export(cfg.model, staged.split(params), "out/") # config.json + model.safetensors (or shards + index)
     staged = hf.from_pretrained(staged, cfg.model)     # model.init_from: init / init_stage read the checkpoint
 
 Each supported HF architecture has a mapping module here (gpt2.py, llama.py): pure functions from config.json to
 our ModelConfig fields and back, and per-stage tensor tables (mapping.py) that convert in both directions. Import
 is lazy per stage: `load_stage` reads only that stage's tensors, so the paged engine initialises a model larger
-than RAM straight from the file, one stage at a time.
+than RAM straight from the file, one stage at a time. Export streams the other way: given a function that reads
+stage i, `export` converts and writes that stage's tensors into the current shard (header computed up front from
+the shapes) before it reads the next, so a model larger than RAM is exported one stage at a time.
 """
 
 from __future__ import annotations
@@ -20,15 +22,17 @@ import json
 import os
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
 from angel_jax.config import ConfigError, ModelConfig
-from models.hf.mapping import TensorSource, stage_from_hf, stage_to_hf
-from models.hf.safetensors_io import INDEX_FILE, SINGLE_FILE, CheckpointFileError, CheckpointTensors, write
+from models.hf.mapping import TensorSource, iter_stage_to_hf, stage_from_hf, stage_hf_shapes
+from models.hf.safetensors_io import (DEFAULT_MAX_SHARD_SIZE, INDEX_FILE, SINGLE_FILE, CheckpointFileError,
+                                      CheckpointTensors, ShardedWriter, TensorSpec, existing_weights,
+                                      parse_size, weight_files)
 from models.stages import StagedModel
 
 Params = dict
@@ -48,8 +52,10 @@ SPECIAL_TOKENS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 EXPORT_DTYPES = ("float32", "bfloat16", "float16")
 
-__all__ = ["ARCHITECTURE_KEYS", "CheckpointFileError", "CheckpointTensors", "EXPORT_DTYPES", "check_matches", "export",
-           "from_pretrained", "load_stage", "model_fields", "read_config"]
+__all__ = ["ARCHITECTURE_KEYS", "CheckpointFileError", "CheckpointTensors", "DEFAULT_MAX_SHARD_SIZE", "EXPORT_DTYPES",
+           "INDEX_FILE",
+           "abstract_stages", "check_matches", "export", "export_specs", "from_pretrained", "load_stage",
+           "model_fields", "parse_size", "read_config", "weight_files"]
 
 
 def read_config(hf_dir: str | Path) -> dict[str, Any]:
@@ -163,36 +169,74 @@ def from_pretrained(staged: StagedModel, cfg: ModelConfig) -> StagedModel:
     return dataclasses.replace(staged, init=init, init_stage=init_stage, init_reads_files=True)
 
 
-def export(cfg: ModelConfig, stage_params: list[Params], out_dir: str | Path, *, dtype: str | None = None,
-           carry: dict[str, Any] | None = None, overwrite: bool = False) -> Path:
-    """Write our model's params, one pytree per stage (`StagedModel.split`), as a Hugging Face checkpoint:
-    model.safetensors (tensors in `dtype`, default the params' own) and config.json (our architecture as the HF
-    model_type; a head tied by model.tie_embeddings writes no lm_head.weight). `carry`: extra config.json keys
-    (the special token ids of the checkpoint a run started from). An existing config.json or model.safetensors in
-    `out_dir` is refused unless `overwrite`."""
+def abstract_stages(staged: StagedModel) -> list[Params]:
+    """Every stage's params as shapes and dtypes (`jax.eval_shape` of the family's init_stage: nothing is
+    allocated; stages of one kind share theirs). `staged` must not read a checkpoint (no model.init_from)."""
+    by_kind: dict[str, Params] = {}
+    for i, stage in enumerate(staged.stages):
+        if stage.kind not in by_kind:
+            by_kind[stage.kind] = jax.eval_shape(lambda i=i: staged.init_stage(0, i))
+    return [by_kind[stage.kind] for stage in staged.stages]
+
+
+def export_specs(cfg: ModelConfig, abstract: list[Params], dtype: str) -> list[TensorSpec]:
+    """Every HF tensor of the export, in the order it is written (stage by stage), from shapes alone."""
+    mapping = mapping_for(cfg)
+    return [TensorSpec(name, shape, np.dtype(jnp.dtype(dtype))) for i, stage in enumerate(abstract)
+            for name, shape in stage_hf_shapes(mapping.tensor_table(cfg, i), stage)]
+
+
+def export(cfg: ModelConfig, stage_params: Sequence[Params] | Callable[[int], Params], out_dir: str | Path, *,
+           abstract: list[Params] | None = None, dtype: str | None = None, carry: dict[str, Any] | None = None,
+           overwrite: bool = False, max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE) -> Path:
+    """Write our model's params as a Hugging Face checkpoint: the weights (tensors in `dtype`, default the params'
+    own) in model.safetensors, or in shards of at most `max_shard_size` bytes ("5GB", "500MB", or a number of
+    bytes) named by model.safetensors.index.json, and config.json (our architecture as the HF model_type; a head
+    tied by model.tie_embeddings writes no lm_head.weight). `carry`: extra config.json keys (the special token ids
+    of the checkpoint a run started from).
+
+    `stage_params`: one pytree per stage (`StagedModel.split`), or a function that reads stage i when called,
+    with `abstract`, every stage's shapes (`abstract_stages`): the stages are then read one at a time, each
+    converted and written tensor by tensor before the next is read, so an export holds one stage's params and one
+    converted tensor, never the model (the files' headers come from the shapes). Existing weights or a
+    config.json in `out_dir` are refused unless `overwrite`; nothing is written under a final name until every
+    shard is complete, and config.json comes last."""
     out_dir = Path(out_dir)
     mapping = mapping_for(cfg)
-    dtype = dtype or str(jax.tree.leaves(stage_params)[0].dtype)
+    if abstract is None:
+        if callable(stage_params):
+            raise TypeError("export: stages read on demand need `abstract`, their shapes (hf.abstract_stages)")
+        abstract = [jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), p) for p in stage_params]
+    dtype = dtype or np.dtype(jax.tree.leaves(abstract[0])[0].dtype).name
     if dtype not in EXPORT_DTYPES:
         raise ConfigError(f"export dtype {dtype!r}: one of {', '.join(EXPORT_DTYPES)}")
-    existing = [p.name for p in (out_dir / "config.json", out_dir / SINGLE_FILE, out_dir / INDEX_FILE) if p.exists()]
+    try:
+        max_bytes = parse_size(max_shard_size)
+    except ValueError as e:
+        raise ConfigError(f"export --max-shard-size: {e}") from None
+    existing = [name for name in ["config.json"] + existing_weights(out_dir) if (out_dir / name).exists()]
     if existing and not overwrite:
-        raise CheckpointFileError(f"{out_dir} already holds {' and '.join(existing)}: choose another directory "
+        shown = existing if len(existing) <= 3 else existing[:2] + [f"{len(existing) - 2} more weight files"]
+        raise CheckpointFileError(f"{out_dir} already holds {' and '.join(shown)}: choose another directory "
                                   "(or replace that checkpoint: angel-jax export --overwrite)")
-    if overwrite and (out_dir / INDEX_FILE).exists():
-        (out_dir / INDEX_FILE).unlink()  # transformers would read the old shards it names
     out_dir.mkdir(parents=True, exist_ok=True)
-    tensors: dict[str, np.ndarray] = {}
-    for i, params in enumerate(stage_params):
-        tensors.update(stage_to_hf(mapping.tensor_table(cfg, i), params, jnp.dtype(dtype)))
-    write(out_dir / SINGLE_FILE, tensors)
-    del tensors
+    read = stage_params if callable(stage_params) else stage_params.__getitem__
+    with ShardedWriter(out_dir, export_specs(cfg, abstract, dtype), max_bytes) as writer:
+        for i in range(len(abstract)):
+            _write_stage(writer, mapping.tensor_table(cfg, i), read(i), jnp.dtype(dtype))
+        writer.commit()
     config = {**mapping.hf_config(cfg), **{k: None for k in SPECIAL_TOKENS}, **(carry or {}),
               "torch_dtype": dtype, "dtype": dtype}
     tmp = out_dir / "config.json.tmp"
     tmp.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     os.replace(tmp, out_dir / "config.json")  # last: a directory with config.json has its weights
     return out_dir
+
+
+def _write_stage(writer: ShardedWriter, table: list, params: Params, dtype: Any) -> None:
+    # A function of its own so that the stage's params and its last tensor are let go before the next is read.
+    for name, tensor in iter_stage_to_hf(table, params, dtype):
+        writer.add(name, tensor)
 
 
 def special_tokens(hf_dir: str | Path) -> dict[str, Any]:

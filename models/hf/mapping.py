@@ -2,14 +2,14 @@
 
 A family describes each of its stages as a table of `Tensor` entries: where a leaf sits in our stage's params,
 which HF tensor holds it, and whether it is stored transposed (torch's nn.Linear keeps [out, in]; our Linear
-kernels are [in, out]). The same table converts both ways (`stage_from_hf`, `stage_to_hf`), so import and export
+kernels are [in, out]). The same table converts both ways (`stage_from_hf`, `iter_stage_to_hf`), so import and export
 cannot drift apart; the expected shapes come from the stage's own abstract params.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import jax
 import numpy as np
@@ -65,13 +65,24 @@ def stage_from_hf(table: list[Tensor], source: TensorSource, abstract: Params, d
     return out
 
 
-def stage_to_hf(table: list[Tensor], params: Params, dtype: Any) -> dict[str, np.ndarray]:
-    """The HF tensors of our stage's params (numpy, `dtype`)."""
+def iter_stage_to_hf(table: list[Tensor], params: Params, dtype: Any) -> Iterator[tuple[str, np.ndarray]]:
+    """The HF tensors of our stage's params one at a time, in the table's order (numpy, C order, `dtype`): a
+    writer that consumes each before asking for the next holds one converted tensor at most."""
     _check_complete(params, table)
-    out = {}
     for t in table:
         value = np.asarray(_at(params, t.path))
-        out[t.names[0]] = np.ascontiguousarray((value.T if t.transposed else value).astype(dtype))
+        # One copy at most (a transpose and a cast together); none for a leaf already in C order and `dtype`.
+        yield t.names[0], np.ascontiguousarray(value.T if t.transposed else value, dtype=dtype)
+
+
+def stage_hf_shapes(table: list[Tensor], abstract: Params) -> list[tuple[str, tuple[int, ...]]]:
+    """(name, shape) of the HF tensors of a stage, in the order `iter_stage_to_hf` gives them, from the stage's
+    abstract params (anything with `.shape` leaves): what a file's header needs before any value is read."""
+    _check_complete(abstract, table)
+    out = []
+    for t in table:
+        shape = tuple(_at(abstract, t.path).shape)
+        out.append((t.names[0], shape[::-1] if t.transposed else shape))
     return out
 
 
