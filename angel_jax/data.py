@@ -4,7 +4,8 @@ A prepared data directory holds:
 
     meta.json        format, tokenizer, vocab size, shard list, token counts and the spec it was prepared from
     train_00000.bin  raw little-endian uint16 tokens (uint32 for a vocabulary past 65536 ids; np.memmap-able);
-                     every shard but the last has shard_tokens
+                     every shard but the last has shard_tokens (instruction data: int32 rows of seq_len + 1 marked
+                     tokens, angel_jax/instruction_data.py)
     val_00000.bin    optional held-out tail of the token stream (val_fraction > 0)
     tokenizer.json   the locally trained BPE (tokenizer "bpe"), or a copy of the Hugging Face tokenizer's files
                      (tokenizer "hf": with its tokenizer_config.json and special_tokens_map.json when it has them)
@@ -37,8 +38,9 @@ from angel_jax.tokenizers_hf import HfTokenizer, copy_files, fingerprint
 
 FORMAT = 1
 DTYPE = np.dtype("<u2")  # little-endian on every host, so shards are portable
-DTYPES = {"uint16": DTYPE, "uint32": np.dtype("<u4")}
-"""A shard's dtype by name (meta.json's "dtype"): uint16 while the ids fit, uint32 past 65536 ids."""
+DTYPES = {"uint16": DTYPE, "uint32": np.dtype("<u4"), "int32": np.dtype("<i4")}
+"""A shard's dtype by name (meta.json's "dtype"): uint16 while the ids fit, uint32 past 65536 ids; int32 for
+instruction rows, whose tokens carry in-band marks (angel_jax/token_marks.py, angel_jax/instruction_data.py)."""
 META = "meta.json"
 TOKENIZER_FILE = "tokenizer.json"
 EOT = "<|endoftext|>"
@@ -162,7 +164,7 @@ def shard_dtype(vocab_size: int) -> str:
 # ---------------------------------------------------------------------------------------------------- shards
 
 
-class _ShardWriter:
+class ShardWriter:
     """Appends tokens to `<prefix>_00000.bin`, `<prefix>_00001.bin`, ... of shard_tokens each."""
 
     def __init__(self, directory: Path, prefix: str, shard_tokens: int, dtype: np.dtype) -> None:
@@ -195,11 +197,11 @@ class _ShardWriter:
         return self.shards
 
 
-def _split_tail(directory: Path, shards: list[dict[str, Any]], n_val: int, shard_tokens: int,
-                dtype: np.dtype) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def split_tail(directory: Path, shards: list[dict[str, Any]], n_val: int, shard_tokens: int,
+               dtype: np.dtype) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Move the last n_val tokens of the train stream into val shards (the total is only known at the end)."""
     keep = sum(s["tokens"] for s in shards) - n_val
-    val = _ShardWriter(directory, "val", shard_tokens, dtype)
+    val = ShardWriter(directory, "val", shard_tokens, dtype)
     train, start = [], 0
     for s in shards:
         path, end = directory / s["file"], start + s["tokens"]
@@ -217,7 +219,7 @@ def _split_tail(directory: Path, shards: list[dict[str, Any]], n_val: int, shard
     return train, val.close()
 
 
-def _fingerprint(files: list[Path]) -> str:
+def files_fingerprint(files: list[Path]) -> str:
     """Identity of an ordered source list: paths, sizes and mtimes (cheap; no file contents are read)."""
     h = hashlib.sha256()
     for p in files:
@@ -236,18 +238,18 @@ def _spec(files: list[Path], tokenizer: str, vocab_size: int, max_bytes: int | N
     # holds for the Hugging Face tokenizer's hash: None for the others, as in specs written before it existed.
     hf = tokenizer == "hf"
     return {"tokenizer": tokenizer, "vocab_size": 256 if tokenizer == "byte" else None if hf else vocab_size,
-            "max_bytes": max_bytes or None, "val_fraction": val_fraction, "fingerprint": _fingerprint(files),
+            "max_bytes": max_bytes or None, "val_fraction": val_fraction, "fingerprint": files_fingerprint(files),
             "text_key": text_key if holds_records(files) else None,
-            "tokenizer_sha256": fingerprint(_hf_path(tokenizer_path)) if hf else None}
+            "tokenizer_sha256": fingerprint(hf_path(tokenizer_path)) if hf else None}
 
 
-def _hf_path(tokenizer_path: Path | None) -> Path:
+def hf_path(tokenizer_path: Path | None) -> Path:
     if tokenizer_path is None:
         raise DataError("tokenizer 'hf' needs tokenizer_path: the directory holding the Hugging Face tokenizer.json")
     return Path(tokenizer_path)
 
 
-def _publish(out_dir: Path, build: Callable[[Path], dict[str, Any]]) -> dict[str, Any]:
+def publish(out_dir: Path, build: Callable[[Path], dict[str, Any]]) -> dict[str, Any]:
     """Run build(tmp_dir) -> meta, write meta.json last and rename the directory into place.
 
     meta.json is what makes a directory count as prepared, and out_dir only ever appears whole, so a crash at any
@@ -275,8 +277,8 @@ def _publish(out_dir: Path, build: Callable[[Path], dict[str, Any]]) -> dict[str
     return meta
 
 
-def _base_meta(tokenizer: str, vocab_size: int, train: list[dict[str, Any]],
-               val: list[dict[str, Any]]) -> dict[str, Any]:
+def base_meta(tokenizer: str, vocab_size: int, train: list[dict[str, Any]],
+              val: list[dict[str, Any]]) -> dict[str, Any]:
     n_train, n_val = sum(s["tokens"] for s in train), sum(s["tokens"] for s in val)
     return {"format": FORMAT, "tokenizer": tokenizer, "vocab_size": vocab_size, "dtype": shard_dtype(vocab_size),
             "shards": train, "val_shards": val, "total_tokens": n_train + n_val, "train_tokens": n_train,
@@ -317,7 +319,7 @@ def prepare(sources: list[Path], out_dir: Path, *, tokenizer: str = "byte", voca
         tok = _tokenizer_for(tokenizer, tmp, sources, vocab_size, tokenizer_path, max_bytes=max_bytes,
                              text_key=text_key, allow_binary=allow_binary)
         dtype = DTYPES[shard_dtype(tok.vocab_size)]
-        writer = _ShardWriter(tmp, "train", shard_tokens, dtype)
+        writer = ShardWriter(tmp, "train", shard_tokens, dtype)
         if isinstance(tok, ByteTokenizer):
             for _, block, _ in documents:
                 writer.append(np.frombuffer(block, dtype=np.uint8))
@@ -332,15 +334,15 @@ def prepare(sources: list[Path], out_dir: Path, *, tokenizer: str = "byte", voca
         n_val = int(round(total * val_fraction))
         if n_val >= total:
             raise DataError(f"val_fraction={val_fraction} leaves no training tokens out of {total}")
-        train, val = _split_tail(tmp, train, n_val, shard_tokens, dtype) if n_val else (train, [])
-        meta = _base_meta(tokenizer, tok.vocab_size, train, val)
+        train, val = split_tail(tmp, train, n_val, shard_tokens, dtype) if n_val else (train, [])
+        meta = base_meta(tokenizer, tok.vocab_size, train, val)
         meta.update(sources=stats.files, source_bytes=stats.bytes, spec=spec,
                     tokenizer_file=None if tokenizer == "byte" else TOKENIZER_FILE)
         if isinstance(tok, HfTokenizer):  # what a copy without config.json still needs (load_tokenizer)
             meta.update(tokenizer_path=str(Path(tokenizer_path).absolute()), special_tokens=tok.special_tokens)
         return meta
 
-    return _publish(Path(out_dir), build)
+    return publish(Path(out_dir), build)
 
 
 def _tokenizer_for(tokenizer: str, tmp: Path, sources: list[Path], vocab_size: int, tokenizer_path: Path | None,
@@ -352,13 +354,13 @@ def _tokenizer_for(tokenizer: str, tmp: Path, sources: list[Path], vocab_size: i
         bpe = BpeTokenizer.train(sources, vocab_size, **read)
         bpe.save(tmp / TOKENIZER_FILE)
         return bpe
-    hf = HfTokenizer.load(_hf_path(tokenizer_path))
-    copy_files(_hf_path(tokenizer_path), tmp)
+    hf = HfTokenizer.load(hf_path(tokenizer_path))
+    copy_files(hf_path(tokenizer_path), tmp)
     return hf
 
 
 def _encode_documents(tok: BpeTokenizer | HfTokenizer, blocks: Iterable[tuple[Path, bytes, bool]],
-                      writer: _ShardWriter) -> None:
+                      writer: ShardWriter) -> None:
     """Each document's blocks encoded, between what the tokenizer puts around a document (the BPE: its EOT after
     it; a Hugging Face tokenizer: its template's BOS before, its EOS after)."""
     # encode_batch runs on all cores in Rust; batches of blocks keep that parallel without holding the corpus.
@@ -394,13 +396,13 @@ def write_tokens(tokens: np.ndarray, out_dir: Path, *, vocab_size: int, shard_to
 
     def build(tmp: Path) -> dict[str, Any]:
         dtype = DTYPES[shard_dtype(vocab_size)]
-        writer = _ShardWriter(tmp, "train", shard_tokens, dtype)
+        writer = ShardWriter(tmp, "train", shard_tokens, dtype)
         writer.append(tokens.astype(dtype))
-        meta = _base_meta(tokenizer, vocab_size, writer.close(), [])
+        meta = base_meta(tokenizer, vocab_size, writer.close(), [])
         meta.update(sources=0, source_bytes=0, spec=None, tokenizer_file=None)
         return meta
 
-    return _publish(Path(out_dir), build)
+    return publish(Path(out_dir), build)
 
 
 def load_meta(data_dir: Path) -> dict:
@@ -428,7 +430,7 @@ def load_meta(data_dir: Path) -> dict:
 
 
 @contextmanager
-def _file_lock(path: Path) -> Iterator[None]:
+def file_lock(path: Path) -> Iterator[None]:
     with open(path, "a+") as f:
         fcntl.flock(f, fcntl.LOCK_EX)  # released on close too, so a killed holder never wedges the others
         try:
@@ -452,7 +454,7 @@ def ensure_prepared(data_dir: Path, source: str, *, tokenizer: str = "byte", voc
     files = resolve_sources(source)
     want = _spec(files, tokenizer, vocab_size, max_bytes, val_fraction, text_key, tokenizer_path)
     data_dir.parent.mkdir(parents=True, exist_ok=True)
-    with _file_lock(data_dir.parent / f".{data_dir.name}.lock"):
+    with file_lock(data_dir.parent / f".{data_dir.name}.lock"):
         if (data_dir / META).is_file():
             try:
                 meta = load_meta(data_dir)
@@ -499,6 +501,7 @@ class TokenIterator:
     default_rng([seed, e]).permutation(windows_per_epoch); global batch b is entries [b*B, (b+1)*B) of it and the
     incomplete last batch is dropped. Process i of n takes rows [i*B/n, (i+1)*B/n) of each global batch, so n
     processes together see exactly what one would. Shards are memory-mapped; only the rows asked for are read.
+    Instruction data is stored as rows of exactly seq_len+1 tokens, so its windows are its rows.
     """
 
     def __init__(self, data_dir: Path, *, batch_size: int, seq_len: int, seed: int, shard_index: int = 0,
@@ -522,6 +525,11 @@ class TokenIterator:
         self._starts = np.cumsum([0] + [m.size for m in self._maps], dtype=np.int64)
         total = int(self._starts[-1])
         self.window = seq_len + 1
+        rows = (self.meta.get("instruction") or {}).get("row_tokens")
+        if rows is not None and rows != self.window:  # windows would cut across its rows
+            raise DataError(f"{data_dir} holds instruction rows of {rows} tokens (model.seq_len {rows - 1} + 1), "
+                            f"this run reads windows of model.seq_len+1={self.window}: prepare it again for this "
+                            "model.seq_len (another data.dir, or an empty one to have it chosen)")
         self.windows_per_epoch: int = total // self.window
         self.batches_per_epoch: int = self.windows_per_epoch // batch_size
         if self.batches_per_epoch == 0:

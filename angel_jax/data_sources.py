@@ -191,14 +191,15 @@ def _text_blocks(path: Path, budget: int | None, allow_binary: bool = False) -> 
                 yield data, False
 
 
-def _kind(value: Any) -> str:
+def json_kind(value: Any) -> str:
     """How a JSON value is named in an error."""
     names = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null"}
     return names.get(type(value), "a number")
 
 
-def _jsonl_texts(path: Path, text_key: str) -> Iterator[str]:
-    """The text_key string of every line's object, line by line; blank lines are skipped."""
+def jsonl_lines(path: Path) -> Iterator[tuple[int, bytes]]:
+    """(line number, line) of every non-blank line of a JSON Lines file, .gz read through; a file that cannot be
+    opened, or read to its end, is a DataError naming it."""
     try:
         f = gzip.open(path, "rb") if path.name.lower().endswith(".gz") else open(path, "rb")
     except OSError as e:
@@ -208,9 +209,15 @@ def _jsonl_texts(path: Path, text_key: str) -> Iterator[str]:
         try:
             for lineno, line in enumerate(f, 1):
                 if line.strip():
-                    yield _record_text(path, lineno, line, text_key)
+                    yield lineno, line
         except (OSError, EOFError, zlib.error) as e:  # a damaged or cut .gz
             raise DataError(f"{path}: cannot read past line {lineno}: {e}") from e
+
+
+def _jsonl_texts(path: Path, text_key: str) -> Iterator[str]:
+    """The text_key string of every line's object, line by line; blank lines are skipped."""
+    for lineno, line in jsonl_lines(path):
+        yield _record_text(path, lineno, line, text_key)
 
 
 def _record_text(path: Path, lineno: int, line: bytes, text_key: str) -> str:
@@ -222,13 +229,13 @@ def _record_text(path: Path, lineno: int, line: bytes, text_key: str) -> str:
         raise DataError(f"{path}:{lineno}: not a valid JSON line: {e.msg} at column {e.colno}") from None
     if not isinstance(record, dict):
         raise DataError(f"{path}:{lineno}: expected a JSON object with a {text_key!r} key (data.text_key), "
-                        f"got {_kind(record)}")
+                        f"got {json_kind(record)}")
     if text_key not in record:
         keys = ", ".join(repr(k) for k in record) or "none"
         raise DataError(f"{path}:{lineno}: no key {text_key!r} (data.text_key); this record's keys: {keys}")
     text = record[text_key]
     if not isinstance(text, str):
-        raise DataError(f"{path}:{lineno}: {text_key!r} is {_kind(text)}, not a string")
+        raise DataError(f"{path}:{lineno}: {text_key!r} is {json_kind(text)}, not a string")
     return text
 
 

@@ -21,11 +21,21 @@ FAMILIES = {"gpt": "models.gpt", "llama": "models.llama", "t5": "models.t5"}
 """model.name -> the module that builds it (imported on first use: a family's dependencies load only when used)."""
 
 
-def get(cfg: ModelConfig) -> StagedModel:
-    """The stage view of the model `cfg` describes (no arrays are allocated; built once per distinct config)."""
+DOCUMENTS = ("gpt", "llama")
+"""The families that run rows of packed documents (`get(..., documents=True)`, models/documents.py)."""
+
+
+def get(cfg: ModelConfig, documents: bool = False) -> StagedModel:
+    """The stage view of the model `cfg` describes (no arrays are allocated; built once per distinct config).
+    `documents`: its rows hold packed documents, each attending only to itself (instruction data with data.pack;
+    the parameters are the same)."""
     if cfg.name not in FAMILIES:
         raise ConfigError(f"'model.name': unknown model {cfg.name!r}; known: {', '.join(sorted(FAMILIES))}")
-    return _get(_Key(copy.deepcopy(cfg)))
+    if documents and (cfg.name not in DOCUMENTS or cfg.moe.experts):
+        raise ConfigError(f"'data.pack': rows of packed documents run on the dense {' and '.join(DOCUMENTS)} "
+                          f"families, not model.name={cfg.name!r} with model.moe.experts={cfg.moe.experts}: set "
+                          "data.pack=false (one record per row, padded)")
+    return _get(_Key(copy.deepcopy(cfg), documents))
 
 
 @dataclass(frozen=True, eq=False)
@@ -33,18 +43,21 @@ class _Key:
     """A model config as a cache key: equal when every field is, nested sections (model.moe) included."""
 
     cfg: ModelConfig
+    documents: bool = False
 
     def __hash__(self) -> int:
-        return hash(dataclasses.astuple(self.cfg))
+        return hash((dataclasses.astuple(self.cfg), self.documents))
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, _Key) and dataclasses.astuple(self.cfg) == dataclasses.astuple(other.cfg)
+        return (isinstance(other, _Key) and dataclasses.astuple(self.cfg) == dataclasses.astuple(other.cfg)
+                and self.documents == other.documents)
 
 
 @functools.lru_cache(maxsize=16)
 def _get(key: _Key) -> StagedModel:  # a StagedModel is immutable: one per config serves every caller
     cfg = key.cfg
-    staged = importlib.import_module(FAMILIES[cfg.name]).staged(cfg)
+    family = importlib.import_module(FAMILIES[cfg.name])
+    staged = family.staged(cfg, documents=True) if key.documents else family.staged(cfg)
     if cfg.init_from:  # parameters from a Hugging Face checkpoint instead of the random init
         from models import hf
 
@@ -62,4 +75,4 @@ def check_init_from(cfg: ModelConfig) -> None:
         hf.CheckpointTensors(cfg.init_from)  # reads the headers: a missing or unreadable weights file fails here
 
 
-__all__ = ["FAMILIES", "Stage", "StagedModel", "check_init_from", "get"]
+__all__ = ["DOCUMENTS", "FAMILIES", "Stage", "StagedModel", "check_init_from", "get"]

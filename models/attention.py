@@ -11,9 +11,16 @@ import jax
 import jax.numpy as jnp
 
 
-def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array) -> jax.Array:
-    """Causal attention of a whole sequence (training and the no-cache reference): [B, T, H, D]."""
-    return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+def causal_attention(q: jax.Array, k: jax.Array, v: jax.Array, segments: jax.Array | None = None) -> jax.Array:
+    """Causal attention of a whole sequence (training and the no-cache reference): [B, T, H, D]. `segments`
+    (int32 [B, T], documents packed into a row: models/documents.py): a position attends only to earlier
+    positions of its own document."""
+    if segments is None:
+        return jax.nn.dot_product_attention(q, k, v, is_causal=True)
+    t = q.shape[1]
+    causal = jnp.arange(t)[None, :] <= jnp.arange(t)[:, None]  # [T, T]: query i sees keys 0 .. i
+    same = segments[:, :, None] == segments[:, None, :]  # [B, T, T]
+    return jax.nn.dot_product_attention(q, k, v, mask=(same & causal)[:, None])
 
 
 def cached_attention(q: jax.Array, k: jax.Array, v: jax.Array, cache_k: jax.Array, cache_v: jax.Array,

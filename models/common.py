@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from angel_jax import token_marks
+
 
 def stage_key(key: jax.Array, stage: int | jax.Array) -> jax.Array:
     """The key stage `stage` draws its parameters from (0 = embed, 1 + j = block j, n_layers + 1 = head): a stage
@@ -17,10 +19,26 @@ def stage_key(key: jax.Array, stage: int | jax.Array) -> jax.Array:
     return jax.random.fold_in(key, stage)
 
 
-def cross_entropy(logits: jax.Array, targets: jax.Array) -> jax.Array:
-    """Mean next-token cross-entropy in float32."""
+def cross_entropy(logits: jax.Array, targets: jax.Array, count: jax.Array | float | None = None) -> jax.Array:
+    """Next-token cross-entropy in float32: summed over the scored targets (angel_jax/token_marks.py: a target
+    marked unscored, a prompt's token or padding, adds nothing), divided by `count`.
+
+    `count` None: the number of scored targets here (at least 1), the mean over them. An engine that splits a batch
+    into pieces (micro-batches, ranks) and averages the pieces' losses passes each piece the batch's scored count
+    divided by the number of pieces, so that the average is the whole batch's mean whatever the pieces hold
+    (`scored_share`). On text data every target is scored and this is the plain mean."""
     logp = jax.nn.log_softmax(logits.astype(jnp.float32), axis=-1)
-    return -jnp.take_along_axis(logp, targets[..., None], axis=-1).mean()
+    picked = jnp.take_along_axis(logp, token_marks.token_ids(targets)[..., None], axis=-1)[..., 0]
+    scored = token_marks.scored(targets)
+    if count is None:
+        count = jnp.maximum(jnp.sum(scored), 1).astype(jnp.float32)
+    return -jnp.sum(jnp.where(scored, picked, 0.0)) / count
+
+
+def scored_share(targets: jax.Array, pieces: int) -> jax.Array:
+    """The `count` each of `pieces` equal pieces of `targets` (a whole batch's) passes `cross_entropy`: the batch's
+    scored targets (at least 1) / pieces, float32."""
+    return jnp.maximum(jnp.sum(token_marks.scored(targets)), 1).astype(jnp.float32) / jnp.float32(pieces)
 
 
 def pure_dict(state: nnx.State) -> dict[str, Any]:
@@ -56,11 +74,13 @@ def one_stage_params(seed: int, stage: int, count: int, build: Callable[[int, nn
     return pure_dict(nnx.state(build(stage, rngs)))
 
 
-def family_functions(family: ModuleType, cfg: Any) -> dict[str, Any]:
+def family_functions(family: ModuleType, cfg: Any, documents: bool = False) -> dict[str, Any]:
     """The `StagedModel` fields every family fills from its module's functions of the config: init, init_stage,
-    abstract, param_count, flops_per_token."""
-    return {"init": lambda seed: family.init(cfg, seed),
+    abstract, param_count, flops_per_token. `documents`: the whole model's graphdef runs rows of packed documents
+    (models/documents.py; a family that can has `documents` in its init and abstract_params)."""
+    by_rows = {"documents": True} if documents else {}
+    return {"init": lambda seed: family.init(cfg, seed, **by_rows),
             "init_stage": lambda seed, stage: family.init_stage(cfg, seed, stage),
-            "abstract": lambda: family.abstract_params(cfg),
+            "abstract": lambda: family.abstract_params(cfg, **by_rows),
             "param_count": family.param_count(cfg),
             "flops_per_token": family.flops_per_token(cfg)}

@@ -13,6 +13,11 @@ Sampling (`decode`, `init_cache`): a key/value cache stacked like the blocks, [n
 for keys and for values, so one scan runs every block on its own slice of the cache. `tests/test_decode.py` checks
 that a prefill and single-token steps give the logits of the whole-sequence forward.
 
+Instruction data (angel_jax/token_marks.py): the embedding reads token ids through their in-band marks and the loss
+counts only the scored targets (models/common.py `cross_entropy`). Packed rows (`staged(cfg, documents=True)`):
+the stages pass the documents' segments on with the stream, attention stays within a document and the learned
+positions count from each document's start (models/documents.py).
+
 Mixture of experts (model.moe.experts > 0): every moe.every-th block has a mixture of GELU experts
 (models/moe.py) in place of its MLP; such blocks are stacked apart (`moe_blocks`), and the stages pass the
 auxiliary losses on next to the residual stream (models/moe_decoder.py); it samples with the same cache, its
@@ -21,15 +26,17 @@ experts routing without drops (`moe_decoder.decoder`).
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from angel_jax import token_marks
 from angel_jax.config import ModelConfig
 from models.attention import cached_attention, causal_attention
-from models import moe_decoder
+from models import documents as documents_lib, moe_decoder
 from models.common import abstract_params_of, cross_entropy, family_functions, one_stage_params, stage_key, whole_params
 from models.moe import MoE, MoEFigures
 from models.stages import PlannerHints, Stage, StagedModel
@@ -53,9 +60,14 @@ class Embed(nnx.Module):
         self.positions = nnx.Param(init(rngs.params(), (cfg.seq_len, cfg.d_model), pdt))
         self.compute_dtype = cdt
 
-    def __call__(self, tokens: jax.Array) -> jax.Array:
-        pos = self.positions[...][: tokens.shape[-1]]
-        return self.tokens(tokens) + pos.astype(self.compute_dtype)
+    def __call__(self, tokens: jax.Array, segments: jax.Array | None = None) -> jax.Array:
+        """Tokens [B, T] (ids with their in-band marks) at positions 0 .. T-1, or with `segments` (packed
+        documents) at their positions within their documents."""
+        if segments is None:
+            pos = self.positions[...][: tokens.shape[-1]]
+        else:
+            pos = self.positions[...][documents_lib.positions_in(segments)]
+        return self.tokens(token_marks.token_ids(tokens)) + pos.astype(self.compute_dtype)
 
     def at(self, tokens: jax.Array, start: jax.Array) -> jax.Array:
         """Tokens [B, T] at positions start .. start+T-1 (`start` may be traced; the caller keeps start+T within
@@ -84,9 +96,10 @@ class Block(nnx.Module):
             self.mlp_out = nnx.Linear(hidden, d, kernel_init=out_init, **lin)
         self.n_heads = cfg.n_heads
 
-    def __call__(self, x: jax.Array) -> jax.Array:
+    def __call__(self, x: jax.Array, segments: jax.Array | None = None) -> jax.Array:
+        """`segments`: packed documents (models/documents.py), each attending only to itself."""
         q, k, v = self._qkv(x)
-        return self._residual(x, causal_attention(q, k, v))
+        return self._residual(x, causal_attention(q, k, v, segments))
 
     def decode(self, x: jax.Array, cache_k: jax.Array, cache_v: jax.Array,
                pos: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
@@ -137,9 +150,11 @@ class Head(nnx.Module):
 
 
 class GPT(nnx.Module):
-    def __init__(self, cfg: ModelConfig, key: jax.Array):
-        """`key`: the model's base key (`jax.random.key(seed)`); each stage uses only `stage_key(key, i)`."""
+    def __init__(self, cfg: ModelConfig, key: jax.Array, documents: bool = False):
+        """`key`: the model's base key (`jax.random.key(seed)`); each stage uses only `stage_key(key, i)`.
+        `documents`: rows hold packed documents (models/documents.py); the parameters are the same."""
         self.cfg = cfg
+        self.documents = documents
         self.embed = Embed(cfg, nnx.Rngs(params=stage_key(key, 0)))
 
         moe_decoder.add_blocks(self, cfg, key, Block)
@@ -147,22 +162,25 @@ class GPT(nnx.Module):
 
     def __call__(self, tokens: jax.Array) -> jax.Array | moe_decoder.Stream:
         """Logits; with MoE blocks, a `moe_decoder.Stream` of the logits and the auxiliary sums."""
-        x = self.embed(tokens)
+        segments = documents_lib.segments_of(tokens) if self.documents else None
+        x = self.embed(tokens, segments)
         if self.cfg.moe.experts:
             block_def, block_state = nnx.split(self.blocks) if hasattr(self, "blocks") else (None, None)
             moe_def, moe_state = nnx.split(self.moe_blocks)
             s = moe_decoder.run_blocks(self.cfg, block_def, block_state, moe_def, moe_state, moe_decoder.start(x))
             return moe_decoder.finish(self.head, s)
         block_def, block_state = nnx.split(self.blocks)
-        x = run_blocks(block_def, block_state, x, scan=self.cfg.scan_blocks, remat=self.cfg.remat)
+        x = run_blocks(block_def, block_state, x, scan=self.cfg.scan_blocks, remat=self.cfg.remat,
+                       segments=segments)
         return self.head(x)
 
 
-def run_blocks(block_def: nnx.GraphDef, stacked: nnx.State | Params, x: jax.Array, *, scan: bool, remat: bool) -> jax.Array:
-    """Apply the stacked blocks in order, scanned (one compiled body) or unrolled."""
+def run_blocks(block_def: nnx.GraphDef, stacked: nnx.State | Params, x: jax.Array, *, scan: bool, remat: bool,
+               segments: jax.Array | None = None) -> jax.Array:
+    """Apply the stacked blocks in order, scanned (one compiled body) or unrolled; `segments`: packed documents."""
 
     def body(h: jax.Array, params: Params) -> tuple[jax.Array, None]:
-        return nnx.merge(block_def, params)(h), None
+        return nnx.merge(block_def, params)(h, segments), None
 
     if remat:
         body = jax.checkpoint(body)
@@ -174,9 +192,10 @@ def run_blocks(block_def: nnx.GraphDef, stacked: nnx.State | Params, x: jax.Arra
     return x
 
 
-def init(cfg: ModelConfig, seed: int) -> tuple[nnx.GraphDef, Params]:
-    """Build the model and return (graphdef, params). Only nnx.Param state exists in this model."""
-    return whole_params(GPT, cfg, seed)
+def init(cfg: ModelConfig, seed: int, documents: bool = False) -> tuple[nnx.GraphDef, Params]:
+    """Build the model and return (graphdef, params). Only nnx.Param state exists in this model. `documents`: the
+    graphdef runs rows of packed documents."""
+    return whole_params(functools.partial(GPT, documents=documents), cfg, seed)
 
 
 def init_stage(cfg: ModelConfig, seed: int, stage: int) -> Params:
@@ -185,13 +204,14 @@ def init_stage(cfg: ModelConfig, seed: int, stage: int) -> Params:
     return one_stage_params(seed, stage, cfg.n_layers + 2, moe_decoder.decoder_stage(cfg, Embed, Block, Head))
 
 
-def abstract_params(cfg: ModelConfig) -> tuple[nnx.GraphDef, Params]:
-    """(graphdef, params as jax.ShapeDtypeStruct) without allocating anything."""
-    return abstract_params_of(GPT, cfg)
+def abstract_params(cfg: ModelConfig, documents: bool = False) -> tuple[nnx.GraphDef, Params]:
+    """(graphdef, params as jax.ShapeDtypeStruct) without allocating anything (`documents` as for `init`)."""
+    return abstract_params_of(functools.partial(GPT, documents=documents), cfg)
 
 
-def staged(cfg: ModelConfig) -> StagedModel:
-    """The stage view of the model: embed, n_layers homogeneous blocks, head."""
+def staged(cfg: ModelConfig, documents: bool = False) -> StagedModel:
+    """The stage view of the model: embed, n_layers homogeneous blocks, head. `documents`: rows of packed
+    documents (models/documents.py), a `Packed` between the stages."""
     abstract = nnx.eval_shape(lambda: GPT(cfg, jax.random.key(0)))
     if cfg.moe.experts:
         return _staged_moe(cfg, abstract)
@@ -199,8 +219,16 @@ def staged(cfg: ModelConfig) -> StagedModel:
     block_def = nnx.graphdef(abstract.blocks)
     head_def = nnx.graphdef(abstract.head)
 
-    def apply_block(params: Params, x: jax.Array) -> jax.Array:
-        return nnx.merge(block_def, params)(x)
+    def apply_block(params: Params, x: jax.Array, segments: jax.Array | None = None) -> jax.Array:
+        return nnx.merge(block_def, params)(x, segments)
+
+    remat = jax.checkpoint if cfg.remat else (lambda f: f)
+    if documents:
+        apply = documents_lib.stage_apply(lambda p, tokens, segments: nnx.merge(embed_def, p)(tokens, segments),
+                                          remat(apply_block), lambda p, x: nnx.merge(head_def, p)(x))
+    else:
+        apply = {"embed": lambda p, tokens: nnx.merge(embed_def, p)(tokens), "block": remat(apply_block),
+                 "head": lambda p, x: nnx.merge(head_def, p)(x)}
 
     def split(params: Params) -> list[Params]:
         blocks = params["blocks"]
@@ -228,15 +256,11 @@ def staged(cfg: ModelConfig) -> StagedModel:
         + (Stage("head", "head"),)
     return StagedModel(
         stages=stages,
-        apply={
-            "embed": lambda p, tokens: nnx.merge(embed_def, p)(tokens),
-            "block": jax.checkpoint(apply_block) if cfg.remat else apply_block,
-            "head": lambda p, x: nnx.merge(head_def, p)(x),
-        },
+        apply=apply,
         loss=cross_entropy,
         split=split,
         merge=merge,
-        **family_functions(sys.modules[__name__], cfg),
+        **family_functions(sys.modules[__name__], cfg, documents),
         hints=PlannerHints(block_activation_width=3 * cfg.d_model + 2 * cfg.hidden),  # qkv, the MLP in and out
         init_cache=lambda batch, max_len: init_cache(cfg, batch, max_len),
         decode=decode,

@@ -30,12 +30,18 @@ from `fold_in(key(seed), i)` alone, so `init_stage` gives one stage bit-identica
 Sampling runs through a key/value cache stacked over the layers ([L, B, S, K, D]), which `decode` scans with the
 blocks.
 
+Instruction data (angel_jax/token_marks.py): the embedding reads token ids through their in-band marks and the loss
+counts only the scored targets (models/common.py `cross_entropy`). Packed rows (`staged(cfg, documents=True)`):
+the stages pass the documents' segments on with the stream, attention stays within a document and the rotary
+positions count from each document's start (models/documents.py).
+
 Mixture of experts (model.moe.experts > 0): every moe.every-th block has a mixture of SwiGLU experts
 (models/moe.py) in place of its MLP, as in the GPT (models/moe_decoder.py); it samples with the same cache.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 import sys
 from dataclasses import dataclass
@@ -45,9 +51,10 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from angel_jax import token_marks
 from angel_jax.config import ConfigError, ModelConfig
 from models.attention import cached_attention, causal_attention
-from models import moe_decoder
+from models import documents as documents_lib, moe_decoder
 from models.common import abstract_params_of, cross_entropy, family_functions, one_stage_params, stage_key, whole_params
 from models.moe import MoE, MoEFigures
 from models.stages import PlannerHints, Stage, StagedModel
@@ -119,22 +126,23 @@ def rope_frequencies(dim: int, theta: float, scaling: Llama3Scaling | None = Non
 
 def rope_angles(positions: jax.Array, dim: int, theta: float, scaling: Llama3Scaling | None = None
                 ) -> tuple[jax.Array, jax.Array]:
-    """cos and sin [T, dim] (float32) of the rotation at each position: frequency j (`rope_frequencies`) for
-    j < dim/2, repeated for the second half (`concat([freqs, freqs])`, Hugging Face's layout)."""
+    """cos and sin [T, dim] (float32) of the rotation at each position of `positions` [T] ([B, T, dim] for
+    positions [B, T]): frequency j (`rope_frequencies`) for j < dim/2, repeated for the second half
+    (`concat([freqs, freqs])`, Hugging Face's layout)."""
     inv_freq = rope_frequencies(dim, theta, scaling)
-    freqs = positions.astype(jnp.float32)[:, None] * inv_freq[None, :]
+    freqs = positions.astype(jnp.float32)[..., None] * inv_freq
     angles = jnp.concatenate([freqs, freqs], axis=-1)
     return jnp.cos(angles), jnp.sin(angles)
 
 
 def apply_rope(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-    """Rotate x [B, T, heads, dim] by the angles of its positions: x * cos + rotate_half(x) * sin, where
-    rotate_half(x) = concat([-x2, x1]) of x's halves x1, x2 (dimension j rotates with j + dim/2). In float32,
-    returned in x's dtype."""
+    """Rotate x [B, T, heads, dim] by the angles of its positions (cos, sin [T, dim] or [B, T, dim]): x * cos +
+    rotate_half(x) * sin, where rotate_half(x) = concat([-x2, x1]) of x's halves x1, x2 (dimension j rotates with
+    j + dim/2). In float32, returned in x's dtype."""
     x32 = x.astype(jnp.float32)
     x1, x2 = jnp.split(x32, 2, axis=-1)
     rotated = jnp.concatenate([-x2, x1], axis=-1)
-    return (x32 * cos[:, None, :] + rotated * sin[:, None, :]).astype(x.dtype)
+    return (x32 * cos[..., None, :] + rotated * sin[..., None, :]).astype(x.dtype)
 
 
 # ---------------------------------------------------------------------------------------------------- modules
@@ -147,7 +155,9 @@ class Embed(nnx.Module):
                                 embedding_init=nnx.initializers.normal(_INIT_STD), rngs=rngs)
 
     def __call__(self, tokens: jax.Array) -> jax.Array:
-        return self.tokens(tokens)  # no position embedding: positions enter attention through RoPE
+        """Tokens [B, T], ids with their in-band marks. No position embedding: positions enter attention through
+        RoPE."""
+        return self.tokens(token_marks.token_ids(tokens))
 
 
 class Block(nnx.Module):
@@ -197,9 +207,12 @@ class Block(nnx.Module):
         b, t, _ = x.shape
         return x + self.o(attn.reshape(b, t, self.n_heads * self.head_dim))
 
-    def __call__(self, x: jax.Array) -> jax.Array:
-        q, k, v = self._qkv(x, jnp.arange(x.shape[1]))
-        return self._rest(x, causal_attention(q, k, v))
+    def __call__(self, x: jax.Array, segments: jax.Array | None = None) -> jax.Array:
+        """`segments`: packed documents (models/documents.py), each attending only to itself, at positions from
+        its start."""
+        positions = jnp.arange(x.shape[1]) if segments is None else documents_lib.positions_in(segments)
+        q, k, v = self._qkv(x, positions)
+        return self._rest(x, causal_attention(q, k, v, segments))
 
     def routed(self, x: jax.Array) -> tuple[jax.Array, MoEFigures]:
         """An MoE block's forward: its output and its MoE layer's figures."""
@@ -250,9 +263,11 @@ _TIED_STAGE = ("'model.tie_embeddings': the head unembeds with the embedding sta
 
 
 class Llama(nnx.Module):
-    def __init__(self, cfg: ModelConfig, key: jax.Array):
-        """`key`: the model's base key (`jax.random.key(seed)`); each stage uses only `stage_key(key, i)`."""
+    def __init__(self, cfg: ModelConfig, key: jax.Array, documents: bool = False):
+        """`key`: the model's base key (`jax.random.key(seed)`); each stage uses only `stage_key(key, i)`.
+        `documents`: rows hold packed documents (models/documents.py); the parameters are the same."""
         self.cfg = cfg
+        self.documents = documents
         self.embed = Embed(cfg, nnx.Rngs(params=stage_key(key, 0)))
 
         moe_decoder.add_blocks(self, cfg, key, Block)
@@ -267,9 +282,10 @@ class Llama(nnx.Module):
                                        moe_decoder.start(self.embed(tokens)))
             return moe_decoder.finish(self.head, s)
         block_def, block_state = nnx.split(self.blocks)
+        segments = documents_lib.segments_of(tokens) if self.documents else None
 
         def body(h: jax.Array, params: Params) -> tuple[jax.Array, None]:
-            return nnx.merge(block_def, params)(h), None
+            return nnx.merge(block_def, params)(h, segments), None
 
         x, _ = scan_layers(body, self.embed(tokens), block_state, scan=self.cfg.scan_blocks, remat=self.cfg.remat)
         return self.head(x, self.embed)
@@ -316,9 +332,10 @@ def check(cfg: ModelConfig) -> None:
                           "(model.moe.experts > 0)")
 
 
-def init(cfg: ModelConfig, seed: int) -> tuple[nnx.GraphDef, Params]:
-    """Build the model and return (graphdef, params). Only nnx.Param state exists in this model."""
-    return whole_params(Llama, cfg, seed)
+def init(cfg: ModelConfig, seed: int, documents: bool = False) -> tuple[nnx.GraphDef, Params]:
+    """Build the model and return (graphdef, params). Only nnx.Param state exists in this model. `documents`: the
+    graphdef runs rows of packed documents."""
+    return whole_params(functools.partial(Llama, documents=documents), cfg, seed)
 
 
 def init_stage(cfg: ModelConfig, seed: int, stage: int) -> Params:
@@ -327,9 +344,9 @@ def init_stage(cfg: ModelConfig, seed: int, stage: int) -> Params:
     return one_stage_params(seed, stage, cfg.n_layers + 2, moe_decoder.decoder_stage(cfg, Embed, Block, Head))
 
 
-def abstract_params(cfg: ModelConfig) -> tuple[nnx.GraphDef, Params]:
-    """(graphdef, params as jax.ShapeDtypeStruct) without allocating anything."""
-    return abstract_params_of(Llama, cfg)
+def abstract_params(cfg: ModelConfig, documents: bool = False) -> tuple[nnx.GraphDef, Params]:
+    """(graphdef, params as jax.ShapeDtypeStruct) without allocating anything (`documents` as for `init`)."""
+    return abstract_params_of(functools.partial(Llama, documents=documents), cfg)
 
 
 def init_cache(cfg: ModelConfig, batch: int, max_len: int) -> Cache:
@@ -344,8 +361,9 @@ def embed_at(embed: Embed, tokens: jax.Array, pos: jax.Array) -> jax.Array:
     return embed(tokens)
 
 
-def staged(cfg: ModelConfig) -> StagedModel:
-    """The stage view of the model: embed, n_layers homogeneous blocks, head."""
+def staged(cfg: ModelConfig, documents: bool = False) -> StagedModel:
+    """The stage view of the model: embed, n_layers homogeneous blocks, head. `documents`: rows of packed
+    documents (models/documents.py), a `Packed` between the stages."""
     check(cfg)
     abstract = nnx.eval_shape(lambda: Llama(cfg, jax.random.key(0)))
     if cfg.moe.experts:
@@ -355,8 +373,17 @@ def staged(cfg: ModelConfig) -> StagedModel:
     block_def = nnx.graphdef(abstract.blocks)
     head_def = nnx.graphdef(abstract.head)
 
-    def apply_block(params: Params, x: jax.Array) -> jax.Array:
-        return nnx.merge(block_def, params)(x)
+    def apply_block(params: Params, x: jax.Array, segments: jax.Array | None = None) -> jax.Array:
+        return nnx.merge(block_def, params)(x, segments)
+
+    remat = jax.checkpoint if cfg.remat else (lambda f: f)
+    head = lambda p, x: nnx.merge(head_def, p)(x)  # noqa: E731 - a tied head refuses: it lacks the embedding
+    if documents:
+        apply = documents_lib.stage_apply(lambda p, tokens, _: nnx.merge(embed_def, p)(tokens), remat(apply_block),
+                                          head)
+    else:
+        apply = {"embed": lambda p, tokens: nnx.merge(embed_def, p)(tokens), "block": remat(apply_block),
+                 "head": head}
 
     def split(params: Params) -> list[Params]:
         blocks = params["blocks"]
@@ -376,15 +403,11 @@ def staged(cfg: ModelConfig) -> StagedModel:
         + (Stage("head", "head"),)
     return StagedModel(
         stages=stages,
-        apply={
-            "embed": lambda p, tokens: nnx.merge(embed_def, p)(tokens),
-            "block": jax.checkpoint(apply_block) if cfg.remat else apply_block,
-            "head": lambda p, x: nnx.merge(head_def, p)(x),  # a tied head refuses: it lacks the embedding
-        },
+        apply=apply,
         loss=cross_entropy,
         split=split,
         merge=merge,
-        **family_functions(sys.modules[__name__], cfg),
+        **family_functions(sys.modules[__name__], cfg, documents),
         # q, k, v; gate, up and their product (silu(gate) is fused into the product)
         hints=PlannerHints(block_activation_width=(cfg.n_heads + 2 * cfg.kv_heads) * head_dim(cfg) + 3 * cfg.hidden),
         init_cache=lambda batch, max_len: init_cache(cfg, batch, max_len),

@@ -78,9 +78,10 @@ def finish(head: Any, s: Stream) -> Stream:
     return Stream(head(s.x), s.aux_loss, s.drop_rate)
 
 
-def loss(out: Stream, targets: jax.Array) -> jax.Array:
-    """Mean next-token cross-entropy plus the mean over rows of the MoE layers' auxiliary losses."""
-    return cross_entropy(out.x, targets) + jnp.mean(out.aux_loss)
+def loss(out: Stream, targets: jax.Array, count: jax.Array | float | None = None) -> jax.Array:
+    """Next-token cross-entropy (over the scored targets, divided by `count`: `common.cross_entropy`) plus the mean
+    over rows of the MoE layers' auxiliary losses."""
+    return cross_entropy(out.x, targets, count) + jnp.mean(out.aux_loss)
 
 
 def figures(cfg: ModelConfig) -> Callable[[Stream], dict[str, jax.Array]]:

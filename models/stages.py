@@ -8,7 +8,7 @@ stage's parameters in and out of device memory around the call. A model exposes 
     block0 = staged.init_stage(seed, 1)           # one stage alone, for models larger than host RAM
     stage_params = staged.split(params)           # whole-model params -> one pytree per stage
     logits = staged.forward(stage_params, tokens) # embed -> block 0 .. N-1 -> head
-    loss = staged.loss(logits, targets)
+    loss = staged.loss(logits, targets)       # mean over the scored targets
 
 Stages of the same `kind` (the N homogeneous blocks) share one apply function, so one jitted forward and one
 jitted backward serve every block and compile time does not grow with depth. `schedule/` sees only stage names,
@@ -66,8 +66,10 @@ class StagedModel:
     have the batch's rows as their leading axis (an MoE decoder's `moe_decoder.Stream`: the residual stream with
     its per-row auxiliary sums; T5's pairs: the stream a stage transforms and the one it passes on); the last
     stage's output is then a pytree too, which `loss` and `figures` read."""
-    loss: Callable[[PyTree, jax.Array], jax.Array]
-    """(the last stage's output, integer targets) -> scalar mean loss."""
+    loss: Callable[..., jax.Array]
+    """(the last stage's output, integer targets, count=None) -> scalar loss: the cross-entropy of the scored
+    targets (angel_jax/token_marks.py) divided by `count`, None = their number here (the mean); an engine that
+    averages pieces of a batch passes each its share of the batch's count (`common.scored_share`)."""
     split: Callable[[PyTree], list[PyTree]]
     """Whole-model params -> list of per-stage params (same order as `stages`)."""
     merge: Callable[[list[PyTree]], PyTree]

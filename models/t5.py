@@ -428,7 +428,10 @@ def loss(cfg: ModelConfig):
     rebuilt from `targets` (its positions 0 .. seq_len-2 are the row's 1 .. seq_len-1, all the corruption reads)."""
     c = corruption(cfg)
 
-    def span_loss(logits: jax.Array, targets: jax.Array) -> jax.Array:
+    def span_loss(logits: jax.Array, targets: jax.Array, count: jax.Array | float | None = None) -> jax.Array:
+        # `count` is unused: the decoder's targets are computed here, every one of them scored (instruction data,
+        # whose marks would say otherwise, is refused for T5: data.format), so equal pieces of a batch have equal
+        # counts and their mean losses average to the batch's.
         text = jnp.pad(targets[:, :-1], ((0, 0), (1, 0)))  # position 0 is never noise: its value is not used
         return cross_entropy(logits, c.decoder_target(text, c.noise_mask(text)))
 
@@ -557,7 +560,7 @@ def _staged_moe(cfg: ModelConfig) -> StagedModel:
     def head(p: Params, s: Carry) -> moe_decoder.Stream:
         return moe_decoder.Stream(nnx.merge(defs["head"], p)(s[0]), s[2], s[3])
 
-    def moe_loss(out: moe_decoder.Stream, targets: jax.Array) -> jax.Array:
+    def moe_loss(out: moe_decoder.Stream, targets: jax.Array, count: jax.Array | float | None = None) -> jax.Array:
         return span_loss(out.x, targets) + jnp.mean(out.aux_loss)
 
     def split(params: Params) -> list[Params]:

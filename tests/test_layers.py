@@ -17,7 +17,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("angel_jax", "angel_jax.errors", "angel_jax.units", "angel_jax.benchinfo", "angel_jax.config",
      "angel_jax.phases"),
     ("angel_jax.memory", "angel_jax.checkpoint", "angel_jax.tee", "angel_jax.data",
-     "angel_jax.data_sources"),
+     "angel_jax.data_sources", "angel_jax.instruction_data"),
     ("models",),
     ("angel_jax.optim",),
     ("angel_jax.schedule",),

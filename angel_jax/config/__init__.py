@@ -182,11 +182,19 @@ class DataConfig:
     allow_binary: bool = doc(False, "Train on plain-text source files that look binary (a NUL byte or mostly not "
                                     "UTF-8 in their first MiB), which are refused otherwise.")
     seed: int = doc(0, "Seed of the data order (independent of the model seed).")
-    val_fraction: float = doc(0.0, "Share of the token stream's tail held out as the validation split (read by "
-                                   "train.eval_every); 0 = a prepared directory's split as it is (none when training "
-                                   "prepares it).")
+    val_fraction: float = doc(0.0, "Share of the token stream's tail (instruction data: of its rows) held out as "
+                                   "the validation split (read by train.eval_every); 0 = a prepared directory's split "
+                                   "as it is (none when training prepares it).")
     skip_batches: list = doc([], "Global batch index ranges [first, last] (0-based, inclusive) never trained on, "
                                  "e.g. [[120, 129]]; rollbacks record the windows they skip the same way.")
+    format: Literal["text", "instruction"] = doc("text", "'text': documents as one token stream cut into windows; "
+                                                         "'instruction': JSON Lines records of a prompt and a "
+                                                         "response, the loss on the response only.")
+    prompt_key: str = doc("prompt", "Instruction data: the key of each record's prompt (a string; not trained on).")
+    response_key: str = doc("response", "Instruction data: the key of each record's response (a string; the loss "
+                                        "is on its tokens and the end of sequence).")
+    pack: bool = doc(False, "Instruction data: pack whole records into each row end to end, each attending only to "
+                            "itself (GPT, Llama); false = one record per row, padded.")
 
     def validate(self) -> list[tuple[str, str]]:
         errs = []
@@ -195,13 +203,27 @@ class DataConfig:
                 errs.append(("skip_batches", f"each entry must be [first, last] with 0 <= first <= last, got {r!r}"))
         if self.max_bytes < 0:
             errs.append(("max_bytes", "must be >= 0"))
+        elif self.max_bytes and self.format == "instruction":
+            errs.append(("max_bytes", "caps the text of format 'text' data; instruction data reads every record: "
+                                      "set it to 0"))
         if not 0.0 <= self.val_fraction < 1.0:
             errs.append(("val_fraction", f"must be in [0, 1), got {self.val_fraction!r}"))
         if self.tokenizer == "bpe" and self.bpe_vocab_size < 257:
             errs.append(("bpe_vocab_size", "must be > 256"))
         if not self.text_key:
             errs.append(("text_key", "must not be empty"))
+        for key in ("prompt_key", "response_key"):
+            if not getattr(self, key):
+                errs.append((key, "must not be empty"))
+        if self.prompt_key and self.prompt_key == self.response_key:
+            errs.append(("response_key", f"must differ from data.prompt_key={self.prompt_key!r}"))
         return errs
+
+    @property
+    def packed(self) -> bool:
+        """Whether rows hold several documents each (instruction data with data.pack): the model must keep them
+        apart (`models.get(..., documents=True)`)."""
+        return self.format == "instruction" and self.pack
 
 
 @dataclass
@@ -481,6 +503,14 @@ class Config:
             errs.append(("model.vocab_size", "must be >= 256 for the byte tokenizer"))
         if self.data.tokenizer == "bpe" and self.model.vocab_size < self.data.bpe_vocab_size:
             errs.append(("model.vocab_size", f"must be >= data.bpe_vocab_size={self.data.bpe_vocab_size}"))
+        if self.data.format == "instruction" and self.model.name == "t5":
+            errs.append(("data.format", "'instruction' data scores the response's tokens of each row, but "
+                                        "model.name 't5' trains on span corruption, which makes its own targets "
+                                        "from the whole row: use format 'text' for T5, or a decoder (gpt, llama)"))
+        if self.data.packed and self.model.moe.experts:
+            errs.append(("data.pack", "packed rows keep their documents apart in the dense blocks' attention; the "
+                                      "mixture-of-experts blocks (model.moe.experts > 0) do not: set data.pack=false "
+                                      "(one record per row, padded)"))
         if self.data.tokenizer == "hf" and not (self.data.tokenizer_path or self.model.init_from):
             errs.append(("data.tokenizer_path", "must name a directory with tokenizer.json for data.tokenizer 'hf' "
                                                 "(empty takes model.init_from's, which is empty too)"))

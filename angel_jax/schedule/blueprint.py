@@ -54,8 +54,8 @@ def blueprint(cfg: Config, zero: Zero | None = None) -> Blueprint:
     """Layouts and compiled stage functions for the config's model, optimizer and page size, from shapes alone.
     Cached per process: engines of the same configuration (a benchmark's repeats, a restart in the same
     process) share the compiled functions instead of compiling them again."""
-    key = json.dumps([dataclasses.asdict(cfg.model), dataclasses.asdict(cfg.optimizer), cfg.train.steps,
-                      cfg.memory.page_size, [d.id for d in zero.mesh.devices.flat] if zero else None],
+    key = json.dumps([dataclasses.asdict(cfg.model), cfg.data.packed, dataclasses.asdict(cfg.optimizer),
+                      cfg.train.steps, cfg.memory.page_size, [d.id for d in zero.mesh.devices.flat] if zero else None],
                      sort_keys=True)
     with _BLUEPRINTS_LOCK:
         bp = _BLUEPRINTS.pop(key, None) or _blueprint(cfg, zero)
@@ -112,7 +112,7 @@ def refuse_sharded_optimizer(cfg: Config) -> None:
 
 
 def _blueprint(cfg: Config, zero: Zero | None = None) -> Blueprint:
-    staged = models.get(cfg.model)
+    staged = models.get(cfg.model, documents=cfg.data.packed)  # rows of packed documents kept apart
     stage_params = _stage_shapes(staged)
     tx, schedule = make_optimizer(cfg.optimizer, cfg.train.steps, clip=False)
     names = [s.name for s in staged.stages]

@@ -79,8 +79,8 @@ def profile_costs(fns: StageFunctions, updates: StageUpdates, params_layout: Pag
                 second = jnp.broadcast_to(targets, (micro_batches, *targets.shape)) if idx == last else None
             else:
                 forward, backward, xs, second = fns.forward[kind], fns.backward[kind], x, targets
-            if idx == last:
-                fwd_s, bwd_s = 0.0, _time(lambda _: backward(pages, xs, second))
+            if idx == last:  # (the head's last input: its share of the scored targets, any value)
+                fwd_s, bwd_s = 0.0, _time(lambda _: backward(pages, xs, second, norm))
             else:
                 fwd_s = _time(lambda _: forward(pages, xs))
                 dy = jax.tree.map(jnp.zeros_like, forward(pages, xs))

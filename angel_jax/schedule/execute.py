@@ -17,8 +17,9 @@ with one micro-batch, and page traffic per step does not grow with M. The forwar
 input; the head gives each micro-batch's loss and gradients; a backward sums its micro-batches' gradients in
 float32, scales them by 1/M once and takes the sum of squares of the result, which goes to the updater as a single
 micro-batch's gradients would. An access is one call that scans its micro-batches (`StageFunctions.forward_micro`,
-`backward_micro`). The loss is the mean of the micro-batches' losses: with equal micro-batches, the whole batch's
-loss and gradient.
+`backward_micro`). The loss is the mean of the micro-batches' losses, each over its share of the step's scored
+targets (`scored_share`; instruction data scores responses only): the whole batch's loss and gradient however the
+micro-batches hold scored targets.
 
 With P accumulation passes (`plan.passes`, dividing M) the step runs that whole sequence P times, pass p over
 micro-batches [p M/P, (p+1) M/P), so the device holds one pass's saved inputs. The step's access sequence is the
@@ -75,6 +76,7 @@ from angel_jax.schedule.plan import Plan
 from angel_jax.schedule.stagefns import HostSums, StageFunctions, scalar_sharding
 from angel_jax.schedule.timeline import Recorder, Timeline
 from angel_jax.schedule.trace import compute_sequence, split_batch
+from models.common import scored_share
 from models.stages import StagedModel
 
 
@@ -170,6 +172,7 @@ class PagedExecutor:
         step = self._steps_taken
         tokens, targets = self._micro_batches(batch)
         micro, passes = len(tokens), plan.passes
+        share = _share(batch, micro)  # each micro-batch's count of the step's scored targets
         if micro % passes:
             raise ValueError(f"{micro} micro-batches do not split into the plan's {passes} accumulation passes "
                              "(memory.passes)")
@@ -244,8 +247,8 @@ class PagedExecutor:
                     if op == "head" and self._figures is not None:
                         # The model's figures, read from the head's input (a pytree activation carries them).
                         figure_parts.append(self._figures(x))
-                    out, sqsums[i], mark, x, loss = self._backward(op, i, pages, saved[i], x, ts, sums, loss, micro,
-                                                                   last_pass)
+                    out, sqsums[i], mark, x, loss = self._backward(op, i, pages, saved[i], x, (ts, share), sums,
+                                                                   loss, micro, last_pass)
                     saved[i] = None
                 marks.append(mark)
                 self._settle((out, x, mark))
@@ -297,14 +300,15 @@ class PagedExecutor:
         """Per stage, the dtypes of its gradient (= parameter) pages."""
         return [tuple(p.dtype for p in self.model.params_layout.stage(s.name).pages) for s in self.model.staged.stages]
 
-    def _backward(self, op: str, i: int, pages: tuple, saved: jax.Array | None, dy: jax.Array, targets: jax.Array,
+    def _backward(self, op: str, i: int, pages: tuple, saved: jax.Array | None, dy: jax.Array, targets: tuple,
                   sums: dict[int, tuple], loss: jax.Array | None, micro: int,
                   last_pass: bool) -> tuple[tuple, jax.Array | None, jax.Array, jax.Array, jax.Array | None]:
         """Stage i's backward (or the head's loss and backward) of a pass's micro-batches, one call (scanning them
         when there are several): `dy` is the gradient at the stage's output (the head: its input), stacked like the
-        pass's micro-batches. Returns the access's gradient pages, their sum of squares (None until the step's
-        gradients are complete on the device), a mark ready when the computation is done, the gradient at the
-        stage's input, and `loss` plus the pass's summed losses. The gradient pages are the step's mean where one
+        pass's micro-batches; `targets` is the head's (its targets, each micro-batch's share of the step's scored
+        count). Returns the access's gradient pages, their sum of squares (None until the step's gradients are
+        complete on the device), a mark ready when the computation is done, the gradient at the stage's input, and
+        `loss` plus the pass's summed losses. The gradient pages are the step's mean where one
         call covers the step (one pass); with several passes, a pass's float32 sums (`backward_micro_sums`; a single
         micro-batch's gradients as they are), added into `sums[i]` on the device over `_sum_span` micro-batches
         and meaned there once the last pass is in, or sent on to the host sums (`_add_on_host`)."""
@@ -315,7 +319,7 @@ class PagedExecutor:
         else:
             backward = (fns.backward_micro if self.plan.passes == 1 else fns.backward_micro_sums)[kind]
         if op == "head":
-            out = backward(pages, dy, targets)
+            out = backward(pages, dy, *targets)
             dpages, dx, loss_m = out[0], out[1], out[-1]
             loss = loss_m if loss is None else loss + loss_m
         else:
@@ -406,6 +410,7 @@ class PagedExecutor:
         streamed = set(plan.streamed)
         # By micro-batches as a step, layer-major: the working set of a call is a micro-batch's, as planned.
         xs, targets = self._micro_batches(batch)
+        share = _share(batch, len(xs))
         marks: list[jax.Array] = []  # per stage, its (last micro-batch's) output: ready when its computation is done
 
         def fetch(i: int) -> None:
@@ -421,7 +426,7 @@ class PagedExecutor:
         for i, stage in enumerate(staged.stages):
             pages = tuple(store.get(p, "device") for p in self.model.param_ids(i))
             if i == self._n - 1:
-                xs = [fns.head_loss(pages, x, t) for x, t in zip(xs, targets)]
+                xs = [fns.head_loss(pages, x, t, share) for x, t in zip(xs, targets)]
             else:
                 xs = [fns.forward[stage.kind](pages, x) for x in xs]
             marks.append(xs[-1])
@@ -499,6 +504,12 @@ class PagedExecutor:
         big = list(self.model.opt_layout.stage(name).unpack(tuple(self.store.read(o) for o in self.model.opt_ids(i))))
         small = [np.asarray(s) for s in self.updater.state().opt_small[i]]
         return join_opt_state(big, small, self.fns.opt_structure[self.model.staged.stages[i].kind])
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _share(batch: jax.Array, micro_batches: int) -> jax.Array:
+    """Each of `micro_batches` micro-batches' share of the batch's scored targets (int32[B, T+1] rows)."""
+    return scored_share(batch[:, 1:], micro_batches)
 
 
 @functools.partial(jax.jit, static_argnums=1)

@@ -13,6 +13,11 @@ block), so they leave the call page shaped, padding zero, ready for the host; ea
 squares of its gradient pages, from which the global norm for clipping is formed without another pass.
 The optimizer update per kind is `angel_jax.optim.stage_update.make_stage_update`, jitted where it runs by the updater.
 
+The head's functions take one more input, `count`: the micro-batch's share of the step's scored targets (the loss
+is a mean over a batch's scored targets, angel_jax/token_marks.py; `models.common.scored_share`), so that the
+executor's mean over micro-batches is the whole batch's mean however unevenly they hold scored targets. Under
+ZeRO each rank's rows are one more piece: the head divides the share by the ranks.
+
 Micro-batches (gradient accumulation): `forward_micro` and `backward_micro` run a stage on every micro-batch of
 an access in one call, a `scan` over them (stacked on a leading axis): the pages are unpacked once, and the call's
 temporaries are allocated once per access rather than once per micro-batch (per-call temporaries of a block's
@@ -90,8 +95,9 @@ class StageFunctions:
         place of their sum of squares a scalar that is ready when the call is done (a pass's share of a step's
         sums)."""
         self.head_loss: Callable
-        """(head pages, head input, targets) -> the mean loss, no gradients: the last stage of an evaluation."""
+        """(head pages, head input, targets, count) -> the loss, no gradients: the last stage of an evaluation."""
         last_kind, first_kind = staged.stages[-1].kind, staged.stages[0].kind
+        loss = _rank_share(staged.loss, zero.ranks if zero is not None else 1)
         for kind in kinds:
             apply, r = staged.apply[kind], view[kind]
             role = "head_" if kind == last_kind else ""
@@ -102,16 +108,17 @@ class StageFunctions:
 
             self.forward[kind] = jit(fwd, "forward")
             self.forward_micro[kind] = jit(_forward_micro(apply, r), "forward_micro")
-            self.backward_micro[kind] = jit(_backward_micro(apply, r, self.staged.loss if kind == last_kind
-                                                            else None, has_dx=kind != first_kind),
+            self.backward_micro[kind] = jit(_backward_micro(apply, r, loss if kind == last_kind else None,
+                                                            has_dx=kind != first_kind),
                                             f"{role}backward_micro{first}")
             self.backward_micro_sums[kind] = jit(_backward_micro(
-                apply, r, self.staged.loss if kind == last_kind else None, has_dx=kind != first_kind, sums=True),
+                apply, r, loss if kind == last_kind else None, has_dx=kind != first_kind, sums=True),
                 f"{role}backward_micro{first}")
             if kind == last_kind:
-                self.backward[kind] = jit(self._head_backward(apply, r), "head_backward")
+                self.backward[kind] = jit(_head_backward(loss, apply, r), "head_backward")
                 self.head_loss = jit(
-                    lambda pages, x, targets, apply=apply, r=r: staged.loss(apply(r.unpack(pages), x), targets),
+                    lambda pages, x, targets, count=None, apply=apply, r=r: loss(apply(r.unpack(pages), x), targets,
+                                                                                 count),
                     "head_loss")
             elif kind == first_kind:
                 def bwd_first(pages: Pages, x: jax.Array, dy: jax.Array, apply=apply, r=r) -> tuple:
@@ -157,19 +164,6 @@ class StageFunctions:
         dtypes = tuple(jnp.dtype(d).name for d in dtypes)
         out = _mean(acc, scale, dtypes)
         return jax.block_until_ready(out) if serial(acc[0].sharding) else out
-
-    def _head_backward(self, apply: Callable, rep: StageLayout) -> Callable:
-        loss_fn = self.staged.loss
-
-        def head(pages: Pages, x: jax.Array, targets: jax.Array) -> tuple:
-            def f(p: Any, h: jax.Array) -> jax.Array:
-                return loss_fn(apply(p, h), targets)
-
-            loss, (dparams, dx) = jax.value_and_grad(f, argnums=(0, 1))(rep.unpack(pages), x)
-            dpages = rep.pack(dparams)
-            return dpages, dx, sqsum(rep.values(dpages)), loss
-
-        return head
 
 
 class HostSums:
@@ -231,6 +225,26 @@ def _as_values(pages: Pages, dtypes: tuple[str, ...]) -> Pages:
     return tuple(to_values(p, d) if jnp.issubdtype(p.dtype, jnp.unsignedinteger) else p for p, d in zip(pages, dtypes))
 
 
+def _rank_share(loss: Callable, ranks: int) -> Callable:
+    """The model's loss for a rank's rows of a micro-batch: the micro-batch's `count` (its share of the step's
+    scored targets) shared again over the ranks, whose losses are averaged (schedule/zero.py)."""
+    if ranks == 1:
+        return loss
+    return lambda out, targets, count=None: loss(out, targets, None if count is None else count / ranks)
+
+
+def _head_backward(loss: Callable, apply: Callable, rep: StageLayout) -> Callable:
+    def head(pages: Pages, x: jax.Array, targets: jax.Array, count: jax.Array | None = None) -> tuple:
+        def f(p: Any, h: jax.Array) -> jax.Array:
+            return loss(apply(p, h), targets, count)
+
+        value, (dparams, dx) = jax.value_and_grad(f, argnums=(0, 1))(rep.unpack(pages), x)
+        dpages = rep.pack(dparams)
+        return dpages, dx, sqsum(rep.values(dpages)), value
+
+    return head
+
+
 def _float32_pages(dpages: Pages, dtypes: tuple[str, ...]) -> Pages:
     return tuple(d.astype(jnp.float32) for d in _as_values(dpages, dtypes))
 
@@ -245,14 +259,16 @@ def _forward_micro(apply: Callable, r: StageLayout) -> Callable:
 
 def _backward_micro(apply: Callable, r: StageLayout, loss: Callable | None, has_dx: bool,
                     sums: bool = False) -> Callable:
-    """The scanned backward of a stage (`loss` given: the head, whose second input is the targets). `sums`: return
-    the float32 sums of each micro-batch's gradient pages (each packed in the pages' dtype, as one call of the
-    stage's backward gives them, then added in float32: the per-micro-batch `accumulate`'s arithmetic), unscaled."""
+    """The scanned backward of a stage (`loss` given: the head, whose second input is the targets and third the
+    micro-batches' count, see the module's doc). `sums`: return the float32 sums of each micro-batch's gradient pages
+    (each packed in the pages' dtype, as one call of the stage's backward gives them, then added in float32: the
+    per-micro-batch `accumulate`'s arithmetic), unscaled."""
 
-    def grads(params: Any, x: jax.Array, y: jax.Array) -> tuple:
+    def grads(params: Any, x: jax.Array, y: jax.Array, count: jax.Array | None) -> tuple:
         """(the micro-batch's loss or 0, parameter gradients, input gradient or None)."""
         if loss is not None:
-            value, (dparams, dx) = jax.value_and_grad(lambda p, h: loss(apply(p, h), y), argnums=(0, 1))(params, x)
+            value, (dparams, dx) = jax.value_and_grad(lambda p, h: loss(apply(p, h), y, count),
+                                                      argnums=(0, 1))(params, x)
             return value.astype(jnp.float32), dparams, dx
         if has_dx:
             _, vjp = jax.vjp(apply, params, x)
@@ -262,12 +278,12 @@ def _backward_micro(apply: Callable, r: StageLayout, loss: Callable | None, has_
         (dparams,) = vjp(y)
         return jnp.zeros((), jnp.float32), dparams, None
 
-    def backward(pages: Pages, xs: jax.Array, second: jax.Array) -> tuple:
+    def backward(pages: Pages, xs: jax.Array, second: jax.Array, count: jax.Array | None = None) -> tuple:
         params = r.unpack(pages)
 
         def body(carry: tuple, micro: tuple) -> tuple:
             total, acc = carry
-            value, dparams, dx = grads(params, *micro)
+            value, dparams, dx = grads(params, *micro, count)
             if sums:  # page sums
                 acc = tuple(a + d.astype(jnp.float32) for a, d in zip(acc, r.values(r.pack(dparams))))
             else:

@@ -136,18 +136,19 @@ def psum(x: jax.Array) -> jax.Array:
 
 _REDUCE = {"sum": psum, "mean": lambda x: jax.lax.pmean(x, AXIS)}
 
-# signature -> (in_specs, out_specs, reductions of the outputs from the third on: sum of squares, loss)
+# signature -> (in_specs, out_specs, reductions of the outputs from the third on: sum of squares, loss); the head's
+# last input is its micro-batch's share of the step's scored targets (stagefns.py), the same on every rank
 _SIGNATURES: dict[str, tuple] = {
     "forward": ((PAGES, ROWS), ROWS, ()),
     "forward_micro": ((PAGES, MICRO_ROWS), MICRO_ROWS, ()),
     "backward": ((PAGES, ROWS, ROWS), (PAGES, ROWS, SCALAR), (None, None, "sum")),
     "backward_first": ((PAGES, ROWS, ROWS), (PAGES, None, SCALAR), (None, None, "sum")),
-    "head_backward": ((PAGES, ROWS, ROWS), (PAGES, ROWS, SCALAR, SCALAR), (None, None, "sum", "mean")),
+    "head_backward": ((PAGES, ROWS, ROWS, SCALAR), (PAGES, ROWS, SCALAR, SCALAR), (None, None, "sum", "mean")),
     "backward_micro": ((PAGES, MICRO_ROWS, MICRO_ROWS), (PAGES, MICRO_ROWS, SCALAR), (None, None, "sum")),
     "backward_micro_first": ((PAGES, MICRO_ROWS, MICRO_ROWS), (PAGES, None, SCALAR), (None, None, "sum")),
-    "head_backward_micro": ((PAGES, MICRO_ROWS, MICRO_ROWS), (PAGES, MICRO_ROWS, SCALAR, SCALAR),
+    "head_backward_micro": ((PAGES, MICRO_ROWS, MICRO_ROWS, SCALAR), (PAGES, MICRO_ROWS, SCALAR, SCALAR),
                             (None, None, "sum", "mean")),
-    "head_loss": ((PAGES, ROWS, ROWS), SCALAR, ("mean",)),
+    "head_loss": ((PAGES, ROWS, ROWS, SCALAR), SCALAR, ("mean",)),
 }
 
 

@@ -74,7 +74,7 @@ class InMemoryEngine:
         self.replicated = NamedSharding(mesh, P())
         self.batch_sharding = batch_sharding(mesh)
         opt = split_optimizer(cfg.optimizer, cfg.train.steps)
-        model = models.get(cfg.model)
+        model = models.get(cfg.model, documents=cfg.data.packed)  # rows of packed documents kept apart
         graphdef, abstract = model.abstract()
         self.shardings: TrainState = state_shardings(jax.eval_shape(lambda p: init_state(p, opt.tx), abstract), mesh,
                                                      model.expert_leaf)

@@ -6,8 +6,9 @@
 The batches are the first `train.eval_batches` global batches of the val split (the tail of the token stream that
 `data.val_fraction` holds out) in the order `data.seed` gives it, read once: every evaluation, of every step and
 after every resume, sees the same windows, so its numbers compare across steps and runs. Each process holds its
-rows of each batch, as it does for training batches; the engine's loss of a global batch is the mean over all of its
-rows, and all batches are the same size, so the mean over batches is the mean over every validation token.
+rows of each batch, as it does for training batches; the engine's loss of a global batch is the mean over its scored
+targets (every target of text data; the responses' of instruction data, angel_jax/token_marks.py), and the batches'
+losses are averaged weighted by their scored targets, so eval/loss is the mean over every scored validation token.
 """
 
 from __future__ import annotations
@@ -18,9 +19,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from angel_jax import data as data_lib
+from angel_jax import token_marks
 from angel_jax.config import Config, ConfigError
 from angel_jax.train.protocol import TrainEngine
 
@@ -74,7 +77,24 @@ def evaluate(engine: TrainEngine, validation: ValidationSet, *, tokenizer: str) 
     (the training loop keeps it out of every step's time)."""
     start = time.perf_counter()
     # Every batch is dispatched before any loss is read: the device runs them back to back.
-    losses = [engine.eval_loss(jax.make_array_from_process_local_data(engine.batch_sharding, rows))
-              for rows in validation.batches]
-    loss = math.fsum(float(x) for x in jax.device_get(losses)) / len(losses)
-    return {**eval_metrics(loss, tokenizer), "perf/eval_s": time.perf_counter() - start}
+    batches = [jax.make_array_from_process_local_data(engine.batch_sharding, rows) for rows in validation.batches]
+    losses = [engine.eval_loss(batch) for batch in batches]
+    counts = [_scored(batch) for batch in batches]  # of the global batch: every process's rows
+    return {**eval_metrics(weighted_mean(jax.device_get(losses), jax.device_get(counts)), tokenizer),
+            "perf/eval_s": time.perf_counter() - start}
+
+
+@jax.jit
+def _scored(batch: jax.Array) -> jax.Array:
+    return jnp.sum(token_marks.scored(batch[:, 1:]))
+
+
+def weighted_mean(losses: list, counts: list) -> float:
+    """The mean of the batches' mean losses weighted by their scored targets: the mean over every scored target.
+    Batches of text data, all fully scored and the same size, are averaged as they are (bit for bit what a plain
+    mean gives)."""
+    counts = [int(c) for c in counts]
+    if len(set(counts)) == 1:
+        return math.fsum(float(x) for x in losses) / len(losses)
+    total = sum(counts)
+    return math.fsum(float(x) * c for x, c in zip(losses, counts)) / total if total else 0.0

@@ -27,7 +27,7 @@ import numpy as np
 
 from angel_jax import config as config_lib
 from angel_jax import data as data_lib
-from angel_jax import tokenizers_hf
+from angel_jax import instruction_data, tokenizers_hf
 from angel_jax.checkpoint.manager import PersistenceFailed, PersistStreak
 from angel_jax.config import Config
 from angel_jax.errors import EXIT_EXCLUDE, EXIT_RESTART
@@ -114,6 +114,8 @@ def data_dir_for(cfg: Config) -> Path:
     # Another split is other training data: its own directory, so configs with and without one never re-prepare
     # each other's.
     suffix += f"-val{cfg.data.val_fraction:g}" if cfg.data.val_fraction else ""
+    if cfg.data.format == "instruction":  # rows of seq_len + 1, packed or padded: data of its own
+        suffix = f"-{'pack' if cfg.data.pack else 'pad'}{cfg.model.seq_len + 1}{suffix}"
     return Path("data") / f"{source}-{_tokenizer_name(cfg)}{suffix}"
 
 
@@ -133,10 +135,16 @@ def _data(cfg: Config) -> tuple[data_lib.TokenIterator, ValidationSet | None]:
         tokenizers_hf.load_for(cfg)
         tokenizer_path = tokenizers_hf.tokenizer_dir(cfg)[0]
     data_dir = data_dir_for(cfg)
-    data_lib.ensure_prepared(data_dir, cfg.data.source, tokenizer=cfg.data.tokenizer, vocab_size=vocab,
-                             max_bytes=cfg.data.max_bytes or None, val_fraction=cfg.data.val_fraction or None,
-                             text_key=cfg.data.text_key, allow_binary=cfg.data.allow_binary,
-                             tokenizer_path=tokenizer_path)
+    if cfg.data.format == "instruction":
+        rows = instruction_data.Rows(cfg.model.seq_len + 1, cfg.data.pack, cfg.data.prompt_key, cfg.data.response_key)
+        instruction_data.ensure_prepared(data_dir, cfg.data.source, rows, tokenizer=cfg.data.tokenizer,
+                                         vocab_size=vocab, val_fraction=cfg.data.val_fraction or None,
+                                         tokenizer_path=tokenizer_path)
+    else:
+        data_lib.ensure_prepared(data_dir, cfg.data.source, tokenizer=cfg.data.tokenizer, vocab_size=vocab,
+                                 max_bytes=cfg.data.max_bytes or None, val_fraction=cfg.data.val_fraction or None,
+                                 text_key=cfg.data.text_key, allow_binary=cfg.data.allow_binary,
+                                 tokenizer_path=tokenizer_path)
     shard = {"shard_index": jax.process_index(), "shard_count": jax.process_count()}
     data = data_lib.TokenIterator(data_dir, batch_size=cfg.train.batch_size, seq_len=cfg.model.seq_len,
                                   seed=cfg.data.seed, **shard)

@@ -7,7 +7,10 @@ rounding (XLA contracts the fused in-place update's multiply-adds differently; t
 
 Gradient accumulation (`train.micro_batch_size`): `make_value_and_grad` takes the loss and gradients of M
 micro-batches one after another in a `scan` (float32 sums, scaled by 1/M once): the whole batch's mean loss and its
-gradient, with the activations of one micro-batch at a time.
+gradient, with the activations of one micro-batch at a time. The loss is a mean over the batch's scored targets
+(instruction data scores only responses, angel_jax/token_marks.py), so a micro-batch divides its cross-entropy by
+its share of the whole batch's scored count (`models.common.scored_share`), not by its own: however unevenly the
+micro-batches (and the ranks' rows of them) hold scored targets, their average is the whole batch's mean.
 
 `StepControls` are per-step scalars from the host: the update guard's bounds and a learning-rate multiplier
 (angel_jax/optim/guard.py, the one guard every engine uses). The loss is the model's (`StagedModel.loss`); a
@@ -28,6 +31,7 @@ from flax import nnx
 from angel_jax.optim.factory import SplitOptimizer, clip_with_norm
 from angel_jax.optim.guard import StepControls, update_ok
 from angel_jax.schedule.trace import split_batch
+from models.common import scored_share
 
 
 @jax.tree_util.register_dataclass
@@ -49,36 +53,40 @@ Figures = Callable[[Any], dict[str, jax.Array]]
 """The model's output -> extra step metrics (`StagedModel.figures`, e.g. an MoE's auxiliary loss and drop rate)."""
 
 
-def make_loss_fn(graphdef: nnx.GraphDef, loss: Callable[[Any, jax.Array], jax.Array]
-                 ) -> Callable[[Any, jax.Array], jax.Array]:
-    """loss_fn(params, batch[int32, B x (T+1)]) -> the mean next-token loss: what a step differentiates, and what
-    an evaluation computes alone (`InMemoryEngine.eval_loss`)."""
+def make_loss_fn(graphdef: nnx.GraphDef, loss: Callable[..., jax.Array]) -> Callable[..., jax.Array]:
+    """loss_fn(params, batch[int32, B x (T+1)], count=None) -> the mean next-token loss (over the scored targets;
+    `count`: see `StagedModel.loss`): what a step differentiates, and what an evaluation computes alone
+    (`InMemoryEngine.eval_loss`)."""
     loss_and_figures = make_loss_and_figures(graphdef, loss)
-    return lambda params, batch: loss_and_figures(params, batch)[0]
+    return lambda params, batch, count=None: loss_and_figures(params, batch, count)[0]
 
 
-def make_loss_and_figures(graphdef: nnx.GraphDef, loss: Callable[[Any, jax.Array], jax.Array],
-                          figures: Figures | None = None) -> Callable[[Any, jax.Array], tuple[jax.Array, dict]]:
-    """(params, batch) -> (`make_loss_fn`'s loss, the model's figures of the batch: {} without `figures`)."""
+def make_loss_and_figures(graphdef: nnx.GraphDef, loss: Callable[..., jax.Array],
+                          figures: Figures | None = None) -> Callable[..., tuple[jax.Array, dict]]:
+    """(params, batch, count=None) -> (`make_loss_fn`'s loss, the model's figures of the batch: {} without
+    `figures`)."""
 
-    def loss_fn(params: Any, batch: jax.Array) -> tuple[jax.Array, dict]:
+    def loss_fn(params: Any, batch: jax.Array, count: jax.Array | None = None) -> tuple[jax.Array, dict]:
         out = nnx.merge(graphdef, params)(batch[:, :-1])
-        return loss(out, batch[:, 1:]), ({} if figures is None else figures(out))
+        return loss(out, batch[:, 1:], count), ({} if figures is None else figures(out))
 
     return loss_fn
 
 
-def make_micro_loss_fn(graphdef: nnx.GraphDef, loss: Callable[[Any, jax.Array], jax.Array],
+def make_micro_loss_fn(graphdef: nnx.GraphDef, loss: Callable[..., jax.Array],
                        micro_batches: int = 1) -> Callable[[Any, jax.Array], jax.Array]:
     """`make_loss_fn`'s loss taken over `micro_batches` equal micro-batches one after another (`split_batch`; a
-    `scan`: the activations of one micro-batch at a time), their mean: the whole batch's mean loss."""
+    `scan`: the activations of one micro-batch at a time), each over its share of the batch's scored count, their
+    mean: the whole batch's mean loss."""
     loss_fn = make_loss_fn(graphdef, loss)
     if micro_batches == 1:
         return loss_fn
 
     def micro_loss(params: Any, batch: jax.Array) -> jax.Array:
+        share = scored_share(batch[:, 1:], micro_batches)
+
         def body(total: jax.Array, micro: jax.Array) -> tuple[jax.Array, None]:
-            return total + loss_fn(params, micro).astype(jnp.float32), None
+            return total + loss_fn(params, micro, share).astype(jnp.float32), None
 
         total, _ = jax.lax.scan(body, jnp.zeros((), jnp.float32), split_batch(batch, micro_batches))
         return total * jnp.float32(1 / micro_batches)
@@ -86,15 +94,16 @@ def make_micro_loss_fn(graphdef: nnx.GraphDef, loss: Callable[[Any, jax.Array], 
     return micro_loss
 
 
-def make_value_and_grad(graphdef: nnx.GraphDef, loss: Callable[[Any, jax.Array], jax.Array],
+def make_value_and_grad(graphdef: nnx.GraphDef, loss: Callable[..., jax.Array],
                         micro_batches: int = 1, ranks: int = 1,
                         on_ranks: Callable[[Any], Any] | None = None, figures: Figures | None = None
                         ) -> Callable[[Any, jax.Array], tuple[jax.Array, Any, dict]]:
     """(params, batch) -> (mean loss, its gradients, the model's figures: their mean over the micro-batches, {}
     without `figures`). With several micro-batches (gradient accumulation): a `scan` over them (`split_batch`)
     adding each one's loss and gradients into float32 sums, which are scaled by
-    1/micro_batches once at the end: the gradient of the whole batch's mean loss (equal-size micro-batches), with
-    the activations of one micro-batch at a time.
+    1/micro_batches once at the end: the gradient of the whole batch's mean loss (equal-size micro-batches; each
+    micro-batch's loss over its share of the batch's scored count, `scored_share`), with the activations of one
+    micro-batch at a time.
 
     `ranks` > 1 (data parallel; the batch's rows sharded over them in order): each rank's rows of a micro-batch are
     differentiated apart (a `vmap` over ranks) into per-rank float32 sums, laid out over the ranks by `on_ranks`
@@ -108,13 +117,17 @@ def make_value_and_grad(graphdef: nnx.GraphDef, loss: Callable[[Any, jax.Array],
 
         return whole
     per_rank = ranks > 1
-    grad_fn = jax.vmap(one_grad, in_axes=(None, 0)) if per_rank else one_grad
+    grad_fn = jax.vmap(one_grad, in_axes=(None, 0, None)) if per_rank else one_grad
     lay_out = on_ranks if per_rank and on_ranks is not None else (lambda tree: tree)
 
     def value_and_grad(params: Any, batch: jax.Array) -> tuple[jax.Array, Any, dict]:
+        # Every piece (a micro-batch, or a rank's rows of one) is averaged with the others: each divides by its
+        # share of the whole batch's scored targets.
+        share = scored_share(batch[:, 1:], micro_batches * ranks if per_rank else micro_batches)
+
         def body(carry: tuple, micro: jax.Array) -> tuple[tuple, None]:
             total, acc, fig_sums = carry
-            (value, figs), grads = grad_fn(params, micro)
+            (value, figs), grads = grad_fn(params, micro, share)
             acc = lay_out(jax.tree.map(lambda a, g: a + g.astype(jnp.float32), acc, grads))
             fig_sums = jax.tree.map(lambda a, f: a + f.astype(jnp.float32), fig_sums, figs)
             return (total + value.astype(jnp.float32), acc, fig_sums), None
@@ -126,7 +139,7 @@ def make_value_and_grad(graphdef: nnx.GraphDef, loss: Callable[[Any, jax.Array],
             lead = (ranks,)
         zeros = lay_out(jax.tree.map(lambda p: jnp.zeros(lead + p.shape, jnp.float32), params))
         fig_zeros = {} if figures is None else jax.tree.map(  # (shapes only: nothing is computed twice)
-            lambda f: jnp.zeros(f.shape, jnp.float32), jax.eval_shape(grad_fn, params, micro[0])[0][1])
+            lambda f: jnp.zeros(f.shape, jnp.float32), jax.eval_shape(grad_fn, params, micro[0], share)[0][1])
         (total, acc, fig_sums), _ = jax.lax.scan(body, (jnp.zeros(lead, jnp.float32), zeros, fig_zeros), micro)
         if per_rank:  # the one reduction over the ranks
             total, acc = jnp.sum(total), jax.tree.map(lambda a: jnp.sum(a, axis=0), acc)
@@ -139,7 +152,7 @@ def make_value_and_grad(graphdef: nnx.GraphDef, loss: Callable[[Any, jax.Array],
 
 
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation, schedule: optax.Schedule,
-                    loss: Callable[[Any, jax.Array], jax.Array],
+                    loss: Callable[..., jax.Array],
                     figures: Figures | None = None) -> Callable[..., tuple[TrainState, dict]]:
     """step(state, batch[int32, B x (T+1)], controls=None) -> (new state, metrics). The gradient norm is the one
     before clipping; metrics["skipped"] is 1.0 when the guard dropped the update (a non-finite loss or norm is
@@ -183,7 +196,7 @@ class StepPhases:
 
 
 def make_step_phases(graphdef: nnx.GraphDef, opt: SplitOptimizer,
-                     loss: Callable[[Any, jax.Array], jax.Array], micro_batches: int = 1, ranks: int = 1,
+                     loss: Callable[..., jax.Array], micro_batches: int = 1, ranks: int = 1,
                      on_ranks: Callable[[Any], Any] | None = None, figures: Figures | None = None) -> StepPhases:
     """`make_train_step`'s arithmetic (with `opt.tx` as its transformation) in two phases, in the memory of an
     unguarded step.

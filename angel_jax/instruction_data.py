@@ -1,0 +1,310 @@
+"""Instruction data (`data.format: instruction`): JSON Lines records of a prompt and a response, prepared into rows
+of marked tokens whose loss is on the response only.
+
+    meta = ensure_prepared(data_dir, source, Rows(row_tokens=seq_len + 1, pack=False), tokenizer="hf",
+                           tokenizer_path=hf_dir)       # then data.TokenIterator reads its rows as windows
+
+A record {"prompt": ..., "response": ...} (the keys data.prompt_key and data.response_key, both strings) is one
+document: what the tokenizer puts before a text (a Hugging Face tokenizer's BOS), the ids of prompt + response
+encoded as one text (so the join tokenizes as it would in running text), then what ends a document (its EOS; the
+BPE's end-of-text; nothing for bytes). The prompt's tokens are those up to where the prompt's own ids stop matching
+the whole text's. Every token carries its marks in-band (angel_jax/token_marks.py): the prompt's tokens and each
+document's first token are not scored (nothing in the document predicts its first token), the response's and the
+end are; the first token marks the document's start.
+
+Rows hold row_tokens (seq_len + 1) tokens:
+
+    pack false   one document per row, cut to the row, then padding (the tokenizer's pad id, else its EOS, else 0;
+                 never scored, a document start of its own)
+    pack true    documents end to end in record order; one that does not fit in what is left of a row starts the
+                 next (the rest padded); the model keeps them apart (models/documents.py)
+
+A document cut so short that none of its response is left is dropped; meta.json's "instruction" entry counts the
+records, the truncated and the dropped ones, the rows and the scored tokens. Shards are int32 (the marks use the
+sign and bit 30); the val split is the tail rows. A bad record stops preparation naming its file and line.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from angel_jax import data as data_lib
+from angel_jax import token_marks
+from angel_jax.data_sources import JSONL, DataError, json_kind, jsonl_lines, resolve_sources, source_format
+from angel_jax.tokenizers_hf import HfTokenizer, copy_files, fingerprint
+
+log = logging.getLogger(__name__)
+
+SHARD_DTYPE = "int32"
+_BATCH = 256  # records encoded per call (encode_batch runs on every core)
+
+
+@dataclass(frozen=True)
+class Rows:
+    """How records become rows: their keys, the row length and packing or padding."""
+
+    row_tokens: int
+    """Tokens per row: model.seq_len + 1."""
+    pack: bool = False
+    prompt_key: str = "prompt"
+    response_key: str = "response"
+
+
+@dataclass
+class Counts:
+    """What preparation made of the records (meta.json's "instruction" entry)."""
+
+    records: int = 0
+    truncated: int = 0
+    """Documents longer than a row, cut to it."""
+    dropped: int = 0
+    """Documents with no response token left in a row (a prompt as long as the row)."""
+    rows: int = 0
+    scored_tokens: int = 0
+
+
+# --------------------------------------------------------------------------------------------------- records
+
+
+def records(files: list[Path], rows: Rows) -> Iterator[tuple[str, str]]:
+    """(prompt, response) of every record of the JSON Lines `files`, in order; DataError naming the file and line
+    of a record that is not an object of two strings."""
+    for path in files:
+        if source_format(path) != JSONL:
+            raise DataError(f"{path}: data.format 'instruction' reads JSON Lines records (*.jsonl, *.jsonl.gz) of "
+                            f"{rows.prompt_key!r} and {rows.response_key!r}; this file is not one")
+        yield from _records_of(path, rows)
+
+
+def _records_of(path: Path, rows: Rows) -> Iterator[tuple[str, str]]:
+    for lineno, line in jsonl_lines(path):
+        yield parse_record(path, lineno, line, rows)
+
+
+def parse_record(path: Path, lineno: int, line: bytes, rows: Rows) -> tuple[str, str]:
+    """One JSON line's (prompt, response)."""
+    where = f"{path}:{lineno}"
+    try:
+        record = json.loads(line)
+    except UnicodeDecodeError as e:
+        raise DataError(f"{where}: not UTF-8 (byte {e.start + 1} of the line)") from None
+    except json.JSONDecodeError as e:
+        raise DataError(f"{where}: not a valid JSON line: {e.msg} at column {e.colno}") from None
+    if not isinstance(record, dict):
+        raise DataError(f"{where}: expected a JSON object with {rows.prompt_key!r} and {rows.response_key!r} "
+                        f"keys, got {json_kind(record)}")
+    out = []
+    for key, config_key in ((rows.prompt_key, "data.prompt_key"), (rows.response_key, "data.response_key")):
+        if key not in record:
+            keys = ", ".join(repr(k) for k in record) or "none"
+            chat = ("; chat records ('messages') are not read: write each as a prompt and a response string"
+                    if "messages" in record else "")
+            raise DataError(f"{where}: no key {key!r} ({config_key}); this record's keys: {keys}{chat}")
+        if not isinstance(record[key], str):
+            raise DataError(f"{where}: {key!r} ({config_key}) is {json_kind(record[key])}, not a string")
+        out.append(record[key])
+    return out[0], out[1]
+
+
+# ------------------------------------------------------------------------------------------------ documents
+
+
+@dataclass(frozen=True)
+class Encoder:
+    """A tokenizer as instruction data uses it."""
+
+    encode: Callable[[list[str]], list[np.ndarray]]
+    """Texts -> their ids, no special tokens."""
+    start: list[int] = field(default_factory=list)
+    """What goes before a document (a Hugging Face tokenizer's BOS)."""
+    end: list[int] = field(default_factory=list)
+    """What ends a document (its EOS, the BPE's end-of-text)."""
+    pad: int = 0
+    """The id of padding (never scored)."""
+
+
+def encoder_of(tok: data_lib.Tokenizer) -> Encoder:
+    if isinstance(tok, data_lib.ByteTokenizer):
+        return Encoder(lambda texts: [tok.encode(t) for t in texts])
+    if isinstance(tok, HfTokenizer):
+        pad = next((i for i in (tok.pad_id, tok.eos_id) if i is not None), 0)
+        return Encoder(tok.encode_batch, tok.document_start, tok.document_end, pad)
+    end = [] if tok.eot_id is None else [tok.eot_id]
+    return Encoder(tok.encode_batch, [], end, end[0] if end else 0)
+
+
+def documents(pairs: Iterable[tuple[str, str]], enc: Encoder) -> Iterator[tuple[np.ndarray, int]]:
+    """(ids, number of prompt tokens at their start) of each record's document."""
+    batch: list[tuple[str, str]] = []
+
+    def flush() -> Iterator[tuple[np.ndarray, int]]:
+        whole = enc.encode([p + r for p, r in batch])
+        prompts = enc.encode([p for p, _ in batch])
+        for ids, prompt in zip(whole, prompts):
+            yield (np.concatenate([np.asarray(enc.start, np.int64), ids.astype(np.int64),
+                                   np.asarray(enc.end, np.int64)]),
+                   len(enc.start) + _common_prefix(ids, prompt))
+        batch.clear()
+
+    for pair in pairs:
+        batch.append(pair)
+        if len(batch) >= _BATCH:
+            yield from flush()
+    if batch:
+        yield from flush()
+
+
+def _common_prefix(a: np.ndarray, b: np.ndarray) -> int:
+    n = min(a.size, b.size)
+    differ = np.flatnonzero(a[:n] != b[:n])
+    return int(differ[0]) if differ.size else n
+
+
+def marked(ids: np.ndarray, prompt: int) -> np.ndarray:
+    """A document's tokens with their marks: its prompt and its first token not scored, its start marked."""
+    at = np.arange(ids.size)
+    return token_marks.mark(ids, at >= max(prompt, 1), at == 0)
+
+
+def padding(n: int, pad: int) -> np.ndarray:
+    """n padding tokens: never scored, a document of their own (so nothing after a document attends to it)."""
+    return token_marks.mark(np.full(n, pad, np.int64), np.zeros(n, bool), np.arange(n) == 0)
+
+
+def _fitted(docs: Iterable[tuple[np.ndarray, int]], row_tokens: int, counts: Counts) -> Iterator[np.ndarray]:
+    """Each document marked and cut to a row; those left without a response token dropped."""
+    for ids, prompt in docs:
+        counts.records += 1
+        if ids.size > row_tokens:
+            counts.truncated += 1
+            ids = ids[:row_tokens]
+        if ids.size <= max(prompt, 1):
+            counts.dropped += 1
+            continue
+        yield marked(ids, prompt)
+
+
+def padded_rows(docs: Iterable[tuple[np.ndarray, int]], row_tokens: int, pad: int,
+                counts: Counts) -> Iterator[np.ndarray]:
+    """One document per row, padded to row_tokens."""
+    for doc in _fitted(docs, row_tokens, counts):
+        yield np.concatenate([doc, padding(row_tokens - doc.size, pad)])
+
+
+def packed_rows(docs: Iterable[tuple[np.ndarray, int]], row_tokens: int, pad: int,
+                counts: Counts) -> Iterator[np.ndarray]:
+    """Documents end to end in rows of row_tokens; one that does not fit what is left starts the next row."""
+    row: list[np.ndarray] = []
+    fill = 0
+    for doc in _fitted(docs, row_tokens, counts):
+        if fill + doc.size > row_tokens:
+            yield np.concatenate(row + [padding(row_tokens - fill, pad)])
+            row, fill = [], 0
+        row.append(doc)
+        fill += doc.size
+    if row:
+        yield np.concatenate(row + [padding(row_tokens - fill, pad)])
+
+
+# ------------------------------------------------------------------------------------------------ preparing
+
+
+def spec(files: list[Path], rows: Rows, tokenizer: str, vocab_size: int, val_fraction: float | None,
+         tokenizer_path: Path | None) -> dict[str, Any]:
+    """What prepared instruction data depends on: the files (paths, sizes, mtimes), the tokenizer, the keys, the
+    row length and packing."""
+    return {"format": "instruction", "tokenizer": tokenizer, "vocab_size": vocab_size if tokenizer == "bpe" else None,
+            "fingerprint": data_lib.files_fingerprint(files), "prompt_key": rows.prompt_key,
+            "response_key": rows.response_key, "row_tokens": rows.row_tokens, "pack": rows.pack,
+            "val_fraction": val_fraction,
+            "tokenizer_sha256": fingerprint(data_lib.hf_path(tokenizer_path)) if tokenizer == "hf" else None}
+
+
+def _tokenizer(tokenizer: str, tmp: Path, files: list[Path], rows: Rows, vocab_size: int,
+               tokenizer_path: Path | None) -> data_lib.Tokenizer:
+    """The tokenizer to prepare with; its files saved in tmp (the BPE is trained on the records' texts)."""
+    if tokenizer == "byte":
+        return data_lib.ByteTokenizer()
+    if tokenizer == "bpe":
+        bpe = data_lib.BpeTokenizer.train_from_texts((p + r for p, r in records(files, rows)), vocab_size)
+        bpe.save(tmp / data_lib.TOKENIZER_FILE)
+        return bpe
+    if tokenizer != "hf":
+        raise DataError(f"unknown tokenizer {tokenizer!r}: expected 'byte', 'bpe' or 'hf'")
+    hf = HfTokenizer.load(data_lib.hf_path(tokenizer_path))
+    copy_files(data_lib.hf_path(tokenizer_path), tmp)
+    return hf
+
+
+def prepare(files: list[Path], out_dir: Path, rows: Rows, *, tokenizer: str = "byte", vocab_size: int = 256,
+            val_fraction: float = 0.0, tokenizer_path: Path | None = None,
+            shard_tokens: int = 16 * 2**20) -> dict[str, Any]:
+    """Tokenize the records of `files` into rows under out_dir (replaced atomically); returns the meta dict."""
+    if rows.row_tokens < 2 or not 0.0 <= val_fraction < 1.0:
+        raise DataError(f"bad instruction data arguments: row_tokens={rows.row_tokens} (>= 2), "
+                        f"val_fraction={val_fraction} (in [0, 1))")
+    if not files:
+        raise DataError("no source files to prepare")
+    want = spec(files, rows, tokenizer, vocab_size, val_fraction, tokenizer_path)
+
+    def build(tmp: Path) -> dict[str, Any]:
+        tok = _tokenizer(tokenizer, tmp, files, rows, vocab_size, tokenizer_path)
+        enc, counts = encoder_of(tok), Counts()
+        make_rows = packed_rows if rows.pack else padded_rows
+        dtype = data_lib.DTYPES[SHARD_DTYPE]
+        writer = data_lib.ShardWriter(tmp, "train", shard_tokens, dtype)
+        for row in make_rows(documents(records(files, rows), enc), rows.row_tokens, enc.pad, counts):
+            counts.rows += 1
+            counts.scored_tokens += int(np.sum(token_marks.scored(row[1:])))
+            writer.append(row)
+        train = writer.close()
+        if counts.rows == 0:
+            raise DataError(f"the {len(files)} source file(s) (first: {files[0]}) give no row with a response "
+                            f"token: {counts.records} records, {counts.dropped} dropped for a prompt as long as a "
+                            f"row of model.seq_len+1={rows.row_tokens} tokens")
+        n_val = int(round(counts.rows * val_fraction))
+        if n_val >= counts.rows:
+            raise DataError(f"val_fraction={val_fraction} leaves no training rows out of {counts.rows}")
+        if n_val:
+            train, val = data_lib.split_tail(tmp, train, n_val * rows.row_tokens, shard_tokens, dtype)
+        else:
+            val = []
+        meta = data_lib.base_meta(tokenizer, tok.vocab_size, train, val)
+        meta.update(dtype=SHARD_DTYPE, sources=len(files), spec=want,
+                    tokenizer_file=None if tokenizer == "byte" else data_lib.TOKENIZER_FILE,
+                    instruction={"row_tokens": rows.row_tokens, "pack": rows.pack, **vars(counts)})
+        if isinstance(tok, HfTokenizer):  # what a copy without config.json still needs (data.load_tokenizer)
+            meta.update(tokenizer_path=str(Path(tokenizer_path).absolute()), special_tokens=tok.special_tokens)
+        log.info("instruction data: %d records -> %d rows of %d tokens (%s), %d truncated, %d dropped, %d scored "
+                 "tokens", counts.records, counts.rows, rows.row_tokens, "packed" if rows.pack else "padded",
+                 counts.truncated, counts.dropped, counts.scored_tokens)
+        return meta
+
+    return data_lib.publish(Path(out_dir), build)
+
+
+def ensure_prepared(data_dir: Path, source: str, rows: Rows, *, tokenizer: str = "byte", vocab_size: int = 256,
+                    val_fraction: float | None = None, tokenizer_path: Path | None = None) -> dict[str, Any]:
+    """Reuse data_dir if it was prepared from the same records, tokenizer, keys, row length and packing; else
+    prepare it (once per host group: a file lock). val_fraction None accepts whatever split exists."""
+    data_dir = Path(data_dir)
+    files = resolve_sources(source)
+    want = spec(files, rows, tokenizer, vocab_size, val_fraction, tokenizer_path)
+    data_dir.parent.mkdir(parents=True, exist_ok=True)
+    with data_lib.file_lock(data_dir.parent / f".{data_dir.name}.lock"):
+        if (data_dir / data_lib.META).is_file():
+            try:
+                have = data_lib.load_meta(data_dir).get("spec") or {}
+            except DataError:
+                have = {}  # corrupt or old format: prepare again
+            if all(have.get(k) == v for k, v in want.items() if not (k == "val_fraction" and v is None)):
+                return data_lib.load_meta(data_dir)
+        return prepare(files, data_dir, rows, tokenizer=tokenizer, vocab_size=vocab_size,
+                       val_fraction=val_fraction or 0.0, tokenizer_path=tokenizer_path)
