@@ -220,7 +220,9 @@ def _jsonl_texts(path: Path, text_key: str) -> Iterator[str]:
         yield _record_text(path, lineno, line, text_key)
 
 
-def _record_text(path: Path, lineno: int, line: bytes, text_key: str) -> str:
+def json_object(path: Path, lineno: int, line: bytes, wanted: str) -> dict:
+    """The JSON object on line `lineno` of `path`; a DataError naming the file and line when it is not UTF-8, not
+    JSON or not an object (`wanted` says what the object should hold: "with a 'text' key")."""
     try:
         record = json.loads(line)
     except UnicodeDecodeError as e:
@@ -228,8 +230,12 @@ def _record_text(path: Path, lineno: int, line: bytes, text_key: str) -> str:
     except json.JSONDecodeError as e:
         raise DataError(f"{path}:{lineno}: not a valid JSON line: {e.msg} at column {e.colno}") from None
     if not isinstance(record, dict):
-        raise DataError(f"{path}:{lineno}: expected a JSON object with a {text_key!r} key (data.text_key), "
-                        f"got {json_kind(record)}")
+        raise DataError(f"{path}:{lineno}: expected a JSON object {wanted}, got {json_kind(record)}")
+    return record
+
+
+def _record_text(path: Path, lineno: int, line: bytes, text_key: str) -> str:
+    record = json_object(path, lineno, line, f"with a {text_key!r} key (data.text_key)")
     if text_key not in record:
         keys = ", ".join(repr(k) for k in record) or "none"
         raise DataError(f"{path}:{lineno}: no key {text_key!r} (data.text_key); this record's keys: {keys}")

@@ -26,7 +26,6 @@ sign and bit 30); the val split is the tail rows. A bad record stops preparation
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -37,7 +36,7 @@ import numpy as np
 
 from angel_jax import data as data_lib
 from angel_jax import token_marks
-from angel_jax.data_sources import JSONL, DataError, json_kind, jsonl_lines, resolve_sources, source_format
+from angel_jax.data_sources import JSONL, DataError, json_kind, json_object, jsonl_lines, resolve_sources, source_format
 from angel_jax.tokenizers_hf import HfTokenizer, copy_files, fingerprint
 
 log = logging.getLogger(__name__)
@@ -91,15 +90,7 @@ def _records_of(path: Path, rows: Rows) -> Iterator[tuple[str, str]]:
 def parse_record(path: Path, lineno: int, line: bytes, rows: Rows) -> tuple[str, str]:
     """One JSON line's (prompt, response)."""
     where = f"{path}:{lineno}"
-    try:
-        record = json.loads(line)
-    except UnicodeDecodeError as e:
-        raise DataError(f"{where}: not UTF-8 (byte {e.start + 1} of the line)") from None
-    except json.JSONDecodeError as e:
-        raise DataError(f"{where}: not a valid JSON line: {e.msg} at column {e.colno}") from None
-    if not isinstance(record, dict):
-        raise DataError(f"{where}: expected a JSON object with {rows.prompt_key!r} and {rows.response_key!r} "
-                        f"keys, got {json_kind(record)}")
+    record = json_object(path, lineno, line, f"with {rows.prompt_key!r} and {rows.response_key!r} keys")
     out = []
     for key, config_key in ((rows.prompt_key, "data.prompt_key"), (rows.response_key, "data.response_key")):
         if key not in record:
