@@ -3,7 +3,8 @@
     angel-jax train CONFIG [key=value ...]     train (resumes from the run directory's newest checkpoint)
     angel-jax launch -n N CONFIG [key=value]   N workers under the watchdog (restarts on crash / hang)
     angel-jax worker CONFIG [key=value ...]    one worker of a multi-process job (launch, Slurm, Kubernetes)
-    angel-jax data prepare [--source S] ...    turn text, JSON Lines or Parquet files into token shards
+    angel-jax data prepare [--source S] ...    turn text, JSON Lines or Parquet files into token shards (or
+                                               instruction records into rows: --format instruction)
     angel-jax plan CONFIG [key=value ...]      the paged engine's plan: page table, predicted step time and timeline
     angel-jax bench io                         measure H2D/D2H/disk/memcpy bandwidths (cost-model calibration)
     angel-jax ckpt ls|verify RUN_DIR [STEP]    list a run's checkpoints per tier / check their checksums
@@ -22,7 +23,7 @@ import sys
 import typing
 from pathlib import Path
 
-from angel_jax.config import ConfigError, describe, dump_yaml, load_config
+from angel_jax.config import ConfigError, DataConfig, describe, dump_yaml, load_config
 from angel_jax.config.sampling import SamplingOptions, flag
 from angel_jax.errors import AngelError
 from angel_jax.train.plan_args import add_plan_arguments
@@ -80,7 +81,13 @@ Tokenize text files into memory-mapped token shards (uint16 .bin files) plus met
 default) uses this Python's standard-library sources, a corpus every machine has. JSON Lines (*.jsonl,
 *.jsonl.gz) and Parquet (*.parquet) files hold one document per record, its text under --text-key; a directory
 may mix them with text files (one document per file). Training prepares its data automatically when the shards
-are missing; this command does it ahead of time or for another corpus."""
+are missing; this command does it ahead of time or for another corpus.
+
+`--format instruction` prepares instruction data (data.format: instruction): JSON Lines records of a prompt and a
+response (--prompt-key, --response-key), or chats ('messages', rendered by the chat template of --tokenizer hf),
+into rows of --seq-len + 1 marked tokens, padded or packed (--pack). Training with the same source, tokenizer,
+model.seq_len, data.pack, keys and data.val_fraction finds the directory (its default name is the one training
+uses, or data.dir=OUT) and reuses it instead of preparing it again."""
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -113,7 +120,10 @@ def _parser() -> argparse.ArgumentParser:
     data_sub = data.add_subparsers(dest="data_command", required=True)
     prep = data_sub.add_parser("prepare", help="tokenize text into shards", description=_DATA_HELP)
     prep.add_argument("--source", default="stdlib", help="'stdlib', a file, a directory or a glob (default stdlib)")
-    prep.add_argument("--out", type=Path, default=None, help="output directory (default data/<source>-<tokenizer>)")
+    prep.add_argument("--out", type=Path, default=None,
+                      help="output directory (default: the one training with these settings uses, "
+                           "data/<source>-<tokenizer>, with -pad<N+1> or -pack<N+1> for instruction rows and "
+                           "-val<F> for a val split)")
     prep.add_argument("--tokenizer", choices=["byte", "bpe", "hf"], default="byte",
                       help="byte (the default), bpe (trained on the source) or hf (a Hugging Face tokenizer.json: "
                            "--tokenizer-path)")
@@ -123,6 +133,21 @@ def _parser() -> argparse.ArgumentParser:
     prep.add_argument("--max-bytes", type=int, default=0, help="read at most this much source text (0 = all)")
     prep.add_argument("--text-key", default="text",
                       help="JSON Lines key / Parquet column of each record's text (default text)")
+    prep.add_argument("--val-fraction", type=float, default=0.0,
+                      help="share of the tail (of the token stream; of instruction rows) held out as the validation "
+                           "split (data.val_fraction; default 0)")
+    prep.add_argument("--format", choices=["text", "instruction"], default="text",
+                      help="text (the default): documents as one token stream; instruction: prompt/response or chat "
+                           "records as rows (data.format)")
+    prep.add_argument("--seq-len", type=int, default=None, metavar="N",
+                      help="with --format instruction: the model's model.seq_len (rows of N + 1 tokens)")
+    prep.add_argument("--pack", action="store_true",
+                      help="with --format instruction: pack records end to end into each row (data.pack)")
+    prep.add_argument("--prompt-key", default=None,
+                      help="with --format instruction: each record's prompt key (data.prompt_key; default prompt)")
+    prep.add_argument("--response-key", default=None,
+                      help="with --format instruction: each record's response key (data.response_key; default "
+                           "response)")
 
     plan = sub.add_parser("plan", help="plan paged training without training (page table, predicted timeline)",
                           description="Print the paged engine's page table (bytes per family per tier), the "
@@ -229,22 +254,59 @@ def _worker(args: argparse.Namespace) -> int:
 
 def _data(args: argparse.Namespace) -> int:
     from angel_jax import data as data_lib
-    from angel_jax.config import Config, DataConfig
+    from angel_jax import instruction_data
+    from angel_jax.config import Config, ModelConfig
     from angel_jax.train.loop import data_dir_for
 
+    dcfg = _data_config(args)
+    # The directory training would use for the same settings (model.seq_len names an instruction row's length).
+    model = ModelConfig(seq_len=args.seq_len) if args.seq_len is not None else ModelConfig()
+    out = args.out or data_dir_for(Config(data=dcfg, model=model))
+    vocab = args.vocab_size if args.tokenizer == "bpe" else 256  # what training passes: data.bpe_vocab_size or 256
+    sources = data_lib.resolve_sources(args.source)
+    if dcfg.format == "instruction":
+        rows = instruction_data.Rows(args.seq_len + 1, dcfg.pack, dcfg.prompt_key, dcfg.response_key)
+        meta = instruction_data.prepare(sources, out, rows, tokenizer=args.tokenizer, vocab_size=vocab,
+                                        val_fraction=args.val_fraction, tokenizer_path=args.tokenizer_path)
+        info = meta["instruction"]
+        print(f"{out}: {info['records']:,} records -> {info['rows']:,} rows of {rows.row_tokens} tokens "
+              f"({'packed' if rows.pack else 'padded'}), {info['scored_tokens']:,} scored tokens, vocabulary "
+              f"{meta['vocab_size']}; training with model.seq_len={args.seq_len} data.format=instruction "
+              f"data.pack={str(rows.pack).lower()} and the same source, tokenizer and keys reuses it")
+        return 0
+    meta = data_lib.prepare(sources, out, tokenizer=args.tokenizer, vocab_size=vocab,
+                            max_bytes=args.max_bytes or None, text_key=args.text_key,
+                            val_fraction=args.val_fraction, tokenizer_path=args.tokenizer_path)
+    print(f"{out}: {meta['total_tokens']:,} tokens in {len(meta['shards'])} shard(s), vocabulary {meta['vocab_size']}")
+    return 0
+
+
+_FLAGS = {"bpe_vocab_size": "--vocab-size"}
+"""The `data prepare` flag of a data.* key whose name differs (else --<key with dashes>)."""
+
+
+def _data_config(args: argparse.Namespace) -> DataConfig:
+    """The data config of `data prepare`'s flags, checked as training checks it; ConfigError naming the flags."""
     if (args.tokenizer == "hf") != (args.tokenizer_path is not None):
         raise ConfigError("--tokenizer-path DIR goes with --tokenizer hf, and --tokenizer hf needs it (the directory "
                           "of a Hugging Face tokenizer.json)")
+    instruction = args.format == "instruction"
+    if instruction != (args.seq_len is not None):
+        raise ConfigError("--seq-len N goes with --format instruction, and --format instruction needs it (the "
+                          "model.seq_len of the training run: rows of N + 1 tokens)")
+    if instruction and args.seq_len < 1:
+        raise ConfigError(f"--seq-len must be >= 1, got {args.seq_len}")
+    given = [f for f, v in (("--pack", args.pack), ("--prompt-key", args.prompt_key),
+                            ("--response-key", args.response_key)) if v]
+    if given and not instruction:
+        raise ConfigError(f"{', '.join(given)}: only with --format instruction")
     dcfg = DataConfig(source=args.source, tokenizer=args.tokenizer, bpe_vocab_size=args.vocab_size,
-                      max_bytes=args.max_bytes, text_key=args.text_key,
-                      tokenizer_path=str(args.tokenizer_path or ""))
-    out = args.out or data_dir_for(Config(data=dcfg))
-    meta = data_lib.prepare(data_lib.resolve_sources(args.source), out, tokenizer=args.tokenizer,
-                            vocab_size=args.vocab_size if args.tokenizer == "bpe" else 256,
-                            max_bytes=args.max_bytes or None, text_key=args.text_key,
-                            tokenizer_path=args.tokenizer_path)
-    print(f"{out}: {meta['total_tokens']:,} tokens in {len(meta['shards'])} shard(s), vocabulary {meta['vocab_size']}")
-    return 0
+                      max_bytes=args.max_bytes, text_key=args.text_key, tokenizer_path=str(args.tokenizer_path or ""),
+                      val_fraction=args.val_fraction, format=args.format, pack=args.pack,
+                      prompt_key=args.prompt_key or "prompt", response_key=args.response_key or "response")
+    if errors := dcfg.validate():
+        raise ConfigError("; ".join(f"{_FLAGS.get(key, '--' + key.replace('_', '-'))}: {why}" for key, why in errors))
+    return dcfg
 
 
 def _plan(args: argparse.Namespace) -> int:

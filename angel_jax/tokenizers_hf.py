@@ -6,6 +6,7 @@
                                                      # model.vocab_size
     tok.encode_text(text, add_special_tokens=True)   # transformers' `tokenizer(text)["input_ids"]`
     tok.encode(prompt)                               # a document's start: the checkpoint's BOS (if any), the text
+    tok.render_chat(messages)                        # transformers' `apply_chat_template(messages, tokenize=False)`
     fingerprint(directory)                           # what prepared data made with this tokenizer depends on
 
 The ids are tokenizer.json's: its normalizer, pre-tokenizer, model and post-processor, which is what transformers'
@@ -15,10 +16,17 @@ encoding a probe with and without special tokens, so a document in the data stre
 special tokens are named as transformers reads them: special_tokens_map.json, then tokenizer_config.json (a token
 is a string or an AddedToken dict), then config.json's `bos_token_id` / `eos_token_id` / `pad_token_id` (the first
 of a list), since many checkpoints (GPT-2's among them) name them only there.
+
+The chat template is the checkpoint's Jinja template of a conversation: chat_template.jinja beside tokenizer.json
+(where transformers 5 saves it), else tokenizer_config.json's `chat_template` (transformers 4.x). It is rendered
+as transformers renders it (a sandboxed environment, since templates come with downloaded checkpoints; the
+special tokens' texts as variables), and a rendering is encoded without special tokens, as `apply_chat_template`
+encodes it: the template writes the BOS itself.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 from collections.abc import Callable, Iterable, Sequence
@@ -30,8 +38,9 @@ import numpy as np
 from angel_jax.config import Config, ConfigError
 
 TOKENIZER_FILE = "tokenizer.json"
-TOKENIZER_FILES = (TOKENIZER_FILE, "tokenizer_config.json", "special_tokens_map.json")
-"""What a checkpoint's tokenizer is made of (the last two optional): copied into prepared data and exports."""
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+TOKENIZER_FILES = (TOKENIZER_FILE, "tokenizer_config.json", "special_tokens_map.json", CHAT_TEMPLATE_FILE)
+"""What a checkpoint's tokenizer is made of (all but the first optional): copied into prepared data and exports."""
 SPECIAL = ("bos", "eos", "pad")
 """The special tokens read: `<name>_token` in the tokenizer files, `<name>_token_id` in config.json."""
 _PROBES = ("a", "0", " ", ".")  # texts to find the template with: one of them encodes to at least one id
@@ -97,6 +106,71 @@ def fingerprint(directory: Path, key: str = "data.tokenizer_path") -> str:
     return h.hexdigest()
 
 
+def chat_template(directory: Path, key: str = "data.tokenizer_path") -> tuple[str, str] | None:
+    """The tokenizer's chat template and where it was read, or None: chat_template.jinja beside tokenizer.json (which
+    transformers reads first), else tokenizer_config.json's `chat_template` (a text, or a list of named templates of
+    which transformers uses 'default')."""
+    path = Path(directory) / CHAT_TEMPLATE_FILE
+    if path.is_file():
+        try:
+            return path.read_text(encoding="utf-8"), str(path)
+        except (OSError, UnicodeDecodeError) as e:
+            raise ConfigError(f"{path} ({key}): not a readable UTF-8 file: {e}") from None
+    config = Path(directory) / "tokenizer_config.json"
+    value = _read_json(config, key).get("chat_template")
+    if isinstance(value, list):
+        value = next((t.get("template") for t in value if isinstance(t, dict) and t.get("name") == "default"), None)
+    if value is None:
+        return None
+    if not isinstance(value, str):
+        raise ConfigError(f"{config} ({key}): 'chat_template' is a {type(value).__name__}, not a template text")
+    return value, f"{config}'s chat_template"
+
+
+def chat_template_fingerprint(directory: Path, key: str = "data.tokenizer_path") -> str | None:
+    """sha256 of the chat template's text (None without one): prepared chat records depend on it."""
+    found = chat_template(directory, key)
+    return None if found is None else hashlib.sha256(found[0].encode()).hexdigest()
+
+
+@functools.lru_cache(maxsize=8)
+def _compiled_template(source: str) -> Any:
+    """A chat template compiled as transformers compiles it: sandboxed (a template is code that comes with a
+    download), trim_blocks and lstrip_blocks, loop controls, `{% generation %}` blocks rendered as their body (they
+    only mark the assistant's text for transformers), and its globals raise_exception and strftime_now and its
+    tojson filter (which does not escape HTML)."""
+    import datetime
+
+    import jinja2  # a core dependency; imported here so that configs and the CLI's help stay instant
+    import jinja2.ext
+    import jinja2.sandbox
+
+    class Generation(jinja2.ext.Extension):
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> Any:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+        def _body(self, caller: Callable[[], str]) -> str:
+            return caller()
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+               sort_keys: bool = False) -> str:
+        return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                       extensions=[Generation, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+    return env.from_string(source)
+
+
 def _import_tokenizers() -> Any:
     import tokenizers  # a core dependency; imported here so that configs and the CLI's help stay instant
 
@@ -108,9 +182,12 @@ class HfTokenizer:
 
     name = "hf"
 
-    def __init__(self, tok: Any, specials: dict[str, str | int | None], where: str) -> None:
+    def __init__(self, tok: Any, specials: dict[str, str | int | None], where: str,
+                 template: tuple[str, str] | None = None, directory: str = "") -> None:
         self._tok = tok
         self.where = where  # the file and config key, for error messages
+        self.template = template  # the chat template's text and where it was read, or None
+        self.directory = directory  # the tokenizer's directory and config key, for error messages
         self.special_tokens = dict(specials)  # as the files name them (texts, or config.json's ids)
         vocab = tok.get_vocab(with_added_tokens=True)
         self.vocab_size = max(vocab.values()) + 1 if vocab else 0  # ids may have gaps: the largest one counts
@@ -152,7 +229,7 @@ class HfTokenizer:
         except Exception as e:  # the Rust side raises a bare Exception on a malformed file
             raise ConfigError(f"{path} ({key}): not a tokenizer the `tokenizers` library reads: {e}") from None
         specials = special_tokens(directory, key) if specials is None else {n: specials.get(n) for n in SPECIAL}
-        return cls(tok, specials, f"{path} ({key})")
+        return cls(tok, specials, f"{path} ({key})", chat_template(directory, key), f"{directory} ({key})")
 
     # ------------------------------------------------------------------------------------------ encoding
 
@@ -181,6 +258,36 @@ class HfTokenizer:
         if self.eos_id is not None and end[-1:] != [self.eos_id]:
             end.append(self.eos_id)
         return end
+
+    def encode_offsets(self, texts: list[str]) -> list[tuple[np.ndarray, np.ndarray]]:
+        """The texts' ids without special tokens, each with its token's [start, end) characters in its text."""
+        return [(self._array(e.ids), np.asarray(e.offsets, np.int64).reshape(-1, 2))
+                for e in self._tok.encode_batch(texts, add_special_tokens=False)]
+
+    def render_chat(self, messages: Sequence[dict[str, Any]], add_generation_prompt: bool = False) -> str:
+        """A conversation rendered by the chat template (with the template's prompt for a reply after it when
+        add_generation_prompt); ConfigError naming the directory without a template, or the template that fails."""
+        if self.template is None:
+            raise ConfigError(f"{self.directory} has no chat template (neither {CHAT_TEMPLATE_FILE} nor a "
+                              "'chat_template' in tokenizer_config.json) to render chat records ('messages') with")
+        source, where = self.template
+        import jinja2
+
+        try:
+            return _compiled_template(source).render(messages=list(messages),
+                                                     add_generation_prompt=add_generation_prompt,
+                                                     **self._template_tokens())
+        except jinja2.TemplateError as e:  # raise_exception(...), a syntax error, a sandbox refusal
+            raise ConfigError(f"the chat template ({where}): {type(e).__name__}: {e}") from None
+
+    def _template_tokens(self) -> dict[str, str]:
+        # transformers passes its special tokens' texts (bos_token, ...); config.json names some only by id.
+        out = {}
+        for name, value in self.special_tokens.items():
+            text = self._tok.id_to_token(value) if isinstance(value, int) else value
+            if text is not None:
+                out[f"{name}_token"] = text
+        return out
 
     def _array(self, ids: Sequence[int]) -> np.ndarray:
         return np.asarray(ids, dtype=np.uint16 if self.vocab_size <= 2**16 else np.uint32)

@@ -22,7 +22,8 @@ FAMILIES = {"gpt": "models.gpt", "llama": "models.llama", "t5": "models.t5"}
 
 
 DOCUMENTS = ("gpt", "llama")
-"""The families that run rows of packed documents (`get(..., documents=True)`, models/documents.py)."""
+"""The families that run rows of packed documents (`get(..., documents=True)`, models/documents.py), with dense or
+mixture-of-experts blocks."""
 
 
 def get(cfg: ModelConfig, documents: bool = False) -> StagedModel:
@@ -31,10 +32,9 @@ def get(cfg: ModelConfig, documents: bool = False) -> StagedModel:
     the parameters are the same)."""
     if cfg.name not in FAMILIES:
         raise ConfigError(f"'model.name': unknown model {cfg.name!r}; known: {', '.join(sorted(FAMILIES))}")
-    if documents and (cfg.name not in DOCUMENTS or cfg.moe.experts):
-        raise ConfigError(f"'data.pack': rows of packed documents run on the dense {' and '.join(DOCUMENTS)} "
-                          f"families, not model.name={cfg.name!r} with model.moe.experts={cfg.moe.experts}: set "
-                          "data.pack=false (one record per row, padded)")
+    if documents and cfg.name not in DOCUMENTS:
+        raise ConfigError(f"'data.pack': rows of packed documents run on the {' and '.join(DOCUMENTS)} families, "
+                          f"not model.name={cfg.name!r}: set data.pack=false (one record per row, padded)")
     return _get(_Key(copy.deepcopy(cfg), documents))
 
 

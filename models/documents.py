@@ -10,8 +10,9 @@ token ids alone give each position's document, its segment:
 
 A decoder built for packed rows (`models.get(cfg, documents=True)`) passes a `Packed` between its stages, the
 residual stream with the segments, since a block sees no token ids; the embedding makes it from the tokens and
-the head drops the segments. Rows with one document each (padding) need none of it: attention is causal and
-padding only follows a document.
+the head drops the segments. A decoder with mixture-of-experts blocks passes its `moe_decoder.Stream` instead,
+which carries the segments next to its auxiliary sums (models/moe_decoder.py). Rows with one document each
+(padding) need none of it: attention is causal and padding only follows a document.
 """
 
 from __future__ import annotations
@@ -39,7 +40,17 @@ class Packed:
 
     def segment_ids(self) -> jax.Array:
         """The segments as int32 (what attention and positions read)."""
-        return jax.lax.stop_gradient(self.segments).astype(jnp.int32)
+        return segment_ids(self.segments)
+
+
+def carried(segments: jax.Array) -> jax.Array:
+    """int32 segments (`segments_of`) as a stage passes them on: float32 (`Packed.segments` says why)."""
+    return segments.astype(jnp.float32)
+
+
+def segment_ids(segments: jax.Array) -> jax.Array:
+    """Segments as a stage passed them on (`carried`) back to int32, with no gradient through them."""
+    return jax.lax.stop_gradient(segments).astype(jnp.int32)
 
 
 def segments_of(tokens: jax.Array) -> jax.Array:
@@ -61,7 +72,7 @@ def stage_apply(embed: Callable[[Any, jax.Array, jax.Array], jax.Array],
     `block(params, x, segments)` and `head(params, x)`."""
     def embed_stage(p: Any, tokens: jax.Array) -> Packed:
         segments = segments_of(tokens)
-        return Packed(embed(p, tokens, segments), segments.astype(jnp.float32))
+        return Packed(embed(p, tokens, segments), carried(segments))
 
     return {"embed": embed_stage,
             "block": lambda p, s: Packed(block(p, s.x, s.segment_ids()), s.segments),

@@ -16,7 +16,7 @@ that a prefill and single-token steps give the logits of the whole-sequence forw
 Instruction data (angel_jax/token_marks.py): the embedding reads token ids through their in-band marks and the loss
 counts only the scored targets (models/common.py `cross_entropy`). Packed rows (`staged(cfg, documents=True)`):
 the stages pass the documents' segments on with the stream, attention stays within a document and the learned
-positions count from each document's start (models/documents.py).
+positions count from each document's start (models/documents.py), with MoE blocks as without.
 
 Mixture of experts (model.moe.experts > 0): every moe.every-th block has a mixture of GELU experts
 (models/moe.py) in place of its MLP; such blocks are stacked apart (`moe_blocks`), and the stages pass the
@@ -113,10 +113,10 @@ class Block(nnx.Module):
         b, t, d = x.shape
         return jnp.split(self.qkv(self.ln_attn(x)).reshape(b, t, 3 * self.n_heads, d // self.n_heads), 3, axis=2)
 
-    def routed(self, x: jax.Array) -> tuple[jax.Array, MoEFigures]:
-        """An MoE block's forward: its output and its MoE layer's figures."""
+    def routed(self, x: jax.Array, segments: jax.Array | None = None) -> tuple[jax.Array, MoEFigures]:
+        """An MoE block's forward: its output and its MoE layer's figures (`segments` as for `__call__`)."""
         q, k, v = self._qkv(x)
-        x = self._attention_residual(x, causal_attention(q, k, v))
+        x = self._attention_residual(x, causal_attention(q, k, v, segments))
         y, figures = self.moe(self.ln_mlp(x))
         return x + y, figures
 
@@ -167,7 +167,8 @@ class GPT(nnx.Module):
         if self.cfg.moe.experts:
             block_def, block_state = nnx.split(self.blocks) if hasattr(self, "blocks") else (None, None)
             moe_def, moe_state = nnx.split(self.moe_blocks)
-            s = moe_decoder.run_blocks(self.cfg, block_def, block_state, moe_def, moe_state, moe_decoder.start(x))
+            s = moe_decoder.run_blocks(self.cfg, block_def, block_state, moe_def, moe_state,
+                                       moe_decoder.start(x, segments))
             return moe_decoder.finish(self.head, s)
         block_def, block_state = nnx.split(self.blocks)
         x = run_blocks(block_def, block_state, x, scan=self.cfg.scan_blocks, remat=self.cfg.remat,
@@ -214,7 +215,7 @@ def staged(cfg: ModelConfig, documents: bool = False) -> StagedModel:
     documents (models/documents.py), a `Packed` between the stages."""
     abstract = nnx.eval_shape(lambda: GPT(cfg, jax.random.key(0)))
     if cfg.moe.experts:
-        return _staged_moe(cfg, abstract)
+        return _staged_moe(cfg, abstract, documents)
     embed_def = nnx.graphdef(abstract.embed)
     block_def = nnx.graphdef(abstract.blocks)
     head_def = nnx.graphdef(abstract.head)
@@ -281,10 +282,12 @@ def embed_at(embed: Embed, tokens: jax.Array, pos: jax.Array) -> jax.Array:
     return embed.at(tokens, pos)
 
 
-def _staged_moe(cfg: ModelConfig, abstract: GPT) -> StagedModel:
-    """The stage view with MoE blocks (models/moe_decoder.py)."""
+def _staged_moe(cfg: ModelConfig, abstract: GPT, documents: bool) -> StagedModel:
+    """The stage view with MoE blocks (models/moe_decoder.py); `documents`: rows of packed documents, embedded at
+    their learned positions within their documents."""
     width = max(3 * cfg.d_model + 2 * cfg.hidden, 3 * cfg.d_model + moe_decoder.routed_width(cfg, 2))
-    return moe_decoder.staged(cfg, abstract, sys.modules[__name__], width)
+    embed_documents = (lambda embed, tokens, segments: embed(tokens, segments)) if documents else None
+    return moe_decoder.staged(cfg, abstract, sys.modules[__name__], width, embed_documents)
 
 
 def param_count(cfg: ModelConfig) -> dict[str, int]:

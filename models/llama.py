@@ -33,7 +33,7 @@ blocks.
 Instruction data (angel_jax/token_marks.py): the embedding reads token ids through their in-band marks and the loss
 counts only the scored targets (models/common.py `cross_entropy`). Packed rows (`staged(cfg, documents=True)`):
 the stages pass the documents' segments on with the stream, attention stays within a document and the rotary
-positions count from each document's start (models/documents.py).
+positions count from each document's start (models/documents.py), with MoE blocks as without.
 
 Mixture of experts (model.moe.experts > 0): every moe.every-th block has a mixture of SwiGLU experts
 (models/moe.py) in place of its MLP, as in the GPT (models/moe_decoder.py); it samples with the same cache.
@@ -214,10 +214,11 @@ class Block(nnx.Module):
         q, k, v = self._qkv(x, positions)
         return self._rest(x, causal_attention(q, k, v, segments))
 
-    def routed(self, x: jax.Array) -> tuple[jax.Array, MoEFigures]:
-        """An MoE block's forward: its output and its MoE layer's figures."""
-        q, k, v = self._qkv(x, jnp.arange(x.shape[1]))
-        x = self._attention_residual(x, causal_attention(q, k, v))
+    def routed(self, x: jax.Array, segments: jax.Array | None = None) -> tuple[jax.Array, MoEFigures]:
+        """An MoE block's forward: its output and its MoE layer's figures (`segments` as for `__call__`)."""
+        positions = jnp.arange(x.shape[1]) if segments is None else documents_lib.positions_in(segments)
+        q, k, v = self._qkv(x, positions)
+        x = self._attention_residual(x, causal_attention(q, k, v, segments))
         y, figures = self.moe(self.mlp_norm(x))
         return x + y, figures
 
@@ -275,14 +276,14 @@ class Llama(nnx.Module):
 
     def __call__(self, tokens: jax.Array) -> jax.Array | moe_decoder.Stream:
         """Logits; with MoE blocks, a `moe_decoder.Stream` of the logits and the auxiliary sums."""
+        segments = documents_lib.segments_of(tokens) if self.documents else None
         if self.cfg.moe.experts:
             block_def, block_state = nnx.split(self.blocks) if hasattr(self, "blocks") else (None, None)
             moe_def, moe_state = nnx.split(self.moe_blocks)
             s = moe_decoder.run_blocks(self.cfg, block_def, block_state, moe_def, moe_state,
-                                       moe_decoder.start(self.embed(tokens)))
+                                       moe_decoder.start(self.embed(tokens), segments))
             return moe_decoder.finish(self.head, s)
         block_def, block_state = nnx.split(self.blocks)
-        segments = documents_lib.segments_of(tokens) if self.documents else None
 
         def body(h: jax.Array, params: Params) -> tuple[jax.Array, None]:
             return nnx.merge(block_def, params)(h, segments), None
@@ -367,7 +368,7 @@ def staged(cfg: ModelConfig, documents: bool = False) -> StagedModel:
     check(cfg)
     abstract = nnx.eval_shape(lambda: Llama(cfg, jax.random.key(0)))
     if cfg.moe.experts:
-        return _staged_moe(cfg, abstract)
+        return _staged_moe(cfg, abstract, documents)
     graphdef = nnx.graphdef(abstract)
     embed_def = nnx.graphdef(abstract.embed)
     block_def = nnx.graphdef(abstract.blocks)
@@ -415,11 +416,13 @@ def staged(cfg: ModelConfig, documents: bool = False) -> StagedModel:
     )
 
 
-def _staged_moe(cfg: ModelConfig, abstract: Llama) -> StagedModel:
-    """The stage view with MoE blocks (models/moe_decoder.py)."""
+def _staged_moe(cfg: ModelConfig, abstract: Llama, documents: bool) -> StagedModel:
+    """The stage view with MoE blocks (models/moe_decoder.py); `documents`: rows of packed documents (the
+    embedding is the same: their positions enter through the blocks' rotary attention)."""
     dense_width = (cfg.n_heads + 2 * cfg.kv_heads) * head_dim(cfg) + 3 * cfg.hidden
     width = max(dense_width, dense_width - 3 * cfg.hidden + moe_decoder.routed_width(cfg, 3))
-    return moe_decoder.staged(cfg, abstract, sys.modules[__name__], width)
+    embed_documents = (lambda embed, tokens, _: embed(tokens)) if documents else None
+    return moe_decoder.staged(cfg, abstract, sys.modules[__name__], width, embed_documents)
 
 
 def param_count(cfg: ModelConfig) -> dict[str, int]:

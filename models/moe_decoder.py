@@ -12,6 +12,12 @@ passes them on next to the logits, and the loss adds the mean over rows of the a
 cross-entropy. So the auxiliary terms reach the loss, and their gradients the router, in the whole model and in the
 stage-by-stage engine alike, with nothing but pytrees crossing the stage boundaries. Dense models (experts 0) do not
 use this module: their activations stay plain arrays.
+
+Packed rows (instruction data with data.pack, `staged(..., embed_documents=...)`): the Stream also carries each
+position's document (models/documents.py), which every block's attention reads, so a document attends only to
+itself and its positions count from its own start, as in the dense decoders. Routing stays per row: the documents
+of a row share each expert's slots (as a document shares them with the padding after it), so a document's outputs
+are the ones it gets alone in a row only while no routing is dropped; the auxiliary losses, too, are the row's.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from angel_jax.config import ModelConfig
+from models import documents
 from models.common import cross_entropy, family_functions, stage_key
 from models.moe import capacity, exchange_values, is_expert_leaf, is_moe
 from models.stages import PlannerHints, Stage, StagedModel
@@ -43,6 +50,9 @@ class Stream:
     """float32 [B]: per row, the sum of the auxiliary losses (weighted) of the MoE layers run so far."""
     drop_rate: jax.Array
     """float32 [B]: per row, the sum of the token-drop rates of the MoE layers run so far."""
+    segments: jax.Array | None = None
+    """Rows of packed documents: float32 [B, T], each position's document (models/documents.py `carried`), which
+    the blocks' attention reads; None when each row is one sequence, and after the head (the loss needs none)."""
 
 
 def moe_layers(cfg: ModelConfig) -> int:
@@ -58,20 +68,27 @@ def stages(cfg: ModelConfig) -> tuple[Stage, ...]:
 # ----------------------------------------------------------------------------------------- one stage at a time
 
 
-def start(x: jax.Array) -> Stream:
-    """The embedding's output: no auxiliary loss or drops yet."""
+def start(x: jax.Array, segments: jax.Array | None = None) -> Stream:
+    """The embedding's output: no auxiliary loss or drops yet. `segments`: int32 [B, T] when the rows hold packed
+    documents (`documents.segments_of`)."""
     zeros = jnp.zeros(x.shape[:1], jnp.float32)
-    return Stream(x, zeros, zeros)
+    return Stream(x, zeros, zeros, None if segments is None else documents.carried(segments))
+
+
+def segment_ids(s: Stream) -> jax.Array | None:
+    """The int32 segments the blocks' attention reads (None: one sequence per row)."""
+    return None if s.segments is None else documents.segment_ids(s.segments)
 
 
 def through_dense(block: Any, s: Stream) -> Stream:
-    return Stream(block(s.x), s.aux_loss, s.drop_rate)
+    """A dense block: `block(x, segments)`."""
+    return Stream(block(s.x, segment_ids(s)), s.aux_loss, s.drop_rate, s.segments)
 
 
 def through_moe(block: Any, s: Stream) -> Stream:
-    """An MoE block: `block.routed(x)` gives its output and its `MoEFigures`."""
-    x, figures = block.routed(s.x)
-    return Stream(x, s.aux_loss + figures.aux_loss, s.drop_rate + figures.drop_rate)
+    """An MoE block: `block.routed(x, segments)` gives its output and its `MoEFigures`."""
+    x, figures = block.routed(s.x, segment_ids(s))
+    return Stream(x, s.aux_loss + figures.aux_loss, s.drop_rate + figures.drop_rate, s.segments)
 
 
 def finish(head: Any, s: Stream) -> Stream:
@@ -98,17 +115,34 @@ def figures(cfg: ModelConfig) -> Callable[[Stream], dict[str, jax.Array]]:
 
 
 def stage_apply(cfg: ModelConfig, embed_def: nnx.GraphDef, block_def: nnx.GraphDef | None,
-                moe_def: nnx.GraphDef, head_def: nnx.GraphDef) -> dict[str, Callable]:
-    """kind -> (stage params, Stream or token ids) -> Stream."""
+                moe_def: nnx.GraphDef, head_def: nnx.GraphDef,
+                embed_documents: Callable[[Any, jax.Array, jax.Array], jax.Array] | None = None
+                ) -> dict[str, Callable]:
+    """kind -> (stage params, Stream or token ids) -> Stream. `embed_documents(embed, tokens, segments)`: rows of
+    packed documents, embedded by the family's embedding module at their positions within their documents."""
     remat = jax.checkpoint if cfg.remat else (lambda f: f)
     apply = {
-        "embed": lambda p, tokens: start(nnx.merge(embed_def, p)(tokens)),
+        "embed": embed_stage(embed_def, embed_documents),
         "moe_block": remat(lambda p, s: through_moe(nnx.merge(moe_def, p), s)),
         "head": lambda p, s: finish(nnx.merge(head_def, p), s),
     }
     if block_def is not None:
         apply["block"] = remat(lambda p, s: through_dense(nnx.merge(block_def, p), s))
     return apply
+
+
+def embed_stage(embed_def: nnx.GraphDef, embed_documents: Callable[[Any, jax.Array, jax.Array], jax.Array] | None
+                ) -> Callable[[Any, jax.Array], Stream]:
+    """The embedding stage: token ids -> a Stream, with the rows' segments when `embed_documents` is given (the
+    token ids hold the document starts, and no later stage sees them)."""
+    if embed_documents is None:
+        return lambda p, tokens: start(nnx.merge(embed_def, p)(tokens))
+
+    def embed(p: Any, tokens: jax.Array) -> Stream:
+        segments = documents.segments_of(tokens)
+        return start(embed_documents(nnx.merge(embed_def, p), tokens, segments), segments)
+
+    return embed
 
 
 def matmul_params(cfg: ModelConfig, attention: int, expert: int) -> tuple[int, int]:
@@ -173,19 +207,22 @@ def decoder_stage(cfg: ModelConfig, embed: Callable, block: Callable, head: Call
     return build
 
 
-def staged(cfg: ModelConfig, abstract: nnx.Module, family: Any, block_activation_width: int) -> StagedModel:
+def staged(cfg: ModelConfig, abstract: nnx.Module, family: Any, block_activation_width: int,
+           embed_documents: Callable[[Any, jax.Array, jax.Array], jax.Array] | None = None) -> StagedModel:
     """The stage view of a decoder with MoE blocks (stages pass a `Stream` on; `decoder` samples). `abstract`: the model
     built abstractly (its `embed`, `blocks` if any, `moe_blocks`, `head`); `family`: its module, whose `init`,
-    `init_stage`, `abstract_params`, `param_count` and `flops_per_token` take the config."""
+    `init_stage`, `abstract_params`, `param_count` and `flops_per_token` take the config. `embed_documents(embed,
+    tokens, segments)`: the rows hold packed documents (models/documents.py), embedded so; the whole model from
+    `init` then keeps them apart too (the family's `documents`)."""
     block_def = nnx.graphdef(abstract.blocks) if hasattr(abstract, "blocks") else None
     return StagedModel(
         stages=stages(cfg),
         apply=stage_apply(cfg, nnx.graphdef(abstract.embed), block_def, nnx.graphdef(abstract.moe_blocks),
-                          nnx.graphdef(abstract.head)),
+                          nnx.graphdef(abstract.head), embed_documents),
         loss=loss,
         split=lambda params: split(cfg, params),
         merge=lambda stage_params: merge(cfg, stage_params),
-        **family_functions(family, cfg),
+        **family_functions(family, cfg, embed_documents is not None),
         hints=PlannerHints(block_activation_width=block_activation_width,
                            exchange_values_per_row={"moe_block": float(exchange_values(cfg, cfg.seq_len))}),
         figures=figures(cfg),

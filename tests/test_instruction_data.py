@@ -1,11 +1,13 @@
 """Instruction data (data.format: instruction): records into rows of marked tokens, the loss on the responses only in
 every engine and in eval/loss, exact across micro-batches, packed documents kept apart, bad records named by file
-and line, and the fine-tuning example in both engines."""
+and line, `angel-jax data prepare --format instruction` making the directory training reuses, and the fine-tuning
+example in both engines. Chat records: tests/test_chat_data.py."""
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -17,15 +19,17 @@ import pytest
 from conftest import REPO_ROOT
 from flax import nnx
 
+from angel_jax import cli
 from angel_jax import data as data_lib
 from angel_jax import instruction_data as idata
 from angel_jax import token_marks
-from angel_jax.config import (Config, ConfigError, DataConfig, MemoryConfig, ModelConfig, MoEConfig, OptimizerConfig,
+from angel_jax.config import (Config, ConfigError, DataConfig, MemoryConfig, ModelConfig, OptimizerConfig,
                               TrainConfig, load_config)
 from angel_jax.data_sources import DataError
 from angel_jax.tokenizers_hf import HfTokenizer
 from angel_jax.train.engines import InMemoryEngine
 from angel_jax.train.evaluation import ValidationSet, evaluate, weighted_mean
+from angel_jax.train import loop
 from angel_jax.train.loop import data_dir_for, train
 from angel_jax.train.paged import PagedTrainEngine
 from angel_jax.train.step import make_loss_fn, make_value_and_grad
@@ -278,10 +282,11 @@ def test_records_become_rows_with_the_prompt_unscored(tmp_path):
     ('{"prompt": "a"}', r"no key 'response' \(data.response_key\); this record's keys: 'prompt'"),
     ('{"prompt": 3, "response": "b"}', r"'prompt' \(data.prompt_key\) is a number, not a string"),
     ('{"prompt": "a", "response": null}', r"'response' \(data.response_key\) is null, not a string"),
-    ('["a", "b"]', r"expected a JSON object with 'prompt' and 'response' keys, got an array"),
+    ('["a", "b"]', r"expected a JSON object with 'prompt' and 'response' keys \(or 'messages'\), got an array"),
     ('{"prompt": "a", "response": ', r"not a valid JSON line"),
-    ('{"messages": [{"role": "user", "content": "hi"}]}', r"no key 'prompt' .* chat records \('messages'\) are not "
-                                                          r"read"),
+    ('{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}',
+     r"a chat record \('messages'\) is rendered by the chat template of a Hugging Face tokenizer; the 'byte' "
+     r"tokenizer has none: set data.tokenizer: hf"),
 ])
 def test_a_bad_record_names_its_file_and_line(tmp_path, line, problem):
     source = _write(tmp_path / "sft.jsonl", [{"prompt": "a", "response": "b"}, "", line])
@@ -299,9 +304,54 @@ def test_instruction_data_reads_json_lines_only_and_gets_a_directory_of_its_own(
     assert data_dir_for(cfg) == Path("data/sft.jsonl-byte-pack33-val0.1")
 
 
+def test_data_prepare_makes_the_directory_training_reuses(tmp_path, monkeypatch, capsys):
+    """`angel-jax data prepare --format instruction` with a run's settings writes the directory that run's training
+    finds and reuses (nothing prepared again); another packing, in the same directory, is prepared again."""
+    monkeypatch.chdir(tmp_path)
+    source = _write(tmp_path / "sft.jsonl", [{"question": "Q: up\nR:", "answer": " down"},
+                                              {"messages": [{"role": "user", "content": "Hello, world!"},
+                                                            {"role": "assistant", "content": "x"}]}] * 16)
+    flags = ["--source", str(source), "--tokenizer", "hf", "--tokenizer-path", str(TOKENIZER), "--prompt-key",
+             "question", "--response-key", "answer", "--val-fraction", "0.25"]
+    assert cli.main(["data", "prepare", "--format", "instruction", "--seq-len", str(GPT.seq_len), *flags]) == 0
+    cfg = Config(model=GPT, data=DataConfig(source=str(source), format="instruction", tokenizer="hf",
+                                            tokenizer_path=str(TOKENIZER), prompt_key="question",
+                                            response_key="answer", val_fraction=0.25))
+    out = data_dir_for(cfg)
+    assert f"{out}: 32 records -> 32 rows of {ROW} tokens (padded)" in capsys.readouterr().out
+    made = data_lib.load_meta(out)
+    builds = []
+    real = idata.prepare
+    monkeypatch.setattr(idata, "prepare", lambda *a, **k: builds.append(a) or real(*a, **k))
+    data, _ = loop._data(cfg)  # what training does before its first step
+    assert builds == [] and data_lib.load_meta(out) == made
+    assert {tuple(r) for r in next(data)} <= {tuple(r) for r in np.fromfile(out / made["shards"][0]["file"], "<i4")
+                                              .reshape(-1, ROW)}
+
+    # Packed rows are other data: in the directory training names for them, or in the same data.dir, prepared anew.
+    packed = dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, pack=True))
+    assert data_dir_for(packed) != out
+    loop._data(dataclasses.replace(packed, data=dataclasses.replace(packed.data, dir=str(out))))
+    assert len(builds) == 1 and data_lib.load_meta(out)["spec"]["pack"] is True
+
+
+@pytest.mark.parametrize("flags, problem", [
+    (["--format", "instruction"], r"--seq-len N goes with --format instruction, and --format instruction needs it"),
+    (["--seq-len", "8"], r"--seq-len N goes with --format instruction"),
+    (["--pack"], r"--pack: only with --format instruction"),
+    (["--format", "instruction", "--seq-len", "8", "--max-bytes", "10"], r"--max-bytes: caps the text"),
+    (["--format", "instruction", "--seq-len", "8", "--prompt-key", "a", "--response-key", "a"],
+     r"--response-key: must differ"),
+])
+def test_data_prepare_refuses_instruction_flags_that_do_not_fit(tmp_path, capsys, flags, problem):
+    source = _write(tmp_path / "sft.jsonl", [{"prompt": "a", "response": "b"}])
+    assert cli.main(["data", "prepare", "--source", str(source), "--out", str(tmp_path / "out"), *flags]) == 2
+    assert re.search(problem, capsys.readouterr().err)
+    assert not (tmp_path / "out").exists()
+
+
 @pytest.mark.parametrize("overrides, key", [
     (["model.name=t5", "data.format=instruction"], "data.format"),
-    (["model.moe.experts=4", "data.format=instruction", "data.pack=true"], "data.pack"),
     (["data.format=instruction", "data.max_bytes=100"], "data.max_bytes"),
     (["data.prompt_key=text", "data.response_key=text"], "data.response_key"),
     (["data.format=chat"], "data.format"),
@@ -310,9 +360,10 @@ def test_what_instruction_data_cannot_do_is_refused_by_key(overrides, key):
     with pytest.raises(ConfigError) as e:
         load_config(None, overrides)
     assert repr(key) in str(e.value)
-    assert load_config(None, ["model.moe.experts=4", "data.format=instruction"]).data.packed is False
+    # Packed rows run on the GPT and Llama, with or without experts (tests/test_moe_documents.py); not on T5.
+    assert load_config(None, ["model.moe.experts=4", "data.format=instruction", "data.pack=true"]).data.packed
     with pytest.raises(ConfigError, match="'data.pack'"):
-        models.get(ModelConfig(moe=MoEConfig(experts=4)), documents=True)
+        models.get(ModelConfig(name="t5"), documents=True)
 
 
 # --------------------------------------------------------------------------------------------- the example

@@ -194,7 +194,7 @@ class DataConfig:
     response_key: str = doc("response", "Instruction data: the key of each record's response (a string; the loss "
                                         "is on its tokens and the end of sequence).")
     pack: bool = doc(False, "Instruction data: pack whole records into each row end to end, each attending only to "
-                            "itself (GPT, Llama); false = one record per row, padded.")
+                            "itself (GPT, Llama, dense or MoE); false = one record per row, padded.")
 
     def validate(self) -> list[tuple[str, str]]:
         errs = []
@@ -507,10 +507,6 @@ class Config:
             errs.append(("data.format", "'instruction' data scores the response's tokens of each row, but "
                                         "model.name 't5' trains on span corruption, which makes its own targets "
                                         "from the whole row: use format 'text' for T5, or a decoder (gpt, llama)"))
-        if self.data.packed and self.model.moe.experts:
-            errs.append(("data.pack", "packed rows keep their documents apart in the dense blocks' attention; the "
-                                      "mixture-of-experts blocks (model.moe.experts > 0) do not: set data.pack=false "
-                                      "(one record per row, padded)"))
         if self.data.tokenizer == "hf" and not (self.data.tokenizer_path or self.model.init_from):
             errs.append(("data.tokenizer_path", "must name a directory with tokenizer.json for data.tokenizer 'hf' "
                                                 "(empty takes model.init_from's, which is empty too)"))
