@@ -19,10 +19,10 @@ With model.rope_scaling: llama3 their frequencies get Llama 3.1's adjustment (`l
 Variants of the same layout: model.qkv_bias adds biases to q, k and v (Qwen2's `*_proj.bias`), model.o_bias to o
 (Llama's attention_bias sets both: blocks.q.bias is self_attn.q_proj.bias, ...). With model.tie_embeddings the head
 has no `unembed`: it multiplies by the embedding matrix transposed (`nnx.Embed.attend`), one parameter for both
-uses, whose gradient is the sum of both uses' in the whole model (the in-memory engine). The stage view cannot
-express that: each stage owns its parameters and the head stage does not hold the embedding, so a tied head stage
-refuses to run alone (the paged engine runs one stage at a time); `split` and `merge` still give the one matrix
-to the embedding stage, which is what export writes.
+uses, whose gradient is the sum of both uses'. In the stage view the embedding stage owns the matrix (`split` and
+`merge` give it there, which is what export writes) and the head borrows it (`StagedModel.borrows`): the head's
+apply takes (its own parameters, the embedding stage's), and the paged engine adds the head's gradient of the
+matrix into the embedding stage's before that stage's one update.
 
 As in `models/gpt.py`, the blocks are created stacked (leading axis n_layers, through `nnx.vmap`) so one
 `jax.lax.scan` body runs them, and stage i (0 = embed, 1 + j = block j, n_layers + 1 = head) draws its parameters
@@ -252,15 +252,9 @@ class Head(nnx.Module):
         h = self.norm(x)
         if self.tied:
             if embed is None:
-                raise ConfigError(_TIED_STAGE)
+                raise ValueError("a tied head unembeds with the embedding's matrix: pass the model's `embed`")
             return embed.tokens.attend(h).astype(jnp.float32)  # h @ embedding.T in the compute dtype
         return self.unembed(h).astype(jnp.float32)
-
-
-_TIED_STAGE = ("'model.tie_embeddings': the head unembeds with the embedding stage's matrix, so it cannot run as a "
-               "stage of its own: train a tied model with the in-memory engine (memory.mode=in_memory); the paged "
-               "engine runs each stage on its own parameters (or set model.tie_embeddings=false: a separate head, "
-               "imported as a copy of the embedding)")
 
 
 class Llama(nnx.Module):
@@ -378,7 +372,10 @@ def staged(cfg: ModelConfig, documents: bool = False) -> StagedModel:
         return nnx.merge(block_def, params)(x, segments)
 
     remat = jax.checkpoint if cfg.remat else (lambda f: f)
-    head = lambda p, x: nnx.merge(head_def, p)(x)  # noqa: E731 - a tied head refuses: it lacks the embedding
+    if cfg.tie_embeddings:  # the head borrows the embedding stage's parameters: (its own, the embedding's)
+        head = lambda p, x: nnx.merge(head_def, p[0])(x, nnx.merge(embed_def, p[1]))  # noqa: E731
+    else:
+        head = lambda p, x: nnx.merge(head_def, p)(x)  # noqa: E731
     if documents:
         apply = documents_lib.stage_apply(lambda p, tokens, _: nnx.merge(embed_def, p)(tokens), remat(apply_block),
                                           head)
@@ -413,6 +410,7 @@ def staged(cfg: ModelConfig, documents: bool = False) -> StagedModel:
         hints=PlannerHints(block_activation_width=(cfg.n_heads + 2 * cfg.kv_heads) * head_dim(cfg) + 3 * cfg.hidden),
         init_cache=lambda batch, max_len: init_cache(cfg, batch, max_len),
         decode=decode,
+        borrows={cfg.n_layers + 1: 0} if cfg.tie_embeddings else {},
     )
 
 

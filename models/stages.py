@@ -105,12 +105,23 @@ class StagedModel:
     """Given a leaf's path in a stage's parameters (`jax.tree_util.keystr`), whether it is a mixture of experts'
     stacked expert weight, [E, ...]: such leaves get pages of their own, which a sharded engine keeps on the rank
     that holds those experts (expert parallelism); None: the family has no experts."""
+    borrows: dict[int, int] = dataclasses.field(default_factory=dict)
+    """Stage index -> the index of an earlier stage whose parameters it also reads (a head tied to the embedding
+    unembeds with the embedding stage's matrix). Such a stage's apply takes the pair (its own parameters, the
+    lender's); the lender owns the parameters, and their gradient is the sum of both stages' gradients of them
+    (the paged engine adds the borrower's into the lender's). Empty: every stage reads its own parameters alone."""
+
+    def stage_inputs(self, stage_params: list[PyTree], i: int) -> PyTree:
+        """What stage i's apply takes as its parameters: its own, or (its own, its lender's)."""
+        lender = self.borrows.get(i)
+        return stage_params[i] if lender is None else (stage_params[i], stage_params[lender])
 
     def forward(self, stage_params: list[PyTree], tokens: jax.Array) -> PyTree:
         """Run every stage in sequence: the meaning of the stage decomposition."""
+        assert len(stage_params) == len(self.stages), (len(stage_params), len(self.stages))
         x = tokens
-        for stage, params in zip(self.stages, stage_params, strict=True):
-            x = self.apply[stage.kind](params, x)
+        for i, stage in enumerate(self.stages):
+            x = self.apply[stage.kind](self.stage_inputs(stage_params, i), x)
         return x
 
     def kinds(self) -> dict[str, list[int]]:

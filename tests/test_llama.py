@@ -315,23 +315,17 @@ def test_bad_rope_scaling_and_variant_keys_are_refused_by_name(changes, named):
         load_config(None, [f"model.{k}={v}" for k, v in changes.items()])
 
 
-def test_a_tied_head_is_refused_with_experts_and_as_a_stage_of_its_own():
+def test_a_tied_head_is_refused_with_experts_and_borrows_the_embedding_as_a_stage():
     with pytest.raises(ConfigError, match="'model.tie_embeddings': a tied head is not implemented with mixture"):
         models.get(dataclasses.replace(VARIANT, moe=MoEConfig(experts=2)))
     staged = models.get(VARIANT)
-    head = staged.split(_random_params(VARIANT))[-1]
-    assert set(head) == {"norm"}  # the one matrix is the embedding stage's
-    with pytest.raises(ConfigError, match="'model.tie_embeddings'.*memory.mode=in_memory"):
-        staged.apply["head"](head, jnp.zeros((B, CFG.seq_len, CFG.d_model)))
-
-
-def test_the_paged_engine_refuses_a_tied_head_naming_the_key():
-    """The paged engine runs each stage on its own pages: it refuses a head that needs the embedding stage's
-    matrix, before it has allocated its pages."""
-    cfg = Config(model=VARIANT, train=TrainConfig(steps=2, batch_size=B),
-                 memory=MemoryConfig(mode="paged", page_size=65536))
-    with pytest.raises(ConfigError, match="'model.tie_embeddings'.*paged engine"):
-        build_engine(cfg, jax.make_mesh((1,), ("data",), axis_types=(jax.sharding.AxisType.Auto,)))
+    params = _random_params(VARIANT)
+    parts = staged.split(params)
+    assert set(parts[-1]) == {"norm"}  # the one matrix is the embedding stage's
+    assert staged.borrows == {len(parts) - 1: 0}  # and the head reads it from there
+    tokens = _tokens()[:, :-1]
+    whole = nnx.merge(llama.abstract_params(VARIANT)[0], params)(tokens)
+    np.testing.assert_allclose(np.asarray(staged.forward(parts, tokens)), np.asarray(whole), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.compares_programs

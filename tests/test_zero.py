@@ -190,6 +190,13 @@ def test_sharded_paged_losses_equal_one_device(four_devices):
     np.testing.assert_allclose(got["grad_norm"], ref["grad_norm"], rtol=1e-4)
 
 
+@pytest.mark.compares_programs
+def test_a_tied_head_sharded_over_the_ranks_trains_as_on_one_device(four_devices):
+    out = four_devices["tied"]
+    np.testing.assert_allclose(out["paged"]["loss"], out["reference"]["loss"], rtol=1e-5)
+    np.testing.assert_allclose(out["paged"]["grad_norm"], out["reference"]["grad_norm"], rtol=1e-4)
+
+
 def test_each_device_holds_a_quarter_of_the_pages(four_devices):
     out = four_devices
     for tier in ("device", "host"):

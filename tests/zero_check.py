@@ -29,6 +29,7 @@ from angel_jax.train.engines import InMemoryEngine, build_engine  # noqa: E402
 from angel_jax.train.step import StepControls  # noqa: E402
 from angel_jax.train.sharding import device_bytes, make_mesh  # noqa: E402
 from test_paged import batches as make_batches  # noqa: E402
+from test_paged_tied import TIED, _cfg as tied_cfg  # noqa: E402
 from test_zero import BATCH, DISK_STEPS, MOE_MODEL, MOE_STEPS, RANKS, cfg, data, moe_cfg, paged, tier_bytes  # noqa: E402
 
 
@@ -88,7 +89,27 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as disk:  # every page family of every stage homed on the disk tier
         out["disk"] = variant(mesh, batches[:DISK_STEPS], disk_dir=disk, host_budget=520_000)
     out["passes"] = variant(mesh, batches[:DISK_STEPS], passes=2, micro_batch_size=1)
+    out["tied"] = tied(one, mesh)
     print(json.dumps(out), flush=True)
+
+
+def tied(one, mesh) -> dict:
+    """A Llama whose head is tied to the embedding on one device (in memory) and with its pages sharded over the
+    ranks: the head's call gathers the embedding stage's shards too, and its gradient of them is reduce-scattered
+    and added into the embedding's on each rank."""
+    batches = make_batches(DISK_STEPS, TIED, RANKS)
+    base = tied_cfg(model=TIED, steps=DISK_STEPS)
+    config = dataclasses.replace(base, train=dataclasses.replace(base.train, batch_size=RANKS))
+    engine = InMemoryEngine(dataclasses.replace(config, memory=dataclasses.replace(config.memory, mode="in_memory")),
+                            one)
+    out = {"reference": run(engine, batches)}
+    engine.close()
+    engine = build_engine(dataclasses.replace(config, mesh=MeshConfig(fsdp=RANKS)), mesh)
+    try:
+        out["paged"] = run(engine, batches)
+    finally:
+        engine.close()
+    return out
 
 
 def variant(mesh, batches: list, micro_batch_size: int = 0, **memory) -> dict:

@@ -82,8 +82,7 @@ class ModelConfig:
                                             "those between are interpolated.")
     rope_original_max_positions: int = doc(8192, "llama3 RoPE scaling: the context length the model was "
                                                  "pretrained at (original_max_position_embeddings).")
-    tie_embeddings: bool = doc(False, "Unembed with the token embedding's transpose: one matrix for both (Llama; "
-                                      "in-memory engine).")
+    tie_embeddings: bool = doc(False, "Unembed with the token embedding's transpose: one matrix for both (Llama).")
     qkv_bias: bool = doc(False, "Biases on the attention's q, k and v projections (Llama; Qwen2 has them).")
     o_bias: bool = doc(False, "A bias on the attention's output projection (Llama; attention_bias sets both).")
     relative_buckets: int = doc(32, "Buckets of the relative position bias (T5): half exact distances, half "
@@ -189,7 +188,9 @@ class DataConfig:
                                  "e.g. [[120, 129]]; rollbacks record the windows they skip the same way.")
     format: Literal["text", "instruction"] = doc("text", "'text': documents as one token stream cut into windows; "
                                                          "'instruction': JSON Lines records of a prompt and a "
-                                                         "response, the loss on the response only.")
+                                                         "response (or chat 'messages' rendered with the "
+                                                         "tokenizer's chat template), the loss on the response "
+                                                         "(or assistant turns) only.")
     prompt_key: str = doc("prompt", "Instruction data: the key of each record's prompt (a string; not trained on).")
     response_key: str = doc("response", "Instruction data: the key of each record's response (a string; the loss "
                                         "is on its tokens and the end of sequence).")

@@ -9,7 +9,7 @@ Built once, from abstract shapes, from a list of (stage name, pytree) in access 
 Rules:
 - A page holds one dtype; every page of a dtype has `page_size_bytes // itemsize` elements, so every page is
   `page_size_bytes` long (the size must be a multiple of each itemsize it holds).
-- Pages never mix stages: a stage function takes only its own pages (`layout.stage(name).page_ids`). Within a
+- Pages never mix stages: a stage's pages hold its own leaves alone (`layout.stage(name).page_ids`). Within a
   stage, leaves are grouped by dtype (groups in order of first appearance, leaves in `tree_flatten` order) and laid
   end to end: small leaves share a page, a leaf larger than what is left spans consecutive pages. The tail of each
   group's last page is zero padding, reported as `waste_bytes` / `waste_fraction`. Leaves the caller sets apart

@@ -39,6 +39,7 @@ from angel_jax.schedule.plan import (Bandwidths, Budgets, ModelBytes, PlanError,
 from angel_jax.schedule.zero import Zero
 from angel_jax.units import device_memory_stats
 import models
+from models.stages import StagedModel
 
 log = logging.getLogger(__name__)
 
@@ -311,7 +312,18 @@ def fixed_device_bytes(cfg: Config, local_batch: int, sizes: ModelBytes) -> int:
     sums = 0
     if micro_batches > 1:
         sums = max(sum(p.length for p in s.pages) for s in sizes.params.stages) * 4
-    return saved + max(head, block) + tokens * 8 + sums
+    return saved + max(head, block) + tokens * 8 + sums + lent_bytes(models.get(m), sizes)
+
+
+def lent_bytes(staged: StagedModel, sizes: ModelBytes) -> int:
+    """Device bytes of borrowed parameters (`StagedModel.borrows`, a tied head) whatever the placement: a
+    lender's parameter pages fetched for its borrower's call (counted as if the lender streamed), and the
+    borrower's gradient of them (float32 at most), which waits on the device for the lender's backward."""
+    total = 0
+    for lender in set(staged.borrows.values()):
+        pages = sizes.params.stages[lender].pages
+        total += sum(p.nbytes for p in pages) + sum(p.length for p in pages) * 4
+    return total
 
 
 def disk_budget(cfg: Config) -> int | None:

@@ -71,7 +71,9 @@ def profile_costs(fns: StageFunctions, updates: StageUpdates, params_layout: Pag
     last = len(staged.stages) - 1
     for idx, stage in enumerate(staged.stages):
         kind = stage.kind
-        pages = _zeros(params_layout, stage.name, device)
+        lender = staged.borrows.get(idx)  # (a borrowing stage's calls take its lender's pages after its own)
+        pages = _zeros(params_layout, stage.name, device) + (
+            () if lender is None else _zeros(params_layout, staged.stages[lender].name, device))
         if kind not in per_kind:
             if micro_batches > 1:
                 forward, backward = fns.forward_micro[kind], fns.backward_micro[kind]
@@ -113,10 +115,10 @@ def profile_costs(fns: StageFunctions, updates: StageUpdates, params_layout: Pag
         if idx < last:
             x = fns.forward[kind](pages, x)
     costs = []
-    for stage in staged.stages:
+    for idx, stage in enumerate(staged.stages):
         fwd_s, bwd_s, upd_dev, upd_host, add_s = per_kind[stage.kind]
         costs.append(StageCost(stage.name, params_layout.stage(stage.name).nbytes, opt_layout.stage(stage.name).nbytes,
-                               fwd_s, bwd_s, upd_dev, upd_host, add_s))
+                               fwd_s, bwd_s, upd_dev, upd_host, add_s, lender=staged.borrows.get(idx)))
     return costs
 
 

@@ -64,16 +64,17 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from angel_jax.memory import PageStore
-from angel_jax.memory.layout import PageLayout
+from angel_jax.memory.layout import PageLayout, to_bits
 from angel_jax.optim.guard import StepControls, before_update_ok
-from angel_jax.optim.stage_update import global_norm, join_opt_state
+from angel_jax.optim.stage_update import global_norm, join_opt_state, sqsum
 from angel_jax.schedule.staging import GRAD_SPILL
 from angel_jax.schedule.updater import Guard, PageUpdater, StepOrder
 from angel_jax.schedule.plan import Plan
-from angel_jax.schedule.stagefns import HostSums, StageFunctions, scalar_sharding
+from angel_jax.schedule.stagefns import HostSums, StageFunctions, page_values, scalar_sharding
 from angel_jax.schedule.timeline import Recorder, Timeline
 from angel_jax.schedule.trace import compute_sequence, split_batch
 from models.common import scored_share
@@ -109,6 +110,11 @@ class PagedModel:
     def param_ids(self, stage: int) -> tuple[int, ...]:
         return self.params_layout.stage(self.staged.stages[stage].name).page_ids
 
+    def call_ids(self, stage: int) -> tuple[int, ...]:
+        """The parameter pages the stage's calls take: its own, then its lender's (`StagedModel.borrows`)."""
+        lender = self.staged.borrows.get(stage)
+        return self.param_ids(stage) + (() if lender is None else self.param_ids(lender))
+
     def opt_ids(self, stage: int) -> tuple[int, ...]:
         return tuple(p + self.opt_offset for p in self.opt_layout.stage(self.staged.stages[stage].name).page_ids)
 
@@ -137,6 +143,9 @@ class PagedExecutor:
         self.last_timeline: Timeline | None = None
         """The measured timeline of the last recording (`record_steps`), once complete."""
         self._n = len(model.staged.stages)
+        self._reads = [(i,) + ((model.staged.borrows[i],) if i in model.staged.borrows else ()) for i in range(self._n)]
+        """Per stage, the stages whose parameter pages its calls read: itself, then the stage it borrows from
+        (`StagedModel.borrows`: a head tied to the embedding reads the embedding stage's pages too)."""
         self._pass_seq = compute_sequence(self._n)
         self._seq = self._pass_seq * plan.passes  # the step's accesses: every pass runs the whole sequence
         self._last_use = {i: max(k for k, (_, j) in enumerate(self._seq) if j == i) for i in range(self._n)}
@@ -190,7 +199,8 @@ class PagedExecutor:
             if k >= len(self._seq):
                 return
             i = self._seq[k][1]
-            if i in streamed and not refs.get(i):
+            reads = self._reads[i]
+            if any(s in streamed and not refs.get(s) for s in reads):
                 # A fetch starts when its window slot frees on the device (the compute `prefetch` accesses back is
                 # done), not when the training thread, running ahead of the device, gets there: evicted pages
                 # stay allocated until the computations that read them ran, so a thread running ahead would hold
@@ -198,28 +208,30 @@ class PagedExecutor:
                 # the CPU). In lock-free mode this is also the moment that decides whether a stage's update is
                 # written, which keeps stale uses to the updates that are really late.
                 jax.block_until_ready(marks[k - plan.prefetch - 1] if k > plan.prefetch else self._last_mark)
-            if i not in acquired:  # the stage's first access in the step: it keeps this version to the last
-                updater.acquire(i, step)
-                acquired.add(i)
-            if i not in streamed:
-                return
-            refs[i] = refs.get(i, 0) + 1
-            if refs[i] == 1:
-                for pid in self.model.param_ids(i):
-                    # A host copy of disk-homed parameters is the updater's (staged for the update): it stays.
-                    store.prefetch(pid, "device", keep_source=True)
-                if rec:  # (a fetch starts once its source, the last update's pages, is written; from disk the
-                    # fetch includes the read)
-                    ids = self.model.param_ids(i)
-                    rec.record("h2d", f"fetch {staged.stages[i].name}", [store.get(p, "device") for p in ids],
-                               after=None if plan.home[i] == "disk" else [store.get(p, "host") for p in ids])
+            for s in reads:
+                if s not in acquired:  # the stage's first access in the step: it keeps this version to the last
+                    updater.acquire(s, step)
+                    acquired.add(s)
+                if s not in streamed:
+                    continue
+                refs[s] = refs.get(s, 0) + 1
+                if refs[s] == 1:
+                    for pid in self.model.param_ids(s):
+                        # A host copy of disk-homed parameters is the updater's (staged for the update): it stays.
+                        store.prefetch(pid, "device", keep_source=True)
+                    if rec:  # (a fetch starts once its source, the last update's pages, is written; from disk the
+                        # fetch includes the read)
+                        ids = self.model.param_ids(s)
+                        rec.record("h2d", f"fetch {staged.stages[s].name}", [store.get(p, "device") for p in ids],
+                                   after=None if plan.home[s] == "disk" else [store.get(p, "host") for p in ids])
 
         def release(k: int, i: int) -> None:
-            if i in streamed:
-                refs[i] -= 1
-                if refs[i] == 0:
-                    for pid in self.model.param_ids(i):
-                        store.evict(pid, "device")
+            for s in self._reads[i]:
+                if s in streamed:
+                    refs[s] -= 1
+                    if refs[s] == 0:
+                        for pid in self.model.param_ids(s):
+                            store.evict(pid, "device")
             if k == self._last_use[i]:
                 updater.release(i)
 
@@ -227,6 +239,7 @@ class PagedExecutor:
         for k in range(plan.prefetch + 1):
             issue(k)
         sums: dict[int, tuple] = {}  # per stage, its gradient pages summed on the device (see `_sum_span`)
+        lent: dict[int, tuple] = {}  # per lender, a borrower's gradient of its parameters, until its own backward
         host_sums: dict[int, tuple] = {}  # per stage summed on the host, its passes' gradients so far
         sqsums: list[jax.Array | None] = [None] * self._n
         loss = None
@@ -239,7 +252,7 @@ class PagedExecutor:
             saved: list[jax.Array | None] = [None] * self._n  # per stage, its input
             for op, i in self._pass_seq:
                 kind = staged.stages[i].kind
-                pages = tuple(store.get(pid, "device") for pid in self.model.param_ids(i))
+                pages = tuple(store.get(pid, "device") for pid in self.model.call_ids(i))
                 if op == "forward":  # one call per access: it scans the pass's micro-batches (`forward_micro`)
                     saved[i] = x
                     x = out = mark = (fns.forward if per_pass == 1 else fns.forward_micro)[kind](pages, x)
@@ -248,7 +261,7 @@ class PagedExecutor:
                         # The model's figures, read from the head's input (a pytree activation carries them).
                         figure_parts.append(self._figures(x))
                     out, sqsums[i], mark, x, loss = self._backward(op, i, pages, saved[i], x, (ts, share), sums,
-                                                                   loss, micro, last_pass)
+                                                                   lent, loss, micro, last_pass)
                     saved[i] = None
                 marks.append(mark)
                 self._settle((out, x, mark))
@@ -301,7 +314,7 @@ class PagedExecutor:
         return [tuple(p.dtype for p in self.model.params_layout.stage(s.name).pages) for s in self.model.staged.stages]
 
     def _backward(self, op: str, i: int, pages: tuple, saved: jax.Array | None, dy: jax.Array, targets: tuple,
-                  sums: dict[int, tuple], loss: jax.Array | None, micro: int,
+                  sums: dict[int, tuple], lent: dict[int, tuple], loss: jax.Array | None, micro: int,
                   last_pass: bool) -> tuple[tuple, jax.Array | None, jax.Array, jax.Array, jax.Array | None]:
         """Stage i's backward (or the head's loss and backward) of a pass's micro-batches, one call (scanning them
         when there are several): `dy` is the gradient at the stage's output (the head: its input), stacked like the
@@ -311,7 +324,13 @@ class PagedExecutor:
         `loss` plus the pass's summed losses. The gradient pages are the step's mean where one
         call covers the step (one pass); with several passes, a pass's float32 sums (`backward_micro_sums`; a single
         micro-batch's gradients as they are), added into `sums[i]` on the device over `_sum_span` micro-batches
-        and meaned there once the last pass is in, or sent on to the host sums (`_add_on_host`)."""
+        and meaned there once the last pass is in, or sent on to the host sums (`_add_on_host`).
+
+        Borrowed parameters (`StagedModel.borrows`, a tied head): a borrower's call also gives its gradient of the
+        lender's parameters, in the same form as the lender's own (one call's pages, or a pass's float32 sums);
+        it waits on the device in `lent` and is added into the lender's gradient as soon as the lender's backward
+        gives it, so everything after that sees one gradient of the lender's parameters, counted once in the
+        global norm."""
         fns, kind = self.fns, self.model.staged.stages[i].kind
         per_pass = micro // self.plan.passes
         if per_pass == 1:
@@ -326,6 +345,14 @@ class PagedExecutor:
             out = backward(pages, saved, dy)
             dpages, dx = out[0], out[1]
         mark = out[2]  # (the sum of squares, or a scalar of the call's own: never a buffer a later add donates)
+        if i in self.model.staged.borrows:  # its own gradients, and its share of its lender's
+            own = len(self.model.param_ids(i))
+            dpages, lent[self.model.staged.borrows[i]] = dpages[:own], dpages[own:]
+            if self.plan.passes == 1:  # (the call's sum of squares counted the lender's share too)
+                mark = _sqsum(dpages, self._grad_dtypes[i])
+        if i in lent:  # a lender: its borrowers' share added in
+            dpages, sqsum = _add_lent(dpages, lent.pop(i), self._grad_dtypes[i])
+            mark = sqsum if self.plan.passes == 1 else mark
         if self.plan.passes == 1:  # the step's gradients, meaned in the call (or one micro-batch's)
             return dpages, mark, mark, dx, loss
         if self._sum_span(i, micro) < micro:  # the pass's sums, on their way to the stage's sums on the host
@@ -412,28 +439,34 @@ class PagedExecutor:
         xs, targets = self._micro_batches(batch)
         share = _share(batch, len(xs))
         marks: list[jax.Array] = []  # per stage, its (last micro-batch's) output: ready when its computation is done
+        refs: dict[int, int] = {}  # per streamed stage, the calls in the window that read its pages
 
         def fetch(i: int) -> None:
-            if i >= self._n or i not in streamed:
+            if i >= self._n or not any(s in streamed for s in self._reads[i]):
                 return
             # As in `step`: a fetch starts when its window slot frees on the device, not when this thread gets here.
             jax.block_until_ready(marks[i - plan.prefetch - 1] if i > plan.prefetch else self._last_mark)
-            for pid in self.model.param_ids(i):
-                store.prefetch(pid, "device", keep_source=True)
+            for s in self._reads[i]:
+                if s in streamed:
+                    refs[s] = refs.get(s, 0) + 1
+                    for pid in self.model.param_ids(s) if refs[s] == 1 else ():
+                        store.prefetch(pid, "device", keep_source=True)
 
         for i in range(plan.prefetch + 1):
             fetch(i)
         for i, stage in enumerate(staged.stages):
-            pages = tuple(store.get(p, "device") for p in self.model.param_ids(i))
+            pages = tuple(store.get(p, "device") for p in self.model.call_ids(i))
             if i == self._n - 1:
                 xs = [fns.head_loss(pages, x, t, share) for x, t in zip(xs, targets)]
             else:
                 xs = [fns.forward[stage.kind](pages, x) for x in xs]
             marks.append(xs[-1])
             del pages
-            if i in streamed:
-                for pid in self.model.param_ids(i):
-                    store.evict(pid, "device")
+            for s in self._reads[i]:
+                if s in streamed:
+                    refs[s] -= 1
+                    for pid in self.model.param_ids(s) if refs[s] == 0 else ():
+                        store.evict(pid, "device")
             fetch(i + plan.prefetch + 1)
         self._last_mark = xs[-1]  # the next step's first fetches wait for this pass's pages to be done with
         if len(xs) == 1:
@@ -504,6 +537,21 @@ class PagedExecutor:
         big = list(self.model.opt_layout.stage(name).unpack(tuple(self.store.read(o) for o in self.model.opt_ids(i))))
         small = [np.asarray(s) for s in self.updater.state().opt_small[i]]
         return join_opt_state(big, small, self.fns.opt_structure[self.model.staged.stages[i].kind])
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def _sqsum(pages: tuple, dtypes: tuple) -> jax.Array:
+    """The sum of squares of gradient pages (bits of pages of `dtypes`, or float32 sums)."""
+    return sqsum(page_values(pages, dtypes))
+
+
+@functools.partial(jax.jit, static_argnums=2)
+def _add_lent(own: tuple, lent: tuple, dtypes: tuple) -> tuple[tuple, jax.Array]:
+    """A lender's gradient pages plus a borrower's gradient of them, in the form both come in (bits of pages of
+    `dtypes`, added as values in that dtype; or float32 sums), and the sum of squares of the result."""
+    values = tuple(a + b for a, b in zip(page_values(own, dtypes), page_values(lent, dtypes)))
+    out = tuple(to_bits(v) if jnp.issubdtype(o.dtype, jnp.unsignedinteger) else v for v, o in zip(values, own))
+    return out, sqsum(values)
 
 
 @functools.partial(jax.jit, static_argnums=1)

@@ -88,6 +88,9 @@ class StageCost:
     host_add_s: float = 0.0
     """Seconds of one float32 add of the stage's gradient pages on the host: with several accumulation passes,
     each pass after the first adds its gradients into the stage's sum there (streamed stages)."""
+    lender: int | None = None
+    """The index of the stage whose parameters this stage's calls also read (`StagedModel.borrows`, a tied head):
+    they must be on the device too, fetched again where the lender streams and is not in the window."""
     expert_bytes: int = 0
     """Of `param_bytes`, those of the rank's own experts (expert parallelism): they stay on the rank, neither
     gathered nor reduce-scattered."""
@@ -209,6 +212,31 @@ def simulate(costs: list[StageCost], bw: Bandwidths, home: tuple[str, ...], opt_
         return clock.free["collective"]
 
     update_cause = ["host"] * n  # per stage, what its latest update waited for last: 'disk' (its reads) or 'host'
+
+    def pages_at(i: int, k: int) -> tuple[float, str]:
+        """When stage i's parameter pages are on the device for access k, and what that waited for last."""
+        ready = updated[i]
+        cause = update_cause[i] if home[i] != "device" else "compute"
+        held = last_access.get(i, -prefetch - 2) >= k - prefetch
+        last_access[i] = k
+        if home[i] != "device" and held:  # its pages are still on the device for an access in the window
+            ready, cause = max(fetched.get(i, 0.0), at_hand.get(i, 0.0)), "h2d"
+            fetched[i] = ready
+        elif home[i] != "device":
+            gate = starts[k - prefetch] if k >= prefetch else (starts[0] if starts else clock.free["compute"])
+            first = i not in fetched and i not in fetched_passes
+            if first and staleness and home[i] == "host" and updated[i] > gate:
+                ready = updated_before[i]  # runs one update behind rather than wait
+            at = max(gate, ready if first else 0.0)
+            if not (first and ready > gate):
+                cause = "h2d"
+            if home[i] == "disk" and not (i in early and first):  # (an early-staged stage is on the host)
+                at = clock.disk(f"read {costs[i].name}", at, costs[i].param_bytes, bw.disk_read, bw.disk_read_cpu)[1]
+                cause = "disk"
+            _, ready = clock.run("h2d", f"fetch {costs[i].name}", at, costs[i].param_bytes / bw.h2d)
+            fetched[i] = at_hand[i] = ready
+        return ready, cause
+
     waits: dict[str, float] = {}
     for _ in range(steps):
         waits = {}  # compute idle time of this step (the last one's is kept), by what the compute waited for
@@ -224,29 +252,12 @@ def simulate(costs: list[StageCost], bw: Bandwidths, home: tuple[str, ...], opt_
         for k, (op, i) in enumerate(seq):
             dur = calls * (costs[i].forward_s + exchange_s[i] if op == "forward"
                            else costs[i].backward_s + 2 * exchange_s[i])
-            ready = updated[i]
-            cause = update_cause[i] if home[i] != "device" else "compute"
             if k % per_pass == 0:  # a new pass fetches every streamed stage again
                 fetched_passes.update(fetched)
                 fetched = {}
-            held = last_access.get(i, -prefetch - 2) >= k - prefetch
-            last_access[i] = k
-            if home[i] != "device" and held:  # its pages are still on the device for an access in the window
-                ready, cause = max(fetched.get(i, 0.0), at_hand.get(i, 0.0)), "h2d"
-                fetched[i] = ready
-            elif home[i] != "device":
-                gate = starts[k - prefetch] if k >= prefetch else (starts[0] if starts else clock.free["compute"])
-                first = i not in fetched and i not in fetched_passes
-                if first and staleness and home[i] == "host" and updated[i] > gate:
-                    ready = updated_before[i]  # runs one update behind rather than wait
-                at = max(gate, ready if first else 0.0)
-                if not (first and ready > gate):
-                    cause = "h2d"
-                if home[i] == "disk" and not (i in early and first):  # (an early-staged stage is on the host)
-                    at = clock.disk(f"read {costs[i].name}", at, costs[i].param_bytes, bw.disk_read, bw.disk_read_cpu)[1]
-                    cause = "disk"
-                _, ready = clock.run("h2d", f"fetch {costs[i].name}", at, costs[i].param_bytes / bw.h2d)
-                fetched[i] = at_hand[i] = ready
+            # (a borrowing stage's call reads its lender's parameters too: both must be on the device)
+            ready, cause = max(pages_at(j, k) for j in (i,) + ((costs[i].lender,) if costs[i].lender is not None
+                                                               else ()))
             label = f"{op} {costs[i].name}" + (f" (pass {k // per_pass + 1})" if k >= per_pass else "")
             gathered = ready
             if collective:  # issued with the shard's fetch, behind the reduce-scatters issued before it

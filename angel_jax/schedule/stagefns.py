@@ -78,8 +78,11 @@ class StageFunctions:
             update_rep, update_opt_rep = {k: r.rank for k, r in rep.items()}, {k: r.rank for k, r in opt_rep.items()}
             jit: Callable[[Callable, str], Callable] = zero.stage_jit
         else:
-            view, update_rep, update_opt_rep = rep, rep, opt_rep
+            view, update_rep, update_opt_rep = dict(rep), rep, opt_rep
             jit = lambda fn, _: jax.jit(fn)  # noqa: E731
+        for kind, lender in borrowed_kinds(staged).items():  # its calls take its pages, then its lender's
+            lent = params_layout.stage(staged.stages[lender].name)
+            view[kind] = Borrowing(view[kind], zero.view(lent) if zero is not None else lent)
         self.forward: dict[str, Callable] = {}
         self.backward: dict[str, Callable] = {}
         self.update: dict[str, Callable] = {}
@@ -166,6 +169,44 @@ class StageFunctions:
         return jax.block_until_ready(out) if serial(acc[0].sharding) else out
 
 
+class Borrowing:
+    """The layout a borrowing stage's functions see (`StagedModel.borrows`): its own pages followed by its
+    lender's. `unpack` gives the pair (own parameters, lender's) its apply takes; `pack` takes the pair of their
+    gradients and gives the pages in the same order, so the backward's gradient pages are the stage's own and then
+    its gradient of the lender's parameters (`lent_pages` splits them)."""
+
+    def __init__(self, own: Any, lent: Any):
+        self.own, self.lent = own, lent
+        self.pages = tuple(own.pages) + tuple(lent.pages)
+        self.split = len(own.pages)
+        """The number of the stage's own pages: where the lender's begin."""
+
+    def unpack(self, pages: Pages) -> tuple:
+        return self.own.unpack(pages[:self.split]), self.lent.unpack(pages[self.split:])
+
+    def pack(self, tree: tuple) -> Pages:
+        return tuple(self.own.pack(tree[0])) + tuple(self.lent.pack(tree[1]))
+
+    def values(self, pages: Pages) -> Pages:
+        return tuple(self.own.values(pages[:self.split])) + tuple(self.lent.values(pages[self.split:]))
+
+    def bits(self, pages: Pages) -> Pages:
+        return tuple(self.own.bits(pages[:self.split])) + tuple(self.lent.bits(pages[self.split:]))
+
+
+def borrowed_kinds(staged: StagedModel) -> dict[str, int]:
+    """Stage kind -> the stage whose parameters that kind's stages borrow (`StagedModel.borrows`); a kind's
+    stages share their functions, so they must borrow the same lender."""
+    out: dict[str, int] = {}
+    kinds = staged.kinds()
+    for i, lender in staged.borrows.items():
+        kind = staged.stages[i].kind
+        if {staged.borrows.get(j) for j in kinds[kind]} != {lender}:
+            raise ValueError(f"the stages of kind {kind!r} do not all borrow stage {lender}'s parameters")
+        out[kind] = lender
+    return out
+
+
 class HostSums:
     """Float32 sums of a stage's gradient pages kept on the host (accumulation passes: each pass's gradients of a
     streamed stage come to the host and are added there), computed on `compute`, the host placement's sharding
@@ -220,7 +261,7 @@ def scalar_sharding(sharding: jax.sharding.Sharding) -> jax.sharding.Sharding:
 
 
 
-def _as_values(pages: Pages, dtypes: tuple[str, ...]) -> Pages:
+def page_values(pages: Pages, dtypes: tuple[str, ...]) -> Pages:
     """Gradient pages as values: bits (unsigned) of pages of `dtypes` bitcast back, float32 sums as they are."""
     return tuple(to_values(p, d) if jnp.issubdtype(p.dtype, jnp.unsignedinteger) else p for p, d in zip(pages, dtypes))
 
@@ -246,7 +287,7 @@ def _head_backward(loss: Callable, apply: Callable, rep: StageLayout) -> Callabl
 
 
 def _float32_pages(dpages: Pages, dtypes: tuple[str, ...]) -> Pages:
-    return tuple(d.astype(jnp.float32) for d in _as_values(dpages, dtypes))
+    return tuple(d.astype(jnp.float32) for d in page_values(dpages, dtypes))
 
 
 def _forward_micro(apply: Callable, r: StageLayout) -> Callable:
@@ -304,7 +345,7 @@ def _backward_micro(apply: Callable, r: StageLayout, loss: Callable | None, has_
 
 
 def _add_pages(acc: Pages, dpages: Pages, dtypes: tuple[str, ...]) -> Pages:
-    return tuple(a + d.astype(a.dtype) for a, d in zip(acc, _as_values(dpages, dtypes)))
+    return tuple(a + d.astype(a.dtype) for a, d in zip(acc, page_values(dpages, dtypes)))
 
 
 def _mean_pages(acc: Pages, scale: jax.Array, dtypes: tuple[str, ...]) -> tuple[Pages, jax.Array]:

@@ -84,8 +84,10 @@ def estimate_costs(cfg: Config, bp: Blueprint, peak_flops: float, device_bw: flo
     rows = micro_batching(cfg, local_batch(cfg, ranks))[1]
     tokens = rows * m.seq_len
     costs = []
-    for stage in bp.staged.stages:
-        weights = sum(slot.size for slot in bp.params_layout.stage(stage.name).slots)
+    for idx, stage in enumerate(bp.staged.stages):
+        lender = bp.staged.borrows.get(idx)  # (a tied head multiplies by the embedding stage's matrix)
+        weights = sum(slot.size for i in (idx, lender) if i is not None
+                      for slot in bp.params_layout.stage(bp.staged.stages[i].name).slots)
         if stage.kind in bp.staged.hints.forward_flops_per_row:  # the family's own count (an encoder-decoder's)
             fwd = rows * bp.staged.hints.forward_flops_per_row[stage.kind]
         elif stage.kind == "block":
@@ -105,7 +107,7 @@ def estimate_costs(cfg: Config, bp: Blueprint, peak_flops: float, device_bw: flo
         costs.append(StageCost(stage.name, p_bytes, o_bytes, 0.0 if stage.kind == "head" else fwd_s, 3 * fwd_s,
                                touched / device_bw, touched / host_bw, host_add_s=3 * p_bytes / host_bw,
                                expert_bytes=shard_bytes(layout, ranks, apart=True) if experts else 0,
-                               exchange_bytes=exchange if experts else 0.0))
+                               exchange_bytes=exchange if experts else 0.0, lender=lender))
     return costs
 
 
