@@ -113,6 +113,22 @@ def test_lock_free_hides_slow_host_updates():
     assert shared.step_time >= compute_only + sum(c.update_host_s for c in costs) * 0.99
 
 
+def test_lock_free_updates_longer_than_a_step_bound_it():
+    """Updates one step behind hide host work up to a step's compute, not more: with host updates taking twice the
+    compute, every step gives the host stream its updates and a stage never falls two updates behind, so the
+    steady-state step is the host's work per step, and the plan names the host, however few steps are simulated
+    (the first steps run ahead while the queue builds up)."""
+    costs = _costs(update_host_s=0.15)  # 8 x 0.15 s of updates against ~0.27 s of compute per step
+    home = ("host",) * 8
+    host_work = sum(c.update_host_s for c in costs)
+    for steps in (3, 6):
+        tl = simulate(costs, BW, home, home, 1, staleness=1, steps=steps)
+        assert tl.step_time >= host_work * 0.999, (steps, tl.step_time, host_work)
+    plan = make_plan(costs, BW, Budgets(minimum_device_bytes(costs, Budgets(0, None, 0, 0)), None, 0, 0), staleness=1)
+    assert plan.streamed == tuple(range(8))
+    assert plan.bound(costs[0].name)[0] == "host"
+
+
 def test_disk_reads_and_writes_appear_in_the_timeline():
     costs = _costs(4)
     tl = simulate(costs, BW, ("host",) * 4, ("disk",) * 4, 1)

@@ -135,11 +135,14 @@ class _Clock:
     def __init__(self, shared: bool, timeline: Timeline, serial: bool = False):
         self.shared, self.timeline, self.serial = shared and not serial, timeline, serial
         self.free = {"compute": 0.0, "h2d": 0.0, "d2h": 0.0, "host": 0.0, "disk": 0.0, "collective": 0.0}
+        self.busy = dict.fromkeys(self.free, 0.0)
+        """Per clock, the seconds of work it was given (over every simulated step)."""
 
     def run(self, stream: str, label: str, earliest: float, duration: float) -> tuple[float, float]:
         key = "compute" if self.serial or (self.shared and stream != "disk") else stream
         start = max(earliest, self.free[key])
         self.free[key] = start + duration
+        self.busy[key] += duration
         self.timeline.add(stream, label, start, start + duration)
         return start, start + duration
 
@@ -308,7 +311,10 @@ def simulate(costs: list[StageCost], bw: Bandwidths, home: tuple[str, ...], opt_
                 clock.disk(f"write {costs[i].name}", updated[i], written[i], bw.disk_write, bw.disk_write_cpu)
         reads_from = max(updated[i] for i in range(n))
     if steps > 1:
-        tl.step_time = first_forward[-1] - first_forward[-2]
+        # Every step gives each stream the same work, so none can run steps faster than its share: a stream whose
+        # queue grows from step to step (host updates longer than a step, run one update behind) bounds the
+        # steady state even where a few simulated steps do not show it yet.
+        tl.step_time = max(first_forward[-1] - first_forward[-2], max(clock.busy.values()) / steps)
     else:
         tl.step_time = max(e.end for e in tl.events) - min(e.start for e in tl.events)
     if not math.isfinite(tl.step_time):
