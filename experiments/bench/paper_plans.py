@@ -62,12 +62,20 @@ LINKS = {"conservative": ["--h2d-gbps", "25", "--disk-read-gbps", "3", "--disk-w
 H200_BUDGETS = ["memory.device_budget=141000000000", "memory.host_budget=118111600640",
                 "memory.disk_budget=64424509440"]
 """One H200 machine as measured: 141 GB of HBM, 110 GiB of host memory for the host tier, 60 GiB of disk."""
+OFFLOAD_LAYOUT = ["model.param_dtype=bfloat16", "optimizer.master_weights=true", "memory.staleness=1"]
 H200_CASES = {
     # The throughput issue's two figures on paper: gpt_13b at 64 x 2048 tokens per step, and gpt_1b with a quarter
     # of its training state's bytes (19.4 GB: 1.21 B parameters x 16 B) on the device at 32 x 2048.
     "gpt_13b_h200_measured_64x2048": ("experiments/gpt_13b.yaml", ["train.batch_size=64"], H200_BUDGETS),
     "gpt_1b_h200_measured_state4_32x2048": ("experiments/gpt_1b.yaml", ["train.batch_size=32"],
                                             ["memory.device_budget=4850000000", *H200_BUDGETS[1:]]),
+    # The same two with ZeRO-Offload's layout: bfloat16 parameters (what crosses the link, both ways) over a
+    # float32 master kept with the Adam moments, and host updates one step behind (memory.staleness=1).
+    "gpt_13b_h200_measured_64x2048_lockfree_bf16": ("experiments/gpt_13b.yaml", ["train.batch_size=64",
+                                                                                 *OFFLOAD_LAYOUT], H200_BUDGETS),
+    "gpt_1b_h200_measured_state4_32x2048_lockfree_bf16": (
+        "experiments/gpt_1b.yaml", ["train.batch_size=32", *OFFLOAD_LAYOUT],
+        ["memory.device_budget=4850000000", *H200_BUDGETS[1:]]),
 }
 COLLECTIVES = {"nvlink": ["--link-gbps", "150"], "infiniband": ["--link-gbps", "25"]}
 
