@@ -563,11 +563,12 @@ def _build(cls: type, raw: Any, prefix: str, origin: str) -> Any:
     return cls(**kwargs)
 
 
-def _merge(base: dict, updates: dict) -> dict:
+def merge_dicts(base: dict, updates: dict) -> dict:
+    """`base` with `updates` merged in, nested dicts key by key."""
     out = dict(base)
     for key, value in updates.items():
         if isinstance(value, dict) and isinstance(out.get(key), dict):
-            out[key] = _merge(out[key], value)
+            out[key] = merge_dicts(out[key], value)
         else:
             out[key] = value
     return out
@@ -672,8 +673,8 @@ def load_config(path: str | Path | None, overrides: list[str] = ()) -> Config:
     _build(Config, raw, "", origin)
     for text in overrides:
         upd = parse_override(text)
-        _build(Config, _merge(raw, upd), "", f"{origin} + override {text!r}")
-        raw = _merge(raw, upd)
+        _build(Config, merge_dicts(raw, upd), "", f"{origin} + override {text!r}")
+        raw = merge_dicts(raw, upd)
     where = origin if not overrides else f"{origin} with overrides {' '.join(overrides)}"
     return config_from_dict(raw, where)
 

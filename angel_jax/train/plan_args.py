@@ -17,6 +17,11 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peak-tflops", type=float, default=None,
                    help="with --estimate: the target device's peak (default: this device's, from the device table "
                         "or a measured matmul)")
+    p.add_argument("--what-if", action="store_true",
+                   help="with --estimate: also plan the same run with host updates one step behind "
+                        "(memory.staleness=1) and with bfloat16 parameters over a float32 master "
+                        "(ZeRO-Offload's layout: half the bytes over the link), each alone and both, and print "
+                        "their predicted step and MFU")
     target = p.add_argument_group("the target machine, with --estimate: its calibration file, or its links one by "
                                   "one (they win over the file); with neither, built-in figures labelled assumed. "
                                   "No target named at all: this machine (its peak and `angel-jax bench io` "

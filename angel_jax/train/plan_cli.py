@@ -27,7 +27,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from angel_jax.config import Config, load_config
+from angel_jax.config import Config, config_from_dict, load_config, merge_dicts, parse_override, to_dict
 from angel_jax.errors import AngelError
 from angel_jax.optim.fused import host_update_by
 from angel_jax.train.metrics import device_peak
@@ -236,6 +236,8 @@ def main(args: list[str] | argparse.Namespace | None = None) -> int:
     if not args.estimate and (args.devices or args.link_gbps):
         raise AngelError("--devices and --link-gbps describe a target to estimate a plan for: add --estimate "
                          "(a profiled plan is this process's, of one rank)")
+    if getattr(args, "what_if", False) and not args.estimate:
+        raise AngelError("--what-if plans other settings on paper: add --estimate")
     cfg = load_config(args.config, list(args.overrides))
     bp = blueprint(cfg)
     target = plan_target(args) if args.estimate else None
@@ -244,11 +246,78 @@ def main(args: list[str] | argparse.Namespace | None = None) -> int:
                                              else _profiled_plan(cfg, bp))
     peak = peak.flops_per_device
     print("\n".join(report(cfg, plan, costs, budgets, bw, source, peak)))
+    what_if = {}
+    if getattr(args, "what_if", False):
+        what_if = alternatives(cfg, args, target, peak)
+        print("\n".join(what_if_lines(plan, what_if)))
     out = Path(args.out) if args.out else cfg.run_dir
     out.mkdir(parents=True, exist_ok=True)
     plan.predicted.save_json(out / "timeline_predicted.json")
     plan.predicted.save_png(out / "timeline_predicted.png", f"{cfg.name}: predicted timeline")
-    (out / "plan.json").write_text(json.dumps(plan_summary(plan, costs, budgets, bw, source, bp.staged.param_count,
-                                                           cfg, peak), indent=1))
+    summary = plan_summary(plan, costs, budgets, bw, source, bp.staged.param_count, cfg, peak)
+    if what_if:
+        summary["what_if"] = what_if
+    (out / "plan.json").write_text(json.dumps(summary, indent=1))
     print(f"  wrote {out / 'timeline_predicted.png'}, timeline_predicted.json and plan.json")
     return 0
+
+
+WHAT_IF = {
+    "updates one step behind": ["memory.staleness=1"],
+    "bfloat16 parameters over a float32 master": ["model.param_dtype=bfloat16", "optimizer.master_weights=true"],
+}
+"""The settings `--what-if` plans besides the config's own, each alone and both together: the two that move a
+streamed step's bound (host updates hidden behind the next step; half the bytes over the link and in the update)."""
+
+
+def alternatives(cfg: Config, args: argparse.Namespace, target: PlanTarget, peak_flops: float) -> dict[str, dict]:
+    """The run planned on paper with each of `WHAT_IF`'s settings the config does not have yet (bfloat16
+    parameters only over bfloat16 compute), and with all of them: per setting, the predicted step, MFU and bound,
+    or why no plan fits."""
+    def new(name: str, overrides: list[str]) -> bool:
+        if name.startswith("bfloat16") and cfg.model.compute_dtype != "bfloat16":
+            return False  # (parameters cross in the compute dtype: float32 compute gains nothing)
+        return _with(cfg, overrides) != cfg
+
+    options = {name: o for name, o in WHAT_IF.items() if new(name, o)}
+    if len(options) > 1:
+        options["both"] = [o for overrides in options.values() for o in overrides]
+    out: dict[str, dict] = {}
+    for name, overrides in options.items():
+        trial = _with(cfg, overrides)
+        try:
+            trial, plan, costs, _, _, _ = _estimated_plan(trial, blueprint(trial), args, target)
+        except AngelError as e:  # (a PlanError too)
+            out[name] = {"overrides": overrides, "refused": str(e)}
+            continue
+        out[name] = {"overrides": overrides, "predicted_step_s": plan.predicted.step_time,
+                     "predicted_mfu": predicted_mfu(trial, plan, peak_flops), "bound": plan.bound(costs[0].name)[0],
+                     "staleness": plan.staleness, "micro_batch_size": trial.train.micro_batch_size,
+                     "passes": plan.passes, "resident": len(plan.resident), "streamed": len(plan.streamed)}
+    return out
+
+
+def _with(cfg: Config, overrides: list[str]) -> Config:
+    """`cfg` with dotted key=value overrides, validated as the command line's are."""
+    raw = to_dict(cfg)
+    for o in overrides:
+        raw = merge_dicts(raw, parse_override(o))
+    return config_from_dict(raw, "--what-if")
+
+
+def what_if_lines(plan: Plan, what_if: dict[str, dict]) -> list[str]:
+    """`--what-if`'s lines under the report."""
+    if not what_if:
+        return ["  what if               (the config already has every setting --what-if tries)"]
+    lines = [f"  what if               (the same target and budgets; this plan: {plan.predicted.step_time:.4g} s)"]
+    for name, result in what_if.items():
+        settings = " ".join(result["overrides"])
+        if "refused" in result:
+            lines.append(f"    {name}: no plan fits ({result['refused'][:160]})")
+            continue
+        lines.append(f"    {name} ({settings}): {result['predicted_step_s']:.4g} s, "
+                     f"{result['predicted_mfu']:.1%} MFU, bound by {result['bound']}")
+    if any(int(r.get("staleness", 0)) for r in what_if.values()):
+        lines.append("    (updates one step behind train on gradients one step old: measured to cost loss at "
+                     "the main job's learning rates, docs/paged-training.md)")
+    return lines
