@@ -103,8 +103,8 @@ def test_the_targets_device_memory_is_the_device_budget_where_the_config_sets_no
     assert budgets.device == json.loads(H200.read_text())["device_memory_bytes"]
 
 
-def test_what_if_plans_updates_one_step_behind_and_bfloat16_parameters(monkeypatch, tmp_path, capsys):
-    """`--what-if` plans the same target with each setting the config lacks and with both, and says which bounds
+def test_what_if_plans_updates_one_step_behind_and_narrower_state(monkeypatch, tmp_path, capsys):
+    """`--what-if` plans the same target with each setting the config lacks and with all, and says which bounds
     each: here a step bound by host updates gets shorter with them one step behind."""
     from angel_jax.train.plan_cli import main
 
@@ -115,17 +115,19 @@ def test_what_if_plans_updates_one_step_behind_and_bfloat16_parameters(monkeypat
     assert main(args) == 0
     printed = capsys.readouterr().out
     what_if = json.loads((tmp_path / "out" / "plan.json").read_text())["what_if"]
-    assert set(what_if) == {"updates one step behind", "bfloat16 parameters over a float32 master", "both"}
-    assert what_if["both"]["overrides"] == ["memory.staleness=1", "model.param_dtype=bfloat16",
-                                            "optimizer.master_weights=true"]
+    assert set(what_if) == {"updates one step behind", "bfloat16 parameters over a float32 master",
+                            "bfloat16 optimizer moments", "all of them"}
+    assert what_if["all of them"]["overrides"] == ["memory.staleness=1", "model.param_dtype=bfloat16",
+                                                   "optimizer.master_weights=true", "optimizer.state_dtype=bfloat16"]
     exact = json.loads((tmp_path / "out" / "plan.json").read_text())["predicted_step_s"]
     assert what_if["updates one step behind"]["staleness"] == 1
     assert what_if["updates one step behind"]["predicted_step_s"] < exact
     for name, result in what_if.items():
         assert f"{name} (" in printed and result["bound"] in printed
-    # Float32 compute crosses float32: only the staleness is tried; a setting the config has is not tried again.
-    assert main([str(config), *OVERRIDES, "memory.staleness=1", "--estimate", "--calibration", str(H200),
-                 "--what-if", "--out", str(tmp_path / "out2")]) == 0
+    # Float32 compute crosses float32: bfloat16 parameters are not tried; a setting the config has is not tried
+    # again.
+    assert main([str(config), *OVERRIDES, "memory.staleness=1", "optimizer.state_dtype=bfloat16", "--estimate",
+                 "--calibration", str(H200), "--what-if", "--out", str(tmp_path / "out2")]) == 0
     assert "already has every setting" in capsys.readouterr().out
     with pytest.raises(AngelError, match="--what-if .*--estimate"):
         main([str(config), *OVERRIDES, "--what-if", "--out", str(tmp_path / "out3")])

@@ -27,7 +27,7 @@ from pathlib import Path
 import jax
 import numpy as np
 
-from angel_jax.config import Config, config_from_dict, load_config, merge_dicts, parse_override, to_dict
+from angel_jax.config import Config, ConfigError, config_from_dict, load_config, merge_dicts, parse_override, to_dict
 from angel_jax.errors import AngelError
 from angel_jax.optim.fused import host_update_by
 from angel_jax.train.metrics import device_peak
@@ -265,23 +265,29 @@ def main(args: list[str] | argparse.Namespace | None = None) -> int:
 WHAT_IF = {
     "updates one step behind": ["memory.staleness=1"],
     "bfloat16 parameters over a float32 master": ["model.param_dtype=bfloat16", "optimizer.master_weights=true"],
+    "bfloat16 optimizer moments": ["optimizer.state_dtype=bfloat16"],
 }
-"""The settings `--what-if` plans besides the config's own, each alone and both together: the two that move a
-streamed step's bound (host updates hidden behind the next step; half the bytes over the link and in the update)."""
+"""The settings `--what-if` plans besides the config's own, each alone and all together: those that move a
+streamed step's bound (host updates hidden behind the next step; fewer bytes over the link and through the host
+update)."""
 
 
 def alternatives(cfg: Config, args: argparse.Namespace, target: PlanTarget, peak_flops: float) -> dict[str, dict]:
     """The run planned on paper with each of `WHAT_IF`'s settings the config does not have yet (bfloat16
     parameters only over bfloat16 compute), and with all of them: per setting, the predicted step, MFU and bound,
-    or why no plan fits."""
+    or why no plan fits (a setting the config refuses, e.g. bfloat16 moments with an optimizer that keeps none,
+    is left out)."""
     def new(name: str, overrides: list[str]) -> bool:
-        if name.startswith("bfloat16") and cfg.model.compute_dtype != "bfloat16":
+        if name.startswith("bfloat16 parameters") and cfg.model.compute_dtype != "bfloat16":
             return False  # (parameters cross in the compute dtype: float32 compute gains nothing)
-        return _with(cfg, overrides) != cfg
+        try:
+            return _with(cfg, overrides) != cfg
+        except ConfigError:
+            return False
 
     options = {name: o for name, o in WHAT_IF.items() if new(name, o)}
     if len(options) > 1:
-        options["both"] = [o for overrides in options.values() for o in overrides]
+        options["all of them"] = [o for overrides in options.values() for o in overrides]
     out: dict[str, dict] = {}
     for name, overrides in options.items():
         trial = _with(cfg, overrides)

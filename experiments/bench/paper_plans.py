@@ -76,6 +76,14 @@ H200_CASES = {
     "gpt_1b_h200_measured_state4_32x2048_lockfree_bf16": (
         "experiments/gpt_1b.yaml", ["train.batch_size=32", *OFFLOAD_LAYOUT],
         ["memory.device_budget=4850000000", *H200_BUDGETS[1:]]),
+    # ... and with the Adam moments stored in bfloat16 too (optimizer.state_dtype): fewer bytes through the host
+    # update, which bounds both steps above.
+    "gpt_13b_h200_measured_64x2048_lockfree_bf16_moments": (
+        "experiments/gpt_13b.yaml", ["train.batch_size=64", *OFFLOAD_LAYOUT, "optimizer.state_dtype=bfloat16"],
+        H200_BUDGETS),
+    "gpt_1b_h200_measured_state4_32x2048_lockfree_bf16_moments": (
+        "experiments/gpt_1b.yaml", ["train.batch_size=32", *OFFLOAD_LAYOUT, "optimizer.state_dtype=bfloat16"],
+        ["memory.device_budget=4850000000", *H200_BUDGETS[1:]]),
 }
 COLLECTIVES = {"nvlink": ["--link-gbps", "150"], "infiniband": ["--link-gbps", "25"]}
 
