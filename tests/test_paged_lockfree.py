@@ -10,6 +10,7 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from angel_jax.config import Config, MemoryConfig, ModelConfig, OptimizerConfig, TrainConfig
@@ -97,6 +98,7 @@ def _eval_loss(params: dict, held_out: np.ndarray) -> float:
     return float(gpt.cross_entropy(logits, jnp.asarray(held_out[:, 1:])))
 
 
+@pytest.mark.compares_programs  # (the replay is the whole-model program)
 def test_lock_free_training_runs_stale_and_converges_like_exact_mode():
     windows = stdlib_windows(STEPS * BATCH, seed=0)
     data = [jnp.asarray(windows[k * BATCH:(k + 1) * BATCH]) for k in range(STEPS)]

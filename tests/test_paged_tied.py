@@ -33,6 +33,7 @@ def whole() -> tuple[list[float], dict]:
     return reference(_cfg(model=TIED, steps=STEPS), _data())
 
 
+@pytest.mark.compares_programs
 @pytest.mark.parametrize("memory", [
     dict(),                                                          # every stage resident
     dict(device_budget=2_400_000),                                     # the embedding streams, fetched for the head
@@ -61,6 +62,7 @@ def test_a_tied_head_trains_as_the_whole_model(memory, whole, tmp_path):
     assert len(unread) and np.abs(matrix[unread] - np.asarray(first)[unread]).max() > 1e-4
 
 
+@pytest.mark.compares_programs
 def test_an_evaluation_reads_the_borrowed_pages(whole):
     """An evaluation streams the stages as a step does: the head's call gets the embedding's pages again."""
     cfg = _cfg(model=TIED, steps=STEPS, device_budget=2_400_000)
