@@ -63,7 +63,10 @@ def test_gpu_benchmark_smoke_runs_on_the_cpu(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = [line for line in proc.stdout.splitlines() if line.startswith('{"bench')]
     figures = {d["figure"]: d for d in map(json.loads, lines)}
-    assert set(figures) == {"fits_auto", "ladder", "beyond_hbm"}, proc.stdout[-2000:]
+    assert set(figures) == {"fits_auto", "quarter_state", "ladder", "beyond_hbm"}, proc.stdout[-2000:]
+    quarter = figures["quarter_state"]
+    assert quarter["streamed"] == quarter["stages"] and quarter["reference_tokens_per_s"] > 0
+    assert quarter["paged_over_reference"] > 0
     assert figures["fits_auto"]["auto_picked"] == "in_memory"
     assert figures["fits_auto"]["paged_resident_stages"] == "4/4"
     largest = figures["ladder"]["largest"]

@@ -14,6 +14,11 @@ Figures (one JSON line each; appended to experiments/results/paged_gpu_<platform
                    its optimizer state on disk (--disk-dir). Each rung runs in its own process (an out-of-memory
                    failure does not poison the next), under --rung-timeout (--smoke: in this process)
   beyond_hbm       tokens/s and MFU of the paged engine at twice the largest model the reference trains in HBM
+  quarter_state    gpt_1b (experiments/gpt_1b.yaml) at 32 x 2048 tokens per step (micro-batches of 8): the
+                   in-memory engine and the paged engine with a quarter of the training state's bytes as its
+                   device budget, timed in alternating rounds; tokens/s and MFU of each and paged / in-memory
+                   (target <= 1.3); --overrides key=value ... apply to both (e.g. the ZeRO-Offload layout:
+                   model.param_dtype=bfloat16 optimizer.master_weights=true memory.staleness=1)
 
 The host tier is pinned host memory, capped by XLA_PJRT_GPU_HOST_MEMORY_LIMIT_GB: each rung sets it, unless the
 environment does, to what its plan puts in the host tier (schedule.pinned_limit.configure_pinned_limit; at 90% of
@@ -47,11 +52,17 @@ from angel_jax.train.metrics import device_peak, throughput  # noqa: E402
 from models import gpt  # noqa: E402
 
 GPU = {"config": "experiments/gpt_1b.yaml", "width": 4096, "heads": 32, "seq_len": 2048, "batch": 4,
-       "fits_layers": 8, "ladder": [8, 12, 16, 20, 24, 32, 40, 48, 56, 64], "page_size": 256 * 2**20}
+       "fits_layers": 8, "ladder": [8, 12, 16, 20, 24, 32, 40, 48, 56, 64], "page_size": 256 * 2**20,
+       "quarter": {"overrides": ["train.batch_size=32", "train.micro_batch_size=8"], "budget": None}}
 """At d_model 4096 a block holds 201M parameters (3.2 GB of fp32 parameters + Adam state): the reference's
 ceiling on an 80 GB H100 is ~20 blocks (~4B parameters), host RAM (128 GB) holds ~7B, disk more."""
 SMOKE = {"config": "experiments/gpt_tiny.yaml", "width": 64, "heads": 2, "seq_len": 32, "batch": 2,
-         "fits_layers": 2, "ladder": [2], "page_size": 49 * 4096}
+         "fits_layers": 2, "ladder": [2], "page_size": 49 * 4096,
+         "quarter": {"overrides": ["model.d_model=64", "model.n_heads=2", "model.n_layers=2", "model.seq_len=32",
+                                   "train.batch_size=4", "train.micro_batch_size=2", "memory.page_size=200704"],
+                     "budget": 1_500_000}}
+"""`quarter`: the quarter_state figure's shape, and its device budget (None: a quarter of the state; the tiny
+model's quarter holds no step, so the smoke run streams at a budget of its own)."""
 
 
 def sized(sizes: dict, layers: int, *extra: str) -> Config:
@@ -120,7 +131,47 @@ def fits_auto(sizes: dict, rounds: int, steps: int) -> dict:
             "target": 0.97, "meets_target": ratio["auto"] >= 0.97}
 
 
-# --------------------------------------------------------------------------------------------- (b) ladder
+# --------------------------------------------------------------------------------------------- (b) quarter
+
+
+def quarter_state(sizes: dict, rounds: int, steps: int, overrides: list[str]) -> dict:
+    """The in-memory engine against the paged one holding a quarter of the training state on the device."""
+    shape = sizes["quarter"]
+    base = [*shape["overrides"], "train.steps=1000", *overrides]
+    reference = load_config(ROOT / sizes["config"], [*base, "memory.mode=in_memory"])
+    budget = shape["budget"] or state_bytes(reference) // 4
+    configs = {"reference": reference,
+               "paged": load_config(ROOT / sizes["config"], [*base, "memory.mode=paged",
+                                                             f"memory.device_budget={budget}"])}
+    built, times = {}, {name: [] for name in configs}
+    try:
+        for name, cfg in configs.items():
+            t0 = time.perf_counter()
+            built[name] = build_engine(cfg, _mesh())
+            _progress(f"quarter_state: {name} built in {time.perf_counter() - t0:.1f} s")
+        batches = _batches(reference, built["reference"].batch_sharding)
+        for name, engine in built.items():
+            _progress(f"quarter_state: {name} warm-up step {timed(engine, batches, 1):.2f} s")
+        for _ in range(rounds):
+            for name, engine in built.items():
+                times[name].append(timed(engine, batches, steps))
+        plan = built["paged"].built.plan
+    finally:
+        for engine in built.values():
+            engine.close()
+    med = {name: statistics.median(t) for name, t in times.items()}
+    ratio = statistics.median(p / r for p, r in zip(times["paged"], times["reference"]))
+    return {"figure": "quarter_state", "overrides": overrides, "params": gpt.param_count(reference.model)["total"],
+            "state_bytes": state_bytes(reference), "device_budget": budget,
+            "batch_size": reference.train.batch_size, "micro_batch_size": reference.train.micro_batch_size,
+            "streamed": len(plan.streamed), "stages": len(plan.home), "passes": plan.passes,
+            "staleness": plan.staleness, "predicted_step_s": round(plan.predicted.step_time, 4),
+            "step_s": {n: [round(x, 4) for x in t] for n, t in times.items()},
+            **{f"{n}_{k}": v for n in med for k, v in perf(reference, med[n]).items()},
+            "paged_over_reference": round(ratio, 4), "target": 1.3, "meets_target": ratio <= 1.3}
+
+
+# --------------------------------------------------------------------------------------------- (c) ladder
 
 
 def rung(mode: str, sizes_name: str, layers: int, disk_dir: str, steps: int) -> dict:
@@ -218,7 +269,7 @@ def ladder(sizes: dict, sizes_name: str, disk_dir: str, steps: int, timeout: flo
                         for m, r in best.items()}, "rungs": tried}
 
 
-# --------------------------------------------------------------------------------------------- (c) beyond
+# --------------------------------------------------------------------------------------------- (d) beyond
 
 
 def beyond_hbm(sizes: dict, sizes_name: str, ladder_fig: dict, disk_dir: str, steps: int, timeout: float) -> dict:
@@ -238,7 +289,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=3, help="timed steps per round / per rung")
     p.add_argument("--rung-timeout", type=float, default=540.0, help="seconds per ladder rung")
     p.add_argument("--budget-s", type=float, default=3000.0, help="stop climbing the ladders after this long")
-    p.add_argument("--skip", nargs="*", default=[], choices=["fits_auto", "ladder", "beyond_hbm"])
+    p.add_argument("--skip", nargs="*", default=[], choices=["fits_auto", "quarter_state", "ladder", "beyond_hbm"])
+    p.add_argument("--overrides", nargs="*", default=[], metavar="KEY=VALUE",
+                   help="quarter_state: config overrides for both engines")
     p.add_argument("--no-save", action="store_true")
     p.add_argument("--rung", nargs=2, metavar=("MODE", "LAYERS"), help=argparse.SUPPRESS)
     p.add_argument("--sizes", default="gpu", help=argparse.SUPPRESS)
@@ -256,6 +309,9 @@ def main(argv: list[str] | None = None) -> int:
     deadline = time.time() + args.budget_s
     if "fits_auto" not in args.skip:
         emit({"bench": "paged_gpu", "smoke": args.smoke, **fits_auto(sizes, args.rounds, args.steps)}, save, machine)
+    if "quarter_state" not in args.skip:
+        emit({"bench": "paged_gpu", "smoke": args.smoke, **quarter_state(sizes, args.rounds, args.steps,
+                                                                          args.overrides)}, save, machine)
     fig = None
     if "ladder" not in args.skip:
         fig = ladder(sizes, sizes_name, args.disk_dir, args.steps, args.rung_timeout, deadline)
