@@ -127,6 +127,11 @@ def test_lock_free_updates_longer_than_a_step_bound_it():
     plan = make_plan(costs, BW, Budgets(minimum_device_bytes(costs, Budgets(0, None, 0, 0)), None, 0, 0), staleness=1)
     assert plan.streamed == tuple(range(8))
     assert plan.bound(costs[0].name)[0] == "host"
+    # ... and the compute's idle time per step is the host's: what it waits for, at least the step's difference
+    # from the compute's own work.
+    compute_work = sum(c.forward_s for c in costs[:-1]) + sum(c.backward_s for c in costs)
+    waits = plan.predicted.waits
+    assert max(waits, key=waits.get) == "host" and waits["host"] >= plan.predicted.step_time - compute_work - 1e-9
 
 
 def test_disk_reads_and_writes_appear_in_the_timeline():

@@ -110,7 +110,9 @@ def test_one_rank_plans_are_as_they_were():
     plan = make_plan(costs, bw, budgets, micro_batches=4)
     assert plan.home == ("host", "host", "device", "host", "host", "host") and plan.opt_home.count("disk") == 5
     assert plan.predicted.step_time == pytest.approx(0.827150165333334, rel=1e-12)
-    assert plan.predicted.waits == pytest.approx({"host": 0.02319430400000022, "disk": 0.0008587093333332074})
+    # (The host wait includes the resident stage's wait for the norm before its device update, 2.1 ms, counted
+    # since one rank's plans count it as the ranks' plans always did.)
+    assert plan.predicted.waits == pytest.approx({"host": 0.0252914560000006, "disk": 0.0008587093333332074})
     assert plan.peak_bytes == {"device": 50331648, "host": 67108864, "disk": 41943040}
     linked = make_plan(costs, replace(bw, link=1e9), budgets, micro_batches=4, ranks=1)
     assert linked == plan and linked.predicted.events == plan.predicted.events

@@ -295,12 +295,14 @@ def simulate(costs: list[StageCost], bw: Bandwidths, home: tuple[str, ...], opt_
             update_cause[i] = "disk" if staged and staged >= max(norm_at, grads_home[i], clock.free["host"]) \
                 else "host"
             updated_before[i] = updated[i]
-            if home[i] == "device" and collective and not shared_cpu:
+            if home[i] == "device" and not shared_cpu:
                 # Idle before a device update: the last reduce-scatters (the norm needs every reduced gradient),
-                # then the streamed stages' gradients on their way to the host.
+                # then the streamed stages' gradients on their way to the host (their copies, the host's sums of
+                # accumulation passes behind its queue of updates).
                 free = clock.free["compute"]
-                for what, lo, hi in (("collective", free, min(earliest, reduced)),
-                                     ("host", max(free, reduced), earliest)):
+                reduced_at = reduced if collective else free
+                for what, lo, hi in (("collective", free, min(earliest, reduced_at)),
+                                     ("host", max(free, reduced_at), earliest)):
                     if hi > lo:
                         waits[what] = waits.get(what, 0.0) + hi - lo
             if home[i] == "device":
@@ -313,8 +315,13 @@ def simulate(costs: list[StageCost], bw: Bandwidths, home: tuple[str, ...], opt_
     if steps > 1:
         # Every step gives each stream the same work, so none can run steps faster than its share: a stream whose
         # queue grows from step to step (host updates longer than a step, run one update behind) bounds the
-        # steady state even where a few simulated steps do not show it yet.
-        tl.step_time = max(first_forward[-1] - first_forward[-2], max(clock.busy.values()) / steps)
+        # steady state even where a few simulated steps do not show it yet. The compute then waits for that
+        # stream for the difference, every step.
+        simulated = first_forward[-1] - first_forward[-2]
+        busiest = max(clock.busy, key=clock.busy.get)
+        tl.step_time = max(simulated, clock.busy[busiest] / steps)
+        if tl.step_time > simulated and busiest != "compute" and not shared_cpu:
+            waits[busiest] = waits.get(busiest, 0.0) + tl.step_time - simulated
     else:
         tl.step_time = max(e.end for e in tl.events) - min(e.start for e in tl.events)
     if not math.isfinite(tl.step_time):
