@@ -77,6 +77,7 @@ from angel_jax.schedule.plan import Plan
 from angel_jax.schedule.stagefns import HostSums, StageFunctions, page_values, scalar_sharding
 from angel_jax.schedule.timeline import Recorder, Timeline
 from angel_jax.schedule.trace import compute_sequence, split_batch
+from angel_jax.schedule.zero import serial
 from models.common import scored_share
 from models.stages import StagedModel
 
@@ -110,10 +111,15 @@ class PagedModel:
     def param_ids(self, stage: int) -> tuple[int, ...]:
         return self.params_layout.stage(self.staged.stages[stage].name).page_ids
 
-    def call_ids(self, stage: int) -> tuple[int, ...]:
-        """The parameter pages the stage's calls take: its own, then its lender's (`StagedModel.borrows`)."""
+    def reads(self, stage: int) -> tuple[int, ...]:
+        """The stages whose parameter pages the stage's calls take: itself, then the stage it borrows from
+        (`StagedModel.borrows`: a head tied to the embedding reads the embedding stage's pages too)."""
         lender = self.staged.borrows.get(stage)
-        return self.param_ids(stage) + (() if lender is None else self.param_ids(lender))
+        return (stage,) if lender is None else (stage, lender)
+
+    def call_ids(self, stage: int) -> tuple[int, ...]:
+        """The parameter pages the stage's calls take, in `reads` order."""
+        return tuple(pid for s in self.reads(stage) for pid in self.param_ids(s))
 
     def opt_ids(self, stage: int) -> tuple[int, ...]:
         return tuple(p + self.opt_offset for p in self.opt_layout.stage(self.staged.stages[stage].name).page_ids)
@@ -143,9 +149,6 @@ class PagedExecutor:
         self.last_timeline: Timeline | None = None
         """The measured timeline of the last recording (`record_steps`), once complete."""
         self._n = len(model.staged.stages)
-        self._reads = [(i,) + ((model.staged.borrows[i],) if i in model.staged.borrows else ()) for i in range(self._n)]
-        """Per stage, the stages whose parameter pages its calls read: itself, then the stage it borrows from
-        (`StagedModel.borrows`: a head tied to the embedding reads the embedding stage's pages too)."""
         self._pass_seq = compute_sequence(self._n)
         self._seq = self._pass_seq * plan.passes  # the step's accesses: every pass runs the whole sequence
         self._last_use = {i: max(k for k, (_, j) in enumerate(self._seq) if j == i) for i in range(self._n)}
@@ -199,7 +202,7 @@ class PagedExecutor:
             if k >= len(self._seq):
                 return
             i = self._seq[k][1]
-            reads = self._reads[i]
+            reads = self.model.reads(i)
             if any(s in streamed and not refs.get(s) for s in reads):
                 # A fetch starts when its window slot frees on the device (the compute `prefetch` accesses back is
                 # done), not when the training thread, running ahead of the device, gets there: evicted pages
@@ -226,7 +229,7 @@ class PagedExecutor:
                                    after=None if plan.home[s] == "disk" else [store.get(p, "host") for p in ids])
 
         def release(k: int, i: int) -> None:
-            for s in self._reads[i]:
+            for s in self.model.reads(i):
                 if s in streamed:
                     refs[s] -= 1
                     if refs[s] == 0:
@@ -349,9 +352,9 @@ class PagedExecutor:
             own = len(self.model.param_ids(i))
             dpages, lent[self.model.staged.borrows[i]] = dpages[:own], dpages[own:]
             if self.plan.passes == 1:  # (the call's sum of squares counted the lender's share too)
-                mark = _sqsum(dpages, self._grad_dtypes[i])
+                mark = self._waited(_sqsum(dpages, self._grad_dtypes[i]))
         if i in lent:  # a lender: its borrowers' share added in
-            dpages, sqsum = _add_lent(dpages, lent.pop(i), self._grad_dtypes[i])
+            dpages, sqsum = self._waited(_add_lent(dpages, lent.pop(i), self._grad_dtypes[i]))
             mark = sqsum if self.plan.passes == 1 else mark
         if self.plan.passes == 1:  # the step's gradients, meaned in the call (or one micro-batch's)
             return dpages, mark, mark, dx, loss
@@ -362,6 +365,11 @@ class PagedExecutor:
             return sums[i], None, mark, dx, loss
         grads, sqsum = fns.mean_grads(sums.pop(i), micro, self._grad_dtypes[i])
         return grads, sqsum, sqsum, dx, loss
+
+    def _waited(self, out: Any) -> Any:
+        """`out` of a computation over gradient pages, waited for where the pages are sharded over several CPU
+        devices: a collective there runs alone (`zero.serial`), as `StageFunctions.mean_grads` waits."""
+        return jax.block_until_ready(out) if serial(jax.tree.leaves(out)[0].sharding) else out
 
     def _sum_span(self, i: int, micro: int) -> int:
         """The micro-batches whose gradients of stage i are summed on the device: the step's for resident stages
@@ -442,11 +450,11 @@ class PagedExecutor:
         refs: dict[int, int] = {}  # per streamed stage, the calls in the window that read its pages
 
         def fetch(i: int) -> None:
-            if i >= self._n or not any(s in streamed for s in self._reads[i]):
+            if i >= self._n or not any(s in streamed for s in self.model.reads(i)):
                 return
             # As in `step`: a fetch starts when its window slot frees on the device, not when this thread gets here.
             jax.block_until_ready(marks[i - plan.prefetch - 1] if i > plan.prefetch else self._last_mark)
-            for s in self._reads[i]:
+            for s in self.model.reads(i):
                 if s in streamed:
                     refs[s] = refs.get(s, 0) + 1
                     for pid in self.model.param_ids(s) if refs[s] == 1 else ():
@@ -462,7 +470,7 @@ class PagedExecutor:
                 xs = [fns.forward[stage.kind](pages, x) for x in xs]
             marks.append(xs[-1])
             del pages
-            for s in self._reads[i]:
+            for s in self.model.reads(i):
                 if s in streamed:
                     refs[s] -= 1
                     for pid in self.model.param_ids(s) if refs[s] == 0 else ():

@@ -173,7 +173,7 @@ class Borrowing:
     """The layout a borrowing stage's functions see (`StagedModel.borrows`): its own pages followed by its
     lender's. `unpack` gives the pair (own parameters, lender's) its apply takes; `pack` takes the pair of their
     gradients and gives the pages in the same order, so the backward's gradient pages are the stage's own and then
-    its gradient of the lender's parameters (`lent_pages` splits them)."""
+    its gradient of the lender's parameters (the executor splits them)."""
 
     def __init__(self, own: Any, lent: Any):
         self.own, self.lent = own, lent
