@@ -82,6 +82,7 @@ def _mesh() -> jax.sharding.Mesh:
 # --------------------------------------------------------------------------------------------- the loss
 
 
+@pytest.mark.compares_programs
 def test_the_loss_is_the_masked_cross_entropy_of_the_responses():
     staged = models.get(GPT)
     graphdef, params = staged.init(0)
@@ -181,6 +182,7 @@ def test_the_sharded_engines_give_the_one_device_masked_loss():
             np.testing.assert_allclose(out[engine][key], out["reference"][key], rtol=1e-5, err_msg=engine)
 
 
+@pytest.mark.compares_programs
 def test_eval_loss_is_the_mean_over_every_scored_validation_token(tmp_path):
     engine = InMemoryEngine(_cfg(tmp_path, GPT, False), _mesh())
     try:

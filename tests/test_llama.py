@@ -315,6 +315,7 @@ def test_bad_rope_scaling_and_variant_keys_are_refused_by_name(changes, named):
         load_config(None, [f"model.{k}={v}" for k, v in changes.items()])
 
 
+@pytest.mark.compares_programs
 def test_a_tied_head_is_refused_with_experts_and_borrows_the_embedding_as_a_stage():
     with pytest.raises(ConfigError, match="'model.tie_embeddings': a tied head is not implemented with mixture"):
         models.get(dataclasses.replace(VARIANT, moe=MoEConfig(experts=2)))
