@@ -428,10 +428,11 @@ def ensure_prepared(data_dir: Path, source: str, rows: Rows, *, tokenizer: str =
     with data_lib.file_lock(data_dir.parent / f".{data_dir.name}.lock"):
         if (data_dir / data_lib.META).is_file():
             try:
-                have = data_lib.load_meta(data_dir).get("spec") or {}
+                meta = data_lib.load_meta(data_dir)
             except DataError:
-                have = {}  # corrupt or old format: prepare again
+                meta = {}  # corrupt or old format: prepare again
+            have = meta.get("spec") or {}
             if all(have.get(k) == v for k, v in want.items() if not (k == "val_fraction" and v is None)):
-                return data_lib.load_meta(data_dir)
+                return meta
         return prepare(files, data_dir, rows, tokenizer=tokenizer, vocab_size=vocab_size,
                        val_fraction=val_fraction or 0.0, tokenizer_path=tokenizer_path)

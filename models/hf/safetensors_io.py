@@ -177,7 +177,7 @@ def plan_shards(specs: Sequence[TensorSpec], max_bytes: int) -> list[tuple[Tenso
     current: list[TensorSpec] = []
     size = 0
     for spec in specs:
-        if current and (spec.nbytes > max_bytes or size + spec.nbytes > max_bytes):
+        if current and size + spec.nbytes > max_bytes:
             shards.append(current)
             current, size = [], 0
         current.append(spec)
@@ -254,8 +254,6 @@ class ShardedWriter:
         self._file = None
         self._written: list[Path] = []
         self._committed = False
-        self.largest_tensor = 0
-        """The most bytes of one tensor given to `add` (what the writer held at once)."""
 
     def _tmp(self, shard: int) -> Path:
         return self.directory / (self.names[shard] + ".tmp")
@@ -269,9 +267,7 @@ class ShardedWriter:
         if k == 0:
             self._open(shard)
         data = np.ascontiguousarray(array)
-        if data.dtype.byteorder == ">":  # safetensors stores little-endian
-            data = data.astype(data.dtype.newbyteorder("<"))
-        self.largest_tensor = max(self.largest_tensor, data.nbytes)
+        data = data.astype(data.dtype.newbyteorder("<"), copy=False)  # safetensors stores little-endian
         with self._writing(self._tmp(shard)):
             self._file.write(data.reshape(-1).view(np.uint8).data)
         if k == len(self.shards[shard]) - 1:
