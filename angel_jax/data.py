@@ -450,9 +450,16 @@ def ensure_prepared(data_dir: Path, source: str, *, tokenizer: str = "byte", voc
     tokenizer.json and special tokens), so another tokenizer in the same place prepares again. val_fraction=None
     accepts whatever split exists (and prepares with none).
     """
-    data_dir = Path(data_dir)
     files = resolve_sources(source)
     want = _spec(files, tokenizer, vocab_size, max_bytes, val_fraction, text_key, tokenizer_path)
+    return reuse_or_prepare(Path(data_dir), want, lambda: prepare(
+        files, Path(data_dir), tokenizer=tokenizer, vocab_size=vocab_size, max_bytes=max_bytes,
+        val_fraction=val_fraction or 0.0, text_key=text_key, allow_binary=allow_binary, tokenizer_path=tokenizer_path))
+
+
+def reuse_or_prepare(data_dir: Path, want: dict, make: Callable[[], dict]) -> dict:
+    """data_dir's meta if its recorded spec is `want` (a `val_fraction` of None accepts any split), else `make()`'s
+    (which prepares it), once per host group: under a file lock beside the directory."""
     data_dir.parent.mkdir(parents=True, exist_ok=True)
     with file_lock(data_dir.parent / f".{data_dir.name}.lock"):
         if (data_dir / META).is_file():
@@ -463,9 +470,7 @@ def ensure_prepared(data_dir: Path, source: str, *, tokenizer: str = "byte", voc
             have = meta.get("spec") or {}
             if all(have.get(k) == v for k, v in want.items() if not (k == "val_fraction" and v is None)):
                 return meta
-        return prepare(files, data_dir, tokenizer=tokenizer, vocab_size=vocab_size, max_bytes=max_bytes,
-                       val_fraction=val_fraction or 0.0, text_key=text_key, allow_binary=allow_binary,
-                       tokenizer_path=tokenizer_path)
+        return make()
 
 
 # -------------------------------------------------------------------------------------------------- iterator

@@ -421,18 +421,8 @@ def ensure_prepared(data_dir: Path, source: str, rows: Rows, *, tokenizer: str =
                     val_fraction: float | None = None, tokenizer_path: Path | None = None) -> dict[str, Any]:
     """Reuse data_dir if it was prepared from the same records, tokenizer, keys, row length and packing; else
     prepare it (once per host group: a file lock). val_fraction None accepts whatever split exists."""
-    data_dir = Path(data_dir)
     files = resolve_sources(source)
     want = spec(files, rows, tokenizer, vocab_size, val_fraction, tokenizer_path)
-    data_dir.parent.mkdir(parents=True, exist_ok=True)
-    with data_lib.file_lock(data_dir.parent / f".{data_dir.name}.lock"):
-        if (data_dir / data_lib.META).is_file():
-            try:
-                meta = data_lib.load_meta(data_dir)
-            except DataError:
-                meta = {}  # corrupt or old format: prepare again
-            have = meta.get("spec") or {}
-            if all(have.get(k) == v for k, v in want.items() if not (k == "val_fraction" and v is None)):
-                return meta
-        return prepare(files, data_dir, rows, tokenizer=tokenizer, vocab_size=vocab_size,
-                       val_fraction=val_fraction or 0.0, tokenizer_path=tokenizer_path)
+    return data_lib.reuse_or_prepare(Path(data_dir), want, lambda: prepare(
+        files, Path(data_dir), rows, tokenizer=tokenizer, vocab_size=vocab_size, val_fraction=val_fraction or 0.0,
+        tokenizer_path=tokenizer_path))
