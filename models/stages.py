@@ -124,6 +124,11 @@ class StagedModel:
             x = self.apply[stage.kind](self.stage_inputs(stage_params, i), x)
         return x
 
+    def stage_shapes(self) -> list[PyTree]:
+        """Every stage's parameters as jax.ShapeDtypeStruct, in stage order (`split` of `abstract`: nothing is
+        allocated or read)."""
+        return jax.eval_shape(self.split, self.abstract()[1])
+
     def kinds(self) -> dict[str, list[int]]:
         """kind -> indices of the stages of that kind."""
         out: dict[str, list[int]] = {}

@@ -107,7 +107,7 @@ def test_a_sharded_export_reads_back_bit_for_bit(cfg, tmp_path):
     limit = 12_000  # bytes: a block's tensors span several shards, small tensors share one
     with pytest.raises(TypeError, match="need `abstract`"):  # stages read on demand: their shapes come first
         hf.export(cfg, lambda i: stages[i], tmp_path / "sharded", max_shard_size=limit)
-    hf.export(cfg, lambda i: stages[i], tmp_path / "sharded", abstract=hf.abstract_stages(staged),
+    hf.export(cfg, lambda i: stages[i], tmp_path / "sharded", abstract=staged.stage_shapes(),
               max_shard_size=limit)
     out = tmp_path / "sharded"
     index = json.loads((out / "model.safetensors.index.json").read_text())
@@ -206,7 +206,7 @@ def test_an_interrupted_export_leaves_no_file_under_the_final_names(limit, tmp_p
         return stages[i]
 
     with pytest.raises(KeyboardInterrupt):
-        hf.export(LLAMA, read, out, abstract=hf.abstract_stages(models.get(LLAMA)), max_shard_size=limit)
+        hf.export(LLAMA, read, out, abstract=models.get(LLAMA).stage_shapes(), max_shard_size=limit)
     assert [p.name for p in out.iterdir()] == ["README.md"]
     hf.export(LLAMA, stages, out, max_shard_size=limit)  # and the next export goes through
     hf.export(LLAMA, stages, tmp_path / "whole")
@@ -221,7 +221,7 @@ def test_a_full_disk_is_a_clear_error_that_leaves_no_file_under_the_final_names(
     stages = models.get(LLAMA).split(random_params(LLAMA))
     out = tmp_path / "out"
     out.mkdir()
-    abstract = hf.abstract_stages(models.get(LLAMA))
+    abstract = models.get(LLAMA).stage_shapes()
     names = ShardedWriter(out, hf.export_specs(LLAMA, abstract, "float32"), parse_size("10KB")).names
     (out / (names[1] + ".tmp")).symlink_to("/dev/full")
     with pytest.raises(hf.CheckpointFileError, match=rf"cannot write .*{names[1]}\.tmp: No space left on device"):
@@ -346,7 +346,7 @@ def address_space():
 with open_stages(run_dir) as weights:
     weights.read(1)
     cfg = weights.cfg
-hf.abstract_stages(models.get(cfg.model))
+models.get(cfg.model).stage_shapes()
 resource.setrlimit(resource.RLIMIT_AS, (address_space() + headroom, resource.RLIM_INFINITY))
 if mode == "streamed":
     done = export_run(run_dir, out, max_shard_size="8MB")

@@ -15,7 +15,6 @@ import threading
 from dataclasses import dataclass
 from typing import Any, Callable
 
-import jax
 import numpy as np
 import optax
 
@@ -70,18 +69,12 @@ _BLUEPRINTS_KEEP = 4
 _BLUEPRINTS_LOCK = threading.Lock()
 
 
-def _stage_shapes(staged: StagedModel) -> list[Any]:
-    """Each stage's parameters as jax.ShapeDtypeStruct, in stage order."""
-    _, abstract = staged.abstract()
-    return jax.eval_shape(staged.split, abstract)
-
-
 def params_layout(cfg: Config) -> PageLayout:
     """The page layout of the model's parameters (the pages `params/<stage>/<k>` of a paged checkpoint), from
     shapes alone: nothing is allocated or compiled, so a checkpoint's pages can be read without building an
     engine."""
     staged = models.get(cfg.model)
-    return PageLayout.build(zip([s.name for s in staged.stages], _stage_shapes(staged)), cfg.memory.page_size,
+    return PageLayout.build(zip([s.name for s in staged.stages], staged.stage_shapes()), cfg.memory.page_size,
                             params_apart(staged))
 
 
@@ -113,7 +106,7 @@ def refuse_sharded_optimizer(cfg: Config) -> None:
 
 def _blueprint(cfg: Config, zero: Zero | None = None) -> Blueprint:
     staged = models.get(cfg.model, documents=cfg.data.packed)  # rows of packed documents kept apart
-    stage_params = _stage_shapes(staged)
+    stage_params = staged.stage_shapes()
     tx, schedule = make_optimizer(cfg.optimizer, cfg.train.steps, clip=False)
     names = [s.name for s in staged.stages]
     if zero is not None and cfg.memory.staleness:

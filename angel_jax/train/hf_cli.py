@@ -120,7 +120,7 @@ def export_run(run_dir: Path, out_dir: Path, *, step: int | None = None, dtype: 
         hf.parse_size(max_shard_size)
     except ValueError as e:
         raise ConfigError(f"--max-shard-size: {e}") from None
-    abstract = hf.abstract_stages(models.get(dataclasses.replace(model_cfg, init_from="")))
+    abstract = models.get(dataclasses.replace(model_cfg, init_from="")).stage_shapes()  # (no checkpoint read)
     largest = largest_tensor(model_cfg, abstract, dtype)
     # The tokenizer's special ids of the checkpoint the run started from, when it is still there.
     carry = hf.special_tokens(model_cfg.init_from) if model_cfg.init_from else {}

@@ -54,7 +54,7 @@ EXPORT_DTYPES = ("float32", "bfloat16", "float16")
 
 __all__ = ["ARCHITECTURE_KEYS", "CheckpointFileError", "CheckpointTensors", "DEFAULT_MAX_SHARD_SIZE", "EXPORT_DTYPES",
            "INDEX_FILE",
-           "abstract_stages", "check_matches", "export", "export_specs", "from_pretrained", "load_stage",
+           "check_matches", "export", "export_specs", "from_pretrained", "load_stage",
            "model_fields", "parse_size", "read_config", "weight_files"]
 
 
@@ -169,16 +169,6 @@ def from_pretrained(staged: StagedModel, cfg: ModelConfig) -> StagedModel:
     return dataclasses.replace(staged, init=init, init_stage=init_stage, init_reads_files=True)
 
 
-def abstract_stages(staged: StagedModel) -> list[Params]:
-    """Every stage's params as shapes and dtypes (`jax.eval_shape` of the family's init_stage: nothing is
-    allocated; stages of one kind share theirs). `staged` must not read a checkpoint (no model.init_from)."""
-    by_kind: dict[str, Params] = {}
-    for i, stage in enumerate(staged.stages):
-        if stage.kind not in by_kind:
-            by_kind[stage.kind] = jax.eval_shape(lambda i=i: staged.init_stage(0, i))
-    return [by_kind[stage.kind] for stage in staged.stages]
-
-
 def export_specs(cfg: ModelConfig, abstract: list[Params], dtype: str) -> list[TensorSpec]:
     """Every HF tensor of the export, in the order it is written (stage by stage), from shapes alone."""
     mapping = mapping_for(cfg)
@@ -196,7 +186,7 @@ def export(cfg: ModelConfig, stage_params: Sequence[Params] | Callable[[int], Pa
     of the checkpoint a run started from).
 
     `stage_params`: one pytree per stage (`StagedModel.split`), or a function that reads stage i when called,
-    with `abstract`, every stage's shapes (`abstract_stages`): the stages are then read one at a time, each
+    with `abstract`, every stage's shapes (`StagedModel.stage_shapes`): the stages are then read one at a time, each
     converted and written tensor by tensor before the next is read, so an export holds one stage's params and one
     converted tensor, never the model (the files' headers come from the shapes). Existing weights or a
     config.json in `out_dir` are refused unless `overwrite`; nothing is written under a final name until every
@@ -205,7 +195,7 @@ def export(cfg: ModelConfig, stage_params: Sequence[Params] | Callable[[int], Pa
     mapping = mapping_for(cfg)
     if abstract is None:
         if callable(stage_params):
-            raise TypeError("export: stages read on demand need `abstract`, their shapes (hf.abstract_stages)")
+            raise TypeError("export: stages read on demand need `abstract`, their shapes (StagedModel.stage_shapes)")
         abstract = [jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), x.dtype), p) for p in stage_params]
     dtype = dtype or np.dtype(jax.tree.leaves(abstract[0])[0].dtype).name
     if dtype not in EXPORT_DTYPES:
