@@ -62,11 +62,6 @@ class StageWeights:
     """The training step the checkpoint holds."""
     read: Callable[[int], Any]
     """Stage i's parameters (numpy, in the structure of the family's `init_stage`), read when called."""
-    held_bytes: tuple[int, ...]
-    """The most host bytes reading stage i holds at once: a paged checkpoint's pages of that stage and the leaves
-    unpacked from them; for parameters read whole (the in-memory engine's leaves), all of them."""
-    streamed: bool
-    """True when every stage is read on its own; False when the parameters were read whole and split."""
 
 
 def load_params(run_dir: Path, step: int | None = None) -> LoadedWeights:
@@ -191,7 +186,7 @@ def _paged_stages(engine: CheckpointManager, cfg: Config, run_dir: Path, step: i
             _restore(engine, run_dir, at, only(names[i]), f"the parameters of stage {names[i]!r}: ").arrays
         return fmt.stage_params(layout, names[i], arrays, where)
 
-    return StageWeights(cfg=cfg, step=at, read=read, held_bytes=held_bytes(cfg, True), streamed=True)
+    return StageWeights(cfg=cfg, step=at, read=read)
 
 
 def _stages_of(cfg: Config, at: int, arrays: dict[str, Any], meta: dict[str, Any], where: str) -> StageWeights:
@@ -203,11 +198,9 @@ def _stages_of(cfg: Config, at: int, arrays: dict[str, Any], meta: dict[str, Any
     names = [s.name for s in staged.stages]
     if fmt.engine == Pages.engine:
         layout = fmt.params_layout(cfg, engine_meta, where)
-        return StageWeights(cfg=cfg, step=at, read=lambda i: fmt.stage_params(layout, names[i], arrays, where),
-                            held_bytes=held_bytes(cfg, True), streamed=True)
+        return StageWeights(cfg=cfg, step=at, read=lambda i: fmt.stage_params(layout, names[i], arrays, where))
     params = fmt.params(cfg, arrays, engine_meta, where)
-    return StageWeights(cfg=cfg, step=at, read=staged.split(params).__getitem__, held_bytes=held_bytes(cfg, False),
-                        streamed=False)
+    return StageWeights(cfg=cfg, step=at, read=staged.split(params).__getitem__)
 
 
 def _read_options(cfg: Config, run_dir: Path) -> CheckpointOptions:
