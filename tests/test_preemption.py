@@ -51,7 +51,10 @@ def _persisted(run_dir: Path) -> list[int]:
 @pytest.mark.slow
 def test_sigterm_saves_the_step_in_flight_and_the_resume_is_exact(tmp_path, write_tiny_config):
     straight_cfg = write_tiny_config(tmp_path, "straight", train={"steps": STEPS}, checkpoint={"every": EVERY})
-    cfg = write_tiny_config(tmp_path, "stopped", train={"steps": STEPS}, checkpoint={"every": EVERY})
+    # keep_every: step 10 is persisted however slow its copy is (a save that has not started persisting when a
+    # newer one arrives is otherwise superseded by it, and on a busy machine step 14 can arrive first).
+    cfg = write_tiny_config(tmp_path, "stopped", train={"steps": STEPS},
+                            checkpoint={"every": EVERY, "keep_every": EVERY})
     train(load_config(straight_cfg))  # the uninterrupted run, in this process (a child's imports cost ~10 s)
 
     stopped = _train(cfg, "signal@13:num=15")
