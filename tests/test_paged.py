@@ -213,9 +213,9 @@ def _device_bytes() -> int:
     return sum(a.nbytes for a in jax.live_arrays() if a.sharding.memory_kind == "device" and not a.is_deleted())
 
 
-def test_device_budget_holds_for_live_arrays():
-    data = batches(4)
-    cfg = eighth(_cfg())
+def device_use(cfg: Config, data: list[jax.Array]) -> tuple[int, object]:
+    """The most device bytes alive beside what was before, sampled after every stage access of a paged run of
+    `cfg` on `data`, and its engine."""
     peak = [0]
 
     def sample(op, stage):
@@ -225,8 +225,13 @@ def test_device_budget_holds_for_live_arrays():
     gc.collect()
     baseline = _device_bytes()
     _, _, engine = paged(cfg, data, on_access=sample)
+    return peak[0] - baseline, engine
+
+
+def test_device_budget_holds_for_live_arrays():
+    cfg = eighth(_cfg())
+    used, engine = device_use(cfg, batches(4))
     assert_mostly_streamed(engine, cfg)
-    used = peak[0] - baseline
     # What is live on the device at the sample points fits the budget; and the samples do see streamed pages in
     # flight (more than two stages' worth), or this test would not be measuring anything.
     assert 2 * max(c.param_bytes for c in engine.costs) < used <= cfg.memory.device_budget, \

@@ -116,17 +116,22 @@ def test_what_if_plans_updates_one_step_behind_and_narrower_state(monkeypatch, t
     printed = capsys.readouterr().out
     what_if = json.loads((tmp_path / "out" / "plan.json").read_text())["what_if"]
     assert set(what_if) == {"updates one step behind", "bfloat16 parameters over a float32 master",
-                            "bfloat16 optimizer moments", "all of them"}
+                            "bfloat16 optimizer moments", "streamed stages updated on the device", "all of them"}
     assert what_if["all of them"]["overrides"] == ["memory.staleness=1", "model.param_dtype=bfloat16",
-                                                   "optimizer.master_weights=true", "optimizer.state_dtype=bfloat16"]
+                                                   "optimizer.master_weights=true", "optimizer.state_dtype=bfloat16",
+                                                   "memory.streamed_updates=device"]
     exact = json.loads((tmp_path / "out" / "plan.json").read_text())["predicted_step_s"]
     assert what_if["updates one step behind"]["staleness"] == 1
     assert what_if["updates one step behind"]["predicted_step_s"] < exact
-    for name, result in what_if.items():
-        assert f"{name} (" in printed and result["bound"] in printed
+    for name, result in what_if.items():  # (a setting no plan fits is named with the refusal)
+        assert f"{name} (" in printed and result["bound"] in printed if "refused" not in result \
+            else f"{name}: no plan fits (" in printed
+    # This device budget holds no stage's update pages beside the window: refused, saying what to raise.
+    assert "memory.streamed_updates=host" in what_if["streamed stages updated on the device"]["refused"]
     # Float32 compute crosses float32: bfloat16 parameters are not tried; a setting the config has is not tried
     # again.
-    assert main([str(config), *OVERRIDES, "memory.staleness=1", "optimizer.state_dtype=bfloat16", "--estimate",
+    assert main([str(config), *OVERRIDES, "memory.staleness=1", "optimizer.state_dtype=bfloat16",
+                 "memory.streamed_updates=device", "memory.device_budget=20000000", "--estimate",
                  "--calibration", str(H200), "--what-if", "--out", str(tmp_path / "out2")]) == 0
     assert "already has every setting" in capsys.readouterr().out
     with pytest.raises(AngelError, match="--what-if .*--estimate"):

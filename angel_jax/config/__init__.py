@@ -344,6 +344,10 @@ class MemoryConfig:
     passes: int = doc(0, "Paged engine: accumulation passes per step, each running its share of the micro-batches "
                          "layer-major (fewer saved activations, streamed stages fetched once per pass); 0 = the "
                          "planner chooses.")
+    streamed_updates: Literal["auto", "host", "device"] = doc(
+        "auto", "Paged engine: where streamed stages whose pages live in host memory update: host (the CPU), device "
+                "(their optimizer state crosses the link and back, exact), or auto (the faster predicted; the host "
+                "on the CPU backend).")
     overlap: bool = doc(True, "Paged engine: false runs every copy, disk transfer, computation and update alone, "
                               "each waited for before the next starts: the baseline that shows what overlap "
                               "gains (slow; exact updates only).")
@@ -358,6 +362,8 @@ class MemoryConfig:
             errs.append(("overlap", "false runs every update in turn, which is exact: it needs staleness 0"))
         if self.passes < 0:
             errs.append(("passes", "must be >= 0 (0 = the planner chooses)"))
+        if self.streamed_updates not in ("auto", "host", "device"):
+            errs.append(("streamed_updates", f"must be auto, host or device, got {self.streamed_updates!r}"))
         for key in ("device_budget", "host_budget", "disk_budget"):
             if getattr(self, key) < 0:
                 errs.append((key, "must be >= 0"))

@@ -164,7 +164,8 @@ def check_host_room(cfg: Config, device: jax.Device, sizes: ModelBytes) -> None:
     hold: the plan is made on the page layouts' bytes (with no compute times), so the refusal is the one the
     profiled plan would give, naming the bytes missing and the key to raise."""
     make_plan(sizes.stages, Bandwidths(), budgets_for(cfg, device, cfg.train.batch_size, sizes),
-              staleness=cfg.memory.staleness,
+              staleness=cfg.memory.staleness, streamed_updates=cfg.memory.streamed_updates,
+              shared_cpu=device.platform == "cpu",
               micro_batches=micro_batching(cfg, cfg.train.batch_size)[0], passes=cfg.memory.passes or None)
 
 
@@ -234,7 +235,8 @@ def pinned_host_need(cfg: Config, sizes: ModelBytes, device_bytes: int, processe
                           fixed_device=fixed_device_bytes(cfg, local, sizes),
                           saved_device=saved_input_bytes(cfg, local))
         plan = make_plan(sizes.stages, Bandwidths(), budgets, staleness=cfg.memory.staleness,
-                         micro_batches=micro_batching(cfg, local)[0], passes=cfg.memory.passes or None)
+                         micro_batches=micro_batching(cfg, local)[0], passes=cfg.memory.passes or None,
+                         streamed_updates=cfg.memory.streamed_updates)
     except (PlanError, ConfigError):
         return None
     return plan.peak_bytes["host"]

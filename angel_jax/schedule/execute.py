@@ -29,7 +29,10 @@ and released at its last of the last pass, so every pass runs the same parameter
 where the plan keeps them: a resident stage's micro-batches all go into one sum on the device; a streamed stage's
 pass sum (or, with one micro-batch per pass, its gradients as they are) goes to the host after the pass's backward
 and is added there into the stage's sum (`HostSums`, on the host placement's compute), so none of it stays on the
-device between passes. After the last pass the sum's mean over the M micro-batches and its sum of squares are taken
+device between passes. A streamed stage updated on the device (`Plan.update_at`) sums on the device instead: its
+sum so far crosses from the host with its backward, the pass's gradients are added to it there, and the new sum
+goes back (the host holds it and computes nothing; the device memory is that of the stage's update, free during
+the backward). After the last pass the sum's mean over the M micro-batches and its sum of squares are taken
 where the sum lives, and the mean goes to the updater as with one pass (a host sum of squares comes to the device
 for the global norm). Gradients summed over passes are never homed on disk.
 
@@ -143,6 +146,8 @@ class PagedExecutor:
         self._host_sums = HostSums.on(host_compute or store.tiers["host"].sharding)
         """Where streamed stages' gradients are summed over passes: the host placement's compute
         (`engine.placements`)."""
+        self._summed_on_device = set(plan.streamed_device_updates) if plan.passes > 1 else set()
+        """Streamed stages whose sums over passes are added on the device (they update there)."""
         self._steps_taken = 0
         self.on_access: Callable[[str, int], None] | None = None
         """Test hook, called after each access is dispatched (e.g. to sample live device memory)."""
@@ -260,6 +265,8 @@ class PagedExecutor:
                     saved[i] = x
                     x = out = mark = (fns.forward if per_pass == 1 else fns.forward_micro)[kind](pages, x)
                 else:
+                    if i in self._summed_on_device and i in host_sums:  # its sum so far crosses under the backward
+                        host_sums[i] = self._settle(jax.device_put(host_sums[i], store.tiers["device"].sharding))
                     if op == "head" and self._figures is not None:
                         # The model's figures, read from the head's input (a pytree activation carries them).
                         figure_parts.append(self._figures(x))
@@ -271,7 +278,9 @@ class PagedExecutor:
                 if rec:
                     # (labelled as the planner's timeline labels them: later passes with their number)
                     rec.record("compute", f"{op} {staged.stages[i].name}" + (f" (pass {p + 1})" if p else ""), out)
-                if op != "forward" and self._sum_span(i, micro) < micro:
+                if op != "forward" and i in self._summed_on_device:
+                    sqsums[i] = self._add_on_device(step, i, out, host_sums, micro, last_pass, rec)
+                elif op != "forward" and self._sum_span(i, micro) < micro:
                     sqsums[i] = self._add_on_host(step, i, out, host_sums, micro, last_pass, rec)
                 elif op != "forward" and last_pass:
                     updater.submit(step, i, self._grads_home(step, i, out, streamed, rec))
@@ -393,6 +402,20 @@ class PagedExecutor:
         grads, sq = self._settle(self._host_sums.mean_grads(host_sums.pop(i), micro, self._grad_dtypes[i]))
         self.updater.submit(step, i, grads)
         return jax.device_put(sq, scalar_sharding(self.store.tiers["device"].sharding))
+
+    def _add_on_device(self, step: int, i: int, dpages: tuple, host_sums: dict[int, tuple], micro: int,
+                       last_pass: bool, rec: Recorder | None) -> jax.Array | None:
+        """`_add_on_host`'s work for a streamed stage updated on the device: the pass's gradients are added on the
+        device into the stage's float32 sum so far (brought over with the backward), and the sum goes back to the
+        host between passes. After the last pass its mean goes to the host for the updater, and its sum of squares
+        is returned, on the device."""
+        summed = self._settle(self.fns.accumulate(host_sums.pop(i, None), dpages, self._grad_dtypes[i]))
+        if not last_pass:
+            host_sums[i] = self._to_host(i, summed, rec)
+            return None
+        grads, sq = self._settle(self.fns.mean_grads(summed, micro, self._grad_dtypes[i]))
+        self.updater.submit(step, i, self._to_host(i, grads, rec))
+        return sq
 
     def _to_host(self, i: int, dpages: tuple, rec: Recorder | None) -> tuple:
         """Gradient pages copied to the host tier (D2H, asynchronous)."""

@@ -18,6 +18,13 @@ so each access of a stage costs the compute of every micro-batch and the transfe
    Updates of streamed stages run on the host; disk-homed pages are staged through it (`OPT_STAGING` stages at a
    time) and gradients on their way to disk are bounded too (`GRAD_SPILL` stages). Lock-free mode
    (`staleness: 1`) keeps one more copy of host-homed parameters: the version in use while the next is written.
+   Streamed stages whose every page family lives on the host may update on the device instead
+   (`memory.streamed_updates`): their parameters, gradients and optimizer state cross the link to the device and
+   the new pages cross back, `DEVICE_UPDATES_IN_FLIGHT` stages at a time, for which device memory is reserved
+   (`update_bytes`). A link of ~50 GB/s each way moves a stage's state faster than a host update computes on it
+   (~5-50 GB/s); the CPU backend gains nothing (its "device" is the same cores). `auto` plans both and keeps the
+   host unless the device is predicted faster by more than noise. Such stages also add their gradient sums over
+   accumulation passes on the device (the sum crossing both ways), in the device memory of their update.
 4. The prefetch distance is the smallest that hides the transfers the cost model predicts (a deeper one only costs
    window memory), chosen by simulating the step for each candidate (simulate.py).
 5. Accumulation passes: a step's micro-batches may run in P passes (P divides them), each layer-major over its
@@ -47,7 +54,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from angel_jax.errors import AngelError
-from angel_jax.schedule.staging import GRAD_SPILL, OPT_STAGING
+from angel_jax.schedule.staging import DEVICE_UPDATES_IN_FLIGHT, GRAD_SPILL, OPT_STAGING
 from angel_jax.schedule.simulate import Bandwidths, StageCost, simulate
 from angel_jax.schedule.timeline import Timeline
 from angel_jax.schedule.trace import compute_sequence
@@ -148,6 +155,21 @@ class Plan:
     serial_step_time: float = 0.0
     """Predicted seconds of the same step with nothing overlapped (`without_overlap`): what overlap saves is the
     difference from `predicted.step_time`."""
+    update_at: tuple[str, ...] = ()
+    """Per stage, where its update runs: 'device' (resident stages, and streamed ones whose pages cross the link
+    for it) or 'host'. Empty: 'device' for resident stages, 'host' for streamed ones."""
+    update_bytes: int = 0
+    """Device bytes reserved for the pages of streamed stages updated on the device, in flight."""
+
+    @property
+    def updates(self) -> tuple[str, ...]:
+        """`update_at`, filled in."""
+        return self.update_at or tuple("device" if h == "device" else "host" for h in self.home)
+
+    @property
+    def streamed_device_updates(self) -> tuple[int, ...]:
+        """Streamed stages updated on the device."""
+        return tuple(i for i, (h, u) in enumerate(zip(self.home, self.updates)) if h != "device" and u == "device")
 
     @property
     def streamed(self) -> tuple[int, ...]:
@@ -172,7 +194,7 @@ class Plan:
         and written after it; disk-homed gradients are written once and read once; disk-homed optimizer state is
         read and written once per update. `io_bound_s` is the slowest path's time: no step can be shorter."""
         return io_per_step(costs, bandwidths, self.home, self.grad_home, self.opt_home, self.passes, self.prefetch,
-                           self.ranks, self.micro_batches)
+                           self.ranks, self.micro_batches, self.updates)
 
     def stream_seconds(self, first_stage: str) -> dict[str, float]:
         """Seconds each stream of the predicted timeline works in one steady-state step: the events between the
@@ -212,20 +234,29 @@ class Plan:
                 "params_on_disk": self.home.count("disk"), "grads_on_disk": self.grad_home.count("disk"),
                 "opt_on_disk": self.opt_home.count("disk"), "staleness": self.staleness,
                 "micro_batches": self.micro_batches, "passes": self.passes,
+                "streamed_device_updates": len(self.streamed_device_updates),
                 "predicted_step_s": self.predicted.step_time, "serial_step_s": self.serial_step_time,
                 "peak_bytes": dict(self.peak_bytes)}
 
 
 def io_per_step(costs: list[StageCost], bandwidths: Bandwidths, home: tuple[str, ...], grad_home: tuple[str, ...],
                 opt_home: tuple[str, ...], passes: int = 1, prefetch: int = 1, ranks: int = 1,
-                micro_batches: int = 1) -> dict[str, float]:
+                micro_batches: int = 1, update_at: tuple[str, ...] = ()) -> dict[str, float]:
     """See `Plan.io_per_step`; with several passes, every pass fetches the streamed stages and sends their gradients
-    to the host. With several ranks, also the bytes each rank receives in collectives (`collective_bytes`) and
-    their seconds at `bandwidths.link` (0 when no link is given)."""
+    to the host. A streamed stage updated on the device (`update_at`) also sends its parameters, gradients and
+    optimizer state to the device for the update, and its new parameters and optimizer state back, and with
+    several passes its gradient sum to the device in every pass after the first (added there). With several
+    ranks, also the bytes each rank receives in collectives (`collective_bytes`) and their seconds at
+    `bandwidths.link` (0 when no link is given)."""
     accesses = fetches_per_step(len(costs), passes, prefetch)
     streamed = [i for i, h in enumerate(home) if h != "device"]
     h2d = sum(accesses[i] * costs[i].param_bytes for i in streamed)
     d2h = passes * sum(costs[i].param_bytes for i in streamed)
+    on_device = [i for i in streamed if update_at and update_at[i] == "device"]
+    # (their sums over passes cross to the device to be added there, from the second pass on)
+    h2d += sum(2 * costs[i].param_bytes + costs[i].opt_bytes + (passes - 1) * costs[i].param_bytes
+               for i in on_device)
+    d2h += sum(costs[i].param_bytes + costs[i].opt_bytes for i in on_device)
     read = sum((accesses[i] + 1) * costs[i].param_bytes for i in streamed if home[i] == "disk") \
         + sum(costs[i].param_bytes for i in streamed if grad_home[i] == "disk") \
         + sum(c.opt_bytes for c, h in zip(costs, opt_home) if h == "disk")
@@ -293,9 +324,13 @@ def gather_bytes(costs: list[StageCost], prefetch: int, ranks: int) -> int:
     return (prefetch + 2) * max(ranks * c.gathered_bytes + c.expert_bytes for c in costs)
 
 
-def minimum_device_bytes(costs: list[StageCost], budgets: Budgets, passes: int = 1, ranks: int = 1) -> int:
-    """The smallest device budget any plan of `passes` passes fits: everything streamed, prefetch 1."""
-    return budgets.fixed_for(passes) + window_bytes(costs, list(range(len(costs))), 1) + gather_bytes(costs, 1, ranks)
+def minimum_device_bytes(costs: list[StageCost], budgets: Budgets, passes: int = 1, ranks: int = 1,
+                         device_updates: bool = False) -> int:
+    """The smallest device budget any plan of `passes` passes fits: everything streamed, prefetch 1 (with
+    `device_updates`, their updates on the device)."""
+    every = list(range(len(costs)))
+    return budgets.fixed_for(passes) + window_bytes(costs, every, 1) + gather_bytes(costs, 1, ranks) \
+        + (update_window(costs, every) if device_updates else 0)
 
 
 def pass_options(micro_batches: int) -> list[int]:
@@ -305,7 +340,8 @@ def pass_options(micro_batches: int) -> list[int]:
 
 def make_plan(costs: list[StageCost], bw: Bandwidths, budgets: Budgets, *, staleness: int = 0,
               shared_cpu: bool = False, max_prefetch: int = 3, micro_batches: int = 1,
-              passes: int | None = None, ranks: int = 1, overlap: bool = True) -> Plan:
+              passes: int | None = None, ranks: int = 1, overlap: bool = True,
+              streamed_updates: str = "host") -> Plan:
     """`costs`: per stage, the times of one call (one micro-batch); a step runs `micro_batches` calls per
     access, in `passes` accumulation passes (None: the planner chooses among `pass_options`). The plan predicted
     fastest wins; more passes or a deeper prefetch only when predicted faster by more than noise (2%).
@@ -313,7 +349,9 @@ def make_plan(costs: list[StageCost], bw: Bandwidths, budgets: Budgets, *, stale
     are then one rank's (its shard's bytes, its calls on its local rows, its tiers), and `bw.link` the bytes per
     second each rank moves in a collective (0: not modelled). Every plan also carries its step with nothing
     overlapped (`serial_step_time`); with `overlap=False` (`memory.overlap: false`) that is its predicted step too,
-    the homes being chosen as for the overlapped step."""
+    the homes being chosen as for the overlapped step. `streamed_updates` (`memory.streamed_updates`): where
+    streamed stages whose pages live on the host update, 'host', 'device' or 'auto' (both planned, the device only
+    when predicted faster by more than noise; the host on shared cores and with several ranks)."""
     n = len(costs)
     if ranks < 1:
         raise PlanError(f"a plan needs at least one data-parallel rank, got ranks={ranks}")
@@ -321,30 +359,62 @@ def make_plan(costs: list[StageCost], bw: Bandwidths, budgets: Budgets, *, stale
         raise PlanError(f"memory.passes={passes} does not divide the step's {micro_batches} micro-batches: use one "
                         f"of {pass_options(micro_batches)}, or 0 to let the planner choose")
     best: Plan | None = None
+    options = update_options(streamed_updates, shared_cpu, ranks)
     for p in ([passes] if passes else pass_options(micro_batches)):
         for prefetch in range(1, max_prefetch + 1):
-            plan = _plan_for(costs, bw, budgets, prefetch, n, staleness, shared_cpu, micro_batches, p, ranks)
-            if plan is None:
-                continue
-            if best is None or plan.predicted.step_time < best.predicted.step_time * 0.98:
-                best = plan
+            for on_device in options:
+                try:
+                    plan = _plan_for(costs, bw, budgets, prefetch, n, staleness, shared_cpu, micro_batches, p,
+                                     ranks, on_device)
+                except PlanError:
+                    if on_device and len(options) > 1:
+                        continue  # (streaming more for the update pages may not fit the host: the host option does)
+                    raise
+                if plan is None:
+                    continue
+                if best is None or plan.predicted.step_time < best.predicted.step_time * 0.98:
+                    best = plan
     if best is None:
         most = passes or micro_batches  # the fewest activations any plan holds
-        need = minimum_device_bytes(costs, budgets, most, ranks)
+        need = minimum_device_bytes(costs, budgets, most, ranks, device_updates=options[0])
         if need <= budgets.device and most > 1:
             # The device holds the step: what refused every plan is the host, which keeps the streamed stages'
             # gradient sums between passes. Name that, not the device.
             place_streamed(costs, budgets, list(range(n)), staleness, most)
         gathered = gather_bytes(costs, 1, ranks)
         whole = f" + whole stages gathered from {ranks} ranks' shards {gathered:,} B" if gathered else ""
+        updating = update_window(costs, list(range(n))) if options[0] else 0
+        updates = f" + {DEVICE_UPDATES_IN_FLIGHT} stages updated on the device {updating:,} B" if updating else ""
+        other = " or memory.streamed_updates=host" if updating else ""
         raise PlanError(f"device budget {budgets.device:,} B cannot hold the step's minimum {need:,} B "
                         f"(activations and working set {budgets.fixed_for(most):,} B in {most} accumulation "
                         f"pass{'es' if most > 1 else ''} + a streaming window of "
-                        f"{need - budgets.fixed_for(most) - gathered:,} B{whole}): {need - budgets.device:,} B "
-                        "missing; raise "
-                        "memory.device_budget, or lower train.micro_batch_size / model.seq_len")
+                        f"{need - budgets.fixed_for(most) - gathered - updating:,} B{whole}{updates}): "
+                        f"{need - budgets.device:,} B missing; raise "
+                        f"memory.device_budget, or lower train.micro_batch_size / model.seq_len{other}")
     serial = without_overlap(best, costs, bw, shared_cpu)
     return dataclasses.replace(best, serial_step_time=serial.step_time, predicted=best.predicted if overlap else serial)
+
+
+def update_options(streamed_updates: str, shared_cpu: bool, ranks: int) -> list[bool]:
+    """Whether to plan streamed stages' updates on the device: [False] (the host), [True], or both, the host first
+    (`memory.streamed_updates`)."""
+    if streamed_updates not in ("auto", "host", "device"):
+        raise PlanError(f"memory.streamed_updates must be auto, host or device, got {streamed_updates!r}")
+    if streamed_updates == "device":
+        if ranks > 1:
+            raise PlanError("memory.streamed_updates=device: updates of streamed stages on the device are not built "
+                            "for pages sharded over several ranks (ZeRO-3); use host or auto")
+        return [True]
+    return [False, True] if streamed_updates == "auto" and not shared_cpu and ranks == 1 else [False]
+
+
+def update_window(costs: list[StageCost], on_device: list[int]) -> int:
+    """Device bytes of `DEVICE_UPDATES_IN_FLIGHT` stages' update pages (parameters, gradients, optimizer state;
+    the new pages reuse their buffers), the largest of `on_device`, streamed stages updated on the device."""
+    if not on_device:
+        return 0
+    return DEVICE_UPDATES_IN_FLIGHT * max(2 * costs[i].param_bytes + costs[i].opt_bytes for i in on_device)
 
 
 def without_overlap(plan: Plan, costs: list[StageCost], bw: Bandwidths, shared_cpu: bool) -> Timeline:
@@ -352,7 +422,7 @@ def without_overlap(plan: Plan, costs: list[StageCost], bw: Bandwidths, shared_c
     executor runs with `memory.overlap: false`): the sum of the step's parts."""
     return simulate(costs, bw, plan.home, plan.opt_home, plan.prefetch, grad_home=plan.grad_home,
                     staleness=plan.staleness, shared_cpu=shared_cpu, micro_batches=plan.micro_batches,
-                    passes=plan.passes, ranks=plan.ranks, overlap=False)
+                    passes=plan.passes, ranks=plan.ranks, overlap=False, update_at=plan.updates)
 
 
 def _resident_bytes(c: StageCost) -> int:
@@ -360,7 +430,8 @@ def _resident_bytes(c: StageCost) -> int:
 
 
 def _plan_for(costs: list[StageCost], bw: Bandwidths, budgets: Budgets, prefetch: int, n: int, staleness: int,
-              shared_cpu: bool, micro_batches: int, passes: int, ranks: int = 1) -> Plan | None:
+              shared_cpu: bool, micro_batches: int, passes: int, ranks: int = 1,
+              device_updates: bool = False) -> Plan | None:
     resident: list[int] = []
     fixed = budgets.fixed_for(passes)
     gathered = gather_bytes(costs, prefetch, ranks)  # needed whatever is resident: every access gathers
@@ -371,7 +442,8 @@ def _plan_for(costs: list[StageCost], bw: Bandwidths, budgets: Budgets, prefetch
     kept, held = set(), 0  # (a set and a running sum: deep models have hundreds of stages)
     for i in order:
         streamed = [j for j in range(n) if j not in kept and j != i]
-        need = held + _resident_bytes(costs[i]) + window_bytes(costs, streamed, prefetch)
+        need = held + _resident_bytes(costs[i]) + window_bytes(costs, streamed, prefetch) \
+            + (update_window(costs, streamed) if device_updates else 0)
         if need <= free:
             resident.append(i)
             kept.add(i)
@@ -379,7 +451,7 @@ def _plan_for(costs: list[StageCost], bw: Bandwidths, budgets: Budgets, prefetch
     streamed = [j for j in range(n) if j not in resident]
     window = window_bytes(costs, streamed, prefetch)
     used = sum(_resident_bytes(costs[j]) for j in resident) + window
-    if used > free:
+    if used + (update_window(costs, streamed) if device_updates else 0) > free:
         return None
     try:
         home, grad_home, opt_home, host_used, disk_used = place_streamed(costs, budgets, streamed, staleness, passes)
@@ -387,11 +459,16 @@ def _plan_for(costs: list[StageCost], bw: Bandwidths, budgets: Budgets, prefetch
         if passes == 1:
             raise
         return None  # (gradients summed over passes stay on the host: more passes may not fit where one does)
+    # (a stage with a family on disk is staged through the host for its update: it updates there)
+    update_at = tuple("device" if h == "device" or (device_updates and h == g == o == "host") else "host"
+                      for h, g, o in zip(home, grad_home, opt_home))
+    reserved = update_window(costs, [j for j in streamed if update_at[j] == "device"])
     predicted = simulate(costs, bw, home, opt_home, prefetch, grad_home=grad_home, staleness=staleness,
-                         shared_cpu=shared_cpu, micro_batches=micro_batches, passes=passes, ranks=ranks)
-    peak = {"device": fixed + gathered + used, "host": host_used, "disk": disk_used}
+                         shared_cpu=shared_cpu, micro_batches=micro_batches, passes=passes, ranks=ranks,
+                         update_at=update_at)
+    peak = {"device": fixed + gathered + used + reserved, "host": host_used, "disk": disk_used}
     return Plan(tuple(sorted(resident)), home, grad_home, opt_home, prefetch, window, peak, staleness, predicted,
-                micro_batches, passes, fixed, ranks, gathered)
+                micro_batches, passes, fixed, ranks, gathered, update_at=update_at, update_bytes=reserved)
 
 
 Homes = tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]

@@ -77,9 +77,11 @@ class PagedRuntime:
 
 def placements(device: jax.Device, host_sharding: jax.sharding.Sharding,
                zero: Zero | None = None) -> dict[str, Placement]:
-    """Where updates run: resident stages on the device; streamed ones on the host. The CPU backend computes on
-    its host-memory pages in place; an accelerator's pinned host pages go to the XLA CPU backend and back. With
-    `zero`, every rank updates its own shards where they live; scalars are replicated over the ranks."""
+    """Where updates run: resident stages on the device; streamed ones on the host, or on the device
+    ('device_for_host': host pages cross to the device for the update and back, `memory.streamed_updates`). The
+    CPU backend computes on its host-memory pages in place; an accelerator's pinned host pages go to the XLA CPU
+    backend and back. With `zero`, every rank updates its own shards where they live; scalars are replicated over
+    the ranks (no streamed stage updates on the device there: the plan refuses it)."""
     if zero is not None:
         if device.platform != "cpu":
             raise ConfigError("'mesh': the paged engine shards pages over several devices (ZeRO-3) on the CPU "
@@ -89,10 +91,13 @@ def placements(device: jax.Device, host_sharding: jax.sharding.Sharding,
         return {"device": Placement(on_device, on_device, zero.replicated()),
                 "host": Placement(host_sharding, host_sharding, zero.replicated(host_sharding.memory_kind))}
     on_device = jax.sharding.SingleDeviceSharding(device)
+    crossing = Placement(on_device, host_sharding)
     if device.platform == "cpu":
-        return {"device": Placement(on_device, on_device), "host": Placement(host_sharding, host_sharding)}
+        return {"device": Placement(on_device, on_device), "host": Placement(host_sharding, host_sharding),
+                "device_for_host": crossing}
     cpu = jax.sharding.SingleDeviceSharding(jax.local_devices(backend="cpu")[0])
-    return {"device": Placement(on_device, on_device), "host": Placement(cpu, host_sharding)}
+    return {"device": Placement(on_device, on_device), "host": Placement(cpu, host_sharding),
+            "device_for_host": crossing}
 
 
 def make_store(cfg: Config, device: jax.Device, budgets: Budgets, plan: Plan, zero: Zero | None = None) -> PageStore:
@@ -107,7 +112,8 @@ def make_store(cfg: Config, device: jax.Device, budgets: Budgets, plan: Plan, ze
         per_process = zero is not None and len({d.process_index for d in zero.mesh.devices.flat}) > 1
         subdir = f"{PAGES_SUBDIR}.process_{jax.process_index()}" if per_process else PAGES_SUBDIR
         disk = DiskTier(cfg.memory.disk_dir, budget=budgets.disk, subdir=subdir)
-    return PageStore(DeviceTier(device, budget=budgets.device - plan.fixed_device, over=over),
+    # (the device also holds activations and working set, and the pages of streamed stages updated there)
+    return PageStore(DeviceTier(device, budget=budgets.device - plan.fixed_device - plan.update_bytes, over=over),
                      HostTier(device, budget=budgets.host, over=over), disk)
 
 
@@ -135,6 +141,7 @@ def plan_for(decision: Decision, bp: Blueprint, example_batch: jax.Array, device
     if jax.process_count() > 1:  # every process must make the same plan: the programs they run are collectives
         costs, bw = _agreed(costs, bw)
     plan = make_plan(costs, bw, budgets, staleness=cfg.memory.staleness, shared_cpu=device.platform == "cpu",
+                     streamed_updates=cfg.memory.streamed_updates,
                      micro_batches=micro_batches, passes=cfg.memory.passes or None, overlap=cfg.memory.overlap)
     if "disk" in plan.home + plan.grad_home + plan.opt_home and not Path(default_calibration_path()).is_file():
         # The disk figures are then guesses: the plan's placement and predicted step rest on them.
@@ -214,7 +221,7 @@ def assemble_runtime(decision: Decision, bp: Blueprint, params: Any, example_bat
     cpu = jax.local_devices(backend="cpu")[0]
     try:
         for i, stage in enumerate(staged.stages):
-            update_at = "device" if plan.home[i] == "device" else "host"
+            where_home = "device" if plan.home[i] == "device" else "host"  # the tier its update reads pages from
             with jax.default_device(cpu), _young_garbage_collected():  # built on the host, whatever its home
                 stage_params = jax.tree.map(np.asarray, whole[i] if whole is not None
                                             else staged.init_stage(cfg.train.seed, i))
@@ -226,10 +233,12 @@ def assemble_runtime(decision: Decision, bp: Blueprint, params: Any, example_bat
             for oid, page in zip(model.opt_ids(i), bp.opt_layout.stage(stage.name).pack(big)):
                 store.add(oid, page, home=plan.opt_home[i])
             del big
-            small.append([jax.device_put(np.asarray(s), where[update_at].scalar) for s in small_leaves])
-            slots.append(StageSlot(stage.name, stage.kind, model.param_ids(i), model.opt_ids(i), update_at,
-                                   plan.opt_home[i], param_home=plan.home[i], grad_home=plan.grad_home[i],
-                                   grad_ids=model.grad_ids(i) if plan.grad_home[i] == "disk" else ()))
+            slot = StageSlot(stage.name, stage.kind, model.param_ids(i), model.opt_ids(i), where_home,
+                             plan.opt_home[i], param_home=plan.home[i], grad_home=plan.grad_home[i],
+                             grad_ids=model.grad_ids(i) if plan.grad_home[i] == "disk" else (),
+                             update_on=plan.updates[i])
+            small.append([jax.device_put(np.asarray(s), where[slot.placement].scalar) for s in small_leaves])
+            slots.append(slot)
             errors = store.wait_all()  # one stage at a time: host memory holds at most one stage's staging copies
             if errors:
                 raise errors[0]

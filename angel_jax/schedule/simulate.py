@@ -9,7 +9,8 @@ Rules (those of execute.py and updater.py):
 - With `passes` accumulation passes the step runs the whole forward and backward sequence once per pass, each over
   its share of the micro-batches: a streamed stage is fetched for every access of every pass, its gradients go to
   the host after every pass's backward, and from the second pass on they are added there into the stage's sum
-  (`host_add_s`, on the host stream). A stage's first fetch in a step waits for its update; later passes do not.
+  (`host_add_s`, on the host stream); a stage updated on the device (`update_at`) adds on the device instead, its
+  sum so far crossing to the device (h2d) from the start of its backward. A stage's first fetch in a step waits for its update; later passes do not.
   Computations of later passes are labelled with their pass ("forward embed (pass 2)"), so the label of the
   first stage's forward marks the start of a step, as in the measured timeline.
 - One compute stream, one h2d and one d2h copy stream, one host stream (optimizer updates on the CPU) and one disk
@@ -25,6 +26,13 @@ Rules (those of execute.py and updater.py):
 - Updates start once the last backward is done (the global norm is needed for clipping, and the guard's verdict on
   the loss and gradient norm before any update), in forward order: resident stages on the compute stream,
   streamed ones on the host stream after their gradients arrived.
+- A streamed stage updated on the device (`update_at`, `memory.streamed_updates`): its parameters, gradients and
+  optimizer state cross to the device (h2d), the update runs there, and the new parameters and optimizer state
+  cross back (d2h); its update is complete when they are home. At most `DEVICE_UPDATES_IN_FLIGHT` stages are on
+  the device at a time (a stage's copies in wait for the new pages of the one that many stages before to be home).
+  The update kernels (memory-bound: milliseconds a stage, against a step's seconds) run on the device between the
+  next step's computations, which do not wait for the ones of later stages; they are drawn on an `update` row of
+  their own, not on the compute stream's clock.
 - Disk-homed parameters are read from disk before their fetch to the device (each access); disk-homed gradients
   are written to disk after their d2h copy.
 - Data parallelism (ZeRO-3, `ranks` > 1 with `Bandwidths.link` > 0): the costs are one rank's (its shard of each
@@ -67,7 +75,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from angel_jax.schedule.staging import OPT_STAGING
+from angel_jax.schedule.staging import DEVICE_UPDATES_IN_FLIGHT, OPT_STAGING
 from angel_jax.schedule.timeline import Timeline
 from angel_jax.schedule.trace import compute_sequence
 
@@ -134,7 +142,8 @@ class _Clock:
 
     def __init__(self, shared: bool, timeline: Timeline, serial: bool = False):
         self.shared, self.timeline, self.serial = shared and not serial, timeline, serial
-        self.free = {"compute": 0.0, "h2d": 0.0, "d2h": 0.0, "host": 0.0, "disk": 0.0, "collective": 0.0}
+        self.free = {"compute": 0.0, "h2d": 0.0, "d2h": 0.0, "host": 0.0, "disk": 0.0, "collective": 0.0,
+                     "update": 0.0}
         self.busy = dict.fromkeys(self.free, 0.0)
         """Per clock, the seconds of work it was given (over every simulated step)."""
 
@@ -158,14 +167,17 @@ class _Clock:
 def simulate(costs: list[StageCost], bw: Bandwidths, home: tuple[str, ...], opt_home: tuple[str, ...],
              prefetch: int, *, grad_home: tuple[str, ...] | None = None, staleness: int = 0, shared_cpu: bool = False,
              steps: int = 3, micro_batches: int = 1, passes: int = 1, ranks: int = 1,
-             overlap: bool = True) -> Timeline:
+             overlap: bool = True, update_at: tuple[str, ...] | None = None) -> Timeline:
     """`home`: per stage 'device', 'host' or 'disk' (parameters); `grad_home` defaults to 'device' for resident
+    stages and 'host' for streamed ones; `update_at` (where each stage's update runs) to 'device' for resident
     stages and 'host' for streamed ones. `ranks`: data-parallel ranks, whose collectives are simulated when
     `bw.link` is set (the costs are then one rank's). `overlap=False`: the executor's `memory.overlap: false`,
     every piece of work alone on one clock, so the step is the sum of its parts."""
     n = len(costs)
     if grad_home is None:
         grad_home = tuple("device" if h == "device" else "host" for h in home)
+    if update_at is None:
+        update_at = tuple("device" if h == "device" else "host" for h in home)
     tl = Timeline()
     clock = _Clock(shared_cpu, tl, serial=not overlap)
     seq = compute_sequence(n) * passes  # one forward-backward sequence per accumulation pass
@@ -191,14 +203,18 @@ def simulate(costs: list[StageCost], bw: Bandwidths, home: tuple[str, ...], opt_
             end = clock.disk(f"read {costs[i].name}", at, nbytes, bw.disk_read, bw.disk_read_cpu)[1]
             read_done[i] = max(read_done.get(i, 0.0), end)
 
-    def gradients_out(i: int, k: int, reduced: float) -> None:
+    def gradients_out(i: int, k: int, reduced: float, began: float | None = None) -> None:
         """A backward's gradients, reduced (on this rank) at `reduced`, on their way to where they wait for the
-        update: `grads_home[i]` is when they are there."""
+        update: `grads_home[i]` is when they are there. `began`: when the backward started computing."""
         if home[i] == "device":
             grads_home[i] = reduced
             return
-        grads_home[i] = clock.run("d2h", f"grad {costs[i].name}", reduced, costs[i].param_bytes / bw.d2h)[1]
-        if k >= per_pass:  # a later pass: added into the stage's sum on the host
+        out_at = reduced
+        if k >= per_pass and update_at[i] == "device":  # the sum so far came over with the backward; added there
+            out_at = max(reduced, clock.run("h2d", f"sum in {costs[i].name}", reduced if began is None else began,
+                                            costs[i].param_bytes / bw.h2d)[1])
+        grads_home[i] = clock.run("d2h", f"grad {costs[i].name}", out_at, costs[i].param_bytes / bw.d2h)[1]
+        if k >= per_pass and update_at[i] == "host":  # a later pass: added into the stage's sum on the host
             grads_home[i] = clock.run("host", f"add {costs[i].name}", grads_home[i], costs[i].host_add_s)[1]
         if grad_home[i] == "disk":
             grads_home[i] = clock.disk(f"spill {costs[i].name}", grads_home[i], costs[i].param_bytes,
@@ -228,7 +244,7 @@ def simulate(costs: list[StageCost], bw: Bandwidths, home: tuple[str, ...], opt_
         elif home[i] != "device":
             gate = starts[k - prefetch] if k >= prefetch else (starts[0] if starts else clock.free["compute"])
             first = i not in fetched and i not in fetched_passes
-            if first and staleness and home[i] == "host" and updated[i] > gate:
+            if first and staleness and home[i] == "host" and update_at[i] == "host" and updated[i] > gate:
                 ready = updated_before[i]  # runs one update behind rather than wait
             at = max(gate, ready if first else 0.0)
             if not (first and ready > gate):
@@ -281,7 +297,7 @@ def simulate(costs: list[StageCost], bw: Bandwidths, home: tuple[str, ...], opt_
                 if collective:
                     scatters.append((end, i, k))
                 else:
-                    gradients_out(i, k, end)
+                    gradients_out(i, k, end, start)
         reduced = issue_scatters(math.inf)
         norm_at = max(grads_home)
         for j in early:
@@ -307,6 +323,15 @@ def simulate(costs: list[StageCost], bw: Bandwidths, home: tuple[str, ...], opt_
                         waits[what] = waits.get(what, 0.0) + hi - lo
             if home[i] == "device":
                 updated[i] = clock.run("compute", f"update {costs[i].name}", earliest, costs[i].update_device_s)[1]
+            elif update_at[i] == "device":
+                c = costs[i]
+                if pos >= DEVICE_UPDATES_IN_FLIGHT:  # the device holds that many stages' update pages at a time
+                    earliest = max(earliest, updated[order[pos - DEVICE_UPDATES_IN_FLIGHT]])
+                arrived = clock.run("h2d", f"update in {c.name}", earliest,
+                                    (2 * c.param_bytes + c.opt_bytes) / bw.h2d)[1]
+                done = clock.run("update", f"update {c.name}", arrived, c.update_device_s)[1]
+                updated[i] = clock.run("d2h", f"update out {c.name}", done, (c.param_bytes + c.opt_bytes) / bw.d2h)[1]
+                update_cause[i] = "d2h"
             else:
                 updated[i] = clock.run("host", f"update {costs[i].name}", earliest, costs[i].update_host_s)[1]
             if written[i]:

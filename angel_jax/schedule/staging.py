@@ -9,3 +9,8 @@ OPT_STAGING = 2
 GRAD_SPILL = 2
 """Stages of disk-homed gradients on their way from the backward to the disk at a time (the executor waits for the
 oldest before it sends more): the host memory the plan reserves for them."""
+
+DEVICE_UPDATES_IN_FLIGHT = 2
+"""Streamed stages updated on the device (`memory.streamed_updates`) whose pages are on the device at a time: one
+stage's inputs arrive while the previous one's new pages go home (the updater waits for the oldest before it sends
+more); the device memory the plan reserves for them, each stage its parameters, gradients and optimizer state."""

@@ -18,8 +18,8 @@ from typing import Any
 
 import jax
 
-STREAMS = ("compute", "h2d", "d2h", "collective", "host", "disk", "io_cpu")
-OPTIONAL_STREAMS = ("collective",)
+STREAMS = ("compute", "update", "h2d", "d2h", "collective", "host", "disk", "io_cpu")
+OPTIONAL_STREAMS = ("collective", "update")
 """Rows a Gantt chart has only when some event ran on them (one rank has no collectives)."""
 CROWDED = 2000
 """A Gantt row of this many events is drawn without outlines."""

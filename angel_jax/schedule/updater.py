@@ -57,7 +57,7 @@ from angel_jax.memory import PageStore
 from angel_jax.memory.crossing import onto
 from angel_jax.memory.tiers import HOST_MEMORY_KINDS
 from angel_jax.optim.guard import StepControls, update_norm_ok
-from angel_jax.schedule.staging import OPT_STAGING
+from angel_jax.schedule.staging import DEVICE_UPDATES_IN_FLIGHT, OPT_STAGING
 
 
 @dataclass(frozen=True)
@@ -80,6 +80,20 @@ class StageSlot:
     grad_ids: tuple[tuple[int, ...], ...] = ()
     """Disk-homed gradients: the page ids of even and of odd steps (two sets in lock-free mode, which has two
     steps' gradients of a stage at once; the same ids twice otherwise)."""
+    update_on: str = ""
+    """'device' or 'host': where the update computes ('' = `where`). A streamed stage whose pages live in host
+    memory may update on the device (`Plan.update_at`): its pages and gradients cross to the device for the update,
+    the new pages cross back into the host tier."""
+
+    @property
+    def runs_on(self) -> str:
+        return self.update_on or self.where
+
+    @property
+    def placement(self) -> str:
+        """The key of its update's `Placement`: where it runs, and 'device_for_host' for a host stage updated on
+        the device."""
+        return "device_for_host" if self.where == "host" and self.runs_on == "device" else self.where
 
     @property
     def opt_where(self) -> str:
@@ -116,6 +130,14 @@ class Placement:
     @property
     def scalar(self) -> jax.sharding.Sharding:
         return self.scalars or self.compute
+
+    @property
+    def in_place(self) -> bool:
+        """Whether the update may write its results into its input buffers: always, but where the pages cross
+        between two clients (an accelerator's pinned memory aliased onto the CPU backend, memory/crossing.py). A
+        copy between memory kinds of one client (host pages to the device) gives the update buffers of its own."""
+        platform = {d.platform for d in self.compute.device_set} | {d.platform for d in self.tier.device_set}
+        return self.compute == self.tier or len(platform) == 1
 
 
 @dataclass(frozen=True)
@@ -337,6 +359,9 @@ class PageUpdater:
         self._writing: list[_InFlight] = []
         """Staged pages of disk-homed stages still on their way out of host memory, oldest first."""
         self._released: list[_InFlight] = []
+        self._crossing: list[tuple] = []
+        """New pages of host stages updated on the device, on their way home, oldest first: at most
+        `DEVICE_UPDATES_IN_FLIGHT` stages' pages are on the device at a time (the plan reserves that much)."""
 
     # ------------------------------------------------------------------------------------------ training thread
     def acquire(self, i: int, step: int) -> bool:
@@ -416,7 +441,7 @@ class PageUpdater:
             got = [(tuple(np.shape(a)), np.dtype(a.dtype)) for a in leaves]
             if got != list(specs):
                 raise ValueError(f"stage {slot.name!r}: small optimizer leaves {got}, expected {list(specs)}")
-            at = self.placements[slot.where].scalar  # where its update runs
+            at = self.placements[slot.placement].scalar  # where its update runs
             small.append([jax.device_put(np.asarray(a), at) for a in leaves])
         self.drain()
         with self._cond:
@@ -474,6 +499,8 @@ class PageUpdater:
                 applied.append(a)
             self._stage_first(record)  # the next step's first disk reads start now, under its forward pass
             staged = True
+            while self._crossing:  # (holding them longer would keep replaced host pages alive)
+                jax.block_until_ready(self._crossing.pop(0))
             self._settle_writes()
             all_applied = self._on_device(applied, jnp.logical_and)
             # The step's last use of `record`: once the update norm is set, the recorder may be finished.
@@ -571,15 +598,16 @@ class PageUpdater:
             self._stage_disk(i, record, wait=True, step=order.step)
             for ahead in range(i + 1, i + OPT_STAGING):
                 self._stage_disk(ahead, record, step=order.step)
-            place = self.placements[slot.where]
+            place = self.placements[slot.placement]
             params, g, opt, small = self._inputs(slot, place, self._grads(slot, grads[i], order.step), i)
             fn = self.updates.norm_pass(slot.kind, place.compute)
             sq.append(fn(params, g, opt, small, jax.device_put(order.norm, place.scalar),
                          jax.device_put(np.float32(order.guard.lr_scale), place.scalar)))
-            if self.inline:
+            del params, g, opt
+            if self.inline or slot.placement == "device_for_host":  # (those: one stage's pages on the device)
                 jax.block_until_ready(sq[-1])
             if record is not None:
-                record("host" if slot.where == "host" else "compute", f"norm {slot.name}", sq[-1])
+                record(self._stream(slot), f"norm {slot.name}", sq[-1])
             if slot.on_disk:
                 jax.block_until_ready(sq[-1])  # done reading the staged copies: free them (the disk copy is current)
                 self._written_back(i, [self.store.evict(pid, "host")
@@ -589,11 +617,14 @@ class PageUpdater:
 
     def _update(self, i: int, grads: tuple | None, order: StepOrder, ok: jax.Array) -> tuple:
         slot, store, record = self.slots[i], self.store, order.record
-        place = self.placements[slot.where]
+        place = self.placements[slot.placement]
         lock_free = self._lock_free(slot)
         # (Disk-homed gradients are the store's pages: a spill of them to the disk may still be reading the array.)
         fn = self.updates.get(slot.kind, place.compute, donate_params=not lock_free, donate_grads=grads is not None,
-                              in_place=place.compute == place.tier)
+                              in_place=place.in_place)
+        crossing = slot.placement == "device_for_host"
+        while crossing and len(self._crossing) >= DEVICE_UPDATES_IN_FLIGHT:
+            jax.block_until_ready(self._crossing.pop(0))  # its new pages are home: its device buffers are free
         params, grads, opt, small = self._inputs(slot, place, self._grads(slot, grads, order.step), i)
         ready_when = grads if record is not None else None  # the update starts once its gradients are home
         new_params, new_opt, small, update_sq, applied = fn(
@@ -603,9 +634,11 @@ class PageUpdater:
             jax.block_until_ready(update_sq)
         del params, opt, grads
         self._opt_small[i] = small
-        new_params = onto(new_params, place.tier)
+        new_params, new_opt = onto(new_params, place.tier), onto(new_opt, place.tier)
+        if crossing:
+            self._crossing.append((new_params, new_opt))
         writes = []
-        for oid, arr in zip(slot.opt_ids, onto(new_opt, place.tier)):
+        for oid, arr in zip(slot.opt_ids, new_opt):
             store.put(oid, arr, slot.opt_where)
             if slot.opt_home == "disk":
                 handle = store.evict(oid, "host")  # written back home; the host copy is freed once it lands
@@ -613,7 +646,7 @@ class PageUpdater:
                 if record is not None:
                     record("disk", f"write {slot.name}", handle)
         if record is not None:
-            record("host" if slot.where == "host" else "compute", f"update {slot.name}", new_params,
+            record(self._stream(slot), f"update {slot.name}", new_params,
                    after=ready_when)
         if lock_free:
             jax.block_until_ready(new_params)  # "written": only then may the training thread pick it up
@@ -634,7 +667,13 @@ class PageUpdater:
         the compute of the other stages and of the next step): a stage in use holds its new version until it is
         released, and for disk-homed ones that second version, for every stage in use, would be host memory the
         window does not bound."""
-        return self.staleness > 0 and slot.where == "host" and slot.param_home != "disk"
+        return self.staleness > 0 and slot.runs_on == "host" and slot.param_home != "disk"
+
+    @staticmethod
+    def _stream(slot: StageSlot) -> str:
+        """The timeline row of a stage's update: the host's, the compute stream's, or for a host stage updated on
+        the device, the `update` row (its kernels run between the next step's computations)."""
+        return {"host": "host", "device": "compute"}.get(slot.placement, "update")
 
     def _install(self, i: int, new_params: tuple) -> list:
         """Put a stage's new parameters in the store; disk-homed ones start on their way home (their handles are

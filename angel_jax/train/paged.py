@@ -377,7 +377,11 @@ class PagedTrainEngine:
                      f"{human_bytes(built.budgets.device // n)} budget (activations and working set "
                      f"{human_bytes(built.plan.fixed_device // n)}), host {human_bytes(peak['host'] // n)}, "
                      f"disk {human_bytes(peak['disk'] // n)}")
-        if plan.streamed:  # streamed stages update on the host
+        on_device = plan.streamed_device_updates
+        if on_device:
+            lines.append(f"  device updates     {len(on_device)} streamed stages update on the device, their pages "
+                         f"crossing the link and back ({human_bytes(plan.update_bytes // n)} of device memory)")
+        if len(plan.streamed) > len(on_device):  # the other streamed stages update on the host
             lines.append(f"  host updates       {host_update_by(self.cfg.optimizer)}")
         layout = getattr(built.model.params_layout, "rank_layout", built.model.params_layout)  # (a rank's pages)
         if layout.waste_fraction > 0.5 and layout.fitted_page_size() < layout.page_size_bytes:

@@ -37,6 +37,7 @@ from angel_jax.train.plan_target import PlanTarget, plan_target
 from angel_jax.schedule.blueprint import Blueprint, blueprint, refuse_sharded_optimizer
 from angel_jax.schedule.budgets import decide, local_batch, micro_batching, micro_sizes, stated_budgets
 from angel_jax.schedule.runtime import plan_for
+from angel_jax.schedule.staging import DEVICE_UPDATES_IN_FLIGHT
 from angel_jax.memory.layout import StageLayout
 from angel_jax.schedule.plan import Bandwidths, Budgets, Plan, PlanError, StageCost, exchange_bytes, make_plan
 from angel_jax.units import human_bytes
@@ -137,7 +138,8 @@ def _estimated_plan(cfg: Config, bp: Blueprint, args: argparse.Namespace, target
         try:
             plan = make_plan(costs, bw, budgets, staleness=trial.memory.staleness, shared_cpu=shared_cpu,
                              micro_batches=micro_batching(trial, local)[0], passes=trial.memory.passes or None,
-                             ranks=ranks, overlap=trial.memory.overlap)
+                             ranks=ranks, overlap=trial.memory.overlap,
+                             streamed_updates=trial.memory.streamed_updates)
         except PlanError as e:
             errors.append(e)
             continue
@@ -221,7 +223,13 @@ def report(cfg: Config, plan: Plan, costs: list[StageCost], budgets: Budgets, bw
     idle = (f"; the compute waits {sum(waits.values()):.4g} s per step for: "
             + ", ".join(f"{k} {v:.4g} s" for k, v in sorted(waits.items(), key=lambda kv: -kv[1]))) if waits else ""
     lines.append(f"  bound by              {bound} (streams busy: {busy}{idle})")
-    if plan.streamed:  # streamed stages update on the host
+    on_device = plan.streamed_device_updates
+    if on_device:
+        lines.append(f"  device updates        {len(on_device)} of {len(plan.streamed)} streamed stages update on the "
+                     f"device (memory.streamed_updates={cfg.memory.streamed_updates}): their parameters, gradients "
+                     f"and optimizer state cross the link and back, {DEVICE_UPDATES_IN_FLIGHT} stages at a time "
+                     f"({human_bytes(plan.update_bytes)} of device memory)")
+    if len(plan.streamed) > len(on_device):  # the other streamed stages update on the host
         lines.append(f"  host updates          {host_update_by(cfg.optimizer)}")
     if peak_flops:
         lines.append(f"  predicted MFU         {predicted_mfu(cfg, plan, peak_flops):.1%} (model FLOPs per step, "
@@ -266,10 +274,11 @@ WHAT_IF = {
     "updates one step behind": ["memory.staleness=1"],
     "bfloat16 parameters over a float32 master": ["model.param_dtype=bfloat16", "optimizer.master_weights=true"],
     "bfloat16 optimizer moments": ["optimizer.state_dtype=bfloat16"],
+    "streamed stages updated on the device": ["memory.streamed_updates=device"],
 }
 """The settings `--what-if` plans besides the config's own, each alone and all together: those that move a
 streamed step's bound (host updates hidden behind the next step; fewer bytes over the link and through the host
-update)."""
+update; no host update at all)."""
 
 
 def alternatives(cfg: Config, args: argparse.Namespace, target: PlanTarget, peak_flops: float) -> dict[str, dict]:
