@@ -97,6 +97,17 @@ def paged(cfg: Config, data: list[jax.Array], on_access=None) -> tuple[list[floa
     return losses, out, engine
 
 
+def assert_same_training(run: tuple, other: tuple) -> None:
+    """Two paged runs' (losses, parameters) agree: bit for bit where updates on the device and on the host agree
+    bitwise (one processor runs both), else to float rounding."""
+    if updates_agree_bitwise():
+        assert run[0] == other[0]
+        for a, b in zip(jax.tree.leaves(run[1]), jax.tree.leaves(other[1])):
+            np.testing.assert_array_equal(a, b)
+    else:
+        np.testing.assert_allclose(run[0], other[0], rtol=1e-5)
+
+
 def eighth(cfg: Config) -> Config:
     budget = state_bytes(cfg) // 8
     return Config(**{**cfg.__dict__, "memory": MemoryConfig(**{**cfg.memory.__dict__, "device_budget": budget})})

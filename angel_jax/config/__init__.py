@@ -348,6 +348,11 @@ class MemoryConfig:
         "auto", "Paged engine: where streamed stages whose pages live in host memory update: host (the CPU), device "
                 "(their optimizer state crosses the link and back, exact), or auto (the faster predicted; the host "
                 "on the CPU backend).")
+    activations: Literal["auto", "device", "host"] = doc(
+        "auto", "Paged engine: where stage inputs saved for the backward wait: device, host (pinned host memory: "
+                "each crosses to the host after its forward and back before its backward, so a batch needs no "
+                "accumulation passes that fetch every stage again), or auto (the faster predicted; the device on "
+                "the CPU backend).")
     overlap: bool = doc(True, "Paged engine: false runs every copy, disk transfer, computation and update alone, "
                               "each waited for before the next starts: the baseline that shows what overlap "
                               "gains (slow; exact updates only).")
@@ -362,6 +367,8 @@ class MemoryConfig:
             errs.append(("overlap", "false runs every update in turn, which is exact: it needs staleness 0"))
         if self.passes < 0:
             errs.append(("passes", "must be >= 0 (0 = the planner chooses)"))
+        if self.activations not in ("auto", "host", "device"):
+            errs.append(("activations", f"must be auto, host or device, got {self.activations!r}"))
         if self.streamed_updates not in ("auto", "host", "device"):
             errs.append(("streamed_updates", f"must be auto, host or device, got {self.streamed_updates!r}"))
         for key in ("device_budget", "host_budget", "disk_budget"):

@@ -165,7 +165,7 @@ def check_host_room(cfg: Config, device: jax.Device, sizes: ModelBytes) -> None:
     profiled plan would give, naming the bytes missing and the key to raise."""
     make_plan(sizes.stages, Bandwidths(), budgets_for(cfg, device, cfg.train.batch_size, sizes),
               staleness=cfg.memory.staleness, streamed_updates=cfg.memory.streamed_updates,
-              shared_cpu=device.platform == "cpu",
+              activations=cfg.memory.activations, shared_cpu=device.platform == "cpu",
               micro_batches=micro_batching(cfg, cfg.train.batch_size)[0], passes=cfg.memory.passes or None)
 
 
@@ -236,7 +236,7 @@ def pinned_host_need(cfg: Config, sizes: ModelBytes, device_bytes: int, processe
                           saved_device=saved_input_bytes(cfg, local))
         plan = make_plan(sizes.stages, Bandwidths(), budgets, staleness=cfg.memory.staleness,
                          micro_batches=micro_batching(cfg, local)[0], passes=cfg.memory.passes or None,
-                         streamed_updates=cfg.memory.streamed_updates)
+                         streamed_updates=cfg.memory.streamed_updates, activations=cfg.memory.activations)
     except (PlanError, ConfigError):
         return None
     return plan.peak_bytes["host"]

@@ -36,6 +36,11 @@ the backward). After the last pass the sum's mean over the M micro-batches and i
 where the sum lives, and the mean goes to the updater as with one pass (a host sum of squares comes to the device
 for the global norm). Gradients summed over passes are never homed on disk.
 
+With `plan.parked_bytes` (`memory.activations: host`) a forward's saved input goes to pinned host memory as soon
+as the forward is dispatched (at most `ACTIVATIONS_IN_FLIGHT` on their way) and comes back for its backward when
+that access's fetch is issued, `plan.prefetch` accesses ahead: the device holds a window of stage inputs instead
+of a pass's, so a large batch runs in one pass, each streamed stage fetched once per access.
+
 An evaluation (`eval_loss`) runs the forward stages and the head's loss alone, fetching and evicting streamed stages
 the same way, once the updates in flight have landed; it changes nothing of the training state.
 
@@ -74,7 +79,7 @@ from angel_jax.memory import PageStore
 from angel_jax.memory.layout import PageLayout, to_bits
 from angel_jax.optim.guard import StepControls, before_update_ok
 from angel_jax.optim.stage_update import global_norm, join_opt_state, sqsum
-from angel_jax.schedule.staging import GRAD_SPILL
+from angel_jax.schedule.staging import ACTIVATIONS_IN_FLIGHT, GRAD_SPILL
 from angel_jax.schedule.updater import Guard, PageUpdater, StepOrder
 from angel_jax.schedule.plan import Plan
 from angel_jax.schedule.stagefns import HostSums, StageFunctions, page_values, scalar_sharding
@@ -161,6 +166,7 @@ class PagedExecutor:
         self._record_steps = 0  # steps the recording in progress was asked for
         self._last_mark: Any = None  # the previous step's last computation (see `issue`)
         self._spilling: list[list] = []  # per stage, the write handles of gradients on their way to disk
+        self._parking: list[Any] = []  # saved stage inputs on their way to host memory, oldest first
         self._grad_pages: set[int] = set()  # disk-homed gradient pages already in the store
         figures = model.staged.figures
         self._figures = jax.jit(figures) if figures is not None else None  # the model's step figures, if any
@@ -201,14 +207,18 @@ class PagedExecutor:
         streamed = set(plan.streamed)
         refs: dict[int, int] = {}
         acquired: set[int] = set()
+        saved: dict[int, Any] = {}  # per stage, its input of the current pass (parked: in host memory)
+        parked: set[int] = set()  # the stages whose saved input is in host memory
 
         def issue(k: int) -> None:
-            """Make access k's parameters current and (streamed stages) start fetching them."""
+            """Make access k's parameters current and (streamed stages) start fetching them; a backward's parked
+            input starts back too."""
             if k >= len(self._seq):
                 return
-            i = self._seq[k][1]
+            op, i = self._seq[k]
             reads = self.model.reads(i)
-            if any(s in streamed and not refs.get(s) for s in reads):
+            unpark = op == "backward" and i in parked
+            if unpark or any(s in streamed and not refs.get(s) for s in reads):
                 # A fetch starts when its window slot frees on the device (the compute `prefetch` accesses back is
                 # done), not when the training thread, running ahead of the device, gets there: evicted pages
                 # stay allocated until the computations that read them ran, so a thread running ahead would hold
@@ -216,6 +226,9 @@ class PagedExecutor:
                 # the CPU). In lock-free mode this is also the moment that decides whether a stage's update is
                 # written, which keeps stale uses to the updates that are really late.
                 jax.block_until_ready(marks[k - plan.prefetch - 1] if k > plan.prefetch else self._last_mark)
+            if unpark:
+                saved[i] = self._unpark(i, saved[i], rec)
+                parked.discard(i)
             for s in reads:
                 if s not in acquired:  # the stage's first access in the step: it keeps this version to the last
                     updater.acquire(s, step)
@@ -257,22 +270,26 @@ class PagedExecutor:
             last_pass = p == passes - 1
             # The pass's activation (forward) or its gradient (backward): one micro-batch, or the pass's stacked.
             x, ts = tokens[p], targets[p]
-            saved: list[jax.Array | None] = [None] * self._n  # per stage, its input
             for op, i in self._pass_seq:
                 kind = staged.stages[i].kind
                 pages = tuple(store.get(pid, "device") for pid in self.model.call_ids(i))
                 if op == "forward":  # one call per access: it scans the pass's micro-batches (`forward_micro`)
                     saved[i] = x
                     x = out = mark = (fns.forward if per_pass == 1 else fns.forward_micro)[kind](pages, x)
+                    if plan.parked_bytes:  # its input waits for the backward in host memory
+                        saved[i] = self._park(i, saved[i], rec)
+                        parked.add(i)
                 else:
                     if i in self._summed_on_device and i in host_sums:  # its sum so far crosses under the backward
                         host_sums[i] = self._settle(jax.device_put(host_sums[i], store.tiers["device"].sharding))
                     if op == "head" and self._figures is not None:
                         # The model's figures, read from the head's input (a pytree activation carries them).
                         figure_parts.append(self._figures(x))
-                    out, sqsums[i], mark, x, loss = self._backward(op, i, pages, saved[i], x, (ts, share), sums,
-                                                                   lent, loss, micro, last_pass)
-                    saved[i] = None
+                    if i in parked:  # (not brought back ahead: a prefetch deeper than the forward was)
+                        saved[i] = self._unpark(i, saved[i], rec)
+                        parked.discard(i)
+                    out, sqsums[i], mark, x, loss = self._backward(op, i, pages, saved.pop(i, None), x, (ts, share),
+                                                                   sums, lent, loss, micro, last_pass)
                 marks.append(mark)
                 self._settle((out, x, mark))
                 if rec:
@@ -287,6 +304,8 @@ class PagedExecutor:
                 del pages, out, mark
                 release(k, i)
                 issue(k + plan.prefetch + 1)
+                if k + 1 < len(self._seq):  # (used: a forward's mark is its output, which must not outlive its use)
+                    marks[k] = None
                 if self.on_access is not None:
                     self.on_access(op, i)
                 k += 1
@@ -416,6 +435,24 @@ class PagedExecutor:
         grads, sq = self._settle(self.fns.mean_grads(summed, micro, self._grad_dtypes[i]))
         self.updater.submit(step, i, self._to_host(i, grads, rec))
         return sq
+
+    def _park(self, i: int, saved: Any, rec: Recorder | None) -> Any:
+        """Stage i's saved input to pinned host memory (D2H, asynchronous), at most `ACTIVATIONS_IN_FLIGHT` on
+        their way at a time: the device copy is freed once its copy and its forward are done."""
+        while len(self._parking) >= ACTIVATIONS_IN_FLIGHT:
+            jax.block_until_ready(self._parking.pop(0))
+        moved = self._settle(jax.device_put(saved, self.store.tiers["host"].sharding))
+        self._parking.append(moved)
+        if rec:
+            rec.record("d2h", f"park {self.model.staged.stages[i].name}", moved, after=saved)
+        return moved
+
+    def _unpark(self, i: int, saved: Any, rec: Recorder | None) -> Any:
+        """Stage i's parked input back on the device for its backward (H2D, asynchronous)."""
+        back = self._settle(jax.device_put(saved, self.store.tiers["device"].sharding))
+        if rec:
+            rec.record("h2d", f"unpark {self.model.staged.stages[i].name}", back)
+        return back
 
     def _to_host(self, i: int, dpages: tuple, rec: Recorder | None) -> tuple:
         """Gradient pages copied to the host tier (D2H, asynchronous)."""

@@ -54,7 +54,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from angel_jax.errors import AngelError
-from angel_jax.schedule.staging import DEVICE_UPDATES_IN_FLIGHT, GRAD_SPILL, OPT_STAGING
+from angel_jax.schedule.staging import ACTIVATIONS_IN_FLIGHT, DEVICE_UPDATES_IN_FLIGHT, GRAD_SPILL, OPT_STAGING
 from angel_jax.schedule.simulate import Bandwidths, StageCost, simulate
 from angel_jax.schedule.timeline import Timeline
 from angel_jax.schedule.trace import compute_sequence
@@ -111,6 +111,18 @@ class Budgets:
         """`fixed_device` with the step run in `passes` accumulation passes."""
         return self.fixed_device - self.saved_device + -(-self.saved_device // passes)
 
+    def parked_bytes(self, passes: int, saving_stages: int) -> int:
+        """Bytes of one stage's saved input in one of `passes` passes, `saving_stages` stages saving theirs (the
+        stage inputs of the whole batch shared evenly among them)."""
+        return -(-self.saved_device // (passes * max(saving_stages, 1)))
+
+    def fixed_parked(self, passes: int, saving_stages: int, prefetch: int) -> int:
+        """`fixed_for(passes)` with the saved stage inputs parked in host memory (`memory.activations: host`):
+        the device holds those on their way out (`ACTIVATIONS_IN_FLIGHT`), the one in use, and those the
+        prefetch brings back (`prefetch`)."""
+        held = ACTIVATIONS_IN_FLIGHT + 1 + prefetch
+        return self.fixed_device - self.saved_device + held * self.parked_bytes(passes, saving_stages)
+
 
 @dataclass(frozen=True)
 class ModelBytes:
@@ -160,6 +172,9 @@ class Plan:
     for it) or 'host'. Empty: 'device' for resident stages, 'host' for streamed ones."""
     update_bytes: int = 0
     """Device bytes reserved for the pages of streamed stages updated on the device, in flight."""
+    parked_bytes: int = 0
+    """Bytes of each stage's saved input in a pass, parked in pinned host memory between its forward and its
+    backward (`memory.activations: host`); 0: saved inputs wait on the device."""
 
     @property
     def updates(self) -> tuple[str, ...]:
@@ -194,7 +209,7 @@ class Plan:
         and written after it; disk-homed gradients are written once and read once; disk-homed optimizer state is
         read and written once per update. `io_bound_s` is the slowest path's time: no step can be shorter."""
         return io_per_step(costs, bandwidths, self.home, self.grad_home, self.opt_home, self.passes, self.prefetch,
-                           self.ranks, self.micro_batches, self.updates)
+                           self.ranks, self.micro_batches, self.updates, self.parked_bytes)
 
     def stream_seconds(self, first_stage: str) -> dict[str, float]:
         """Seconds each stream of the predicted timeline works in one steady-state step: the events between the
@@ -235,18 +250,20 @@ class Plan:
                 "opt_on_disk": self.opt_home.count("disk"), "staleness": self.staleness,
                 "micro_batches": self.micro_batches, "passes": self.passes,
                 "streamed_device_updates": len(self.streamed_device_updates),
+                "activations_parked_bytes": self.parked_bytes,
                 "predicted_step_s": self.predicted.step_time, "serial_step_s": self.serial_step_time,
                 "peak_bytes": dict(self.peak_bytes)}
 
 
 def io_per_step(costs: list[StageCost], bandwidths: Bandwidths, home: tuple[str, ...], grad_home: tuple[str, ...],
                 opt_home: tuple[str, ...], passes: int = 1, prefetch: int = 1, ranks: int = 1,
-                micro_batches: int = 1, update_at: tuple[str, ...] = ()) -> dict[str, float]:
+                micro_batches: int = 1, update_at: tuple[str, ...] = (), parked_bytes: int = 0) -> dict[str, float]:
     """See `Plan.io_per_step`; with several passes, every pass fetches the streamed stages and sends their gradients
     to the host. A streamed stage updated on the device (`update_at`) also sends its parameters, gradients and
     optimizer state to the device for the update, and its new parameters and optimizer state back, and with
-    several passes its gradient sum to the device in every pass after the first (added there). With several
-    ranks, also the bytes each rank receives in collectives (`collective_bytes`) and their seconds at
+    several passes its gradient sum to the device in every pass after the first (added there). Saved stage
+    inputs parked in host memory (`parked_bytes` each, every stage but the head in every pass) cross both ways.
+    With several ranks, also the bytes each rank receives in collectives (`collective_bytes`) and their seconds at
     `bandwidths.link` (0 when no link is given)."""
     accesses = fetches_per_step(len(costs), passes, prefetch)
     streamed = [i for i, h in enumerate(home) if h != "device"]
@@ -256,6 +273,8 @@ def io_per_step(costs: list[StageCost], bandwidths: Bandwidths, home: tuple[str,
     # (their sums over passes cross to the device to be added there, from the second pass on)
     h2d += sum(2 * costs[i].param_bytes + costs[i].opt_bytes + (passes - 1) * costs[i].param_bytes
                for i in on_device)
+    parked = passes * (len(costs) - 1) * parked_bytes
+    h2d, d2h = h2d + parked, d2h + parked
     d2h += sum(costs[i].param_bytes + costs[i].opt_bytes for i in on_device)
     read = sum((accesses[i] + 1) * costs[i].param_bytes for i in streamed if home[i] == "disk") \
         + sum(costs[i].param_bytes for i in streamed if grad_home[i] == "disk") \
@@ -325,12 +344,41 @@ def gather_bytes(costs: list[StageCost], prefetch: int, ranks: int) -> int:
 
 
 def minimum_device_bytes(costs: list[StageCost], budgets: Budgets, passes: int = 1, ranks: int = 1,
-                         device_updates: bool = False) -> int:
+                         device_updates: bool = False, park: bool = False) -> int:
     """The smallest device budget any plan of `passes` passes fits: everything streamed, prefetch 1 (with
-    `device_updates`, their updates on the device)."""
+    `device_updates`, their updates on the device; with `park`, the saved stage inputs in host memory)."""
     every = list(range(len(costs)))
-    return budgets.fixed_for(passes) + window_bytes(costs, every, 1) + gather_bytes(costs, 1, ranks) \
-        + (update_window(costs, every) if device_updates else 0)
+    return fixed_of(budgets, passes, len(costs), 1, park) + window_bytes(costs, every, 1) \
+        + gather_bytes(costs, 1, ranks) + (update_window(costs, every) if device_updates else 0)
+
+
+def fixed_of(budgets: Budgets, passes: int, n: int, prefetch: int, park: bool) -> int:
+    """The device's activations and working set in a plan of `passes` passes over `n` stages: with `park`, the
+    saved inputs (of every stage but the head, which computes on the last forward's output) wait in host memory."""
+    return budgets.fixed_parked(passes, n - 1, prefetch) if park else budgets.fixed_for(passes)
+
+
+def activation_options(activations: str, shared_cpu: bool, budgets: Budgets, passes: int,
+                       ranks: int = 1) -> list[bool]:
+    """Whether to plan the saved stage inputs parked in host memory (`memory.activations`): [False] (on the
+    device), [True], or both, the device first. `auto` parks only in one pass (parking is the alternative to
+    passes that fetch every stage again), never on shared cores, where host and device memory are one RAM, nor
+    with pages sharded over several ranks."""
+    auto = not shared_cpu and budgets.saved_device > 0 and passes == 1 and ranks == 1
+    return _choice("memory.activations", activations, "device", "host", ranks, auto)
+
+
+def _choice(key: str, value: str, base: str, other: str, ranks: int, auto: bool) -> list[bool]:
+    """The options of a placement key set to `value` (one of 'auto', `base`, `other`): [False] (`base`), [True]
+    (`other`, not built for pages sharded over several ranks), or with 'auto' where `auto` holds, both."""
+    if value not in ("auto", base, other):
+        raise PlanError(f"{key} must be auto, {base} or {other}, got {value!r}")
+    if value == other:
+        if ranks > 1:
+            raise PlanError(f"{key}={other} is not built for pages sharded over several ranks (ZeRO-3); use {base} "
+                            "or auto")
+        return [True]
+    return [False, True] if value == "auto" and auto else [False]
 
 
 def pass_options(micro_batches: int) -> list[int]:
@@ -341,7 +389,7 @@ def pass_options(micro_batches: int) -> list[int]:
 def make_plan(costs: list[StageCost], bw: Bandwidths, budgets: Budgets, *, staleness: int = 0,
               shared_cpu: bool = False, max_prefetch: int = 3, micro_batches: int = 1,
               passes: int | None = None, ranks: int = 1, overlap: bool = True,
-              streamed_updates: str = "host") -> Plan:
+              streamed_updates: str = "host", activations: str = "device") -> Plan:
     """`costs`: per stage, the times of one call (one micro-batch); a step runs `micro_batches` calls per
     access, in `passes` accumulation passes (None: the planner chooses among `pass_options`). The plan predicted
     fastest wins; more passes or a deeper prefetch only when predicted faster by more than noise (2%).
@@ -351,7 +399,9 @@ def make_plan(costs: list[StageCost], bw: Bandwidths, budgets: Budgets, *, stale
     overlapped (`serial_step_time`); with `overlap=False` (`memory.overlap: false`) that is its predicted step too,
     the homes being chosen as for the overlapped step. `streamed_updates` (`memory.streamed_updates`): where
     streamed stages whose pages live on the host update, 'host', 'device' or 'auto' (both planned, the device only
-    when predicted faster by more than noise; the host on shared cores and with several ranks)."""
+    when predicted faster by more than noise; the host on shared cores and with several ranks). `activations`
+    (`memory.activations`): where saved stage inputs wait for the backward, 'device', 'host' or 'auto'
+    (`activation_options`). The first option of each choice is the base: a refusal of another is passed over."""
     n = len(costs)
     if ranks < 1:
         raise PlanError(f"a plan needs at least one data-parallel rank, got ranks={ranks}")
@@ -361,22 +411,25 @@ def make_plan(costs: list[StageCost], bw: Bandwidths, budgets: Budgets, *, stale
     best: Plan | None = None
     options = update_options(streamed_updates, shared_cpu, ranks)
     for p in ([passes] if passes else pass_options(micro_batches)):
+        parks = activation_options(activations, shared_cpu, budgets, p, ranks)
         for prefetch in range(1, max_prefetch + 1):
             for on_device in options:
-                try:
-                    plan = _plan_for(costs, bw, budgets, prefetch, n, staleness, shared_cpu, micro_batches, p,
-                                     ranks, on_device)
-                except PlanError:
-                    if on_device and len(options) > 1:
-                        continue  # (streaming more for the update pages may not fit the host: the host option does)
-                    raise
-                if plan is None:
-                    continue
-                if best is None or plan.predicted.step_time < best.predicted.step_time * 0.98:
-                    best = plan
+                for park in parks:
+                    try:
+                        plan = _plan_for(costs, bw, budgets, prefetch, n, staleness, shared_cpu, micro_batches, p,
+                                         ranks, on_device, park)
+                    except PlanError:
+                        if (on_device, park) != (options[0], parks[0]):
+                            continue  # (another option may not fit the host where the base one does: it decides)
+                        raise
+                    if plan is None:
+                        continue
+                    if best is None or plan.predicted.step_time < best.predicted.step_time * 0.98:
+                        best = plan
     if best is None:
         most = passes or micro_batches  # the fewest activations any plan holds
-        need = minimum_device_bytes(costs, budgets, most, ranks, device_updates=options[0])
+        park = activation_options(activations, shared_cpu, budgets, most, ranks) == [True]
+        need = minimum_device_bytes(costs, budgets, most, ranks, device_updates=options[0], park=park)
         if need <= budgets.device and most > 1:
             # The device holds the step: what refused every plan is the host, which keeps the streamed stages'
             # gradient sums between passes. Name that, not the device.
@@ -386,10 +439,12 @@ def make_plan(costs: list[StageCost], bw: Bandwidths, budgets: Budgets, *, stale
         updating = update_window(costs, list(range(n))) if options[0] else 0
         updates = f" + {DEVICE_UPDATES_IN_FLIGHT} stages updated on the device {updating:,} B" if updating else ""
         other = " or memory.streamed_updates=host" if updating else ""
+        fixed = fixed_of(budgets, most, n, 1, park)
+        parked = ", stage inputs parked in host memory" if park else ""
         raise PlanError(f"device budget {budgets.device:,} B cannot hold the step's minimum {need:,} B "
-                        f"(activations and working set {budgets.fixed_for(most):,} B in {most} accumulation "
-                        f"pass{'es' if most > 1 else ''} + a streaming window of "
-                        f"{need - budgets.fixed_for(most) - gathered - updating:,} B{whole}{updates}): "
+                        f"(activations and working set {fixed:,} B in {most} accumulation "
+                        f"pass{'es' if most > 1 else ''}{parked} + a streaming window of "
+                        f"{need - fixed - gathered - updating:,} B{whole}{updates}): "
                         f"{need - budgets.device:,} B missing; raise "
                         f"memory.device_budget, or lower train.micro_batch_size / model.seq_len{other}")
     serial = without_overlap(best, costs, bw, shared_cpu)
@@ -399,14 +454,8 @@ def make_plan(costs: list[StageCost], bw: Bandwidths, budgets: Budgets, *, stale
 def update_options(streamed_updates: str, shared_cpu: bool, ranks: int) -> list[bool]:
     """Whether to plan streamed stages' updates on the device: [False] (the host), [True], or both, the host first
     (`memory.streamed_updates`)."""
-    if streamed_updates not in ("auto", "host", "device"):
-        raise PlanError(f"memory.streamed_updates must be auto, host or device, got {streamed_updates!r}")
-    if streamed_updates == "device":
-        if ranks > 1:
-            raise PlanError("memory.streamed_updates=device: updates of streamed stages on the device are not built "
-                            "for pages sharded over several ranks (ZeRO-3); use host or auto")
-        return [True]
-    return [False, True] if streamed_updates == "auto" and not shared_cpu and ranks == 1 else [False]
+    return _choice("memory.streamed_updates", streamed_updates, "host", "device", ranks,
+                   not shared_cpu and ranks == 1)
 
 
 def update_window(costs: list[StageCost], on_device: list[int]) -> int:
@@ -422,7 +471,8 @@ def without_overlap(plan: Plan, costs: list[StageCost], bw: Bandwidths, shared_c
     executor runs with `memory.overlap: false`): the sum of the step's parts."""
     return simulate(costs, bw, plan.home, plan.opt_home, plan.prefetch, grad_home=plan.grad_home,
                     staleness=plan.staleness, shared_cpu=shared_cpu, micro_batches=plan.micro_batches,
-                    passes=plan.passes, ranks=plan.ranks, overlap=False, update_at=plan.updates)
+                    passes=plan.passes, ranks=plan.ranks, overlap=False, update_at=plan.updates,
+                    parked_bytes=plan.parked_bytes)
 
 
 def _resident_bytes(c: StageCost) -> int:
@@ -431,9 +481,14 @@ def _resident_bytes(c: StageCost) -> int:
 
 def _plan_for(costs: list[StageCost], bw: Bandwidths, budgets: Budgets, prefetch: int, n: int, staleness: int,
               shared_cpu: bool, micro_batches: int, passes: int, ranks: int = 1,
-              device_updates: bool = False) -> Plan | None:
+              device_updates: bool = False, park: bool = False) -> Plan | None:
     resident: list[int] = []
-    fixed = budgets.fixed_for(passes)
+    fixed = fixed_of(budgets, passes, n, prefetch, park)
+    parked = budgets.parked_bytes(passes, n - 1) if park else 0
+    if park and budgets.host is not None:  # a pass's saved inputs wait in host memory beside the pages
+        if budgets.host < parked * (n - 1):
+            return None
+        budgets = dataclasses.replace(budgets, host=budgets.host - parked * (n - 1))
     gathered = gather_bytes(costs, prefetch, ranks)  # needed whatever is resident: every access gathers
     free = budgets.device - fixed - gathered
     # Prefer keeping the stages whose streaming costs most per unit of compute that could hide it.
@@ -465,10 +520,11 @@ def _plan_for(costs: list[StageCost], bw: Bandwidths, budgets: Budgets, prefetch
     reserved = update_window(costs, [j for j in streamed if update_at[j] == "device"])
     predicted = simulate(costs, bw, home, opt_home, prefetch, grad_home=grad_home, staleness=staleness,
                          shared_cpu=shared_cpu, micro_batches=micro_batches, passes=passes, ranks=ranks,
-                         update_at=update_at)
-    peak = {"device": fixed + gathered + used + reserved, "host": host_used, "disk": disk_used}
+                         update_at=update_at, parked_bytes=parked)
+    peak = {"device": fixed + gathered + used + reserved, "host": host_used + parked * (n - 1), "disk": disk_used}
     return Plan(tuple(sorted(resident)), home, grad_home, opt_home, prefetch, window, peak, staleness, predicted,
-                micro_batches, passes, fixed, ranks, gathered, update_at=update_at, update_bytes=reserved)
+                micro_batches, passes, fixed, ranks, gathered, update_at=update_at, update_bytes=reserved,
+                parked_bytes=parked)
 
 
 Homes = tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]

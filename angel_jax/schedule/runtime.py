@@ -141,7 +141,7 @@ def plan_for(decision: Decision, bp: Blueprint, example_batch: jax.Array, device
     if jax.process_count() > 1:  # every process must make the same plan: the programs they run are collectives
         costs, bw = _agreed(costs, bw)
     plan = make_plan(costs, bw, budgets, staleness=cfg.memory.staleness, shared_cpu=device.platform == "cpu",
-                     streamed_updates=cfg.memory.streamed_updates,
+                     streamed_updates=cfg.memory.streamed_updates, activations=cfg.memory.activations,
                      micro_batches=micro_batches, passes=cfg.memory.passes or None, overlap=cfg.memory.overlap)
     if "disk" in plan.home + plan.grad_home + plan.opt_home and not Path(default_calibration_path()).is_file():
         # The disk figures are then guesses: the plan's placement and predicted step rest on them.

@@ -10,8 +10,8 @@ Rules (those of execute.py and updater.py):
   its share of the micro-batches: a streamed stage is fetched for every access of every pass, its gradients go to
   the host after every pass's backward, and from the second pass on they are added there into the stage's sum
   (`host_add_s`, on the host stream); a stage updated on the device (`update_at`) adds on the device instead, its
-  sum so far crossing to the device (h2d) from the start of its backward. A stage's first fetch in a step waits for its update; later passes do not.
-  Computations of later passes are labelled with their pass ("forward embed (pass 2)"), so the label of the
+  sum so far crossing to the device (h2d) from the start of its backward. A stage's first fetch in a step waits
+  for its update; later passes do not. Computations of later passes are labelled with their pass ("forward embed (pass 2)"), so the label of the
   first stage's forward marks the start of a step, as in the measured timeline.
 - One compute stream, one h2d and one d2h copy stream, one host stream (optimizer updates on the CPU) and one disk
   stream; work within a stream is serial, in the executor's order.
@@ -35,6 +35,9 @@ Rules (those of execute.py and updater.py):
   their own, not on the compute stream's clock.
 - Disk-homed parameters are read from disk before their fetch to the device (each access); disk-homed gradients
   are written to disk after their d2h copy.
+- Saved stage inputs parked in host memory (`parked_bytes`): a forward's input goes to the host (d2h) once the
+  forward is done; a backward's comes back (h2d) from when a fetch for that access would start, and the backward
+  waits for it.
 - Data parallelism (ZeRO-3, `ranks` > 1 with `Bandwidths.link` > 0): the costs are one rank's (its shard of each
   stage's pages, its calls on its local rows), and every rank runs the same timeline, so one rank's is simulated.
   A `collective` stream (serial, in the order the executor issues its work) carries, before every stage access
@@ -167,12 +170,14 @@ class _Clock:
 def simulate(costs: list[StageCost], bw: Bandwidths, home: tuple[str, ...], opt_home: tuple[str, ...],
              prefetch: int, *, grad_home: tuple[str, ...] | None = None, staleness: int = 0, shared_cpu: bool = False,
              steps: int = 3, micro_batches: int = 1, passes: int = 1, ranks: int = 1,
-             overlap: bool = True, update_at: tuple[str, ...] | None = None) -> Timeline:
+             overlap: bool = True, update_at: tuple[str, ...] | None = None, parked_bytes: float = 0) -> Timeline:
     """`home`: per stage 'device', 'host' or 'disk' (parameters); `grad_home` defaults to 'device' for resident
     stages and 'host' for streamed ones; `update_at` (where each stage's update runs) to 'device' for resident
-    stages and 'host' for streamed ones. `ranks`: data-parallel ranks, whose collectives are simulated when
-    `bw.link` is set (the costs are then one rank's). `overlap=False`: the executor's `memory.overlap: false`,
-    every piece of work alone on one clock, so the step is the sum of its parts."""
+    stages and 'host' for streamed ones. `parked_bytes`: bytes of each stage's saved input in a pass, parked in
+    host memory between its forward and its backward (0: they wait on the device). `ranks`: data-parallel ranks,
+    whose collectives are simulated when `bw.link` is set (the costs are then one rank's). `overlap=False`: the
+    executor's `memory.overlap: false`, every piece of work alone on one clock, so the step is the sum of its
+    parts."""
     n = len(costs)
     if grad_home is None:
         grad_home = tuple("device" if h == "device" else "host" for h in home)
@@ -265,6 +270,7 @@ def simulate(costs: list[StageCost], bw: Bandwidths, home: tuple[str, ...], opt_
         fetched_passes: set[int] = set()
         last_access: dict[int, int] = {}  # per stage, the index of its latest access in this step
         at_hand: dict[int, float] = {}  # per stage, when its latest fetch reached the device
+        parked_at: dict[int, float] = {}  # per stage, when its saved input of the current pass is in host memory
         for j in early:
             if j not in read_done:
                 read(j, reads_from, state_read[j])
@@ -277,6 +283,12 @@ def simulate(costs: list[StageCost], bw: Bandwidths, home: tuple[str, ...], opt_
             # (a borrowing stage's call reads its lender's parameters too: both must be on the device)
             ready, cause = max(pages_at(j, k) for j in (i,) + ((costs[i].lender,) if costs[i].lender is not None
                                                                else ()))
+            if parked_bytes and op == "backward":  # its saved input back from the host, issued as a fetch is
+                gate = starts[k - prefetch] if k >= prefetch else clock.free["compute"]
+                back = clock.run("h2d", f"unpark {costs[i].name}", max(gate, parked_at.pop(i, 0.0)),
+                                 parked_bytes / bw.h2d)[1]
+                if back > ready:
+                    ready, cause = back, "h2d"
             label = f"{op} {costs[i].name}" + (f" (pass {k // per_pass + 1})" if k >= per_pass else "")
             gathered = ready
             if collective:  # issued with the shard's fetch, behind the reduce-scatters issued before it
@@ -293,6 +305,8 @@ def simulate(costs: list[StageCost], bw: Bandwidths, home: tuple[str, ...], opt_
             starts.append(start)
             if k == 0:  # the step's first forward (of its first pass)
                 first_forward.append(start)
+            if parked_bytes and op == "forward":  # its input goes to the host for the backward
+                parked_at[i] = clock.run("d2h", f"park {costs[i].name}", end, parked_bytes / bw.d2h)[1]
             if op != "forward":
                 if collective:
                     scatters.append((end, i, k))

@@ -10,6 +10,11 @@ GRAD_SPILL = 2
 """Stages of disk-homed gradients on their way from the backward to the disk at a time (the executor waits for the
 oldest before it sends more): the host memory the plan reserves for them."""
 
+ACTIVATIONS_IN_FLIGHT = 2
+"""Saved stage inputs on their way to pinned host memory at a time (`memory.activations: host`): the executor
+waits for the oldest before it parks another. With the stage computing and those the prefetch brings back for
+their backward, the device memory the plan reserves for parked activations (`Budgets.fixed_parked`)."""
+
 DEVICE_UPDATES_IN_FLIGHT = 2
 """Streamed stages updated on the device (`memory.streamed_updates`) whose pages are on the device at a time: one
 stage's inputs arrive while the previous one's new pages go home (the updater waits for the oldest before it sends

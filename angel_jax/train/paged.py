@@ -377,6 +377,9 @@ class PagedTrainEngine:
                      f"{human_bytes(built.budgets.device // n)} budget (activations and working set "
                      f"{human_bytes(built.plan.fixed_device // n)}), host {human_bytes(peak['host'] // n)}, "
                      f"disk {human_bytes(peak['disk'] // n)}")
+        if plan.parked_bytes:
+            lines.append(f"  parked activations stage inputs wait for their backward in host memory, "
+                         f"{human_bytes(plan.parked_bytes // n)} a stage")
         on_device = plan.streamed_device_updates
         if on_device:
             lines.append(f"  device updates     {len(on_device)} streamed stages update on the device, their pages "

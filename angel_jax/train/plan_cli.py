@@ -139,7 +139,8 @@ def _estimated_plan(cfg: Config, bp: Blueprint, args: argparse.Namespace, target
             plan = make_plan(costs, bw, budgets, staleness=trial.memory.staleness, shared_cpu=shared_cpu,
                              micro_batches=micro_batching(trial, local)[0], passes=trial.memory.passes or None,
                              ranks=ranks, overlap=trial.memory.overlap,
-                             streamed_updates=trial.memory.streamed_updates)
+                             streamed_updates=trial.memory.streamed_updates,
+                             activations=trial.memory.activations)
         except PlanError as e:
             errors.append(e)
             continue
@@ -223,6 +224,10 @@ def report(cfg: Config, plan: Plan, costs: list[StageCost], budgets: Budgets, bw
     idle = (f"; the compute waits {sum(waits.values()):.4g} s per step for: "
             + ", ".join(f"{k} {v:.4g} s" for k, v in sorted(waits.items(), key=lambda kv: -kv[1]))) if waits else ""
     lines.append(f"  bound by              {bound} (streams busy: {busy}{idle})")
+    if plan.parked_bytes:
+        lines.append(f"  parked activations    stage inputs wait for their backward in host memory "
+                     f"(memory.activations={cfg.memory.activations}): {human_bytes(plan.parked_bytes)} a stage, "
+                     f"{human_bytes(plan.parked_bytes * (len(costs) - 1) * plan.passes)} per step each way")
     on_device = plan.streamed_device_updates
     if on_device:
         lines.append(f"  device updates        {len(on_device)} of {len(plan.streamed)} streamed stages update on the "
@@ -275,10 +280,11 @@ WHAT_IF = {
     "bfloat16 parameters over a float32 master": ["model.param_dtype=bfloat16", "optimizer.master_weights=true"],
     "bfloat16 optimizer moments": ["optimizer.state_dtype=bfloat16"],
     "streamed stages updated on the device": ["memory.streamed_updates=device"],
+    "stage inputs parked in host memory": ["memory.activations=host"],
 }
 """The settings `--what-if` plans besides the config's own, each alone and all together: those that move a
 streamed step's bound (host updates hidden behind the next step; fewer bytes over the link and through the host
-update; no host update at all)."""
+update; no host update at all; one pass however large the batch)."""
 
 
 def alternatives(cfg: Config, args: argparse.Namespace, target: PlanTarget, peak_flops: float) -> dict[str, dict]:
