@@ -20,7 +20,8 @@ SETUP = VENV="$(VENV)" ACCEL="$(ACCEL)" INSTALLER="$(INSTALLER)" PYTHON="$(PYTHO
 GPU_TESTS := tests/test_memory_layout.py tests/test_memory_tiers.py tests/test_memory_crossing.py \
 	tests/test_memory_store.py tests/test_step_phases.py tests/test_micro_batches.py tests/test_train_eval.py \
 	tests/test_paged.py tests/test_paged_state.py tests/test_paged_guard.py tests/test_paged_lockfree.py \
-	tests/test_paged_runtime.py tests/test_fsdp.py tests/test_zero.py tests/test_page_bits.py tests/test_numerics.py
+	tests/test_paged_runtime.py tests/test_fsdp.py tests/test_zero.py tests/test_page_bits.py tests/test_numerics.py \
+	tests/test_streamed_device_updates.py tests/test_parked_activations.py
 
 .PHONY: setup venv train test test-gpu test-lowest bench clean
 .DEFAULT_GOAL := venv

@@ -224,9 +224,9 @@ def _device_bytes() -> int:
     return sum(a.nbytes for a in jax.live_arrays() if a.sharding.memory_kind == "device" and not a.is_deleted())
 
 
-def device_use(cfg: Config, data: list[jax.Array]) -> tuple[int, object]:
+def device_use(cfg: Config, data: list[jax.Array]) -> tuple[int, tuple]:
     """The most device bytes alive beside what was before, sampled after every stage access of a paged run of
-    `cfg` on `data`, and its engine."""
+    `cfg` on `data`, and the run's (losses, parameters, engine)."""
     peak = [0]
 
     def sample(op, stage):
@@ -235,13 +235,13 @@ def device_use(cfg: Config, data: list[jax.Array]) -> tuple[int, object]:
 
     gc.collect()
     baseline = _device_bytes()
-    _, _, engine = paged(cfg, data, on_access=sample)
-    return peak[0] - baseline, engine
+    run = paged(cfg, data, on_access=sample)
+    return peak[0] - baseline, run
 
 
 def test_device_budget_holds_for_live_arrays():
     cfg = eighth(_cfg())
-    used, engine = device_use(cfg, batches(4))
+    used, (_, _, engine) = device_use(cfg, batches(4))
     assert_mostly_streamed(engine, cfg)
     # What is live on the device at the sample points fits the budget; and the samples do see streamed pages in
     # flight (more than two stages' worth), or this test would not be measuring anything.

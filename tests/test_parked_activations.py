@@ -9,7 +9,7 @@ import dataclasses
 
 import numpy as np
 import pytest
-from test_paged import _cfg, assert_same_training, batches, device_use, paged, reference, state_bytes
+from test_paged import _cfg, assert_same_training, batches, device_use, paged, state_bytes
 
 from angel_jax.config import Config
 from angel_jax.schedule.plan import Budgets, PlanError, io_per_step, make_plan
@@ -45,14 +45,13 @@ def test_a_batch_the_device_cannot_hold_runs_in_one_pass_within_the_budget():
     data = batches(3, batch=32)
     kept = _config("device", 32, 4, budget_fraction=0.3)
     parked = _config("host", 32, 4, budget_fraction=0.3)
-    used, engine = device_use(parked, data)
+    used, (losses, _, engine) = device_use(parked, data)
     plan = engine.plan
     assert plan.passes == 1 and plan.parked_bytes > 0 and len(plan.streamed) >= 0.75 * len(plan.home)
     assert used <= parked.memory.device_budget, (used, parked.memory.device_budget)
     kept_losses, _, kept_engine = paged(kept, data)
     assert kept_engine.plan.passes > 1
-    losses, _, _ = paged(parked, data)
-    np.testing.assert_allclose(losses, reference(kept, data)[0], rtol=1e-5)
+    # (the passes sum the micro-batches' gradients in another order: equal to float rounding)
     np.testing.assert_allclose(losses, kept_losses, rtol=1e-5)
 
 

@@ -76,7 +76,7 @@ def test_the_device_budget_holds_with_updates_in_flight():
     """Sampled between stage calls while the previous step's updates cross (the updater works beside the next
     step's forward): what is alive on the device fits the budget, the update pages included."""
     cfg = _quarter("device")
-    used, engine = device_use(cfg, batches(4))
+    used, (_, _, engine) = device_use(cfg, batches(4))
     assert engine.plan.update_bytes > 0 and engine.plan.peak_bytes["device"] <= cfg.memory.device_budget
     assert 2 * max(c.param_bytes for c in engine.costs) < used <= cfg.memory.device_budget, \
         (used, cfg.memory.device_budget)
