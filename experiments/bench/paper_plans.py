@@ -62,7 +62,9 @@ LINKS = {"conservative": ["--h2d-gbps", "25", "--disk-read-gbps", "3", "--disk-w
 H200_BUDGETS = ["memory.device_budget=141000000000", "memory.host_budget=118111600640",
                 "memory.disk_budget=64424509440"]
 """One H200 machine as measured: 141 GB of HBM, 110 GiB of host memory for the host tier, 60 GiB of disk."""
-OFFLOAD_LAYOUT = ["model.param_dtype=bfloat16", "optimizer.master_weights=true", "memory.staleness=1"]
+MASTER_LAYOUT = ["model.param_dtype=bfloat16", "optimizer.master_weights=true"]
+OFFLOAD_LAYOUT = [*MASTER_LAYOUT, "memory.staleness=1"]
+HOST_UPDATES = ["memory.streamed_updates=host", "memory.activations=device"]
 H200_CASES = {
     # The throughput issue's two figures on paper: gpt_13b at 64 x 2048 tokens per step, and gpt_1b with a quarter
     # of its training state's bytes (19.4 GB: 1.21 B parameters x 16 B) on the device at 32 x 2048.
@@ -84,6 +86,21 @@ H200_CASES = {
     "gpt_1b_h200_measured_state4_32x2048_lockfree_bf16_moments": (
         "experiments/gpt_1b.yaml", ["train.batch_size=32", *OFFLOAD_LAYOUT, "optimizer.state_dtype=bfloat16"],
         ["memory.device_budget=4850000000", *H200_BUDGETS[1:]]),
+    # The cases above plan with memory.streamed_updates=auto and memory.activations=auto (the defaults: streamed
+    # stages update on the device, their state crossing the link, and stage inputs wait in host memory, where that
+    # is predicted faster); these keep the updates on the host and the stage inputs on the device, as every plan
+    # did before the two choices existed ...
+    "gpt_13b_h200_measured_64x2048_host_updates": (
+        "experiments/gpt_13b.yaml", ["train.batch_size=64", *HOST_UPDATES], H200_BUDGETS),
+    "gpt_1b_h200_measured_state4_32x2048_host_updates": (
+        "experiments/gpt_1b.yaml", ["train.batch_size=32", *HOST_UPDATES],
+        ["memory.device_budget=4850000000", *H200_BUDGETS[1:]]),
+    # The criterion's reference: gpt_1b with the whole H200 for its state, every stage resident (the paged engine's
+    # plan of a model that fits: the in-memory engine's step, at the calibration's compute rate).
+    "gpt_1b_h200_measured_all_resident_32x2048": ("experiments/gpt_1b.yaml", ["train.batch_size=32"], H200_BUDGETS),
+    # ... and this one is exact (staleness 0) with bfloat16 parameters over a float32 master.
+    "gpt_13b_h200_measured_64x2048_bf16_master": (
+        "experiments/gpt_13b.yaml", ["train.batch_size=64", *MASTER_LAYOUT], H200_BUDGETS),
 }
 COLLECTIVES = {"nvlink": ["--link-gbps", "150"], "infiniband": ["--link-gbps", "25"]}
 
@@ -168,13 +185,14 @@ def run_case(name: str, config: str, overrides: list[str], links: str, disk_dir:
             "compute_waits_s": {k: round(v, 2) for k, v in plan["compute_waits_s"].items()},
             "micro_batch_size": plan["micro_batch_size"], "micro_batches": plan["micro_batches"],
             "passes": plan["passes"], "prefetch": plan["prefetch"], "resident": plan["resident"],
-            "streamed": plan["streamed"], "table": plan["table"], "peak_bytes": plan["peak_bytes"],
+            "streamed": plan["streamed"], "streamed_device_updates": plan.get("streamed_device_updates", 0),
+            "activations_parked_bytes": plan.get("activations_parked_bytes", 0), "table": plan["table"], "peak_bytes": plan["peak_bytes"],
             "params": plan["param_count"]["total"], "source": plan["source"].replace(disk_dir, "DIR")}
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--only", default=None, help="run one case (default: all)")
+    p.add_argument("--only", default=None, help="run the cases whose name starts with this (default: all)")
     p.add_argument("--no-save", action="store_true")
     args = p.parse_args()
     results = None if args.no_save else results_path("paper_plans")
@@ -186,7 +204,7 @@ def main() -> int:
                   for name, (config, overrides, budgets) in H200_CASES.items()})
     with tempfile.TemporaryDirectory() as tmp:
         for name, (config, overrides, links, budgets, target) in cases.items():
-            if args.only and name != args.only:
+            if args.only and not name.startswith(args.only):
                 continue
             out = Path(tmp) / name
             record = run_case(name, config, overrides, links, str(Path(tmp) / "disk"), out, budgets, target)
