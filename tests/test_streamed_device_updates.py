@@ -7,8 +7,10 @@ chooses the device where its link outruns the host's update, and says so."""
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 from test_paged import _cfg, assert_same_training, batches, device_use, paged, reference, state_bytes
@@ -70,6 +72,40 @@ def test_stages_updated_on_the_device_never_run_one_update_behind():
     losses, _, engine = paged(_quarter("device", staleness=1), data)
     assert engine.updater.stale_uses == 0 and engine.updater.max_lag <= 1
     assert losses == exact
+
+
+def test_a_checkpoint_of_a_run_updating_on_the_device_resumes_it_exactly(tmp_path):
+    """The state after 3 steps (the step counts of device-updated stages live on the device) loaded into a new
+    engine trains on as the uninterrupted run, stage inputs parked as well."""
+    from angel_jax.train.paged import PagedTrainEngine
+
+    cfg = _quarter("device", activations="host")
+    cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, run_dir=str(tmp_path / "run")))
+    mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1], axis_types=(jax.sharding.AxisType.Auto,))
+    data = batches(6)
+
+    def steps(engine, part) -> list[float]:
+        return [float(engine.step(jax.device_put(b, engine.batch_sharding))["loss"]) for b in part]
+
+    first = PagedTrainEngine(cfg, mesh)
+    try:
+        assert first.built.plan.streamed_device_updates and first.built.plan.parked_bytes
+        straight = steps(first, data)
+    finally:
+        first.close()
+    again = PagedTrainEngine(cfg, mesh)
+    try:
+        steps(again, data[:3])
+        arrays = {k: np.array(v) for k, v in again.state_snapshot().arrays.items()}
+        meta = json.loads(json.dumps(again.state_meta()))
+    finally:
+        again.close()
+    resumed = PagedTrainEngine(cfg, mesh)
+    try:
+        resumed.load_state(arrays, meta)
+        assert steps(resumed, data[3:]) == straight[3:]
+    finally:
+        resumed.close()
 
 
 def test_the_device_budget_holds_with_updates_in_flight():
