@@ -33,13 +33,19 @@ def whole() -> tuple[list[float], dict]:
     return reference(_cfg(model=TIED, steps=STEPS), _data())
 
 
+BUDGET_DEVICE_UPDATES = 5_000_000
+"""The streaming window, two stages' update pages (the embedding's the largest) and what is left resident."""
+
+
 @pytest.mark.compares_programs
 @pytest.mark.parametrize("memory", [
     dict(),                                                          # every stage resident
     dict(device_budget=2_400_000),                                     # the embedding streams, fetched for the head
     dict(device_budget=2_400_000, host_budget=3_700_000),              # every family on disk
     dict(device_budget=2_400_000, passes=2),                           # fetched once per pass
-], ids=["resident", "streamed", "disk", "passes"])
+    # updated on the device (the head's share of its gradient crosses with the embedding's), inputs parked
+    dict(device_budget=BUDGET_DEVICE_UPDATES, streamed_updates="device", activations="host"),
+], ids=["resident", "streamed", "disk", "passes", "device_updates"])
 def test_a_tied_head_trains_as_the_whole_model(memory, whole, tmp_path):
     micro = {"passes": 1} if "passes" in memory else {}
     cfg = _cfg(model=TIED, steps=STEPS, **({"disk_dir": str(tmp_path)} if "host_budget" in memory else {}), **memory)
@@ -49,6 +55,8 @@ def test_a_tied_head_trains_as_the_whole_model(memory, whole, tmp_path):
     want_losses, want = whole
     if memory:  # the embedding (stage 0) streams: the head's calls fetch it again
         assert 0 in engine.plan.streamed, engine.plan.home
+    if "streamed_updates" in memory:
+        assert 0 in engine.plan.streamed_device_updates and engine.plan.parked_bytes, engine.plan.updates
     if "host_budget" in memory:
         assert engine.plan.home[0] == "disk" and engine.plan.opt_home[0] == "disk", engine.plan.home
     np.testing.assert_allclose(losses, want_losses, rtol=2e-5)
