@@ -165,7 +165,8 @@ def quarter_state(sizes: dict, rounds: int, steps: int, overrides: list[str]) ->
             "state_bytes": state_bytes(reference), "device_budget": budget,
             "batch_size": reference.train.batch_size, "micro_batch_size": reference.train.micro_batch_size,
             "streamed": len(plan.streamed), "stages": len(plan.home), "passes": plan.passes,
-            "staleness": plan.staleness, "predicted_step_s": round(plan.predicted.step_time, 4),
+            "staleness": plan.staleness, "streamed_device_updates": len(plan.streamed_device_updates),
+            "activations_parked_bytes": plan.parked_bytes, "predicted_step_s": round(plan.predicted.step_time, 4),
             "step_s": {n: [round(x, 4) for x in t] for n, t in times.items()},
             **{f"{n}_{k}": v for n in med for k, v in perf(reference, med[n]).items()},
             "paged_over_reference": round(ratio, 4), "target": 1.3, "meets_target": ratio <= 1.3}
@@ -210,6 +211,8 @@ def rung(mode: str, sizes_name: str, layers: int, disk_dir: str, steps: int) -> 
             placement = {"streamed": len(plan.streamed), "stages": len(plan.home),
                          "params_on_disk": plan.home.count("disk"), "grads_on_disk": plan.grad_home.count("disk"),
                          "opt_on_disk": plan.opt_home.count("disk"), "peak_bytes": plan.peak_bytes,
+                         "streamed_device_updates": len(plan.streamed_device_updates),
+                         "activations_parked_bytes": plan.parked_bytes,
                          "predicted_step_s": round(plan.predicted.step_time, 4)}
     finally:
         engine.close()
