@@ -110,7 +110,8 @@ def test_a_checkpoint_of_a_run_updating_on_the_device_resumes_it_exactly(tmp_pat
 
 def test_the_device_budget_holds_with_updates_in_flight():
     """Sampled between stage calls while the previous step's updates cross (the updater works beside the next
-    step's forward): what is alive on the device fits the budget, the update pages included."""
+    step's forward): what is alive on the device fits the budget, the update pages included, and the plan reserves
+    room for them. (The updater's bound of two stages in flight is not seen here: the CPU's copies land at once.)"""
     cfg = _quarter("device")
     used, (_, _, engine) = device_use(cfg, batches(4))
     assert engine.plan.update_bytes > 0 and engine.plan.peak_bytes["device"] <= cfg.memory.device_budget

@@ -164,9 +164,16 @@ def check_host_room(cfg: Config, device: jax.Device, sizes: ModelBytes) -> None:
     hold: the plan is made on the page layouts' bytes (with no compute times), so the refusal is the one the
     profiled plan would give, naming the bytes missing and the key to raise."""
     make_plan(sizes.stages, Bandwidths(), budgets_for(cfg, device, cfg.train.batch_size, sizes),
-              staleness=cfg.memory.staleness, streamed_updates=cfg.memory.streamed_updates,
-              activations=cfg.memory.activations, shared_cpu=device.platform == "cpu",
-              micro_batches=micro_batching(cfg, cfg.train.batch_size)[0], passes=cfg.memory.passes or None)
+              shared_cpu=device.platform == "cpu", micro_batches=micro_batching(cfg, cfg.train.batch_size)[0],
+              **plan_settings(cfg))
+
+
+def plan_settings(cfg: Config) -> dict:
+    """The memory.* keys a run's plans are made with (`make_plan`'s keyword arguments), the same for every plan
+    of it: the refusal from shapes, the host tier's need, the profiled plan and an estimate."""
+    m = cfg.memory
+    return {"staleness": m.staleness, "passes": m.passes or None, "overlap": m.overlap,
+            "streamed_updates": m.streamed_updates, "activations": m.activations}
 
 
 def fit_micro_batch(cfg: Config, device: jax.Device, sizes: ModelBytes) -> Config:
@@ -234,9 +241,8 @@ def pinned_host_need(cfg: Config, sizes: ModelBytes, device_bytes: int, processe
                           disk=(disk_budget(cfg) or 0) if cfg.memory.disk_dir else 0,
                           fixed_device=fixed_device_bytes(cfg, local, sizes),
                           saved_device=saved_input_bytes(cfg, local))
-        plan = make_plan(sizes.stages, Bandwidths(), budgets, staleness=cfg.memory.staleness,
-                         micro_batches=micro_batching(cfg, local)[0], passes=cfg.memory.passes or None,
-                         streamed_updates=cfg.memory.streamed_updates, activations=cfg.memory.activations)
+        plan = make_plan(sizes.stages, Bandwidths(), budgets, micro_batches=micro_batching(cfg, local)[0],
+                         **plan_settings(cfg))
     except (PlanError, ConfigError):
         return None
     return plan.peak_bytes["host"]

@@ -270,12 +270,12 @@ def io_per_step(costs: list[StageCost], bandwidths: Bandwidths, home: tuple[str,
     h2d = sum(accesses[i] * costs[i].param_bytes for i in streamed)
     d2h = passes * sum(costs[i].param_bytes for i in streamed)
     on_device = [i for i in streamed if update_at and update_at[i] == "device"]
-    # (their sums over passes cross to the device to be added there, from the second pass on)
-    h2d += sum(2 * costs[i].param_bytes + costs[i].opt_bytes + (passes - 1) * costs[i].param_bytes
-               for i in on_device)
-    parked = passes * (len(costs) - 1) * parked_bytes
-    h2d, d2h = h2d + parked, d2h + parked
+    # (in: parameters, gradients, optimizer state, and the gradient sum of every pass after the first; out: the
+    # new parameters and optimizer state)
+    h2d += sum((1 + passes) * costs[i].param_bytes + costs[i].opt_bytes for i in on_device)
     d2h += sum(costs[i].param_bytes + costs[i].opt_bytes for i in on_device)
+    parked = passes * (len(costs) - 1) * parked_bytes  # each way
+    h2d, d2h = h2d + parked, d2h + parked
     read = sum((accesses[i] + 1) * costs[i].param_bytes for i in streamed if home[i] == "disk") \
         + sum(costs[i].param_bytes for i in streamed if grad_home[i] == "disk") \
         + sum(c.opt_bytes for c, h in zip(costs, opt_home) if h == "disk")
@@ -485,10 +485,11 @@ def _plan_for(costs: list[StageCost], bw: Bandwidths, budgets: Budgets, prefetch
     resident: list[int] = []
     fixed = fixed_of(budgets, passes, n, prefetch, park)
     parked = budgets.parked_bytes(passes, n - 1) if park else 0
-    if park and budgets.host is not None:  # a pass's saved inputs wait in host memory beside the pages
-        if budgets.host < parked * (n - 1):
+    parked_pass = parked * (n - 1)  # a pass's saved inputs, waiting in host memory beside the pages
+    if budgets.host is not None and parked_pass:
+        if budgets.host < parked_pass:
             return None
-        budgets = dataclasses.replace(budgets, host=budgets.host - parked * (n - 1))
+        budgets = dataclasses.replace(budgets, host=budgets.host - parked_pass)
     gathered = gather_bytes(costs, prefetch, ranks)  # needed whatever is resident: every access gathers
     free = budgets.device - fixed - gathered
     # Prefer keeping the stages whose streaming costs most per unit of compute that could hide it.
@@ -521,7 +522,7 @@ def _plan_for(costs: list[StageCost], bw: Bandwidths, budgets: Budgets, prefetch
     predicted = simulate(costs, bw, home, opt_home, prefetch, grad_home=grad_home, staleness=staleness,
                          shared_cpu=shared_cpu, micro_batches=micro_batches, passes=passes, ranks=ranks,
                          update_at=update_at, parked_bytes=parked)
-    peak = {"device": fixed + gathered + used + reserved, "host": host_used + parked * (n - 1), "disk": disk_used}
+    peak = {"device": fixed + gathered + used + reserved, "host": host_used + parked_pass, "disk": disk_used}
     return Plan(tuple(sorted(resident)), home, grad_home, opt_home, prefetch, window, peak, staleness, predicted,
                 micro_batches, passes, fixed, ranks, gathered, update_at=update_at, update_bytes=reserved,
                 parked_bytes=parked)

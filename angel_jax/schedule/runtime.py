@@ -39,7 +39,7 @@ from angel_jax.multihost import primary_floats
 from angel_jax.optim import make_optimizer
 from angel_jax.optim.stage_update import split_opt_state
 from angel_jax.schedule.blueprint import Blueprint, blueprint
-from angel_jax.schedule.budgets import Decision, decide
+from angel_jax.schedule.budgets import Decision, decide, plan_settings
 from angel_jax.schedule.costs import profile_costs, profile_transfers
 from angel_jax.schedule.execute import PagedExecutor, PagedModel
 from angel_jax.schedule.plan import Bandwidths, Budgets, Plan, StageCost, load_bandwidths, make_plan
@@ -140,9 +140,8 @@ def plan_for(decision: Decision, bp: Blueprint, example_batch: jax.Array, device
                            load_bandwidths(default_calibration_path()))
     if jax.process_count() > 1:  # every process must make the same plan: the programs they run are collectives
         costs, bw = _agreed(costs, bw)
-    plan = make_plan(costs, bw, budgets, staleness=cfg.memory.staleness, shared_cpu=device.platform == "cpu",
-                     streamed_updates=cfg.memory.streamed_updates, activations=cfg.memory.activations,
-                     micro_batches=micro_batches, passes=cfg.memory.passes or None, overlap=cfg.memory.overlap)
+    plan = make_plan(costs, bw, budgets, shared_cpu=device.platform == "cpu", micro_batches=micro_batches,
+                     **plan_settings(cfg))
     if "disk" in plan.home + plan.grad_home + plan.opt_home and not Path(default_calibration_path()).is_file():
         # The disk figures are then guesses: the plan's placement and predicted step rest on them.
         log.warning("the plan puts pages on the disk, but this machine's disk is not calibrated (no %s): the plan "

@@ -11,8 +11,8 @@ Rules (those of execute.py and updater.py):
   the host after every pass's backward, and from the second pass on they are added there into the stage's sum
   (`host_add_s`, on the host stream); a stage updated on the device (`update_at`) adds on the device instead, its
   sum so far crossing to the device (h2d) from the start of its backward. A stage's first fetch in a step waits
-  for its update; later passes do not. Computations of later passes are labelled with their pass ("forward embed (pass 2)"), so the label of the
-  first stage's forward marks the start of a step, as in the measured timeline.
+  for its update; later passes do not. Computations of later passes are labelled with their pass ("forward embed
+  (pass 2)"), so the label of the first stage's forward marks the start of a step, as in the measured timeline.
 - One compute stream, one h2d and one d2h copy stream, one host stream (optimizer updates on the CPU) and one disk
   stream; work within a stream is serial, in the executor's order.
 - A streamed stage's pages stay on the device from one access to the next when that one is within the prefetch
@@ -237,6 +237,11 @@ def simulate(costs: list[StageCost], bw: Bandwidths, home: tuple[str, ...], opt_
 
     update_cause = ["host"] * n  # per stage, what its latest update waited for last: 'disk' (its reads) or 'host'
 
+    def issued_at(k: int) -> float:
+        """When the executor issues access k's fetches (and gathers, and a parked input's return): once access
+        k - prefetch has started computing, the window's slot then being free."""
+        return starts[k - prefetch] if k >= prefetch else (starts[0] if starts else clock.free["compute"])
+
     def pages_at(i: int, k: int) -> tuple[float, str]:
         """When stage i's parameter pages are on the device for access k, and what that waited for last."""
         ready = updated[i]
@@ -247,7 +252,7 @@ def simulate(costs: list[StageCost], bw: Bandwidths, home: tuple[str, ...], opt_
             ready, cause = max(fetched.get(i, 0.0), at_hand.get(i, 0.0)), "h2d"
             fetched[i] = ready
         elif home[i] != "device":
-            gate = starts[k - prefetch] if k >= prefetch else (starts[0] if starts else clock.free["compute"])
+            gate = issued_at(k)
             first = i not in fetched and i not in fetched_passes
             if first and staleness and home[i] == "host" and update_at[i] == "host" and updated[i] > gate:
                 ready = updated_before[i]  # runs one update behind rather than wait
@@ -284,15 +289,14 @@ def simulate(costs: list[StageCost], bw: Bandwidths, home: tuple[str, ...], opt_
             ready, cause = max(pages_at(j, k) for j in (i,) + ((costs[i].lender,) if costs[i].lender is not None
                                                                else ()))
             if parked_bytes and op == "backward":  # its saved input back from the host, issued as a fetch is
-                gate = starts[k - prefetch] if k >= prefetch else clock.free["compute"]
-                back = clock.run("h2d", f"unpark {costs[i].name}", max(gate, parked_at.pop(i, 0.0)),
+                back = clock.run("h2d", f"unpark {costs[i].name}", max(issued_at(k), parked_at.pop(i, 0.0)),
                                  parked_bytes / bw.h2d)[1]
                 if back > ready:
                     ready, cause = back, "h2d"
             label = f"{op} {costs[i].name}" + (f" (pass {k // per_pass + 1})" if k >= per_pass else "")
             gathered = ready
             if collective:  # issued with the shard's fetch, behind the reduce-scatters issued before it
-                issued = starts[k - prefetch] if k >= prefetch else (starts[0] if starts else clock.free["compute"])
+                issued = issued_at(k)
                 issue_scatters(issued)
                 gathered = clock.run("collective", f"gather {costs[i].name}", max(issued, ready), ring_s[i])[1]
             idle = min(ready, gathered) - clock.free["compute"]

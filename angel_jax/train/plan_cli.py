@@ -35,7 +35,7 @@ from angel_jax.train.plan_args import add_plan_arguments
 from angel_jax.train.plan_record import plan_summary, predicted_mfu
 from angel_jax.train.plan_target import PlanTarget, plan_target
 from angel_jax.schedule.blueprint import Blueprint, blueprint, refuse_sharded_optimizer
-from angel_jax.schedule.budgets import decide, local_batch, micro_batching, micro_sizes, stated_budgets
+from angel_jax.schedule.budgets import decide, local_batch, micro_batching, micro_sizes, plan_settings, stated_budgets
 from angel_jax.schedule.runtime import plan_for
 from angel_jax.schedule.staging import DEVICE_UPDATES_IN_FLIGHT
 from angel_jax.memory.layout import StageLayout
@@ -136,11 +136,8 @@ def _estimated_plan(cfg: Config, bp: Blueprint, args: argparse.Namespace, target
         costs = estimate_costs(trial, bp, target.compute_flops, target.device_bw, target.host_bw, ranks)
         budgets = stated_budgets(trial, device, local, bp.sizes, target.device_memory)
         try:
-            plan = make_plan(costs, bw, budgets, staleness=trial.memory.staleness, shared_cpu=shared_cpu,
-                             micro_batches=micro_batching(trial, local)[0], passes=trial.memory.passes or None,
-                             ranks=ranks, overlap=trial.memory.overlap,
-                             streamed_updates=trial.memory.streamed_updates,
-                             activations=trial.memory.activations)
+            plan = make_plan(costs, bw, budgets, shared_cpu=shared_cpu, micro_batches=micro_batching(trial, local)[0],
+                             ranks=ranks, **plan_settings(trial))
         except PlanError as e:
             errors.append(e)
             continue
