@@ -209,6 +209,23 @@ def test_spanning_sharing_and_waste():
     assert [len(s.pages) for s in refitted.stages] == [1, 2]
 
 
+def test_pages_packed_under_jit_are_written_into_zeros_with_numpys_bits():
+    """Under jit a page is its leaves written into a zero buffer: the same bits as numpy's concatenation with a zero
+    tail, padding included, and no concatenation or pad in the program (XLA's CPU backend fuses those into the
+    page's readers as a slow loop, see `written_page`)."""
+    rng = np.random.default_rng(3)
+    tree = {"big": rng.standard_normal(10).astype(np.float32), "small": rng.standard_normal(3).astype(np.float32),
+            "half": rng.standard_normal(5).astype(jnp.bfloat16)}
+    stage = PageLayout.build([("s", tree)], page_size_bytes=16).stage("s")  # spanning, sharing and padding
+    expected = stage.pack(tree)
+    packed = _as_shipped(stage.pack, jax.tree.map(jnp.asarray, tree))
+    assert len(packed) == len(expected) == 5  # 13 float32 in pages of 4, 5 bfloat16 in one of 8
+    for a, b in zip(packed, expected):
+        assert same_bits(a, b)
+    primitives = {eqn.primitive.name for eqn in jax.make_jaxpr(stage.pack)(tree).eqns}
+    assert "dynamic_update_slice" in primitives and not primitives & {"concatenate", "pad"}
+
+
 def test_a_model_much_smaller_than_its_pages_is_told_the_page_size_that_fits_it():
     """A layout of 64 MiB pages for stages of a few KiB is nearly all padding; the fitted size is the next power
     of two above the largest stage's bytes of one dtype."""

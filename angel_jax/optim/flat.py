@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from angel_jax.memory.layout import StageLayout, page_groups, to_bits, to_values
+from angel_jax.memory.layout import StageLayout, page_groups, to_bits, to_values, written_page
 from angel_jax.optim.factory import clip_with_norm
 
 Pages = tuple
@@ -203,9 +203,12 @@ def _paste(segments: tuple, pieces: list[Piece], pages: int, length: int, dtype:
     out = []
     for part in parts:
         used = sum(p.shape[0] for p in part)
-        if used < length:
-            part = part + [jnp.zeros((length - used,), dtype)]
-        out.append(part[0] if len(part) == 1 else jnp.concatenate(part))
+        if len(part) == 1 and used == length:
+            out.append(part[0])
+            continue
+        # (the dtype a concatenation of the segments and a zero tail of `dtype` would have)
+        page_dtype = jnp.result_type(*part, *([dtype] if used < length else []))
+        out.append(written_page([p.astype(page_dtype) for p in part], length, page_dtype))
     return tuple(out)
 
 
