@@ -249,6 +249,48 @@ def test_device_budget_holds_for_live_arrays():
         (used, cfg.memory.device_budget)
 
 
+def test_a_fetch_is_issued_once_the_computation_it_overlaps_is_dispatched():
+    """The training thread issues a stage's fetch `prefetch` accesses ahead and waits there for the window slot to
+    free (the computation before). It issues it only once the next computation is queued behind that one, so
+    the device never waits for the thread between two accesses. Each fetch is recorded with the accesses
+    dispatched so far in the step; the access it is for is at most `prefetch` ahead of the last of them."""
+    cfg = eighth(_cfg())
+    data = batches(3)
+    params = jax.tree.map(np.array, models.get(cfg.model).init(0)[1])
+    engine = build_paged_runtime(cfg, params, data[0])
+    ex = engine.executor
+    stage_of = {pid: s for s in range(len(ex.model.staged.stages)) for pid in ex.model.param_ids(s)}
+    dispatched = [0]  # accesses of the step dispatched so far
+    fetches: list[tuple[int, int]] = []  # (accesses dispatched, stage fetched)
+    prefetch = engine.store.prefetch
+
+    def recorded(pid, tier, **kw):
+        if tier == "device":
+            fetches.append((dispatched[0] % len(ex._seq), stage_of[pid]))
+        return prefetch(pid, tier, **kw)
+
+    def count(op, stage):
+        dispatched[0] += 1
+
+    engine.store.prefetch = recorded
+    ex.on_access = count
+    try:
+        for b in data:
+            ex.step(b)
+    finally:
+        engine.close()
+    p = engine.plan.prefetch
+    assert p >= 1
+    assert_mostly_streamed(engine, cfg)
+    ahead = []
+    for done, stage in fetches:
+        first_use = min(k for k in range(done, len(ex._seq)) if stage in ex.model.reads(ex._seq[k][1]))
+        ahead.append(first_use - done)
+    # Access `done` is dispatched (or, 0 at a step's start, about to be): the fetches issued after it are for
+    # access done + p, none further ahead (a thread that issued them before dispatching would be one further).
+    assert len(ahead) >= len(data) * len(engine.plan.streamed) and max(ahead) == p, ahead
+
+
 @pytest.mark.compares_programs
 def test_bfloat16_optimizer_state_pages_match_the_reference_with_the_same_state():
     """optimizer.state_dtype=bfloat16: Adam's m and v live in bfloat16 pages (half the optimizer bytes), and the

@@ -46,10 +46,13 @@ the same way, once the updates in flight have landed; it changes nothing of the 
 
 A streamed stage's pages are prefetched `plan.prefetch` accesses ahead (`jax.device_put` is asynchronous and runs
 on the copy streams, so the fetch overlaps the computation dispatched before it) and evicted once no access in the
-window needs them. Everything is dispatched asynchronously: the training thread waits only where the updater says a
-stage's parameters are not recent enough yet (`PageUpdater.acquire`: exact mode waits for the previous step's
-update to be dispatched, lock-free mode only when a stage would fall two updates behind). `step` returns before its
-updates ran; the next step's first stages start while later stages are still being updated.
+window needs them. Access k + prefetch's fetch is issued right after access k is dispatched, once access k - 1's
+computation is done (its pages' slot in the window is free): the thread waits with a computation queued, so the
+device does not wait for the thread between accesses. Everything is dispatched asynchronously: besides those
+window slots, the training thread waits only where the updater says a stage's parameters are not recent enough
+yet (`PageUpdater.acquire`: exact mode waits for the previous step's update to be dispatched, lock-free mode only
+when a stage would fall two updates behind). `step` returns before its updates ran; the next step's first stages
+start while later stages are still being updated.
 
 With `staleness: 0` the arithmetic is the reference trainer's: the same stage functions, the same optax update,
 clipping by the same global norm; only where the bytes sit differs. So streamed and resident placements give
@@ -210,11 +213,18 @@ class PagedExecutor:
         saved: dict[int, Any] = {}  # per stage, its input of the current pass (parked: in host memory)
         parked: set[int] = set()  # the stages whose saved input is in host memory
 
+        issued = 0  # accesses whose fetches are issued: [0, issued)
+
+        def issue_through(k: int) -> None:
+            """Issue every access up to k not issued yet, in order."""
+            nonlocal issued
+            while issued <= min(k, len(self._seq) - 1):
+                issue(issued)
+                issued += 1
+
         def issue(k: int) -> None:
             """Make access k's parameters current and (streamed stages) start fetching them; a backward's parked
             input starts back too."""
-            if k >= len(self._seq):
-                return
             op, i = self._seq[k]
             reads = self.model.reads(i)
             unpark = op == "backward" and i in parked
@@ -223,8 +233,9 @@ class PagedExecutor:
                 # done), not when the training thread, running ahead of the device, gets there: evicted pages
                 # stay allocated until the computations that read them ran, so a thread running ahead would hold
                 # as many stages as it got ahead (measured: 12 GB over the plan for 64 streamed 200 MB stages on
-                # the CPU). In lock-free mode this is also the moment that decides whether a stage's update is
-                # written, which keeps stale uses to the updates that are really late.
+                # the CPU). The thread waits here with the next computation already dispatched (see the loop), so
+                # the device never waits for the thread. In lock-free mode this is also the moment that decides
+                # whether a stage's update is written, which keeps stale uses to the updates that are really late.
                 jax.block_until_ready(marks[k - plan.prefetch - 1] if k > plan.prefetch else self._last_mark)
             if unpark:
                 saved[i] = self._unpark(i, saved[i], rec)
@@ -257,8 +268,6 @@ class PagedExecutor:
                 updater.release(i)
 
         marks: list[Any] = []  # per access, a small output that is ready when the access's computation is done
-        for k in range(plan.prefetch + 1):
-            issue(k)
         sums: dict[int, tuple] = {}  # per stage, its gradient pages summed on the device (see `_sum_span`)
         lent: dict[int, tuple] = {}  # per lender, a borrower's gradient of its parameters, until its own backward
         host_sums: dict[int, tuple] = {}  # per stage summed on the host, its passes' gradients so far
@@ -271,6 +280,9 @@ class PagedExecutor:
             # The pass's activation (forward) or its gradient (backward): one micro-batch, or the pass's stacked.
             x, ts = tokens[p], targets[p]
             for op, i in self._pass_seq:
+                # Access k's fetch was issued `prefetch` accesses back, once the computation before that one was
+                # done; with no prefetch it is issued now, once the previous computation is done.
+                issue_through(k)
                 kind = staged.stages[i].kind
                 pages = tuple(store.get(pid, "device") for pid in self.model.call_ids(i))
                 if op == "forward":  # one call per access: it scans the pass's micro-batches (`forward_micro`)
@@ -303,9 +315,10 @@ class PagedExecutor:
                     updater.submit(step, i, self._grads_home(step, i, out, streamed, rec))
                 del pages, out, mark
                 release(k, i)
-                issue(k + plan.prefetch + 1)
-                if k + 1 < len(self._seq):  # (used: a forward's mark is its output, which must not outlive its use)
-                    marks[k] = None
+                if plan.prefetch:  # waits for access k - 1's computation, with access k's queued behind it
+                    issue_through(k + plan.prefetch)
+                if k > 0:  # (waited for: a forward's mark is its output, which must not outlive its use)
+                    marks[k - 1] = None
                 if self.on_access is not None:
                     self.on_access(op, i)
                 k += 1
@@ -506,13 +519,22 @@ class PagedExecutor:
         # By micro-batches as a step, layer-major: the working set of a call is a micro-batch's, as planned.
         xs, targets = self._micro_batches(batch)
         share = _share(batch, len(xs))
-        marks: list[jax.Array] = []  # per stage, its (last micro-batch's) output: ready when its computation is done
+        marks: list[jax.Array | None] = []  # per stage, its (last micro-batch's) output: ready when its computation
+        # is done
         refs: dict[int, int] = {}  # per streamed stage, the calls in the window that read its pages
+        fetched = 0  # stages whose fetches are issued: [0, fetched)
+
+        def fetch_through(i: int) -> None:
+            nonlocal fetched
+            while fetched <= min(i, self._n - 1):
+                fetch(fetched)
+                fetched += 1
 
         def fetch(i: int) -> None:
-            if i >= self._n or not any(s in streamed for s in self.model.reads(i)):
+            if not any(s in streamed for s in self.model.reads(i)):
                 return
-            # As in `step`: a fetch starts when its window slot frees on the device, not when this thread gets here.
+            # As in `step`: a fetch starts when its window slot frees on the device, not when this thread gets here,
+            # and the thread waits with the next computation dispatched.
             jax.block_until_ready(marks[i - plan.prefetch - 1] if i > plan.prefetch else self._last_mark)
             for s in self.model.reads(i):
                 if s in streamed:
@@ -520,9 +542,8 @@ class PagedExecutor:
                     for pid in self.model.param_ids(s) if refs[s] == 1 else ():
                         store.prefetch(pid, "device", keep_source=True)
 
-        for i in range(plan.prefetch + 1):
-            fetch(i)
         for i, stage in enumerate(staged.stages):
+            fetch_through(i)
             pages = tuple(store.get(p, "device") for p in self.model.call_ids(i))
             if i == self._n - 1:
                 xs = [fns.head_loss(pages, x, t, share) for x, t in zip(xs, targets)]
@@ -535,7 +556,10 @@ class PagedExecutor:
                     refs[s] -= 1
                     for pid in self.model.param_ids(s) if refs[s] == 0 else ():
                         store.evict(pid, "device")
-            fetch(i + plan.prefetch + 1)
+            if plan.prefetch:
+                fetch_through(i + plan.prefetch)
+            if i > 0:  # (waited for; an output must not outlive its use)
+                marks[i - 1] = None
         self._last_mark = xs[-1]  # the next step's first fetches wait for this pass's pages to be done with
         if len(xs) == 1:
             return xs[0]
