@@ -176,6 +176,27 @@ def test_the_crossings_are_on_the_links_and_the_next_step_waits_for_them():
     assert later and later[0].start >= home.end
 
 
+def test_the_next_steps_fetches_go_between_the_updates_crossings():
+    """The updater issues the stages' crossings one after the other, two stages in flight, while the training
+    thread issues the next step's fetches: each copy stream runs its copies in the order they were issued, so the
+    next step's first fetch does not wait behind every stage's update coming in."""
+    costs = _costs(8)
+    plan = make_plan(costs, FAST_LINK, ROOM, streamed_updates="device")
+    assert len(plan.streamed) >= 4
+    tl = simulate(costs, FAST_LINK, plan.home, plan.opt_home, plan.prefetch, update_at=plan.updates, steps=2)
+    first, last = (costs[plan.streamed[k]].name for k in (0, -1))
+
+    def starts(label: str) -> list[float]:
+        return sorted(e.start for e in tl.events if e.label == label)
+
+    crossing_in = starts(f"update in {last}")[0]  # step 1's update of the last streamed stage
+    next_fetch = [t for t in starts(f"fetch {first}") if t > starts(f"update out {first}")[0]][0]
+    assert next_fetch < crossing_in
+    for stream in ("h2d", "d2h"):  # one copy at a time on each stream
+        events = sorted((e for e in tl.events if e.stream == stream), key=lambda e: e.start)
+        assert all(b.start >= a.end - 1e-12 for a, b in zip(events, events[1:]))
+
+
 def test_with_passes_the_sums_cross_the_link_instead_of_the_host_adding_them():
     costs = _costs(4)
     plan = make_plan(costs, FAST_LINK, ROOM, streamed_updates="device", micro_batches=4, passes=2)

@@ -32,7 +32,10 @@ Rules (those of execute.py and updater.py):
   the device at a time (a stage's copies in wait for the new pages of the one that many stages before to be home).
   The update kernels (memory-bound: milliseconds a stage, against a step's seconds) run on the device between the
   next step's computations, which do not wait for the ones of later stages; they are drawn on an `update` row of
-  their own, not on the compute stream's clock.
+  their own, not on the compute stream's clock. The updater issues the stages' crossings one stage after the
+  other as the in-flight bound lets it, while the next step's fetches are issued: each copy stream runs them in
+  the order they were issued (a fetch issued before a later stage's crossings goes first), not every update's
+  crossings before the next step's first fetch.
 - Disk-homed parameters are read from disk before their fetch to the device (each access); disk-homed gradients
   are written to disk after their d2h copy.
 - Saved stage inputs parked in host memory (`parked_bytes`): a forward's input goes to the host (d2h) once the
@@ -215,9 +218,11 @@ def simulate(costs: list[StageCost], bw: Bandwidths, home: tuple[str, ...], opt_
             grads_home[i] = reduced
             return
         out_at = reduced
+        issue_updates(reduced if began is None else began)
         if k >= per_pass and update_at[i] == "device":  # the sum so far came over with the backward; added there
             out_at = max(reduced, clock.run("h2d", f"sum in {costs[i].name}", reduced if began is None else began,
                                             costs[i].param_bytes / bw.h2d)[1])
+        issue_updates(out_at)
         grads_home[i] = clock.run("d2h", f"grad {costs[i].name}", out_at, costs[i].param_bytes / bw.d2h)[1]
         if k >= per_pass and update_at[i] == "host":  # a later pass: added into the stage's sum on the host
             grads_home[i] = clock.run("host", f"add {costs[i].name}", grads_home[i], costs[i].host_add_s)[1]
@@ -235,6 +240,29 @@ def simulate(costs: list[StageCost], bw: Bandwidths, home: tuple[str, ...], opt_
             gradients_out(i, k, clock.run("collective", f"scatter {costs[i].name}", issued, ring_s[i])[1])
         return clock.free["collective"]
 
+    crossings: list[tuple[int, int, float]] = []  # device updates of streamed stages not yet on the copy streams,
+    # in the updater's order: (position in `order`, stage, earliest start)
+    crossed = [0.0]  # when the updater issued the latest of them
+
+    def issue_updates(before: float, stage: int | None = None) -> None:
+        """Put on the copy streams the device updates' crossings the updater issued by `before` (and at least
+        every one up to `stage`'s), in its order: each once its gradients and the global norm are in and the stage
+        `DEVICE_UPDATES_IN_FLIGHT` before it is home."""
+        while crossings:
+            pos, i, earliest = crossings[0]
+            if pos >= DEVICE_UPDATES_IN_FLIGHT:  # the device holds that many stages' update pages at a time
+                earliest = max(earliest, updated[order[pos - DEVICE_UPDATES_IN_FLIGHT]])
+            issued = max(earliest, crossed[0])
+            if issued > before and stage not in {j for _, j, _ in crossings}:
+                return
+            crossings.pop(0)
+            crossed[0] = issued
+            c = costs[i]
+            arrived = clock.run("h2d", f"update in {c.name}", issued, (2 * c.param_bytes + c.opt_bytes) / bw.h2d)[1]
+            done = clock.run("update", f"update {c.name}", arrived, c.update_device_s)[1]
+            updated[i] = clock.run("d2h", f"update out {c.name}", done, (c.param_bytes + c.opt_bytes) / bw.d2h)[1]
+            update_cause[i] = "d2h"
+
     update_cause = ["host"] * n  # per stage, what its latest update waited for last: 'disk' (its reads) or 'host'
 
     def issued_at(k: int) -> float:
@@ -244,6 +272,8 @@ def simulate(costs: list[StageCost], bw: Bandwidths, home: tuple[str, ...], opt_
 
     def pages_at(i: int, k: int) -> tuple[float, str]:
         """When stage i's parameter pages are on the device for access k, and what that waited for last."""
+        if home[i] != "device":
+            issue_updates(-math.inf, stage=i)  # (its update, if it runs on the device, is on the streams)
         ready = updated[i]
         cause = update_cause[i] if home[i] != "device" else "compute"
         held = last_access.get(i, -prefetch - 2) >= k - prefetch
@@ -262,6 +292,7 @@ def simulate(costs: list[StageCost], bw: Bandwidths, home: tuple[str, ...], opt_
             if home[i] == "disk" and not (i in early and first):  # (an early-staged stage is on the host)
                 at = clock.disk(f"read {costs[i].name}", at, costs[i].param_bytes, bw.disk_read, bw.disk_read_cpu)[1]
                 cause = "disk"
+            issue_updates(at)
             _, ready = clock.run("h2d", f"fetch {costs[i].name}", at, costs[i].param_bytes / bw.h2d)
             fetched[i] = at_hand[i] = ready
         return ready, cause
@@ -289,8 +320,9 @@ def simulate(costs: list[StageCost], bw: Bandwidths, home: tuple[str, ...], opt_
             ready, cause = max(pages_at(j, k) for j in (i,) + ((costs[i].lender,) if costs[i].lender is not None
                                                                else ()))
             if parked_bytes and op == "backward":  # its saved input back from the host, issued as a fetch is
-                back = clock.run("h2d", f"unpark {costs[i].name}", max(issued_at(k), parked_at.pop(i, 0.0)),
-                                 parked_bytes / bw.h2d)[1]
+                unpark_at = max(issued_at(k), parked_at.pop(i, 0.0))
+                issue_updates(unpark_at)
+                back = clock.run("h2d", f"unpark {costs[i].name}", unpark_at, parked_bytes / bw.h2d)[1]
                 if back > ready:
                     ready, cause = back, "h2d"
             label = f"{op} {costs[i].name}" + (f" (pass {k // per_pass + 1})" if k >= per_pass else "")
@@ -310,6 +342,7 @@ def simulate(costs: list[StageCost], bw: Bandwidths, home: tuple[str, ...], opt_
             if k == 0:  # the step's first forward (of its first pass)
                 first_forward.append(start)
             if parked_bytes and op == "forward":  # its input goes to the host for the backward
+                issue_updates(end)
                 parked_at[i] = clock.run("d2h", f"park {costs[i].name}", end, parked_bytes / bw.d2h)[1]
             if op != "forward":
                 if collective:
@@ -317,6 +350,7 @@ def simulate(costs: list[StageCost], bw: Bandwidths, home: tuple[str, ...], opt_
                 else:
                     gradients_out(i, k, end, start)
         reduced = issue_scatters(math.inf)
+        issue_updates(math.inf)  # (the previous step's, all issued by now)
         norm_at = max(grads_home)
         for j in early:
             read(j, norm_at, grad_read[j])
@@ -341,20 +375,16 @@ def simulate(costs: list[StageCost], bw: Bandwidths, home: tuple[str, ...], opt_
                         waits[what] = waits.get(what, 0.0) + hi - lo
             if home[i] == "device":
                 updated[i] = clock.run("compute", f"update {costs[i].name}", earliest, costs[i].update_device_s)[1]
-            elif update_at[i] == "device":
-                c = costs[i]
-                if pos >= DEVICE_UPDATES_IN_FLIGHT:  # the device holds that many stages' update pages at a time
-                    earliest = max(earliest, updated[order[pos - DEVICE_UPDATES_IN_FLIGHT]])
-                arrived = clock.run("h2d", f"update in {c.name}", earliest,
-                                    (2 * c.param_bytes + c.opt_bytes) / bw.h2d)[1]
-                done = clock.run("update", f"update {c.name}", arrived, c.update_device_s)[1]
-                updated[i] = clock.run("d2h", f"update out {c.name}", done, (c.param_bytes + c.opt_bytes) / bw.d2h)[1]
-                update_cause[i] = "d2h"
+            elif update_at[i] == "device":  # its crossings go on the copy streams as the updater issues them
+                crossings.append((pos, i, earliest))
             else:
                 updated[i] = clock.run("host", f"update {costs[i].name}", earliest, costs[i].update_host_s)[1]
             if written[i]:
                 clock.disk(f"write {costs[i].name}", updated[i], written[i], bw.disk_write, bw.disk_write_cpu)
+        if early:  # the next step's first disk reads wait for every update
+            issue_updates(math.inf)
         reads_from = max(updated[i] for i in range(n))
+    issue_updates(math.inf)  # (the last step's, drawn in full)
     if steps > 1:
         # Every step gives each stream the same work, so none can run steps faster than its share: a stream whose
         # queue grows from step to step (host updates longer than a step, run one update behind) bounds the
