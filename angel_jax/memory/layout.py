@@ -160,12 +160,12 @@ class StageLayout(PageViews):
             parts = [to_bits(xp.reshape(leaves[i], (-1,)))
                      for i, s in enumerate(self.slots) if _in_group(s, group)]
             length = len(group) * first.length
-            if xp is np:
+            if any(isinstance(part, jax.core.Tracer) for part in parts):  # under jit: see `written_page`
+                flat = written_page(parts, length, first.bits)
+            else:  # (eagerly, each write would copy the whole page: one concatenation instead)
                 pad = length - sum(p.used for p in group)
                 # (copies even a single part: pages never alias the caller's leaves)
-                flat = np.concatenate(parts + ([np.zeros((pad,), first.bits)] if pad else []))
-            else:
-                flat = written_page(parts, length, first.bits)
+                flat = xp.concatenate(parts + ([xp.zeros((pad,), first.bits)] if pad else []))
             out.extend(flat[k * first.length:(k + 1) * first.length] for k in range(len(group)))
         return tuple(out)
 
