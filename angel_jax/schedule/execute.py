@@ -519,8 +519,8 @@ class PagedExecutor:
         # By micro-batches as a step, layer-major: the working set of a call is a micro-batch's, as planned.
         xs, targets = self._micro_batches(batch)
         share = _share(batch, len(xs))
-        marks: list[jax.Array | None] = []  # per stage, its (last micro-batch's) output: ready when its computation
-        # is done
+        # Per stage, its (last micro-batch's) output: ready when its computation is done (None once waited for).
+        marks: list[jax.Array | None] = []
         refs: dict[int, int] = {}  # per streamed stage, the calls in the window that read its pages
         fetched = 0  # stages whose fetches are issued: [0, fetched)
 
