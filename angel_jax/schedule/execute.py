@@ -213,15 +213,6 @@ class PagedExecutor:
         saved: dict[int, Any] = {}  # per stage, its input of the current pass (parked: in host memory)
         parked: set[int] = set()  # the stages whose saved input is in host memory
 
-        issued = 0  # accesses whose fetches are issued: [0, issued)
-
-        def issue_through(k: int) -> None:
-            """Issue every access up to k not issued yet, in order."""
-            nonlocal issued
-            while issued <= min(k, len(self._seq) - 1):
-                issue(issued)
-                issued += 1
-
         def issue(k: int) -> None:
             """Make access k's parameters current and (streamed stages) start fetching them; a backward's parked
             input starts back too."""
@@ -268,6 +259,7 @@ class PagedExecutor:
                 updater.release(i)
 
         marks: list[Any] = []  # per access, a small output that is ready when the access's computation is done
+        issue_through = InOrder(issue, len(self._seq)).through
         sums: dict[int, tuple] = {}  # per stage, its gradient pages summed on the device (see `_sum_span`)
         lent: dict[int, tuple] = {}  # per lender, a borrower's gradient of its parameters, until its own backward
         host_sums: dict[int, tuple] = {}  # per stage summed on the host, its passes' gradients so far
@@ -522,14 +514,6 @@ class PagedExecutor:
         # Per stage, its (last micro-batch's) output: ready when its computation is done (None once waited for).
         marks: list[jax.Array | None] = []
         refs: dict[int, int] = {}  # per streamed stage, the calls in the window that read its pages
-        fetched = 0  # stages whose fetches are issued: [0, fetched)
-
-        def fetch_through(i: int) -> None:
-            nonlocal fetched
-            while fetched <= min(i, self._n - 1):
-                fetch(fetched)
-                fetched += 1
-
         def fetch(i: int) -> None:
             if not any(s in streamed for s in self.model.reads(i)):
                 return
@@ -542,6 +526,7 @@ class PagedExecutor:
                     for pid in self.model.param_ids(s) if refs[s] == 1 else ():
                         store.prefetch(pid, "device", keep_source=True)
 
+        fetch_through = InOrder(fetch, self._n).through
         for i, stage in enumerate(staged.stages):
             fetch_through(i)
             pages = tuple(store.get(p, "device") for p in self.model.call_ids(i))
@@ -629,6 +614,19 @@ class PagedExecutor:
         big = list(self.model.opt_layout.stage(name).unpack(tuple(self.store.read(o) for o in self.model.opt_ids(i))))
         small = [np.asarray(s) for s in self.updater.state().opt_small[i]]
         return join_opt_state(big, small, self.fns.opt_structure[self.model.staged.stages[i].kind])
+
+
+class InOrder:
+    """Calls `issue(k)` once for each k in 0, 1, ... `end` - 1, in order: `through(k)` makes the calls up to k
+    not made yet (the fetches of a step's accesses, issued a window ahead of the computations)."""
+
+    def __init__(self, issue: Callable[[int], None], end: int):
+        self._issue, self._end, self._next = issue, end, 0
+
+    def through(self, k: int) -> None:
+        while self._next <= min(k, self._end - 1):
+            self._issue(self._next)
+            self._next += 1
 
 
 @functools.partial(jax.jit, static_argnums=1)

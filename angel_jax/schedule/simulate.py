@@ -242,21 +242,22 @@ def simulate(costs: list[StageCost], bw: Bandwidths, home: tuple[str, ...], opt_
 
     crossings: list[tuple[int, int, float]] = []  # device updates of streamed stages not yet on the copy streams,
     # in the updater's order: (position in `order`, stage, earliest start)
-    crossed = [0.0]  # when the updater issued the latest of them
+    crossed = 0.0  # when the updater issued the latest of them
 
     def issue_updates(before: float, stage: int | None = None) -> None:
         """Put on the copy streams the device updates' crossings the updater issued by `before` (and at least
         every one up to `stage`'s), in its order: each once its gradients and the global norm are in and the stage
         `DEVICE_UPDATES_IN_FLIGHT` before it is home."""
+        nonlocal crossed
         while crossings:
             pos, i, earliest = crossings[0]
             if pos >= DEVICE_UPDATES_IN_FLIGHT:  # the device holds that many stages' update pages at a time
                 earliest = max(earliest, updated[order[pos - DEVICE_UPDATES_IN_FLIGHT]])
-            issued = max(earliest, crossed[0])
-            if issued > before and stage not in {j for _, j, _ in crossings}:
+            issued = max(earliest, crossed)
+            if issued > before and all(j != stage for _, j, _ in crossings):
                 return
             crossings.pop(0)
-            crossed[0] = issued
+            crossed = issued
             c = costs[i]
             arrived = clock.run("h2d", f"update in {c.name}", issued, (2 * c.param_bytes + c.opt_bytes) / bw.h2d)[1]
             done = clock.run("update", f"update {c.name}", arrived, c.update_device_s)[1]
