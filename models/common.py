@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from angel_jax import token_marks
+from angel_jax.data import marks as token_marks
 
 
 def stage_key(key: jax.Array, stage: int | jax.Array) -> jax.Array:
@@ -20,7 +20,7 @@ def stage_key(key: jax.Array, stage: int | jax.Array) -> jax.Array:
 
 
 def cross_entropy(logits: jax.Array, targets: jax.Array, count: jax.Array | float | None = None) -> jax.Array:
-    """Next-token cross-entropy in float32: summed over the scored targets (angel_jax/token_marks.py: a target
+    """Next-token cross-entropy in float32: summed over the scored targets (angel_jax/data/marks.py: a target
     marked unscored, a prompt's token or padding, adds nothing), divided by `count`.
 
     `count` None: the number of scored targets here (at least 1), the mean over them. An engine that splits a batch

@@ -1,7 +1,7 @@
 """Documents packed into one row (instruction data with `data.pack: true`): each attends only to itself, and its
 positions count from its own start, as if it were alone in the row.
 
-Where a document starts is carried in-band by its first token (angel_jax/token_marks.py `doc_starts`), so the
+Where a document starts is carried in-band by its first token (angel_jax/data/marks.py `doc_starts`), so the
 token ids alone give each position's document, its segment:
 
     segments = segments_of(tokens)     # int32 [B, T]: 0 before the first start, +1 at every start
@@ -23,7 +23,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 
-from angel_jax import token_marks
+from angel_jax.data import marks as token_marks
 
 
 @jax.tree_util.register_dataclass

@@ -13,7 +13,7 @@ Sampling (`decode`, `init_cache`): a key/value cache stacked like the blocks, [n
 for keys and for values, so one scan runs every block on its own slice of the cache. `tests/test_decode.py` checks
 that a prefill and single-token steps give the logits of the whole-sequence forward.
 
-Instruction data (angel_jax/token_marks.py): the embedding reads token ids through their in-band marks and the loss
+Instruction data (angel_jax/data/marks.py): the embedding reads token ids through their in-band marks and the loss
 counts only the scored targets (models/common.py `cross_entropy`). Packed rows (`staged(cfg, documents=True)`):
 the stages pass the documents' segments on with the stream, attention stays within a document and the learned
 positions count from each document's start (models/documents.py), with MoE blocks as without.
@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from angel_jax import token_marks
+from angel_jax.data import marks as token_marks
 from angel_jax.config import ModelConfig
 from models.attention import cached_attention, causal_attention
 from models import documents as documents_lib, moe_decoder

@@ -30,7 +30,7 @@ from `fold_in(key(seed), i)` alone, so `init_stage` gives one stage bit-identica
 Sampling runs through a key/value cache stacked over the layers ([L, B, S, K, D]), which `decode` scans with the
 blocks.
 
-Instruction data (angel_jax/token_marks.py): the embedding reads token ids through their in-band marks and the loss
+Instruction data (angel_jax/data/marks.py): the embedding reads token ids through their in-band marks and the loss
 counts only the scored targets (models/common.py `cross_entropy`). Packed rows (`staged(cfg, documents=True)`):
 the stages pass the documents' segments on with the stream, attention stays within a document and the rotary
 positions count from each document's start (models/documents.py), with MoE blocks as without.
@@ -51,7 +51,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from angel_jax import token_marks
+from angel_jax.data import marks as token_marks
 from angel_jax.config import ConfigError, ModelConfig
 from models.attention import cached_attention, causal_attention
 from models import documents as documents_lib, moe_decoder

@@ -68,7 +68,7 @@ class StagedModel:
     stage's output is then a pytree too, which `loss` and `figures` read."""
     loss: Callable[..., jax.Array]
     """(the last stage's output, integer targets, count=None) -> scalar loss: the cross-entropy of the scored
-    targets (angel_jax/token_marks.py) divided by `count`, None = their number here (the mean); an engine that
+    targets (angel_jax/data/marks.py) divided by `count`, None = their number here (the mean); an engine that
     averages pieces of a batch passes each its share of the batch's count (`common.scored_share`)."""
     split: Callable[[PyTree], list[PyTree]]
     """Whole-model params -> list of per-stage params (same order as `stages`)."""

@@ -181,7 +181,7 @@ def toy_corpus(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Path]:
     source differs, so the directory is prepared from a real source file (a `write_tokens` directory would be
     replaced by the tokens of data.source).
     """
-    from angel_jax import data as data_lib
+    from angel_jax.data import shards as data_lib
 
     root = tmp_path_factory.mktemp("toy-corpus")
     source = root / "toy.txt"

@@ -13,10 +13,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from angel_jax import instruction_data as idata
-from angel_jax import token_marks
-from angel_jax.data_sources import DataError
-from angel_jax.tokenizers_hf import CHAT_TEMPLATE_FILE, HfTokenizer
+from angel_jax.data import instructions as idata
+from angel_jax.data import marks as token_marks
+from angel_jax.data.sources import DataError
+from angel_jax.data.hf_tokenizer import CHAT_TEMPLATE_FILE, HfTokenizer
 
 TOKENIZER = Path(__file__).parent / "fixtures" / "hf" / "tokenizer"
 RECORDED = json.loads((TOKENIZER / "chats.json").read_text(encoding="utf-8"))

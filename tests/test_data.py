@@ -13,8 +13,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from angel_jax import data as D
-from angel_jax import data_sources
+from angel_jax.data import shards as D
+from angel_jax.data import sources as data_sources
 
 TEXTS = ["def f(x):\n    return x + 1\n", "héllo wörld — ☃ 𝄞\n", "import os\nprint(os.sep)\n"]
 

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from angel_jax import data as D
+from angel_jax.data import shards as D
 from angel_jax.config import config_from_dict
 from angel_jax.train.loop import _data
 from conftest import tiny_config_dict

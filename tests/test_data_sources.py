@@ -1,4 +1,4 @@
-"""Sources as documents (angel_jax.data_sources): JSON Lines and Parquet records prepare into the very shards that
+"""Sources as documents (angel_jax.data.sources): JSON Lines and Parquet records prepare into the very shards that
 the same documents give as text files, and a record that cannot be read is an error naming the file and where."""
 
 from __future__ import annotations
@@ -12,8 +12,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from angel_jax import cli
-from angel_jax import data as D
-from angel_jax import data_sources as S
+from angel_jax.data import shards as D
+from angel_jax.data import sources as S
 from angel_jax.config import ConfigError, load_config
 
 # Documents with and without a final newline, newlines inside, non-ASCII text and an empty one.

@@ -13,7 +13,7 @@ import pytest
 
 import models
 from angel_jax import cli
-from angel_jax import data as data_lib
+from angel_jax.data import shards as data_lib
 from angel_jax.config import load_config
 from angel_jax.train.weights import load_params
 from models import hf

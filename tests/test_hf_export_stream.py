@@ -26,7 +26,7 @@ from angel_jax import cli
 from angel_jax.checkpoint import CheckpointManager
 from angel_jax.config import ConfigError, ModelConfig, config_from_dict, dump_yaml, to_dict
 from angel_jax.schedule.blueprint import params_layout
-from angel_jax.train import hf_cli
+from angel_jax.cli import hf as hf_cli
 from angel_jax.train.checkpointing import checkpoint_options
 from angel_jax.train.protocol import path_name
 from angel_jax.train.state_formats import page_name, pages_fingerprint
@@ -333,7 +333,7 @@ threading.stack_size(2 << 20)  # the Python threads each reader starts reserve 2
 sys.path.insert(0, sys.argv[1])
 from pathlib import Path
 run_dir, out, mode, headroom = Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[4], int(sys.argv[5])
-from angel_jax.train.hf_cli import export_run
+from angel_jax.cli.hf import export_run
 from angel_jax.train.weights import load_params, open_stages
 import models
 from models import hf

@@ -14,10 +14,10 @@ import numpy as np
 import pytest
 
 from angel_jax import cli
-from angel_jax import data as data_lib
-from angel_jax import tokenizers_hf
+from angel_jax.data import shards as data_lib
+from angel_jax.data import hf_tokenizer as tokenizers_hf
 from angel_jax.config import Config, ConfigError, DataConfig, load_config
-from angel_jax.tokenizers_hf import HfTokenizer
+from angel_jax.data.hf_tokenizer import HfTokenizer
 from angel_jax.train.loop import data_dir_for
 from models import hf
 
@@ -196,7 +196,7 @@ def test_import_records_the_checkpoints_tokenizer(tmp_path, capsys):
 
 
 def test_export_keeps_the_checkpoints_ids_where_they_agree_with_the_tokenizer():
-    from angel_jax.train.hf_cli import special_ids
+    from angel_jax.cli.hf import special_ids
 
     checkpoint = {"bos_token_id": 0, "eos_token_id": [1, 7], "pad_token_id": None}
     assert special_ids(checkpoint, {"bos_token_id": 0, "eos_token_id": 1, "pad_token_id": 2}) == {

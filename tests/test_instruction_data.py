@@ -20,13 +20,13 @@ from conftest import REPO_ROOT
 from flax import nnx
 
 from angel_jax import cli
-from angel_jax import data as data_lib
-from angel_jax import instruction_data as idata
-from angel_jax import token_marks
+from angel_jax.data import shards as data_lib
+from angel_jax.data import instructions as idata
+from angel_jax.data import marks as token_marks
 from angel_jax.config import (Config, ConfigError, DataConfig, MemoryConfig, ModelConfig, OptimizerConfig,
                               TrainConfig, load_config)
-from angel_jax.data_sources import DataError
-from angel_jax.tokenizers_hf import HfTokenizer
+from angel_jax.data.sources import DataError
+from angel_jax.data.hf_tokenizer import HfTokenizer
 from angel_jax.train.engines import InMemoryEngine
 from angel_jax.train.evaluation import ValidationSet, evaluate, weighted_mean
 from angel_jax.train import loop

@@ -16,8 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LAYERS: list[tuple[str, ...]] = [
     ("angel_jax", "angel_jax.errors", "angel_jax.units", "angel_jax.benchinfo", "angel_jax.config",
      "angel_jax.phases"),
-    ("angel_jax.memory", "angel_jax.checkpoint", "angel_jax.tee", "angel_jax.data",
-     "angel_jax.data_sources", "angel_jax.instruction_data"),
+    ("angel_jax.memory", "angel_jax.checkpoint", "angel_jax.tee", "angel_jax.data"),
     ("models",),
     ("angel_jax.optim",),
     ("angel_jax.schedule",),

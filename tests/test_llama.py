@@ -19,7 +19,7 @@ from angel_jax.config import Config, ConfigError, MemoryConfig, ModelConfig, MoE
 from angel_jax.schedule.blueprint import blueprint
 from angel_jax.schedule.budgets import fixed_device_bytes
 from angel_jax.train.engines import build_engine
-from angel_jax.train.plan_cli import estimate_costs
+from angel_jax.cli.plan import estimate_costs
 from models import llama
 from test_paged import _cfg, assert_mostly_streamed, batches, eighth, paged, reference
 

@@ -33,7 +33,7 @@ from angel_jax.schedule.trace import split_batch
 from angel_jax.optim import make_optimizer
 from angel_jax.train.engines import InMemoryEngine
 from angel_jax.train.step import make_loss_fn, make_train_step
-from angel_jax.train.plan_cli import report
+from angel_jax.cli.plan import report
 import models
 from test_paged import batches
 
@@ -284,7 +284,7 @@ def test_plan_charges_each_access_the_calls_of_every_micro_batch():
 def test_plan_report_prints_the_micro_batches(monkeypatch):
     cfg = _cfg(MICRO, "paged", STREAMING_BUDGET)
     bp = blueprint(cfg)
-    from angel_jax.train.plan_cli import _estimated_plan, _parser
+    from angel_jax.cli.plan import _estimated_plan, _parser
     args = _parser().parse_args(["unused.yaml", "--estimate", "--peak-tflops", "100"])
     cfg, plan, costs, budgets, bw, source = _estimated_plan(cfg, bp, args)
     assert plan.micro_batches == BATCH // MICRO
@@ -297,7 +297,7 @@ def test_estimated_plans_choose_the_micro_batch_size_and_state_mfu_and_bound():
     """With train.micro_batch_size 0 the estimate tries the batch and its halvings; a device budget that holds
     no pass of the whole batch's working set gets a smaller micro-batch. The report states the predicted MFU
     (the training loop's formula over the predicted step) and the busiest stream."""
-    from angel_jax.train.plan_cli import _estimated_plan, _parser, predicted_mfu
+    from angel_jax.cli.plan import _estimated_plan, _parser, predicted_mfu
 
     args = _parser().parse_args(["unused.yaml", "--estimate", "--peak-tflops", "100", "--h2d-gbps", "5"])
     roomy = _cfg(0, "paged", 10**9)

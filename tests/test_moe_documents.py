@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from angel_jax import token_marks
+from angel_jax.data import marks as token_marks
 from angel_jax.config import Config, MoEConfig, OptimizerConfig
 from angel_jax.train.engines import InMemoryEngine
 from angel_jax.train.paged import PagedTrainEngine

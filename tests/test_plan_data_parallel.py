@@ -121,7 +121,7 @@ def test_one_rank_plans_are_as_they_were():
 
 def test_plan_estimate_for_eight_devices_prints_per_rank_bytes(tmp_path, capsys):
     from angel_jax.schedule.blueprint import blueprint
-    from angel_jax.train.plan_cli import _estimated_plan, _parser, main
+    from angel_jax.cli.plan import _estimated_plan, _parser, main
     from angel_jax.config import load_config
     import models
 
@@ -173,7 +173,7 @@ def test_a_ranks_own_experts_are_neither_gathered_nor_scattered_and_their_all_to
 
 
 def test_a_sharded_plan_refuses_an_optimizer_that_needs_whole_parameters():
-    from angel_jax.train.plan_cli import main
+    from angel_jax.cli.plan import main
 
     base = [str(REPO_ROOT / "experiments" / "gpt_tiny.yaml"), "optimizer.name=adafactor", "--estimate",
             "--peak-tflops", "100", "--link-gbps", "100"]
@@ -186,7 +186,7 @@ def test_an_estimate_on_a_measured_peak_states_its_mfu_over_that_same_peak(tmp_p
     times and the MFU use one measurement. Two would differ by the machine's noise; here the second measurement
     would be 5x the first, so an MFU over it would be a fifth of the stated one."""
     from angel_jax.train import metrics
-    from angel_jax.train.plan_cli import main
+    from angel_jax.cli.plan import main
 
     measured = iter([1e11, 5e11, 5e11])
     monkeypatch.setattr(metrics, "measure_matmul_flops", lambda *a, **k: next(measured))

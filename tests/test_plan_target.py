@@ -13,7 +13,7 @@ import pytest
 from angel_jax.config import load_config
 from angel_jax.errors import AngelError
 from angel_jax.schedule.blueprint import blueprint
-from angel_jax.train.plan_cli import _estimated_plan, _parser
+from angel_jax.cli.plan import _estimated_plan, _parser
 from angel_jax.train.plan_target import plan_target
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -108,7 +108,7 @@ def test_the_targets_device_memory_is_the_device_budget_where_the_config_sets_no
 def test_what_if_plans_updates_one_step_behind_and_narrower_state(monkeypatch, tmp_path, capsys):
     """`--what-if` plans the same target with each setting the config lacks and with all, and says which bounds
     each: here a step bound by host updates gets shorter with them one step behind."""
-    from angel_jax.train.plan_cli import main
+    from angel_jax.cli.plan import main
 
     monkeypatch.setenv("ANGEL_JAX_CACHE_DIR", str(tmp_path / "cache"))
     config = ROOT / "experiments" / "gpt_tiny.yaml"

@@ -13,12 +13,12 @@ import numpy as np
 import pytest
 
 import models
-from angel_jax import data as data_lib
+from angel_jax.data import shards as data_lib
 from angel_jax.cli import main
 from angel_jax.config import Config, ConfigError, DataConfig, ModelConfig
 from angel_jax.config.sampling import SamplingOptions
 from angel_jax.train.sample import Sampler, SamplingError, TextStream, filter_logits, next_token, sampling_step
-from angel_jax.train.sample_cli import run_tokenizer
+from angel_jax.cli.sample import run_tokenizer
 from test_decode import random_params
 
 PROBS = np.array([0.5, 0.25, 0.125, 0.0625, 0.0625])

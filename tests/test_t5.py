@@ -16,7 +16,7 @@ from angel_jax.optim import make_optimizer
 from angel_jax.schedule.blueprint import blueprint
 from angel_jax.schedule.budgets import saved_input_bytes
 from angel_jax.schedule.runtime import build_paged_runtime
-from angel_jax.train.plan_cli import estimate_costs
+from angel_jax.cli.plan import estimate_costs
 from angel_jax.train.step import init_state, make_train_step
 import models
 from models import t5

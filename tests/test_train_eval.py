@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from angel_jax import data as data_lib
+from angel_jax.data import shards as data_lib
 from angel_jax.config import (Config, ConfigError, DataConfig, MemoryConfig, ModelConfig, OptimizerConfig,
                               TrainConfig, load_config)
 from angel_jax.phases import Phase

@@ -37,7 +37,7 @@ from jax.experimental.multihost_utils import sync_global_devices  # noqa: E402
 
 from angel_jax.config import MeshConfig  # noqa: E402
 from angel_jax.train.checkpointing import TrainCheckpointer  # noqa: E402
-from angel_jax.train.ckpt_cli import verify_report  # noqa: E402
+from angel_jax.cli.ckpt import verify_report  # noqa: E402
 from angel_jax.train.engines import build_engine  # noqa: E402
 from angel_jax.train.sharding import make_mesh  # noqa: E402
 import test_paged as tp  # noqa: E402

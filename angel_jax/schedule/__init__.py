@@ -12,5 +12,5 @@
     engine.py        build_paged_runtime: config -> layouts -> profile -> plan -> page store -> executor
 
 It sees stages (models/stages.py) and pages (angel_jax/memory), never a model family or Flax module. The training
-loop drives it through train/paged.py (`PagedTrainEngine`); `angel-jax plan` is train/plan_cli.py.
+loop drives it through train/paged.py (`PagedTrainEngine`); `angel-jax plan` is cli/plan.py.
 """

@@ -10,7 +10,7 @@
 `params`: numpy in the model's structure, or None: initialised stage by stage into their homes. `plan_for`
 profiles the blueprint's stage functions and plans under the decided budgets; `assemble_runtime` then puts every
 page in its planned home and wires the executor to the updater. `angel_jax/train/paged.py` wraps
-the result in the `TrainEngine` protocol the training loop drives; `angel-jax plan` (train/plan_cli.py) stops after
+the result in the `TrainEngine` protocol the training loop drives; `angel-jax plan` (cli/plan.py) stops after
 `plan_for`, without allocating the model.
 """
 

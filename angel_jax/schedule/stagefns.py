@@ -14,7 +14,7 @@ squares of its gradient pages, from which the global norm for clipping is formed
 The optimizer update per kind is `angel_jax.optim.stage_update.make_stage_update`, jitted where it runs by the updater.
 
 The head's functions take one more input, `count`: the micro-batch's share of the step's scored targets (the loss
-is a mean over a batch's scored targets, angel_jax/token_marks.py; `models.common.scored_share`), so that the
+is a mean over a batch's scored targets, angel_jax/data/marks.py; `models.common.scored_share`), so that the
 executor's mean over micro-batches is the whole batch's mean however unevenly they hold scored targets. Under
 ZeRO each rank's rows are one more piece: the head divides the share by the ranks.
 

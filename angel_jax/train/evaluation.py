@@ -7,7 +7,7 @@ The batches are the first `train.eval_batches` global batches of the val split (
 `data.val_fraction` holds out) in the order `data.seed` gives it, read once: every evaluation, of every step and
 after every resume, sees the same windows, so its numbers compare across steps and runs. Each process holds its
 rows of each batch, as it does for training batches; the engine's loss of a global batch is the mean over its scored
-targets (every target of text data; the responses' of instruction data, angel_jax/token_marks.py), and the batches'
+targets (every target of text data; the responses' of instruction data, angel_jax/data/marks.py), and the batches'
 losses are averaged weighted by their scored targets, so eval/loss is the mean over every scored validation token.
 """
 
@@ -22,8 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from angel_jax import data as data_lib
-from angel_jax import token_marks
+from angel_jax.data import shards as data_lib
+from angel_jax.data import marks as token_marks
 from angel_jax.config import Config, ConfigError
 from angel_jax.train.protocol import TrainEngine
 

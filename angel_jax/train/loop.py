@@ -26,8 +26,9 @@ import jax
 import numpy as np
 
 from angel_jax import config as config_lib
-from angel_jax import data as data_lib
-from angel_jax import instruction_data, tokenizers_hf
+from angel_jax.data import shards as data_lib
+from angel_jax.data import hf_tokenizer as tokenizers_hf
+from angel_jax.data import instructions as instruction_data
 from angel_jax.checkpoint.manager import PersistenceFailed, PersistStreak
 from angel_jax.config import Config
 from angel_jax.errors import EXIT_EXCLUDE, EXIT_RESTART

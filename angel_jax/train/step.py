@@ -8,7 +8,7 @@ rounding (XLA contracts the fused in-place update's multiply-adds differently; t
 Gradient accumulation (`train.micro_batch_size`): `make_value_and_grad` takes the loss and gradients of M
 micro-batches one after another in a `scan` (float32 sums, scaled by 1/M once): the whole batch's mean loss and its
 gradient, with the activations of one micro-batch at a time. The loss is a mean over the batch's scored targets
-(instruction data scores only responses, angel_jax/token_marks.py), so a micro-batch divides its cross-entropy by
+(instruction data scores only responses, angel_jax/data/marks.py), so a micro-batch divides its cross-entropy by
 its share of the whole batch's scored count (`models.common.scored_share`), not by its own: however unevenly the
 micro-batches (and the ranks' rows of them) hold scored targets, their average is the whole batch's mean.
 

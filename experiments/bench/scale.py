@@ -308,7 +308,7 @@ def model_fields(n_layers: int, dry: bool, sets: list[str] = ()) -> dict:
 
 def ensure_data() -> None:
     """Prepare the corpus once, outside any measured run."""
-    from angel_jax import data as data_lib
+    from angel_jax.data import shards as data_lib
 
     data_lib.ensure_prepared(ROOT / "data" / "stdlib-byte", "stdlib", tokenizer="byte", vocab_size=256)
 

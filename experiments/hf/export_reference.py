@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))  # this checkout's angel_jax and models, wherever the script is run from
 
 from angel_jax.config import ModelConfig, config_from_dict  # noqa: E402
-from angel_jax.train.hf_cli import export_run  # noqa: E402
+from angel_jax.cli.hf import export_run  # noqa: E402
 from angel_jax.train.loop import train  # noqa: E402
 from angel_jax.train.weights import load_params  # noqa: E402
 import models  # noqa: E402

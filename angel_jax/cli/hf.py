@@ -24,7 +24,7 @@ from typing import Any
 
 import yaml
 
-from angel_jax import tokenizers_hf
+from angel_jax.data import hf_tokenizer as tokenizers_hf
 from angel_jax.config import ConfigError, ModelConfig, config_from_dict, parse_override
 from angel_jax.errors import AngelError
 from angel_jax.memory.host_peak import peak_rss, reset_peak

@@ -20,7 +20,7 @@ its characters overlap a turn (the rule of transformers' `return_assistant_token
 ids, are compared, so a token the tokenizer merges across a turn's start does not move it. The byte and BPE
 tokenizers have no template: a chat record is refused with them.
 
-Every token carries its marks in-band (angel_jax/token_marks.py): the prompt's tokens and each document's first
+Every token carries its marks in-band (angel_jax/data/marks.py): the prompt's tokens and each document's first
 token are not scored (nothing in the document predicts its first token), the response's and the end are; the
 first token marks the document's start.
 
@@ -47,11 +47,11 @@ from typing import Any
 
 import numpy as np
 
-from angel_jax import data as data_lib
-from angel_jax import token_marks
+from angel_jax.data import shards as data_lib
+from angel_jax.data import marks as token_marks
 from angel_jax.config import ConfigError
-from angel_jax.data_sources import JSONL, DataError, json_kind, json_object, jsonl_lines, resolve_sources, source_format
-from angel_jax.tokenizers_hf import HfTokenizer, chat_template_fingerprint, copy_files, fingerprint
+from angel_jax.data.sources import JSONL, DataError, json_kind, json_object, jsonl_lines, resolve_sources, source_format
+from angel_jax.data.hf_tokenizer import HfTokenizer, chat_template_fingerprint, copy_files, fingerprint
 
 log = logging.getLogger(__name__)
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 
 def add_plan_arguments(p: argparse.ArgumentParser) -> None:
-    """`angel-jax plan`'s arguments (shared by `angel-jax plan` and `python -m angel_jax.train.plan_cli`)."""
+    """`angel-jax plan`'s arguments (shared by `angel-jax plan` and `python -m angel_jax.cli.plan`)."""
     p.add_argument("config", type=Path, help="YAML config file")
     p.add_argument("overrides", nargs="*", help="dotted key=value overrides")
     p.add_argument("--out", type=Path, default=None, help="where to write the timeline (default: the run directory)")

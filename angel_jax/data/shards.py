@@ -5,14 +5,14 @@ A prepared data directory holds:
     meta.json        format, tokenizer, vocab size, shard list, token counts and the spec it was prepared from
     train_00000.bin  raw little-endian uint16 tokens (uint32 for a vocabulary past 65536 ids; np.memmap-able);
                      every shard but the last has shard_tokens (instruction data: int32 rows of seq_len + 1 marked
-                     tokens, angel_jax/instruction_data.py)
+                     tokens, angel_jax/data/instructions.py)
     val_00000.bin    optional held-out tail of the token stream (val_fraction > 0)
     tokenizer.json   the locally trained BPE (tokenizer "bpe"), or a copy of the Hugging Face tokenizer's files
                      (tokenizer "hf": with its tokenizer_config.json and special_tokens_map.json when it has them)
 
 The shards are one token stream cut only for storage: the iterator reads windows across shard boundaries, so the
 batches do not depend on shard_tokens. Nothing is downloaded: the byte tokenizer needs no vocabulary, the BPE is
-trained on the corpus itself, the Hugging Face tokenizer is a local directory (tokenizers_hf.py), and the default
+trained on the corpus itself, the Hugging Face tokenizer is a local directory (hf_tokenizer.py), and the default
 corpus is this interpreter's own standard library source.
 """
 
@@ -33,14 +33,14 @@ from typing import Any
 import numpy as np
 
 # DataError and resolve_sources are also this module's API (callers name them through it).
-from angel_jax.data_sources import DataError, ReadStats, holds_records, read_documents, resolve_sources
-from angel_jax.tokenizers_hf import HfTokenizer, copy_files, fingerprint
+from angel_jax.data.sources import DataError, ReadStats, holds_records, read_documents, resolve_sources
+from angel_jax.data.hf_tokenizer import HfTokenizer, copy_files, fingerprint
 
 FORMAT = 1
 DTYPE = np.dtype("<u2")  # little-endian on every host, so shards are portable
 DTYPES = {"uint16": DTYPE, "uint32": np.dtype("<u4"), "int32": np.dtype("<i4")}
 """A shard's dtype by name (meta.json's "dtype"): uint16 while the ids fit, uint32 past 65536 ids; int32 for
-instruction rows, whose tokens carry in-band marks (angel_jax/token_marks.py, angel_jax/instruction_data.py)."""
+instruction rows, whose tokens carry in-band marks (angel_jax/data/marks.py, angel_jax/data/instructions.py)."""
 META = "meta.json"
 TOKENIZER_FILE = "tokenizer.json"
 EOT = "<|endoftext|>"
@@ -291,7 +291,7 @@ def prepare(sources: list[Path], out_dir: Path, *, tokenizer: str = "byte", voca
     """Tokenize `sources` in order into shards under out_dir (replaced atomically); returns the meta dict.
 
     A document is a text file, a JSON Lines record or a Parquet row (its text under `text_key`; see
-    data_sources). Documents are simply concatenated for the byte tokenizer: all 256 ids are real bytes, so a
+    data/sources.py). Documents are simply concatenated for the byte tokenizer: all 256 ids are real bytes, so a
     separator would have to be a byte that also occurs in text, and source files already end in a newline. The BPE
     appends its EOT id after every document. The Hugging Face tokenizer in `tokenizer_path` (tokenizer "hf") makes
     each document what transformers' `tokenizer(text)` gives (its BOS, if the checkpoint has one) followed by its

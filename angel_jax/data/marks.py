@@ -1,7 +1,7 @@
 """Token ids with two marks carried in-band, in the int32 token arrays every engine already passes on.
 
 A batch is int32 [B, T+1]: a row's inputs are row[:-1], its targets row[1:]. Instruction data (`data.format:
-instruction`, angel_jax/instruction_data.py) marks two things of a token without a second array:
+instruction`, angel_jax/data/instructions.py) marks two things of a token without a second array:
 
     not scored   the token is no target of the loss (a prompt's token, padding): stored as its bitwise complement,
                  ~v, which is negative; `t < 0` tells it and `t ^ (t >> 31)` undoes it

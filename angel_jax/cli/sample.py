@@ -14,8 +14,8 @@ from typing import TextIO
 
 import numpy as np
 
-from angel_jax import data as data_lib
-from angel_jax import tokenizers_hf
+from angel_jax.data import shards as data_lib
+from angel_jax.data import hf_tokenizer as tokenizers_hf
 from angel_jax.config import Config, ConfigError
 from angel_jax.train.loop import data_dir_for
 from angel_jax.config.sampling import SamplingOptions

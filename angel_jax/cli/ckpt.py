@@ -3,6 +3,7 @@ A run whose processes checkpoint their own shards gets a table (and a verificati
 
 from __future__ import annotations
 
+import argparse
 from pathlib import Path
 
 from angel_jax.checkpoint import CheckpointManager, CheckpointError
@@ -74,3 +75,12 @@ def verify_report(run_dir: Path, step: int | None = None) -> tuple[bool, list[st
     if not found:
         return False, ["no committed checkpoint to verify"]
     return ok, lines
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.ckpt_command == "ls":
+        print("\n".join(list_table(args.run_dir)))
+        return 0
+    ok, lines = verify_report(args.run_dir, args.step)
+    print("\n".join(lines))
+    return 0 if ok else 1

@@ -31,7 +31,7 @@ from angel_jax.config import Config, ConfigError, config_from_dict, load_config,
 from angel_jax.errors import AngelError
 from angel_jax.optim.fused import host_update_by
 from angel_jax.train.metrics import device_peak
-from angel_jax.train.plan_args import add_plan_arguments
+from angel_jax.cli.plan_args import add_plan_arguments
 from angel_jax.train.plan_record import plan_summary, predicted_mfu
 from angel_jax.train.plan_target import PlanTarget, plan_target
 from angel_jax.schedule.blueprint import Blueprint, blueprint, refuse_sharded_optimizer

@@ -1,5 +1,17 @@
-"""`angel-jax`: the command line.
+"""Every `angel-jax` command's arguments and help, argparse alone: `angel-jax --help` (or any command's) never
+imports JAX; each command's handler (a module of this package) is imported only when that command runs."""
 
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import typing
+from pathlib import Path
+
+from angel_jax.cli.plan_args import add_plan_arguments
+from angel_jax.config.sampling import SamplingOptions, flag
+
+COMMANDS = """\
     angel-jax train CONFIG [key=value ...]     train (resumes from the run directory's newest checkpoint)
     angel-jax launch -n N CONFIG [key=value]   N workers under the watchdog (restarts on crash / hang)
     angel-jax worker CONFIG [key=value ...]    one worker of a multi-process job (launch, Slurm, Kubernetes)
@@ -13,20 +25,6 @@
     angel-jax sample RUN_DIR --prompt TEXT     continue TEXT with a trained run's model (key/value cache)
     angel-jax config [CONFIG]                  list every config key with its type, default and meaning
 """
-
-from __future__ import annotations
-
-import argparse
-import dataclasses
-import logging
-import sys
-import typing
-from pathlib import Path
-
-from angel_jax.config import ConfigError, DataConfig, describe, dump_yaml, load_config
-from angel_jax.config.sampling import SamplingOptions, flag
-from angel_jax.errors import AngelError
-from angel_jax.train.plan_args import add_plan_arguments
 
 _TRAIN_HELP = """\
 Train the model described by CONFIG (a YAML file, e.g. experiments/gpt_tiny.yaml). Any config key can be
@@ -90,8 +88,9 @@ model.seq_len, data.pack, keys and data.val_fraction finds the directory (its de
 uses, or data.dir=OUT) and reuses it instead of preparing it again."""
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="angel-jax", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="angel-jax", description=COMMANDS, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
 
     train = sub.add_parser("train", help="train a model from a YAML config", description=_TRAIN_HELP)
@@ -206,189 +205,3 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
-def _train(args: argparse.Namespace) -> int:
-    cfg = load_config(args.config, args.overrides)
-    if args.print_config:
-        print(dump_yaml(cfg), end="")
-        return 0
-    from angel_jax.tol.faults import FaultHooks
-    from angel_jax.train.loop import persisted_text, train  # jax is imported only when needed: `--help` stays instant
-
-    from angel_jax.schedule.pinned_limit import configure_pinned_limit
-    from angel_jax.train.preemption import Preempted
-
-    if line := configure_pinned_limit(cfg):  # before jax starts a GPU client, which reads the limit once
-        logging.getLogger("angel_jax.train").info("%s", line)
-    faults = FaultHooks.from_env(rank=0, vocab_size=cfg.model.vocab_size)  # ANGEL_JAX_FAULTS: tests only
-    try:
-        result = train(cfg, hooks=[faults] if faults else [])
-    except Preempted as e:  # not an error: the run saved and stopped as asked
-        print(f"{e}; run directory {cfg.run_dir}", file=sys.stderr)
-        return e.exit_code
-    # The newest persisted step, always: a run whose checkpoints are all in RAM must not look finished and safe.
-    if result.history:
-        first, last = result.history[0], result.history[-1]
-        trained = f"loss {first['loss']:.4f} (step {first['step']}) -> {last['loss']:.4f} (step {last['step']})"
-    else:  # resumed at its last step: nothing left to train
-        trained = "no step trained by this run"
-    print(f"done: step {result.final_step}, {trained}; run directory {result.run_dir}; "
-          f"{persisted_text(result.newest_persisted)}")
-    return 0
-
-
-def _launch(args: argparse.Namespace) -> int:
-    from angel_jax.tol.launch import launch
-
-    if args.workers < 1 or args.spares < 0:
-        print("error: -n must be >= 1 and --spares >= 0", file=sys.stderr)
-        return 2
-    return launch(args.config, args.overrides, workers=args.workers, spares=args.spares,
-                  cpu_devices=args.cpu_devices)
-
-
-def _worker(args: argparse.Namespace) -> int:
-    from angel_jax.tol.worker import run
-
-    return run(str(args.config), args.overrides)
-
-
-def _data(args: argparse.Namespace) -> int:
-    from angel_jax import data as data_lib
-    from angel_jax import instruction_data
-    from angel_jax.config import Config, ModelConfig
-    from angel_jax.train.loop import data_dir_for
-
-    dcfg = _data_config(args)
-    # The directory training would use for the same settings (model.seq_len names an instruction row's length).
-    model = ModelConfig(seq_len=args.seq_len) if args.seq_len is not None else ModelConfig()
-    out = args.out or data_dir_for(Config(data=dcfg, model=model))
-    vocab = args.vocab_size if args.tokenizer == "bpe" else 256  # what training passes: data.bpe_vocab_size or 256
-    sources = data_lib.resolve_sources(args.source)
-    if dcfg.format == "instruction":
-        rows = instruction_data.Rows(args.seq_len + 1, dcfg.pack, dcfg.prompt_key, dcfg.response_key)
-        meta = instruction_data.prepare(sources, out, rows, tokenizer=args.tokenizer, vocab_size=vocab,
-                                        val_fraction=args.val_fraction, tokenizer_path=args.tokenizer_path)
-        info = meta["instruction"]
-        print(f"{out}: {info['records']:,} records -> {info['rows']:,} rows of {rows.row_tokens} tokens "
-              f"({'packed' if rows.pack else 'padded'}), {info['scored_tokens']:,} scored tokens, vocabulary "
-              f"{meta['vocab_size']}; training with model.seq_len={args.seq_len} data.format=instruction "
-              f"data.pack={str(rows.pack).lower()} and the same source, tokenizer and keys reuses it")
-        return 0
-    meta = data_lib.prepare(sources, out, tokenizer=args.tokenizer, vocab_size=vocab,
-                            max_bytes=args.max_bytes or None, text_key=args.text_key,
-                            val_fraction=args.val_fraction, tokenizer_path=args.tokenizer_path)
-    print(f"{out}: {meta['total_tokens']:,} tokens in {len(meta['shards'])} shard(s), vocabulary {meta['vocab_size']}")
-    return 0
-
-
-_FLAGS = {"bpe_vocab_size": "--vocab-size"}
-"""The `data prepare` flag of a data.* key whose name differs (else --<key with dashes>)."""
-
-
-def _data_config(args: argparse.Namespace) -> DataConfig:
-    """The data config of `data prepare`'s flags, checked as training checks it; ConfigError naming the flags."""
-    if (args.tokenizer == "hf") != (args.tokenizer_path is not None):
-        raise ConfigError("--tokenizer-path DIR goes with --tokenizer hf, and --tokenizer hf needs it (the directory "
-                          "of a Hugging Face tokenizer.json)")
-    instruction = args.format == "instruction"
-    if instruction != (args.seq_len is not None):
-        raise ConfigError("--seq-len N goes with --format instruction, and --format instruction needs it (the "
-                          "model.seq_len of the training run: rows of N + 1 tokens)")
-    if instruction and args.seq_len < 1:
-        raise ConfigError(f"--seq-len must be >= 1, got {args.seq_len}")
-    given = [f for f, v in (("--pack", args.pack), ("--prompt-key", args.prompt_key),
-                            ("--response-key", args.response_key)) if v]
-    if given and not instruction:
-        raise ConfigError(f"{', '.join(given)}: only with --format instruction")
-    dcfg = DataConfig(source=args.source, tokenizer=args.tokenizer, bpe_vocab_size=args.vocab_size,
-                      max_bytes=args.max_bytes, text_key=args.text_key, tokenizer_path=str(args.tokenizer_path or ""),
-                      val_fraction=args.val_fraction, format=args.format, pack=args.pack,
-                      prompt_key=args.prompt_key or "prompt", response_key=args.response_key or "response")
-    if errors := dcfg.validate():
-        raise ConfigError("; ".join(f"{_FLAGS.get(key, '--' + key.replace('_', '-'))}: {why}" for key, why in errors))
-    return dcfg
-
-
-def _plan(args: argparse.Namespace) -> int:
-    from angel_jax.train import plan_cli
-
-    return plan_cli.main(args)
-
-
-def _bench(args: argparse.Namespace) -> int:
-    from angel_jax.memory import bench_io
-
-    return bench_io.main(args.rest)
-
-
-def _ckpt(args: argparse.Namespace) -> int:
-    from angel_jax.train.ckpt_cli import list_table, verify_report
-
-    if args.ckpt_command == "ls":
-        print("\n".join(list_table(args.run_dir)))
-        return 0
-    ok, lines = verify_report(args.run_dir, args.step)
-    print("\n".join(lines))
-    return 0 if ok else 1
-
-
-def _import(args: argparse.Namespace) -> int:
-    from angel_jax.train import hf_cli
-
-    return hf_cli.import_main(args)
-
-
-def _export(args: argparse.Namespace) -> int:
-    from angel_jax.train import hf_cli
-
-    return hf_cli.export_main(args)
-def _sample(args: argparse.Namespace) -> int:
-    from angel_jax.train import sample_cli
-
-    return sample_cli.main(args)
-
-
-def _config(args: argparse.Namespace) -> int:
-    if args.config is None:
-        print("\n".join(describe()))
-    else:
-        print(dump_yaml(load_config(args.config, args.overrides)), end="")
-    return 0
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = _parser()
-    # `train CONFIG --print-config key=value`: argparse stops filling a nargs='*' positional at the first
-    # optional, so overrides after one come back as extras; take them, refuse anything else.
-    args, extra = parser.parse_known_args(argv)
-    if argv is None and args.command in ("train", "worker"):
-        from angel_jax.memory.malloc import restart_with_huge_pages
-
-        restart_with_huge_pages(["-m", "angel_jax.cli", *sys.argv[1:]])  # host updates ~2x faster; same pid
-    if extra:
-        if not hasattr(args, "overrides") or any(x.startswith("-") or "=" not in x for x in extra):
-            parser.error(f"unrecognized arguments: {' '.join(extra)}")
-        args.overrides = list(args.overrides) + extra
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-                        datefmt="%H:%M:%S")
-    for noisy in ("absl", "jax._src", "orbax"):
-        logging.getLogger(noisy).setLevel(logging.WARNING)
-    handlers = {"train": _train, "launch": _launch, "worker": _worker, "data": _data, "plan": _plan,
-                "bench": _bench, "ckpt": _ckpt, "import": _import, "export": _export, "sample": _sample,
-                "config": _config}
-    try:
-        return handlers[args.command](args)
-    except ConfigError as e:
-        print(f"config error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("interrupted", file=sys.stderr)
-        return 130
-    except AngelError as e:  # user-facing errors get one clean line; anything else keeps its traceback
-        code = getattr(e, "exit_code", 1)  # a restart request carries the status the watchdog reads
-        print(f"error: {e}", file=sys.stderr)
-        return code
-
-
-if __name__ == "__main__":
-    sys.exit(main())
