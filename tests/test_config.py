@@ -281,3 +281,16 @@ def test_a_config_recorded_by_an_earlier_version_is_upgraded(tmp_path):
     assert cfg.memory.staleness == 1 and cfg.anomaly.actions == {"loss_spike": "log"}
     with pytest.raises(ConfigError, match="was removed|moved to"):
         load_config(path)
+
+
+@pytest.mark.parametrize("override,suggestion", [
+    ("model.d_modle=64", "did you mean 'model.d_model'?"),
+    ("traim.steps=3", "did you mean 'train'?"),
+    ("optimizer.lr_warmup=5", None),
+])
+def test_a_misspelt_key_is_answered_with_the_nearest_known_key(override, suggestion):
+    with pytest.raises(ConfigError) as e:
+        load_config(TINY, [override])
+    msg = str(e.value)
+    assert ("did you mean" in msg) == (suggestion is not None)
+    assert suggestion is None or suggestion in msg

@@ -229,6 +229,8 @@ def test_sample_refuses_clearly(run_dir, tmp_path, capsys):
     assert code == 1 and "has no checkpoint of step 3" in err
     code, out, err = _sample(capsys, run_dir, "--prompt", "x" * 28, "--max-tokens", "10")
     assert code == 0 and "generating at most 4 tokens, not 10" in err and "stopped: the model's context is full" in err
+    code, out, err = _sample(capsys, run_dir, "--prompt", "x" * 28)  # the default 200: no note, it just stops
+    assert code == 0 and "generating at most" not in err and "stopped: the model's context is full" in err
     bare = tmp_path / "bare"
     bare.mkdir()
     (bare / "config.yaml").write_text((run_dir / "config.yaml").read_text())  # its memory tier is run_dir's

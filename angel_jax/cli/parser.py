@@ -23,6 +23,7 @@ COMMANDS = """\
     angel-jax import HF_DIR --config OUT.yaml  a training config that starts from a Hugging Face checkpoint
     angel-jax export RUN_DIR --hf OUT_DIR      a run's weights as a Hugging Face checkpoint
     angel-jax sample RUN_DIR --prompt TEXT     continue TEXT with a trained run's model (key/value cache)
+    angel-jax plot RUN_DIR [RUN_DIR ...]       several runs' loss curves on one chart (a PNG)
     angel-jax config [CONFIG]                  list every config key with its type, default and meaning
 """
 
@@ -73,6 +74,12 @@ is one step over a key/value cache. --temperature 0 is greedy; otherwise tokens 
 top-p (nucleus) filtered distribution, and the same --seed gives the same text. Generation stops at --max-tokens,
 at the end-of-text token (BPE, Hugging Face EOS), or when the model's context (model.seq_len) is full: a prompt
 plus --max-tokens longer than the context generates fewer tokens, with a note."""
+
+_PLOT_HELP = """\
+Draw the training loss (solid) and evaluation loss (dashed) of one or more runs against the step on one chart,
+one colour per run, read from each run directory's metrics.jsonl (its logged records: every train.log_every
+steps and each evaluation). Every run also keeps its own chart, <run_dir>/loss.png, redrawn at each evaluation and
+checkpoint."""
 
 _DATA_HELP = """\
 Tokenize text files into memory-mapped token shards (uint16 .bin files) plus meta.json. `--source stdlib` (the
@@ -160,9 +167,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     ckpt = sub.add_parser("ckpt", help="inspect a run's checkpoints (ls, verify)", description=_CKPT_HELP)
     ckpt_sub = ckpt.add_subparsers(dest="ckpt_command", required=True)
-    ls = ckpt_sub.add_parser("ls", help="steps, tiers, states and sizes", description=_CKPT_HELP)
+    ls = ckpt_sub.add_parser("ls", help="steps, tiers, states and sizes", description=(
+        "List RUN_DIR's checkpoints: one row per step, its state in each tier (memory, peer, persistent: "
+        "snapshotted, backed_up, persisted, partial) and its size, from the tiers' records alone (no array is "
+        "read; `verify` reads them). A run whose processes checkpoint their own shards gets a table per process."))
     ls.add_argument("run_dir", type=Path, help="the run directory (e.g. runs/gpt_tiny)")
-    verify = ckpt_sub.add_parser("verify", help="read every copy and check its checksums", description=_CKPT_HELP)
+    verify = ckpt_sub.add_parser("verify", help="read every copy and check its checksums", description=(
+        "Read every committed copy of RUN_DIR's checkpoints (or of STEP only) in every tier and check every "
+        "array's XXH3-64 checksum. Prints one line per copy (ok, or what is damaged and where); exit status 0 when "
+        "every copy is intact, 1 when any is damaged or missing."))
     verify.add_argument("run_dir", type=Path, help="the run directory (e.g. runs/gpt_tiny)")
     verify.add_argument("step", type=int, nargs="?", help="only this step (default: every committed step)")
 
@@ -192,16 +205,27 @@ def build_parser() -> argparse.ArgumentParser:
     types = typing.get_type_hints(SamplingOptions)
     for option in dataclasses.fields(SamplingOptions):
         sample.add_argument(f"--{flag(option.name)}", dest=option.name, type=types[option.name],
-                            default=option.default, help=f"{option.metadata['doc']} (default {option.default})")
+                            default=argparse.SUPPRESS,  # absent unless given: `sample` tells asked from default
+                            help=f"{option.metadata['doc']} (default {option.default})")
     sample.add_argument("--step", type=int, default=None, help="the checkpoint's step (default: the newest valid)")
     sample.add_argument("--data-dir", type=Path, default=None,
                         help="the run's prepared data directory, which holds its BPE or a copy of its Hugging Face "
                              "tokenizer (default: the run's data.dir, else data/<source>-<tokenizer> under the "
                              "working directory; a Hugging Face tokenizer is read from data.tokenizer_path)")
 
-    cfg = sub.add_parser("config", help="list every config key with type, default and meaning")
-    cfg.add_argument("config", type=Path, nargs="?", help="show this file's resolved values instead")
-    cfg.add_argument("overrides", nargs="*")
+    plot = sub.add_parser("plot", help="several runs' loss curves on one chart", description=_PLOT_HELP)
+    plot.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run directories (each with its metrics.jsonl)")
+    plot.add_argument("--out", type=Path, default=None, metavar="FILE.png",
+                      help="the chart to write (default: loss_curves.png in the working directory)")
+
+    cfg = sub.add_parser("config", help="list every config key with type, default and meaning", description=(
+        "Without CONFIG: every config key, dotted (model.d_model, memory.host_budget, ...), with its type, default "
+        "and one-line meaning, the same list as docs/configuration.md. With CONFIG: that file's resolved config "
+        "(defaults filled in, the key=value overrides applied, everything validated) as YAML, which is what a run "
+        "writes to its run directory as config.yaml."))
+    cfg.add_argument("config", type=Path, nargs="?", help="a YAML config: print its resolved values instead")
+    cfg.add_argument("overrides", nargs="*", help="dotted key=value overrides applied to CONFIG "
+                     "(e.g. train.steps=50)")
     return p
 
 

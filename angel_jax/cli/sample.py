@@ -8,6 +8,7 @@ stdout (the prompt, then the continuation as it is generated when there is one s
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 from typing import TextIO
@@ -56,8 +57,8 @@ def run_tokenizer(cfg: Config, data_dir: Path | None = None) -> data_lib.Tokeniz
 def main(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None = None) -> int:
     """The command; text to `out`, notes to `err` (default: stdout and stderr as they are when called)."""
     out, err = out or sys.stdout, err or sys.stderr
-    options = SamplingOptions(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
-                              top_k=args.top_k, seed=args.seed, num_samples=args.num_samples)
+    given = {f.name: getattr(args, f.name) for f in dataclasses.fields(SamplingOptions) if hasattr(args, f.name)}
+    options = SamplingOptions(**given)
     if not args.prompt:
         raise SamplingError("the prompt is empty (--prompt ''): sampling continues a prompt of at least one token")
     cfg = run_config(args.run_dir)
@@ -69,7 +70,7 @@ def main(args: argparse.Namespace, out: TextIO | None = None, err: TextIO | None
     prompt = tokenizer.encode(args.prompt).astype(np.int32)
     context = cfg.model.seq_len
     limit = generation_length(len(prompt), options.max_tokens, context)
-    if limit < options.max_tokens:
+    if limit < options.max_tokens and "max_tokens" in given:  # the default quietly stops where the context ends
         print(f"note: the model's context is {context} tokens (model.seq_len) and the prompt takes {len(prompt)}: "
               f"generating at most {limit} tokens, not {options.max_tokens}", file=err)
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import difflib
 import logging
 import math
 import re
@@ -90,6 +91,9 @@ class ModelConfig:
     relative_max_distance: int = doc(128, "Relative distance from which positions share the last bucket (T5).")
     compute_dtype: Literal["bfloat16", "float32"] = doc("bfloat16", "Dtype of activations and matmuls.")
     param_dtype: Literal["float32", "bfloat16"] = doc("float32", "Dtype of the stored (master) parameters.")
+    cpu_matmul_fp32: bool = doc(True, "On the CPU backend, a bfloat16 model's matmuls compute in float32 (operands "
+                                      "upcast at the dot, results back in bfloat16): XLA:CPU has no fast bfloat16 "
+                                      "dot.")
     remat: bool = doc(False, "Recompute each block's activations in the backward pass (saves memory).")
     scan_blocks: bool = doc(True, "Run the blocks with one scanned body (compile time independent of depth).")
     init_from: str = doc("", "A Hugging Face checkpoint directory (config.json + model.safetensors) to start from; "
@@ -564,7 +568,9 @@ def _build(cls: type, raw: Any, prefix: str, origin: str) -> Any:
         if dotted in RETIRED:
             raise ConfigError(f"{dotted!r} {RETIRED[dotted]} (in {origin})")
         if key not in names:
-            raise ConfigError(f"unknown key {dotted!r} in {origin}; known keys here: {', '.join(sorted(names))}")
+            close = difflib.get_close_matches(key, names, n=1, cutoff=0.6)
+            hint = f"did you mean '{prefix}{close[0]}'? " if close else ""
+            raise ConfigError(f"unknown key {dotted!r} in {origin}; {hint}known keys here: {', '.join(sorted(names))}")
         tp = hints[key]
         if dataclasses.is_dataclass(tp):
             kwargs[key] = _build(tp, value, f"{dotted}.", origin)

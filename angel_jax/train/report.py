@@ -22,7 +22,8 @@ def memory_report(cfg: Config, mesh: jax.sharding.Mesh, placement: list[str] = (
     where the engine keeps the state (`placement`), per-device memory where the backend reports it, host RSS."""
     from angel_jax.train.engines import state_bytes
 
-    counts = models.get(cfg.model).param_count
+    staged = models.get(cfg.model)
+    counts = staged.param_count
     params = counts["total"] * jax.numpy.dtype(cfg.model.param_dtype).itemsize
     opt = state_bytes(cfg) - 2 * params
     m = cfg.model
@@ -33,7 +34,7 @@ def memory_report(cfg: Config, mesh: jax.sharding.Mesh, placement: list[str] = (
     act_bytes = 34 * m.d_model * m.seq_len * per_device_batch * (m.n_layers if not m.remat else 1)
     lines = [
         f"model: {counts['total'] / 1e6:.2f}M parameters ({counts['matmul'] / 1e6:.2f}M in matmuls), "
-        f"{m.n_layers} blocks x d_model {m.d_model}, seq_len {m.seq_len}",
+        f"stages {stage_summary(staged.kinds())}, d_model {m.d_model}, seq_len {m.seq_len}",
         f"state: params {human_bytes(params)}, optimizer {human_bytes(opt)}, "
         f"gradients {human_bytes(params)}, activations ~{human_bytes(act_bytes)}"
         f" -> ~{human_bytes(2 * params + opt + act_bytes)}",
@@ -52,3 +53,10 @@ def memory_report(cfg: Config, mesh: jax.sharding.Mesh, placement: list[str] = (
         lines.append("note: this machine has an NVIDIA GPU, but this jax runs on the CPU (no CUDA plugin): "
                      "`make ACCEL=cuda setup`, or install angel-jax[cuda]")
     return "\n".join(lines)
+
+
+def stage_summary(kinds: dict[str, list[int]]) -> str:
+    """The stages by kind in forward order, e.g. 'embed, 4 x block, head' or, for an encoder-decoder, 'embed,
+    2 x encoder, encoder_norm, 2 x decoder, head': the family's own names, so no family is named here."""
+    return ", ".join(kind if len(idx) == 1 else f"{len(idx)} x {kind}"
+                     for kind, idx in sorted(kinds.items(), key=lambda kv: kv[1][0]))
