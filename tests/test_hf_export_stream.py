@@ -221,27 +221,55 @@ def test_a_full_disk_is_a_clear_error_that_leaves_no_file_under_the_final_names(
     stages = models.get(LLAMA).split(random_params(LLAMA))
     out = tmp_path / "out"
     out.mkdir()
-    abstract = models.get(LLAMA).stage_shapes()
-    names = ShardedWriter(out, hf.export_specs(LLAMA, abstract, "float32"), parse_size("10KB")).names
-    (out / (names[1] + ".tmp")).symlink_to("/dev/full")
-    with pytest.raises(hf.CheckpointFileError, match=rf"cannot write .*{names[1]}\.tmp: No space left on device"):
-        hf.export(LLAMA, stages, out, max_shard_size="10KB")
+    specs = hf.export_specs(LLAMA, models.get(LLAMA).stage_shapes(), "float32")
+    writer = ShardedWriter(out, specs, parse_size("10KB"))
+    (out / (writer.names[1] + ".tmp")).symlink_to("/dev/full")
+    with pytest.raises(hf.CheckpointFileError, match=rf"cannot write .*{writer.names[1]}\.tmp: No space left on "
+                                                     "device"), writer:
+        for i, stage in enumerate(stages):
+            hf._write_stage(writer, hf.mapping_for(LLAMA).tensor_table(LLAMA, i), stage, np.float32)
     assert list(out.iterdir()) == []
+
+
+def test_a_full_disk_leaves_an_earlier_export_as_it_was(tmp_path):
+    """--overwrite over an earlier export, and the last file of the new one meets a full disk (/dev/full): one
+    line naming the file; the earlier export, and the user's file beside it, are there byte for byte, and nothing
+    of the new one is, beside it or in it."""
+    if not Path("/dev/full").exists():
+        pytest.skip("no /dev/full on this system")
+    stages = models.get(LLAMA).split(random_params(LLAMA))
+    out = tmp_path / "out"
+    hf.export(LLAMA, stages, out)
+    (out / "README.md").write_text("mine\n")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    def fill_up(staging: Path) -> None:
+        (staging / "notes.txt").symlink_to("/dev/full")
+        (staging / "notes.txt").write_bytes(b"x" * 100_000)
+
+    with pytest.raises(hf.ExportTargetError, match=rf"cannot write the export {out}: No space left on device; "
+                                                   rf"nothing was written to {out}$"):
+        hf.export(LLAMA, models.get(LLAMA).split(random_params(LLAMA, seed=1)), out, max_shard_size="10KB",
+                  overwrite=True, extra=fill_up)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
 
 
 # ------------------------------------------------------------------------------------------------ runs
 
 
 def synthetic_run(root: Path, paged: bool, d_model: int = 32, n_layers: int = 3, page_size: int = 16384,
-                  seed: int = 0) -> tuple[Path, int]:
+                  seed: int = 0, data: dict | None = None) -> tuple[Path, int]:
     """A run directory with one checkpoint (step 3) as the paged engine (pages `params/<stage>/<k>`, its layout
     fingerprint) or the in-memory engine (`params/<path>` leaves) writes it, of random parameters, in the
-    persistent tier alone (what a model larger than RAM has). Returns (run_dir, the parameters' bytes)."""
+    persistent tier alone (what a model larger than RAM has); `data`: its config's data section (a Hugging Face
+    tokenizer, whose files an export carries). Returns (run_dir, the parameters' bytes)."""
     run_dir = root / ("paged" if paged else "in_memory")
     raw = {"name": "synthetic", "model": {"name": "gpt", "vocab_size": 256, "seq_len": 32, "d_model": d_model,
                                           "n_layers": n_layers, "n_heads": 4, "compute_dtype": "float32"},
            "memory": {"mode": "paged" if paged else "in_memory", "page_size": page_size},
-           "train": {"run_dir": str(run_dir)}, "checkpoint": {"memory_dir": str(root / "memtier")}}
+           "train": {"run_dir": str(run_dir)}, "checkpoint": {"memory_dir": str(root / "memtier")},
+           "data": data or {}}
     cfg = config_from_dict(raw, "synthetic run")
     run_dir.mkdir(parents=True)
     (run_dir / "config.yaml").write_text(dump_yaml(cfg))

@@ -9,15 +9,17 @@ replaced by the checkpoint's (config.json) and model.init_from = HF_DIR, the che
 tokenizer.json (data.tokenizer: hf, data.tokenizer_path = HF_DIR), then the overrides; no weight is read. `export`
 reads the parameters of the run's newest valid checkpoint (or step N) of either engine (`train/weights.py`) and
 writes config.json + model.safetensors (or shards named by model.safetensors.index.json), and the tokenizer's files
-when the run used a Hugging Face tokenizer. A paged run's checkpoint is read and written a stage at a time, so its
-export holds one stage, not the model; the export refuses to start when that is more than half the RAM available
-(the room the budgets give a large copy, leaving the rest to the machine), and states its peak.
+when the run used a Hugging Face tokenizer, all into a directory beside OUT_DIR that becomes OUT_DIR once complete
+(an export is whole or absent: `models/hf/staging.py`). A paged run's checkpoint is read and written a stage at a
+time, so its export holds one stage, not the model; the export refuses to start when that is more than half the RAM
+available (the room the budgets give a large copy, leaving the rest to the machine), and states its peak.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -134,14 +136,18 @@ def export_run(run_dir: Path, out_dir: Path, *, step: int | None = None, dtype: 
         planned.update(held=max(held, default=0) + largest, streamed=streamed)
         check_host_memory(planned["held"], streamed, gather_room() if room is None else room, run_dir)
 
+    # The tokenizer's files are part of the export: they appear with the weights, or nothing does.
+    extra = functools.partial(_copy_tokenizer, *tokenizers_hf.tokenizer_dir(cfg)) if tokenizer is not None else None
     with open_stages(run_dir, step, admit) as weights:
         hf.export(model_cfg, weights.read, out_dir, abstract=abstract, dtype=dtype, carry=carry,
-                  overwrite=overwrite, max_shard_size=max_shard_size)
-    if tokenizer is not None:
-        directory, key = tokenizers_hf.tokenizer_dir(cfg)
-        tokenizers_hf.copy_files(directory, out_dir, key)
+                  overwrite=overwrite, max_shard_size=max_shard_size, extra=extra,
+                  owned=tokenizers_hf.TOKENIZER_FILES)
     return Exported(out_dir=out_dir, step=weights.step, files=hf.weight_files(out_dir), held=planned["held"],
                     streamed=planned["streamed"], peak=peak_rss())
+
+
+def _copy_tokenizer(directory: Path, key: str, staging: Path) -> None:
+    tokenizers_hf.copy_files(directory, staging, key)
 
 
 def largest_tensor(model_cfg: ModelConfig, abstract: list, dtype: str | None) -> int:

@@ -11,7 +11,8 @@ our ModelConfig fields and back, and per-stage tensor tables (mapping.py) that c
 is lazy per stage: `load_stage` reads only that stage's tensors, so the paged engine initialises a model larger
 than RAM straight from the file, one stage at a time. Export streams the other way: given a function that reads
 stage i, `export` converts and writes that stage's tensors into the current shard (header computed up front from
-the shapes) before it reads the next, so a model larger than RAM is exported one stage at a time.
+the shapes) before it reads the next, so a model larger than RAM is exported one stage at a time; everything is
+written into a directory beside the target that becomes it once complete (staging.py).
 """
 
 from __future__ import annotations
@@ -19,10 +20,9 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import json
-import os
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Collection, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -30,9 +30,10 @@ import numpy as np
 
 from angel_jax.config import ConfigError, ModelConfig
 from models.hf.mapping import TensorSource, iter_stage_to_hf, stage_from_hf, stage_hf_shapes
-from models.hf.safetensors_io import (DEFAULT_MAX_SHARD_SIZE, INDEX_FILE, SINGLE_FILE, CheckpointFileError,
-                                      CheckpointTensors, ShardedWriter, TensorSpec, existing_weights,
-                                      parse_size, weight_files)
+from models.hf.safetensors_io import (DEFAULT_MAX_SHARD_SIZE, INDEX_FILE, SHARD_FILE, SINGLE_FILE,
+                                      CheckpointFileError, CheckpointTensors, ShardedWriter, TensorSpec,
+                                      existing_weights, parse_size, weight_files)
+from models.hf.staging import ExportTargetError, staged
 from models.stages import StagedModel
 
 Params = dict
@@ -53,7 +54,7 @@ SPECIAL_TOKENS = ("bos_token_id", "eos_token_id", "pad_token_id")
 EXPORT_DTYPES = ("float32", "bfloat16", "float16")
 
 __all__ = ["ARCHITECTURE_KEYS", "CheckpointFileError", "CheckpointTensors", "DEFAULT_MAX_SHARD_SIZE", "EXPORT_DTYPES",
-           "INDEX_FILE",
+           "ExportTargetError", "INDEX_FILE",
            "check_matches", "export", "export_specs", "from_pretrained", "load_stage",
            "model_fields", "parse_size", "read_config", "weight_files"]
 
@@ -178,7 +179,8 @@ def export_specs(cfg: ModelConfig, abstract: list[Params], dtype: str) -> list[T
 
 def export(cfg: ModelConfig, stage_params: Sequence[Params] | Callable[[int], Params], out_dir: str | Path, *,
            abstract: list[Params] | None = None, dtype: str | None = None, carry: dict[str, Any] | None = None,
-           overwrite: bool = False, max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE) -> Path:
+           overwrite: bool = False, max_shard_size: str | int = DEFAULT_MAX_SHARD_SIZE,
+           extra: Callable[[Path], Any] | None = None, owned: Collection[str] = ()) -> Path:
     """Write our model's params as a Hugging Face checkpoint: the weights (tensors in `dtype`, default the params'
     own) in model.safetensors, or in shards of at most `max_shard_size` bytes ("5GB", "500MB", or a number of
     bytes) named by model.safetensors.index.json, and config.json (our architecture as the HF model_type; a head
@@ -189,8 +191,13 @@ def export(cfg: ModelConfig, stage_params: Sequence[Params] | Callable[[int], Pa
     with `abstract`, every stage's shapes (`StagedModel.stage_shapes`): the stages are then read one at a time, each
     converted and written tensor by tensor before the next is read, so an export holds one stage's params and one
     converted tensor, never the model (the files' headers come from the shapes). Existing weights or a
-    config.json in `out_dir` are refused unless `overwrite`; nothing is written under a final name until every
-    shard is complete, and config.json comes last."""
+    config.json in `out_dir` are refused unless `overwrite`.
+
+    `extra(directory)` writes further files of the export (the tokenizer's) beside the weights; `owned` names the
+    files of that kind an earlier export in `out_dir` may hold (replaced, or dropped when this one has none). The
+    export is written into a new directory beside `out_dir` and becomes `out_dir` only when all of it is complete
+    (`staging.staged`): a full disk, an interrupt or a kill leaves `out_dir` as it was; the user's other files in
+    it stay."""
     out_dir = Path(out_dir)
     mapping = mapping_for(cfg)
     if abstract is None:
@@ -209,18 +216,24 @@ def export(cfg: ModelConfig, stage_params: Sequence[Params] | Callable[[int], Pa
         shown = existing if len(existing) <= 3 else existing[:2] + [f"{len(existing) - 2} more weight files"]
         raise CheckpointFileError(f"{out_dir} already holds {' and '.join(shown)}: choose another directory "
                                   "(or replace that checkpoint: angel-jax export --overwrite)")
-    out_dir.mkdir(parents=True, exist_ok=True)
     read = stage_params if callable(stage_params) else stage_params.__getitem__
-    with ShardedWriter(out_dir, export_specs(cfg, abstract, dtype), max_bytes) as writer:
-        for i in range(len(abstract)):
-            _write_stage(writer, mapping.tensor_table(cfg, i), read(i), jnp.dtype(dtype))
-        writer.commit()
     config = {**mapping.hf_config(cfg), **{k: None for k in SPECIAL_TOKENS}, **(carry or {}),
               "torch_dtype": dtype, "dtype": dtype}
-    tmp = out_dir / "config.json.tmp"
-    tmp.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    os.replace(tmp, out_dir / "config.json")  # last: a directory with config.json has its weights
+    with staged(out_dir, lambda name: name in owned or _weights_or_config(name)) as staging:
+        with ShardedWriter(staging, export_specs(cfg, abstract, dtype), max_bytes) as writer:
+            for i in range(len(abstract)):
+                _write_stage(writer, mapping.tensor_table(cfg, i), read(i), jnp.dtype(dtype))
+            writer.commit()
+        (staging / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+        if extra is not None:
+            extra(staging)
     return out_dir
+
+
+def _weights_or_config(name: str) -> bool:
+    # What an earlier export (or a killed one, before exports were staged: its .tmp files) left in a directory.
+    name = name.removesuffix(".tmp")
+    return name in ("config.json", SINGLE_FILE, INDEX_FILE) or bool(SHARD_FILE.match(name))
 
 
 def _write_stage(writer: ShardedWriter, table: list, params: Params, dtype: Any) -> None:

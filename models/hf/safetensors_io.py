@@ -50,6 +50,14 @@ class CheckpointFileError(AngelError):
     """A Hugging Face checkpoint's files are missing, unreadable, or lack a tensor the model needs."""
 
 
+class WriteFailed(CheckpointFileError):
+    """Writing a file of a checkpoint failed (an OSError: a full disk); `path` and `reason` say which and why."""
+
+    def __init__(self, message: str, path: Path, reason: str):
+        super().__init__(message)
+        self.path, self.reason = Path(path), reason
+
+
 class CheckpointTensors:
     """The tensors of one checkpoint directory: names, shapes and dtypes from the headers; data on demand."""
 
@@ -293,8 +301,9 @@ class ShardedWriter:
         try:
             yield
         except OSError as e:
-            raise CheckpointFileError(f"cannot write {path}: {e.strerror or e}; nothing of the export was written "
-                                      f"under a final name in {self.directory}") from None
+            reason = e.strerror or str(e)
+            raise WriteFailed(f"cannot write {path}: {reason}; nothing of the export was written under a final "
+                              f"name in {self.directory}", path, reason) from None
 
     def commit(self) -> list[Path]:
         """Rename the complete shards into place, then the index (several shards); the final paths. The index is
