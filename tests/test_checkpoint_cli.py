@@ -171,3 +171,54 @@ def test_a_full_persistent_disk_warns_and_training_finishes(tmp_path, write_tiny
         assert cli.main(["ckpt", "verify", str(tmp_path / "full"), "12"]) == 0  # the memory tier's copy
     finally:
         subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def _digests(directory: Path) -> dict[str, bytes]:
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def test_a_step_symlinked_to_another_runs_is_not_loaded_and_verify_says_so(run_dir, tmp_path, capsys, caplog):
+    """Step 4 of a copy of the run replaced by a symlink to the original run's step 4 (its memory-tier copy gone):
+    `ckpt verify` names the link and fails, `ckpt ls` marks it, and `train` resumes the copy's own step 2, never
+    the other run's state, leaving the other run's files as they were."""
+    import shutil
+
+    copy = _copy_run(run_dir, tmp_path)
+    shutil.rmtree(copy / "checkpoints" / "4")
+    (copy / "checkpoints" / "4").symlink_to(run_dir / "checkpoints" / "4")
+    shutil.rmtree(tmp_path / "mem" / "step_4")
+    theirs = _digests(run_dir / "checkpoints" / "4")
+    link = f"the symlink {copy / 'checkpoints' / '4'} -> {run_dir / 'checkpoints' / '4'}"
+    assert cli.main(["ckpt", "verify", str(copy)]) == 1
+    out = capsys.readouterr().out
+    assert "step 2: ok" in out and "step 4: NOT LOADED" in out and link in out and "mode 777" not in out
+    assert cli.main(["ckpt", "ls", str(copy)]) == 0
+    out = capsys.readouterr().out
+    assert "NOT LOADED" in next(line for line in out.splitlines() if line.split()[:1] == ["4"]) and link in out
+    result = train(load_config(copy / "config.yaml", ["train.steps=5"]))
+    assert result.final_step == 5 and link in caplog.text and "mode 777" not in caplog.text
+    assert '"step": 2' in [line for line in (copy / "events.jsonl").read_text().splitlines() if '"resumed"' in line][-1]
+    assert _digests(run_dir / "checkpoints" / "4") == theirs
+
+
+def test_a_checkpoints_directory_symlinked_to_another_runs_is_refused_naming_the_link(run_dir, tmp_path, capsys):
+    """The copy's whole checkpoints/ a symlink to the original run's (and its memory tier empty): `ckpt verify`
+    fails naming the link, and `train` refuses in one line naming it instead of resuming (or overwriting) the
+    other run's checkpoints."""
+    import shutil
+
+    copy = _copy_run(run_dir, tmp_path)
+    shutil.rmtree(copy / "checkpoints")
+    (copy / "checkpoints").symlink_to(run_dir / "checkpoints")
+    for step in (tmp_path / "mem").glob("step_*"):
+        shutil.rmtree(step)
+    theirs = _digests(run_dir / "checkpoints")
+    link = f"the symlink {copy / 'checkpoints'} -> {run_dir / 'checkpoints'}"
+    assert cli.main(["ckpt", "verify", str(copy)]) == 1
+    out = capsys.readouterr().out
+    assert "step 2: NOT LOADED" in out and "step 4: NOT LOADED" in out and link in out and "mode 777" not in out
+    with pytest.raises(CheckpointError, match="may not be loaded") as refused:
+        train(load_config(copy / "config.yaml", ["train.steps=6"]))
+    assert link in str(refused.value) and "train.resume=false" in str(refused.value)
+    assert "\n" not in str(refused.value)
+    assert _digests(run_dir / "checkpoints") == theirs

@@ -684,7 +684,7 @@ def test_a_checkpoint_planted_by_another_user_or_in_a_shared_directory_is_never_
         restored = engine.restore()
         assert restored.step == 20 and restored.meta == {"s": 20}
         assert_bitwise(restored.arrays, states[20])
-        assert engine.verify(30)[0].startswith("step 30: no committed copy")
+        assert all("belongs to uid 65534" in p for p in engine.verify(30)) and len(engine.verify(30)) == 3
         assert engine.latest_valid().step == 20
         refused = [r.getMessage() for r in caplog.records if "belongs to uid 65534" in r.getMessage()]
         assert len(refused) == 3, refused  # once each, however often the tiers are read
@@ -695,6 +695,43 @@ def test_a_checkpoint_planted_by_another_user_or_in_a_shared_directory_is_never_
         with pytest.raises(CheckpointError, match="no valid checkpoint"):
             engine.restore()
     assert "is writable by other users (mode 777" in caplog.text
+
+
+def test_a_symlinked_step_is_followed_inside_its_tier_and_refused_out_of_it(tmp_path: Path,
+                                                                             caplog: pytest.LogCaptureFixture) -> None:
+    """A persistent step directory that is a symlink: to a directory inside the tier it is loaded (its target's
+    owner and mode are what count, not the link's own 777); to another tier's step it is refused, naming the link
+    and its target, and `verify` reports it; a root symlinked out of `confined_to` is refused whole."""
+    states = {s: make_state(s) for s in (20, 30)}
+    for run in ("a", "b"):
+        with CheckpointManager(options(tmp_path / run)) as engine:
+            for s, state in states.items():
+                engine.save(s, copy_of(state), {"s": s, "run": run})
+                engine.wait()  # each persisted (a save queued behind a newer one would be skipped)
+        shutil.rmtree(tmp_path / run / "memory")  # only the persistent copies are left
+    b = tmp_path / "b" / "persistent"
+    (b / "20").rename(b / "kept-20")
+    (b / "20").symlink_to(b / "kept-20")  # inside the tier: followed
+    shutil.rmtree(b / "30")
+    (b / "30").symlink_to(tmp_path / "a" / "persistent" / "30")  # another run's step
+    with caplog.at_level(logging.WARNING), CheckpointManager(options(tmp_path / "b")) as engine:
+        restored = engine.restore()
+        assert restored.step == 20 and restored.meta == {"s": 20, "run": "b"}
+        assert engine.verify(20) == []
+        problems = engine.verify(30)
+        assert len(problems) == 1 and f"the symlink {b / '30'} -> {tmp_path / 'a' / 'persistent' / '30'}" in (
+            problems[0]) and "not loaded" in problems[0]
+        assert list(engine.refused()) == [("persistent", 30)]
+    assert "mode 777" not in caplog.text and f"{b / '30'} -> " in caplog.text
+    # The whole tier symlinked to another run's: refused when the tier must stay inside its run directory.
+    shutil.rmtree(b)
+    b.symlink_to(tmp_path / "a" / "persistent")
+    with CheckpointManager(options(tmp_path / "b", confined_to=tmp_path / "b")) as engine:
+        with pytest.raises(CheckpointError, match="no valid checkpoint"):
+            engine.restore()
+        assert all(f"the symlink {b} -> {tmp_path / 'a' / 'persistent'}" in p for p in engine.refusals())
+    with CheckpointManager(options(tmp_path / "b")) as engine:  # unconfined (a bare manager): its root is its own
+        assert engine.restore().meta == {"s": 30, "run": "a"}
 
 
 def test_every_tier_a_run_creates_is_private(tmp_path: Path) -> None:

@@ -384,17 +384,41 @@ class CheckpointManager:
 
     def _trusted(self, tier: CheckpointTier) -> dict[int, Path]:
         """The tier's committed steps that may be loaded; each one refused is named once in a warning."""
-        reason = untrusted(tier.root, root=True)
+        committed, refused = self._screen(tier)
+        for text in refused.values():
+            self._warn_untrusted(text)
+        return committed
+
+    def _screen(self, tier: CheckpointTier) -> tuple[dict[int, Path], dict[int | None, str]]:
+        """(the tier's committed steps that may be loaded, why each other one may not: step -> one line, None for
+        the whole tier). A step's directory must stay inside its tier's root, the persistent tier's root inside
+        `confined_to` (the run directory), symlinks followed (`trust.untrusted`)."""
+        within = self.options.confined_to if tier is self._persistent else None
+        reason = untrusted(tier.root, root=True, within=within)
         if reason:
-            self._warn_untrusted(f"the {tier.name} tier {tier.root} {reason}: none of its checkpoints is loaded")
-            return {}
-        committed = {}
+            return {}, {None: f"the {tier.name} tier {tier.root} {reason}: none of its checkpoints is loaded"}
+        committed, refused = {}, {}
         for s, path in tier.scan()[0].items():
-            if reason := untrusted(path):
-                self._warn_untrusted(f"checkpoint step {s} in the {tier.name} tier ({path}) {reason}: not loaded")
+            if reason := untrusted(path, within=tier.root):
+                refused[s] = f"checkpoint step {s} in the {tier.name} tier ({path}) {reason}: not loaded"
             else:
                 committed[s] = path
-        return committed
+        return committed, refused
+
+    def refused(self) -> dict[tuple[str, int], str]:
+        """(tier name, step) -> why that committed copy is not loaded, one line (`_screen`; a tier refused whole
+        refuses each of its steps), fastest tier first."""
+        found = {}
+        for tier in self._tiers:
+            _, refused = self._screen(tier)
+            steps = tier.scan()[0] if None in refused else refused
+            found.update({(tier.name, s): refused.get(None) or refused[s] for s in sorted(steps)})
+        return found
+
+    def refusals(self, step: int | None = None) -> list[str]:
+        """Why committed copies (of `step`, or of any step) are not loaded: one line each (once per tier refused
+        whole)."""
+        return list(dict.fromkeys(text for (_, s), text in self.refused().items() if step is None or s == step))
 
     def _warn_untrusted(self, text: str) -> None:
         if text not in self._untrusted_seen:
@@ -444,11 +468,13 @@ class CheckpointManager:
         return [CheckpointInfo(step=s, tiers=found[s]) for s in sorted(found)]
 
     def verify(self, step: int) -> list[str]:
-        """Problems of every committed copy of `step` (reads and checksums all of them); empty = all fine."""
+        """Problems of every committed copy of `step` (reads and checksums all of them; a copy that may not be
+        loaded is one, `refusals`); empty = all fine."""
         copies = [tier for _, tier, _ in self._candidates(step)]
-        if not copies:
+        refused = self.refusals(step)  # a copy that may not be loaded is a problem, even beside good ones
+        if not copies and not refused:
             return [f"step {step}: no committed copy in any tier ({self.tier_roots()})"]
-        return [f"{tier.name}: {p}" for tier in copies for p in tier.check(step, self._pool())]
+        return refused + [f"{tier.name}: {p}" for tier in copies for p in tier.check(step, self._pool())]
 
     def tier_roots(self) -> str:
         """Where each tier keeps its checkpoints, on one line (for messages that say where nothing was found)."""

@@ -21,12 +21,15 @@ class CheckpointOptions:
     keep_every: int | None = doc(None, "Also keep persisted steps divisible by this (persistent tier only).")
     verify_on_restore: bool = doc(True, "Check every array's XXH3-64 checksum before a restore returns it.")
     io_threads: int = doc(2, "Threads that compute checksums in parallel (1 = in the calling thread).")
+    confined_to: Path | None = doc(None, "The directory the persistent tier must stay inside once symlinks are "
+                                         "followed (the run directory): a checkpoint reached through a symlink out of "
+                                         "it is never loaded; None = no bound beyond each tier's own root.")
     persistent_format: str = doc("orbax", "'orbax': orbax checkpoints; 'snapshot': the memory tier's directory format "
                                           "(filetier.py), fsynced and committed by rename.")
 
     def __post_init__(self) -> None:
         # Accept str paths (YAML, command line) but store Paths; reject impossible values naming the field.
-        for key in ("persistent_dir", "memory_dir", "peer_dir"):
+        for key in ("persistent_dir", "memory_dir", "peer_dir", "confined_to"):
             value = getattr(self, key)
             if value is not None and not isinstance(value, Path):
                 if not isinstance(value, (str, os.PathLike)):

@@ -40,23 +40,29 @@ def list_table(run_dir: Path) -> list[str]:
         with manager_for_run(run_dir, process) as engine:
             infos = engine.list()
             roots = engine.tier_roots()
+            refused = engine.refused()
         if not infos:
             if process is None and len(parts) == 1:
                 return [f"no checkpoints ({roots})"]
             continue
         lines += [f"{heading}:"] if heading else []
-        rows = [[f"{t.state} {human_bytes(t.nbytes)}" if (t := info.tiers.get(tier)) else "-"
-                 for tier in ("memory", "peer", "persistent")] for info in infos]
+        # A copy that may not be loaded (another user's, a symlink out of the run directory) says so, and why below.
+        rows = [[f"{'NOT LOADED' if (tier, info.step) in refused else t.state} {human_bytes(t.nbytes)}"
+                 if (t := info.tiers.get(tier)) else "-" for tier in ("memory", "peer", "persistent")]
+                for info in infos]
         width = max(22, *(len(c) + 2 for row in rows for c in row))  # a column never runs into the next
         lines.append(f"{'step':>8}  " + "".join(f"{h:<{width}}" for h in ("memory", "peer", "persistent")).rstrip())
         lines += [f"{info.step:>8}  " + "".join(f"{c:<{width}}" for c in row).rstrip() for info, row in zip(infos, rows)]
         lines.append(f"tiers: {roots}")
+        lines += [f"not loaded: {text}" for text in dict.fromkeys(refused.values())]
     return lines or [f"no checkpoints in {run_dir}"]
 
 
 def verify_report(run_dir: Path, step: int | None = None) -> tuple[bool, list[str]]:
     """`angel-jax ckpt verify`: read every committed copy of `step` (default: every step) and check each array's
-    XXH3-64 checksum, of the whole state's checkpoints and of every process's shards. Returns (all good, lines)."""
+    XXH3-64 checksum, of the whole state's checkpoints and of every process's shards. A copy that may not be
+    loaded (another user's, a symlink out of the run directory) makes its step NOT LOADED, naming why; not good
+    either. Returns (all good, lines)."""
     ok, lines, found = True, [], []
     for heading, process in _parts(run_dir):
         with manager_for_run(run_dir, process) as engine:
@@ -65,9 +71,10 @@ def verify_report(run_dir: Path, step: int | None = None) -> tuple[bool, list[st
             steps = [s for s in committed if step is None or s == step]
             lines += [f"{heading}:"] if heading and steps else []
             for s in steps:
-                problems = engine.verify(s)
+                problems, refused = engine.verify(s), engine.refusals(s)
                 ok = ok and not problems
-                lines.append(f"step {s}: " + ("ok" if not problems else "DAMAGED"))
+                label = "ok" if not problems else "DAMAGED" if len(problems) > len(refused) else "NOT LOADED"
+                lines.append(f"step {s}: {label}")
                 lines += [f"  {p}" for p in problems]
     if step is not None and step not in found:
         return False, [f"no committed checkpoint of step {step} (committed steps: "

@@ -52,6 +52,7 @@ from angel_jax.checkpoint import faults
 from angel_jax.checkpoint.filetier import FileTier
 from angel_jax.checkpoint.persist import OrbaxTier
 from angel_jax.checkpoint.snapshot import SnapshotDamaged
+from angel_jax.checkpoint.trust import untrusted
 from angel_jax.config import Config, to_dict
 from angel_jax.multihost import barrier, every_process_lists, from_any, from_primary
 from angel_jax.train.state_formats import format_of
@@ -96,7 +97,7 @@ def checkpoint_options(cfg: Config, run_dir: Path, process: int | None = None) -
     return CheckpointOptions(persistent_dir=mine(persistent), memory_dir=memory,
                              peer_dir=mine(Path(c.peer_dir)) if c.peer_dir else None,
                              keep_last=c.keep, keep_every=c.keep_every or None,
-                             verify_on_restore=c.verify_on_restore,
+                             verify_on_restore=c.verify_on_restore, confined_to=Path(run_dir).absolute(),
                              persistent_format=persistent_format_of(mine(persistent)))
 
 
@@ -257,11 +258,14 @@ class TrainCheckpointer:
         chosen = ref.step if ref else (ALL_DAMAGED if has_any else -1)
         chosen = from_primary(chosen)
         if chosen == ALL_DAMAGED:
-            # Starting over would overwrite the run's metrics and, at its first save, its checkpoints.
+            # Starting over would overwrite the run's metrics and, at its first save, its checkpoints (through a
+            # symlinked checkpoints/, another run's).
+            refused = engine.refusals()
+            what = f"damaged or may not be loaded (first: {refused[0]})" if refused else "damaged"
             raise CheckpointError(
-                f"every checkpoint of the run in {self.run_dir} is damaged (see the warnings above, or `angel-jax "
+                f"every checkpoint of the run in {self.run_dir} is {what} (see the warnings above, or `angel-jax "
                 f"ckpt verify {self.run_dir}`): refusing to start over from step 1 over it. To train afresh anyway, "
-                "set train.resume=false (the damaged checkpoints are moved aside, not deleted)")
+                "set train.resume=false (the checkpoints are moved aside, not deleted)")
         if chosen < 0:
             return None
         restored = engine.restore(chosen)
@@ -369,16 +373,46 @@ def shard_steps(run_dir: Path) -> list[int]:
     dirs = shard_dirs(run_dir)
     if not dirs:
         return []
-    return sorted(set.intersection(*(set(shard_tier(d).scan()[0]) for d in dirs.values())), reverse=True)
+    return sorted(set.intersection(*(set(trusted_steps(d)) for d in dirs.values())), reverse=True)
+
+
+def trusted_steps(directory: Path) -> list[int]:
+    """The steps committed in one process's shard directory whose directories may be loaded (each other one named
+    once in a warning)."""
+    steps = []
+    for step, path in shard_tier(directory).scan()[0].items():
+        if reason := untrusted(path, within=directory):
+            _warn_once(f"checkpoint step {step} of the shards in {directory} ({path}) {reason}: not loaded")
+        else:
+            steps.append(step)
+    return steps
 
 
 def shard_dirs(run_dir: Path) -> dict[int, Path]:
-    """process -> the persistent tier of its shards, for every `process_<p>` directory of the run's checkpoints."""
+    """process -> the persistent tier of its shards, for every `process_<p>` directory of the run's checkpoints
+    that may be loaded (`trust.untrusted`: another user's, or reached through a symlink out of the run directory,
+    is left out with a warning)."""
     root = Path(run_dir) / "checkpoints"
     if not root.is_dir():
         return {}
-    return {int(m.group(1)): child for child in root.iterdir()
-            if (m := PROCESS_DIR.fullmatch(child.name)) and child.is_dir()}
+    found = {}
+    for child in root.iterdir():
+        if (m := PROCESS_DIR.fullmatch(child.name)) and child.is_dir():
+            if reason := untrusted(child, root=True, within=Path(run_dir)):
+                _warn_once(f"the shards of process {m.group(1)} in {child} {reason}: not loaded")
+            else:
+                found[int(m.group(1))] = child
+    return found
+
+
+_WARNED: set[str] = set()
+
+
+def _warn_once(text: str) -> None:
+    """A refusal logged once per process, however often the run's directories are listed."""
+    if text not in _WARNED:
+        _WARNED.add(text)
+        log.warning("%s", text)
 
 
 def assemble_newest(run_dir: Path, steps: list[int], keep: int = 1
@@ -406,6 +440,9 @@ def assemble_shards(run_dir: Path, step: int, keep: int = 1) -> tuple[int, dict[
     parts: dict[int, tuple[dict[str, Any], dict[str, Any]]] = {}  # process -> (arrays, engine meta)
     meta0: dict[str, Any] = {}
     for process, directory in sorted(shard_dirs(run_dir).items()):
+        if step not in trusted_steps(directory):
+            raise CheckpointError(f"step {step}: the shards of process {process} ({directory}) have no step {step} "
+                                  "that may be loaded (see the warnings above)", step=step, stage="restore")
         try:
             index, arrays = shard_tier(directory, keep).load(step, verify=True, pool=None)
         except SnapshotDamaged as e:
