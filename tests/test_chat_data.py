@@ -161,3 +161,34 @@ def test_the_template_runs_sandboxed(tmp_path):
     source = _write(tmp_path / "chats.jsonl", [{"messages": [USER, ASSISTANT]}])
     with pytest.raises(DataError, match=r"chats.jsonl:1: the chat template .*: SecurityError"):
         idata.prepare([source], tmp_path / "out", idata.Rows(ROW), tokenizer="hf", tokenizer_path=d)
+
+
+def test_a_long_chat_is_cut_before_rendering_to_the_rows_it_gives_whole(tmp_path, monkeypatch):
+    """A chat with a content longer than a row can use, and one of more messages than a row holds, are cut (the
+    content to text_bound, the messages after it dropped) before the template renders them, counted as cut, and
+    give the rows they gave whole; the recorded chats are untouched. A small floor scales the bound to a few KB."""
+    monkeypatch.setattr(idata, "TOKEN_CHARS_FLOOR", 8)
+    long = " ".join(["tea", "Ünïcode", "🙂", "words"] * 800)
+    many = [{"role": ("user", "assistant")[i % 2], "content": f"turn {i}: " + "so " * 20} for i in range(60)]
+    chats = [{"messages": c["messages"]} for c in CHATS] + [
+        {"messages": [{"role": "user", "content": "Say it."}, {"role": "assistant", "content": long}]},
+        {"messages": [{"role": "system", "content": long}, {"role": "user", "content": "hi"},
+                      {"role": "assistant", "content": "hello"}]},
+        {"messages": many}]
+    source = _write(tmp_path / "chats.jsonl", chats)
+    longest: list[int] = []
+    real = HfTokenizer.render_chat
+
+    def render_chat(self, messages, add_generation_prompt=False):
+        longest.append(sum(len(m["content"]) for m in messages))
+        return real(self, messages, add_generation_prompt)
+
+    monkeypatch.setattr(HfTokenizer, "render_chat", render_chat)
+    meta = idata.prepare([source], tmp_path / "cut", idata.Rows(ROW), tokenizer="hf", tokenizer_path=TOKENIZER)
+    bound = idata.text_bound(ROW, idata.token_chars(HfTokenizer.load(TOKENIZER)))
+    assert meta["instruction"]["cut"] == 3 and max(longest) <= bound < len(long)
+    monkeypatch.setattr(idata, "text_bound", lambda row_tokens, chars: 10**9)
+    whole = idata.prepare([source], tmp_path / "whole", idata.Rows(ROW), tokenizer="hf", tokenizer_path=TOKENIZER)
+    assert whole["instruction"]["cut"] == 0 and max(longest) > bound
+    np.testing.assert_array_equal(_rows(tmp_path / "cut", meta), _rows(tmp_path / "whole", whole))
+    assert meta["instruction"]["dropped"] == whole["instruction"]["dropped"] == 1  # the long system message

@@ -114,6 +114,38 @@ def test_prepare_max_bytes_cuts_the_last_file(tmp_path):
     assert bytes(_stream(tmp_path / "out").astype(np.uint8)) == b"abcdefghij"
 
 
+def test_a_long_text_reaches_the_tokenizer_in_bounded_pieces_and_tokenizes_as_whole(tmp_path, monkeypatch):
+    """A text file or record longer than ENCODE_CHARS (scaled down to 1000) is split where the pre-tokenizer splits
+    anyway (after a newline, before a space) and gives the tokens it gives whole; no text handed to the tokenizer is
+    longer than ENCODE_CHARS, so memory is bounded by it, not by a block or a record."""
+    tokenizer = Path(__file__).parent / "fixtures" / "hf" / "tokenizer"
+    words = " ".join(["tea", "Ünïcode", "🙂", " spaced", "words"] * 600)
+    lines = "\n".join(["one line of text", "", "  indented"] * 300)
+    src = tmp_path / "src"
+    src.mkdir()
+    (src / "a.txt").write_text(words, encoding="utf-8")
+    (src / "b.txt").write_text(lines, encoding="utf-8")
+    (src / "c.jsonl").write_text(json.dumps({"text": words}) + "\n" + json.dumps({"text": "short"}) + "\n")
+    files = sorted(src.iterdir())
+    seen: list[int] = []
+    real = D.HfTokenizer.encode_batch
+
+    def encode_batch(self, texts):
+        seen.extend(map(len, texts))
+        return real(self, texts)
+
+    monkeypatch.setattr(D.HfTokenizer, "encode_batch", encode_batch)
+    monkeypatch.setattr(D, "ENCODE_CHARS", 1000)
+    D.prepare(files, tmp_path / "pieces", tokenizer="hf", tokenizer_path=tokenizer)
+    assert max(seen) <= 1000 < len(words)
+    monkeypatch.setattr(D, "ENCODE_CHARS", 10**9)
+    D.prepare(files, tmp_path / "whole", tokenizer="hf", tokenizer_path=tokenizer)
+    assert max(seen) == len(words)
+    np.testing.assert_array_equal(_stream(tmp_path / "pieces"), _stream(tmp_path / "whole"))
+    assert D.split_text("ab cd\nef gh", 8) == ["ab cd\n", "ef gh"] and D.split_text("abcdef", 4) == ["abcd", "ef"]
+    assert D.split_text("ab cd ef", 7) == ["ab cd", " ef"]
+
+
 def test_prepare_val_fraction_takes_the_tail(tmp_path):
     files = _files(tmp_path, ["x" * 60, "y" * 40])
     meta = D.prepare(files, tmp_path / "out", shard_tokens=30, val_fraction=0.25)

@@ -297,6 +297,55 @@ def test_a_bad_record_names_its_file_and_line(tmp_path, line, problem):
     assert not (tmp_path / "out").exists()
 
 
+def _prepared_rows(out: Path, meta: dict) -> np.ndarray:
+    return np.concatenate([np.fromfile(out / s["file"], "<i4") for s in meta["shards"]]).reshape(-1, ROW)
+
+
+@pytest.mark.parametrize("tokenizer, pack", [("hf", False), ("hf", True), ("byte", False), ("bpe", True)])
+def test_a_long_record_is_cut_before_tokenization_to_the_rows_it_gives_whole(tmp_path, monkeypatch, tokenizer,
+                                                                              pack):
+    """Records longer than a row can use (a prompt of 3000 words, a response of 3000, both) are cut to text_bound
+    before the tokenizer sees them, counted as cut, and give the rows they gave whole (an unbounded cut, as before);
+    the short ones are untouched."""
+    long = " ".join(WORDS * 200)
+    records = [{"prompt": p, "response": r} for p, r in _pairs(6)]
+    records[1:1] = [{"prompt": long + ":", "response": " yes"}, {"prompt": "Q:", "response": " " + long},
+                    {"prompt": long[:9000] + ":", "response": long}, {"prompt": "Q\n" * 30, "response": " é" * 9000}]
+    source = _write(tmp_path / "sft.jsonl", records)
+    kwargs = {"tokenizer": tokenizer, "tokenizer_path": TOKENIZER if tokenizer == "hf" else None, "vocab_size": 300}
+    seen: list[int] = []
+    real = idata.documents
+
+    def documents(items, enc):  # the texts the tokenizer is given: no longer than the bound
+        items = list(items)
+        seen.extend(len(t) for r in items for t in r)
+        return real(items, enc)
+
+    monkeypatch.setattr(idata, "documents", documents)
+    meta = idata.prepare([source], tmp_path / "cut", idata.Rows(ROW, pack), **kwargs)
+    bound = idata.text_bound(ROW, idata.token_chars(data_lib.load_tokenizer(tmp_path / "cut")))
+    assert meta["instruction"]["cut"] == 4 and max(seen) <= bound < len(long)
+    monkeypatch.setattr(idata, "text_bound", lambda row_tokens, chars: 10**9)  # nothing cut: the rows of old
+    whole = idata.prepare([source], tmp_path / "whole", idata.Rows(ROW, pack), **kwargs)
+    assert whole["instruction"]["cut"] == 0 and max(seen) > bound
+    np.testing.assert_array_equal(_prepared_rows(tmp_path / "cut", meta), _prepared_rows(tmp_path / "whole", whole))
+    same = ("records", "truncated", "dropped", "rows", "scored_tokens")
+    assert {k: meta["instruction"][k] for k in same} == {k: whole["instruction"][k] for k in same}
+
+
+def test_the_bound_keeps_a_rows_worth_of_tokens_for_every_tokenizer():
+    """The byte tokenizer's bound is exact (a row's bytes and one more); a BPE or Hugging Face token is bounded by
+    twice its vocabulary's longest entry, at least TOKEN_CHARS_FLOOR."""
+    assert idata.text_bound(ROW, idata.token_chars(data_lib.ByteTokenizer())) == ROW + 1
+    hf = HfTokenizer.load(TOKENIZER)
+    assert idata.token_chars(hf) == 2 * idata.TOKEN_CHARS_FLOOR >= 2 * max(map(len, hf.vocabulary()))
+    chat = idata.Chat(({"role": "user", "content": "a" * 10}, {"role": "assistant", "content": "b" * 10},
+                       {"role": "user", "content": "c"}), "x:1")
+    cut = idata._cut(chat, 15)
+    assert [m["content"] for m in cut.messages] == ["a" * 10, "b" * 5] and cut.where == "x:1"
+    assert idata._cut(chat, 21) is chat and idata._cut(("ab", "cd"), 3) == ("ab", "c")
+
+
 def test_instruction_data_reads_json_lines_only_and_gets_a_directory_of_its_own(tmp_path):
     text = tmp_path / "notes.txt"
     text.write_text("plain text")
@@ -320,7 +369,8 @@ def test_data_prepare_makes_the_directory_training_reuses(tmp_path, monkeypatch,
                                             tokenizer_path=str(TOKENIZER), prompt_key="question",
                                             response_key="answer", val_fraction=0.25))
     out = data_dir_for(cfg)
-    assert f"{out}: 32 records -> 32 rows of {ROW} tokens (padded)" in capsys.readouterr().out
+    assert (f"{out}: 32 records -> 32 rows of {ROW} tokens (padded; 0 cut to what a row can use before "
+            f"tokenization, 0 truncated, 0 dropped)") in capsys.readouterr().out
     made = data_lib.load_meta(out)
     builds = []
     real = idata.prepare

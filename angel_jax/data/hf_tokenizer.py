@@ -231,6 +231,10 @@ class HfTokenizer:
         specials = special_tokens(directory, key) if specials is None else {n: specials.get(n) for n in SPECIAL}
         return cls(tok, specials, f"{path} ({key})", chat_template(directory, key), f"{directory} ({key})")
 
+    def vocabulary(self) -> list[str]:
+        """Every token's text as the vocabulary names it (added tokens too)."""
+        return list(self._tok.get_vocab(with_added_tokens=True))
+
     # ------------------------------------------------------------------------------------------ encoding
 
     def encode_text(self, text: str, *, add_special_tokens: bool = True) -> list[int]:

@@ -31,8 +31,10 @@ Rows hold row_tokens (seq_len + 1) tokens:
     pack true    documents end to end in record order; one that does not fit in what is left of a row starts the
                  next (the rest padded); the model keeps them apart (models/documents.py)
 
-A document cut so short that none of its response is left is dropped; meta.json's "instruction" entry counts the
-records, the truncated and the dropped ones, the rows and the scored tokens. Shards are int32 (the marks use the
+Before tokenization a record's texts are cut to what a row can use (text_bound, bounded): the work and memory of a
+record are bounded by the row, and the row is the one the whole record gives. A document cut so short that none
+of its response is left is dropped; meta.json's "instruction" entry counts the records, the cut, truncated and
+dropped ones, the rows and the scored tokens. Shards are int32 (the marks use the
 sign and bit 30); the val split is the tail rows. A bad record stops preparation naming its file and line.
 """
 
@@ -79,6 +81,8 @@ class Counts:
     """What preparation made of the records (meta.json's "instruction" entry)."""
 
     records: int = 0
+    cut: int = 0
+    """Records whose texts were cut before tokenization, to what a row can use (text_bound)."""
     truncated: int = 0
     """Documents longer than a row, cut to it."""
     dropped: int = 0
@@ -162,11 +166,71 @@ def parse_chat(where: str, messages: Any) -> Chat:
 
 
 def _texts(items: Iterable[Record], tokenizer: str) -> Iterator[str]:
-    """Each record's text (prompt + response), for training a BPE; a chat record is refused (no template)."""
+    """Each record's text (prompt + response), for training a BPE, in pieces the trainer's memory is bounded by
+    (data_lib.split_text: whole below ENCODE_CHARS; the vocabulary is the one all of the text gives); a chat record
+    is refused (no template)."""
     for item in items:
         if isinstance(item, Chat):
             raise no_template(item, tokenizer)
-        yield item[0] + item[1]
+        yield from data_lib.split_text(item[0] + item[1])
+
+
+# ---------------------------------------------------------------------------------------- bounded records
+
+TOKEN_CHARS_FLOOR = 128
+"""The least characters a BPE or Hugging Face token is assumed to span at most (text_bound)."""
+
+
+def token_chars(tok: data_lib.Tokenizer) -> int:
+    """At most how many characters of a text one token of `tok` covers, generously: 1 for bytes (a token is a byte,
+    a character one byte or more); else twice the longest vocabulary entry, at least TOKEN_CHARS_FLOOR."""
+    if isinstance(tok, data_lib.ByteTokenizer):
+        return 1
+    # A vocabulary entry's length bounds its token's text (byte-level entries have one character per byte, more
+    # than the text's characters); the floor covers an unknown-word token (WordPiece's [UNK] stands for a word of up
+    # to 100 characters) and the doubling a merge that a cut moves (a BPE word's last merges can differ when it is
+    # cut, and so can a pre-tokenizer's split that looks ahead).
+    longest = max((len(t) for t in tok.vocabulary()), default=1)
+    return 2 * max(longest, TOKEN_CHARS_FLOOR)
+
+
+def text_bound(row_tokens: int, chars_per_token: int) -> int:
+    """Characters of a record's texts that can reach a row of row_tokens: past them no token is kept, so a text cut
+    there gives the row it gives whole (exactly, for bytes: row_tokens + 1 characters are more than a row's bytes, so
+    the document is still truncated and its end still cut off)."""
+    return (row_tokens + 1) * chars_per_token
+
+
+def bounded(items: Iterable[Record], chars: int, counts: Counts) -> Iterator[Record]:
+    """Each record with its texts cut to `chars` characters (counted in counts.cut): a prompt and a response each
+    (a document's tokens come from their join, which the cut prompt + response still begins), a chat's contents
+    each and its messages after those `chars` characters of content dropped (the template renders a conversation's
+    messages in order, each with at least its content's characters, so nothing past them reaches a row). The work
+    and memory of tokenizing a record are then bounded by the row, not the record."""
+    for item in items:
+        cut = _cut(item, chars)
+        if cut is not item:
+            counts.cut += 1
+        yield cut
+
+
+def _cut(item: Record, chars: int) -> Record:
+    if not isinstance(item, Chat):
+        prompt, response = item
+        if len(prompt) + len(response) <= chars:
+            return item
+        return prompt[:chars], response[:max(chars - len(prompt), 0)]
+    messages: list[dict[str, Any]] = []
+    left = chars
+    for message in item.messages:
+        if left <= 0:
+            break
+        content = message["content"]
+        messages.append(message if len(content) <= left else {**message, "content": content[:left]})
+        left -= len(content)
+    if len(messages) == len(item.messages) and left >= 0:
+        return item
+    return Chat(tuple(messages), item.where)
 
 
 def no_template(chat: Chat, tokenizer: str) -> DataError:
@@ -386,7 +450,8 @@ def prepare(files: list[Path], out_dir: Path, rows: Rows, *, tokenizer: str = "b
         make_rows = packed_rows if rows.pack else padded_rows
         dtype = data_lib.DTYPES[SHARD_DTYPE]
         writer = data_lib.ShardWriter(tmp, "train", shard_tokens, dtype)
-        for row in make_rows(documents(records(files, rows), enc), rows.row_tokens, enc.pad, counts):
+        cut = bounded(records(files, rows), text_bound(rows.row_tokens, token_chars(tok)), counts)
+        for row in make_rows(documents(cut, enc), rows.row_tokens, enc.pad, counts):
             counts.rows += 1
             counts.scored_tokens += int(np.sum(token_marks.scored(row[1:])))
             writer.append(row)
@@ -409,9 +474,10 @@ def prepare(files: list[Path], out_dir: Path, rows: Rows, *, tokenizer: str = "b
                     instruction={"row_tokens": rows.row_tokens, "pack": rows.pack, **vars(counts)})
         if isinstance(tok, HfTokenizer):  # what a copy without config.json still needs (data.load_tokenizer)
             meta.update(tokenizer_path=str(Path(tokenizer_path).absolute()), special_tokens=tok.special_tokens)
-        log.info("instruction data: %d records -> %d rows of %d tokens (%s), %d truncated, %d dropped, %d scored "
-                 "tokens", counts.records, counts.rows, rows.row_tokens, "packed" if rows.pack else "padded",
-                 counts.truncated, counts.dropped, counts.scored_tokens)
+        log.info("instruction data: %d records -> %d rows of %d tokens (%s), %d cut before tokenization, %d "
+                 "truncated, %d dropped, %d scored tokens", counts.records, counts.rows, rows.row_tokens,
+                 "packed" if rows.pack else "padded", counts.cut, counts.truncated, counts.dropped,
+                 counts.scored_tokens)
         return meta
 
     return data_lib.publish(Path(out_dir), build)

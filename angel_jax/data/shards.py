@@ -113,6 +113,10 @@ class BpeTokenizer:
         tok.train_from_iterator(texts, trainer)
         return cls(tok)
 
+    def vocabulary(self) -> list[str]:
+        """Every token's text as the vocabulary names it (byte-level: one character per byte)."""
+        return list(self._tok.get_vocab())
+
     def save(self, path: Path) -> None:
         self._tok.save(str(path))
 
@@ -359,15 +363,38 @@ def _tokenizer_for(tokenizer: str, tmp: Path, sources: list[Path], vocab_size: i
     return hf
 
 
+ENCODE_CHARS = 2**20
+"""The longest text handed to a BPE or Hugging Face tokenizer at once: a text tokenizes in about 200 bytes of memory
+per character, so a 64 MiB block or record whole would take some 13 GB (longer texts are split, split_text)."""
+
+
+def split_text(text: str, most: int | None = None) -> list[str]:
+    """`text` in pieces of at most `most` characters, each ending after its last newline where it has one, else
+    before its last space (where a pre-tokenizer splits anyway: GPT-2's puts a space with the word after it); a
+    text that fits is one piece, tokenized as it always was."""
+    most = most or ENCODE_CHARS
+    pieces = []
+    while len(text) > most:
+        head = text[:most]
+        newline, space = head.rfind("\n"), head.rfind(" ")
+        cut = newline + 1 if newline >= 0 else space if space > 0 else most
+        pieces.append(text[:cut])
+        text = text[cut:]
+    return pieces + [text]
+
+
 def _encode_documents(tok: BpeTokenizer | HfTokenizer, blocks: Iterable[tuple[Path, bytes, bool]],
                       writer: ShardWriter) -> None:
     """Each document's blocks encoded, between what the tokenizer puts around a document (the BPE: its EOT after
     it; a Hugging Face tokenizer: its template's BOS before, its EOS after)."""
-    # encode_batch runs on all cores in Rust; batches of blocks keep that parallel without holding the corpus.
+    # encode_batch runs on all cores in Rust; batches of pieces (256, or 4 x ENCODE_CHARS characters) keep that
+    # parallel without holding the corpus, and pieces of at most ENCODE_CHARS bound the tokenizer's memory by that,
+    # not by a block or a record.
     hf = isinstance(tok, HfTokenizer)
     start = np.asarray(tok.document_start if hf else [], dtype=np.uint32)
     end = np.asarray(tok.document_end if hf else [tok.eot_id], dtype=np.uint32)
     pending: list[tuple[str, bool, bool]] = []
+    chars = 0
     first = True  # the next block begins a document
 
     def flush() -> None:
@@ -380,10 +407,14 @@ def _encode_documents(tok: BpeTokenizer | HfTokenizer, blocks: Iterable[tuple[Pa
         pending.clear()
 
     for _, block, last in blocks:
-        pending.append((block.decode("utf-8", errors="replace"), first, last))
+        pieces = split_text(block.decode("utf-8", errors="replace"))
+        for i, piece in enumerate(pieces):
+            pending.append((piece, first and i == 0, last and i == len(pieces) - 1))
+            chars += len(piece)
+            if len(pending) >= 256 or chars >= 4 * ENCODE_CHARS:
+                flush()
+                chars = 0
         first = last
-        if len(pending) >= 256:
-            flush()
     flush()
 
 
