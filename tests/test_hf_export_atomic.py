@@ -15,9 +15,12 @@ from pathlib import Path
 
 import pytest
 
+import models
 from angel_jax import cli
 from angel_jax.data import hf_tokenizer as tokenizers_hf
-from test_hf_export_stream import FIXTURES, ROOT, read_all, synthetic_run
+from models import hf
+from models.hf import staging
+from test_hf_export_stream import FIXTURES, LLAMA, ROOT, random_params, read_all, synthetic_run
 
 TOKENIZER = FIXTURES / "tokenizer"
 CUT = 4096
@@ -169,3 +172,19 @@ def test_an_export_killed_while_writing_leaves_no_target(tmp_path):
     assert set(the_export(out)) == {"config.json", "model.safetensors", *[
         n for n in tokenizers_hf.TOKENIZER_FILES if (TOKENIZER / n).is_file()]}
     assert read_all(out)
+
+
+def test_without_an_atomic_swap_an_overwrite_still_replaces_the_export(tmp_path, monkeypatch):
+    """Where renameat2 cannot swap the directories (another C library, a file system without it), the old export
+    is renamed aside and the new one into place: the result is the same, the user's file stays."""
+    def unsupported(a: Path, b: Path) -> None:
+        raise OSError(errno.EINVAL, os.strerror(errno.EINVAL), str(a))
+
+    out = tmp_path / "out"
+    hf.export(LLAMA, models.get(LLAMA).split(random_params(LLAMA)), out)
+    (out / "README.md").write_text("mine\n")
+    monkeypatch.setattr(staging, "_exchange", unsupported)
+    hf.export(LLAMA, models.get(LLAMA).split(random_params(LLAMA, seed=1)), out, overwrite=True,
+              max_shard_size="10KB")
+    assert (out / "README.md").read_text() == "mine\n" and "model.safetensors" not in the_export(out)
+    assert read_all(out) and sorted(p.name for p in tmp_path.iterdir()) == ["out"]

@@ -171,22 +171,25 @@ def test_a_transformers_sharded_checkpoint_imports(tmp_path):
 
 def test_overwrite_goes_from_one_file_to_shards_and_back(tmp_path):
     """An export over an earlier one (--overwrite) leaves exactly its own weight files: no model.safetensors that
-    would win over a new index, no shards an old index named."""
+    would win over a new index, no shards an old index named; the user's own file beside them stays."""
     stages = models.get(LLAMA).split(random_params(LLAMA))
     out = tmp_path / "out"
     hf.export(LLAMA, stages, out)
+    (out / "README.md").write_text("mine\n")
     with pytest.raises(hf.CheckpointFileError, match="already holds config.json and model.safetensors"):
         hf.export(LLAMA, stages, out, max_shard_size="10KB")
     hf.export(LLAMA, stages, out, max_shard_size="10KB", overwrite=True)
     sharded = hf.weight_files(out)
     assert "model.safetensors" not in sharded and len(sharded) > 3
-    assert sorted(p.name for p in out.iterdir()) == sorted(["config.json", *sharded])
+    assert sorted(p.name for p in out.iterdir()) == sorted(["README.md", "config.json", *sharded])
     with pytest.raises(hf.CheckpointFileError, match="already holds config.json and model-00001-of"):
         hf.export(LLAMA, stages, out)
     hf.export(LLAMA, stages, out, max_shard_size="30KB", overwrite=True)  # fewer shards: the others go
-    assert sorted(p.name for p in out.iterdir()) == sorted(["config.json", *hf.weight_files(out)])
+    assert sorted(p.name for p in out.iterdir()) == sorted(["README.md", "config.json", *hf.weight_files(out)])
     hf.export(LLAMA, stages, out, overwrite=True)
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["README.md", "config.json", "model.safetensors"]
+    assert (out / "README.md").read_text() == "mine\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]  # no directory of its own left beside it
     with pytest.raises(ConfigError, match="--max-shard-size: shard size '5XB'"):
         hf.export(LLAMA, stages, tmp_path / "bad", max_shard_size="5XB")
 
