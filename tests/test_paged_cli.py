@@ -30,6 +30,8 @@ def test_plan_prints_the_page_table_and_writes_the_predicted_timeline(tmp_path, 
     assert sum(r["params"] for r in summary["table"]) >= 4 * 128 * 128 * 12 * 4  # every block's parameters
     timeline = Timeline.from_json(json.loads((tmp_path / "timeline_predicted.json").read_text()))
     assert timeline.step_time == summary["predicted_step_s"] > 0
+    starts = timeline.step_starts  # the simulated steps' starts, which the chart marks
+    assert len(starts) == 3 and starts == sorted(starts) and starts[-1] - starts[-2] <= timeline.step_time + 1e-9
     assert {"compute", "h2d", "d2h", "host"} <= {e.stream for e in timeline.events}
     assert (tmp_path / "timeline_predicted.png").stat().st_size > 1000
 

@@ -14,6 +14,7 @@ HANDLERS: dict[str, tuple[str, str]] = {
     "train": ("train", "run"), "launch": ("launch", "run"), "worker": ("worker", "run"), "data": ("data", "run"),
     "plan": ("plan", "main"), "bench": ("bench", "run"), "ckpt": ("ckpt", "run"), "import": ("hf", "import_main"),
     "export": ("hf", "export_main"), "sample": ("sample", "main"), "config": ("config", "run"),
+    "plot": ("plot", "run"),
 }
 """command -> (module of angel_jax.cli, its handler): imported only when the command runs."""
 

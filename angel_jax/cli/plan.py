@@ -38,6 +38,7 @@ from angel_jax.schedule.blueprint import Blueprint, blueprint, refuse_sharded_op
 from angel_jax.schedule.budgets import decide, local_batch, micro_batching, micro_sizes, plan_settings, stated_budgets
 from angel_jax.schedule.runtime import plan_for
 from angel_jax.schedule.staging import DEVICE_UPDATES_IN_FLIGHT
+from angel_jax.schedule.timeline import save_pngs
 from angel_jax.memory.layout import StageLayout
 from angel_jax.schedule.plan import Bandwidths, Budgets, Plan, PlanError, StageCost, exchange_bytes, make_plan
 from angel_jax.units import human_bytes
@@ -263,7 +264,7 @@ def main(args: list[str] | argparse.Namespace | None = None) -> int:
     out = Path(args.out) if args.out else cfg.run_dir
     out.mkdir(parents=True, exist_ok=True)
     plan.predicted.save_json(out / "timeline_predicted.json")
-    plan.predicted.save_png(out / "timeline_predicted.png", f"{cfg.name}: predicted timeline")
+    save_pngs(out, cfg.name)  # with a measured timeline there (a paged run's directory), both on one time scale
     summary = plan_summary(plan, costs, budgets, bw, source, bp.staged.param_count, cfg, peak)
     if what_if:
         summary["what_if"] = what_if

@@ -586,6 +586,7 @@ class PagedExecutor:
         first = f"forward {self.model.staged.stages[0].name}"
         starts = sorted(e.start for e in timeline.events if e.label == first)  # (first passes only: see `step`)
         timeline.step_time = starts[-1] - starts[-2] if len(starts) > 1 else timeline.span
+        timeline.step_starts = starts
         self.last_timeline = timeline
 
     def finish_recording(self) -> Timeline | None:

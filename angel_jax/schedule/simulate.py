@@ -401,4 +401,5 @@ def simulate(costs: list[StageCost], bw: Bandwidths, home: tuple[str, ...], opt_
     if not math.isfinite(tl.step_time):
         tl.step_time = float("inf")
     tl.waits = waits
+    tl.step_starts = first_forward
     return tl

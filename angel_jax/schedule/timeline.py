@@ -44,6 +44,8 @@ class Timeline:
     """Steady-state time of one training step (seconds)."""
     waits: dict[str, float] = field(default_factory=dict)
     """Predicted timelines: seconds of one step the compute stream sat idle, by what it waited for."""
+    step_starts: list[float] = field(default_factory=list)
+    """When each step shown began (its first forward, on the events' clock), oldest first; empty when unknown."""
 
     def add(self, stream: str, label: str, start: float, end: float) -> None:
         self.events.append(Event(stream, label, start, end))
@@ -56,43 +58,112 @@ class Timeline:
         return max((e.end for e in self.events), default=0.0) - min((e.start for e in self.events), default=0.0)
 
     def to_json(self) -> dict:
-        return {"step_time": self.step_time, "events": [asdict(e) for e in self.events]}
+        return {"step_time": self.step_time, "step_starts": self.step_starts,
+                "events": [asdict(e) for e in self.events]}
 
     def save_json(self, path: Path) -> None:
         Path(path).write_text(json.dumps(self.to_json()))
 
     @staticmethod
     def from_json(d: dict) -> "Timeline":
-        return Timeline([Event(**e) for e in d["events"]], d.get("step_time", 0.0))
+        return Timeline([Event(**e) for e in d["events"]], d.get("step_time", 0.0),
+                        step_starts=list(d.get("step_starts", [])))
 
-    def save_png(self, path: Path, title: str) -> None:
-        """A Gantt chart, one row per stream (an optional stream's only when it has events)."""
-        import matplotlib
+    def save_png(self, path: Path, title: str, *, span: float | None = None, note: str = "") -> float:
+        """A Gantt chart, one row per stream (an optional stream's only when it has events), coloured by what each
+        event does (the legend), each step's start marked; `span`: the seconds the x axis covers (at least this
+        timeline's), so that two charts can share a scale (`save_pngs`); `note`: said after the axis's label. An
+        event shorter than 1/800 of the axis is drawn that wide, so that it shows. Returns the seconds the axis
+        covers."""
+        from matplotlib.figure import Figure  # no pyplot: no global state, no interactive backend (Agg)
+        from matplotlib.patches import Patch
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        colors = {"forward": "tab:blue", "head": "tab:purple", "backward": "tab:orange", "update": "tab:green",
-                  "fetch": "tab:cyan", "grad": "tab:red", "read": "tab:olive", "write": "tab:brown",
-                  "gather": "tab:pink", "scatter": "darkred"}
         used = {e.stream for e in self.events}
         streams = [s for s in STREAMS if s not in OPTIONAL_STREAMS or s in used]
-        fig, ax = plt.subplots(figsize=(12, 3))
+        fig = Figure(figsize=(12, 3.6), dpi=100)
+        ax = fig.add_subplot()
         t0 = min((e.start for e in self.events), default=0.0)
+        width = max(span or 0.0, self.span) or 1.0
+        unit, scale = ("ms", 1e3) if width < 2.0 else ("s", 1.0)
+        kinds: dict[str, str] = {}
         for row, stream in enumerate(streams):
             events = [e for e in self.events if e.stream == stream]
             if events:
-                ax.broken_barh([(e.start - t0, max(e.duration, 1e-9)) for e in events], (row - 0.4, 0.8),
-                               facecolors=[colors.get(e.label.split()[0], "tab:gray") for e in events],
-                               # (thousands of outlined bars, e.g. a step of many passes, would draw only outline)
-                               edgecolor="black", linewidth=0.3 if len(events) < CROWDED else 0.0)
+                faces = [_kind_color(e.label) for e in events]
+                kinds.update({_kind(e.label): c for e, c in zip(events, faces)})
+                # Outlined, so that a stream's consecutive events stay apart; a sliver (or thousands of bars, e.g.
+                # a step of many passes) would show only its outline: those are outlined in their own colour.
+                thin = width / 400
+                edges = ["black" if e.duration > thin and len(events) < CROWDED else c for e, c in zip(events, faces)]
+                ax.broken_barh([((e.start - t0) * scale, max(e.duration, width / 800) * scale) for e in events],
+                               (row - 0.4, 0.8), facecolors=faces, edgecolors=edges, linewidth=0.3)
+        for k, start in enumerate(self.step_starts):
+            x = (start - t0) * scale
+            ax.axvline(x, color="black", linestyle="--", linewidth=0.8)
+            ax.text(x, -0.55, f" step {k + 1}", va="bottom", ha="left", fontsize="small")
         ax.set_yticks(range(len(streams)), streams)
-        ax.set_ylim(len(streams) - 0.5, -0.5)
-        ax.set_xlabel("seconds")
-        ax.set_title(f"{title} (step {self.step_time * 1e3:.1f} ms)")
+        ax.set_ylim(len(streams) - 0.5, -0.9)
+        ax.set_xlim(0, width * scale)
+        ax.set_xlabel(f"time ({unit}) since the first event{note}")
+        ax.set_title(f"{title}: {self._steps_text(scale, unit)}", fontsize="medium")
+        handles = [Patch(facecolor=c, edgecolor="black", linewidth=0.3, label=KIND_TEXT.get(k, k))
+                   for k, c in sorted(kinds.items(), key=lambda kc: _kind_order(kc[0]))]
+        if handles:
+            ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.005, 1.0), fontsize="small",
+                      frameon=False)
         fig.tight_layout()
-        fig.savefig(path, dpi=100)
-        plt.close(fig)
+        fig.savefig(path, format="png")
+        return width
+
+    def _steps_text(self, scale: float, unit: str) -> str:
+        """What the chart shows, as its title says it: how many steps, and one step's steady-state time."""
+        shown = f"{len(self.step_starts)} steps shown" if self.step_starts else "events shown"
+        return (f"{shown} ({self.span * scale:.1f} {unit}); one step {self.step_time * scale:.1f} {unit} "
+                "in the steady state (start to start)")
+
+
+KIND_TEXT = {
+    "forward": "forward (a stage)", "head": "loss head", "backward": "backward (a stage)",
+    "update": "optimizer update", "norm": "gradient norm", "fetch": "fetch: parameters to the device",
+    "grad": "gradients to the host", "add": "host: sum of gradients", "sum": "gradients summed on the device",
+    "park": "saved inputs to the host", "unpark": "saved inputs back", "read": "disk read", "write": "disk write",
+    "spill": "disk spill", "gather": "all-gather", "scatter": "reduce-scatter",
+}
+"""The legend's words for each kind of event (a label's first word)."""
+_COLORS = {"forward": "tab:blue", "head": "tab:purple", "backward": "tab:orange", "update": "tab:green",
+           "norm": "yellowgreen", "fetch": "tab:cyan", "grad": "tab:red", "add": "gold", "sum": "khaki",
+           "park": "slateblue", "unpark": "lightsteelblue", "read": "tab:olive", "write": "tab:brown",
+           "spill": "sienna", "gather": "tab:pink", "scatter": "darkred"}
+
+
+def _kind(label: str) -> str:
+    return label.split()[0] if label else "?"
+
+
+def _kind_color(label: str) -> str:
+    return _COLORS.get(_kind(label), "tab:gray")
+
+
+def _kind_order(kind: str) -> int:
+    order = list(KIND_TEXT)
+    return order.index(kind) if kind in order else len(order)
+
+
+def save_pngs(directory: Path, name: str) -> dict[str, float]:
+    """Draw `timeline_predicted.png` and `timeline_measured.png` from the JSON files in `directory` (those that
+    exist), on one time scale when both do: the predicted and the measured step side by side. Returns, per chart
+    drawn ('predicted', 'measured'), the seconds its time axis covers."""
+    directory = Path(directory)
+    found = {kind: Timeline.from_json(json.loads(path.read_text()))
+             for kind in ("predicted", "measured") if (path := directory / f"timeline_{kind}.json").is_file()}
+    span = max((t.span for t in found.values()), default=0.0)
+    covered = {}
+    for kind, timeline in found.items():
+        others = [f"timeline_{k}.png" for k in found if k != kind]
+        note = f"; the same scale as {others[0]}" if others else ""
+        covered[kind] = timeline.save_png(directory / f"timeline_{kind}.png", f"{name}: {kind} timeline", span=span,
+                                          note=note)
+    return covered
 
 
 def _wait(obj: Any) -> None:

@@ -40,6 +40,7 @@ from angel_jax.tee.events import EventLog
 from angel_jax.train import metrics as metrics_lib
 from angel_jax.train.anomaly import AnomalyMonitor, RestartRequested, TrainingDiverged, Verdict
 from angel_jax.train.checkpointing import TrainCheckpointer, check_same_model
+from angel_jax.train.curves import loss_curve_hooks
 from angel_jax.train.engines import TrainEngine, build_engine
 from angel_jax.train.evaluation import ValidationSet, eval_due, evaluate
 from angel_jax.train.hooks import HookList, OnStep, TrainHooks
@@ -213,7 +214,8 @@ def train(cfg: Config, *, hooks: Sequence[TrainHooks] = (),
     On SIGTERM or SIGINT (with checkpoint.on_signal) the step in flight is finished and saved, and `Preempted` is
     raised once the checkpoint is committed. In a `jax.distributed` job, SIGTERM to any process stops every process
     at the same step (`preemption.SyncedStop`)."""
-    hook_list = HookList([*hooks, *([OnStep(on_step)] if on_step else [])])
+    hook_list = HookList([*hooks, *([OnStep(on_step)] if on_step else []),
+                          *loss_curve_hooks(cfg, primary=jax.process_index() == 0)])  # <run_dir>/loss.png
     t: Trainer | None = None
     # One run per run directory (process 0 writes it): a second run is refused before it touches anything.
     lock = lock_run_dir(cfg.run_dir) if jax.process_index() == 0 else None

@@ -42,7 +42,7 @@ from angel_jax.memory.sharded_layout import layout_over
 from angel_jax.schedule.blueprint import blueprint
 from angel_jax.schedule.budgets import decide
 from angel_jax.schedule.runtime import PagedRuntime, assemble_runtime
-from angel_jax.schedule.timeline import Timeline
+from angel_jax.schedule.timeline import Timeline, save_pngs
 from angel_jax.schedule.zero import Zero
 from angel_jax.train.plan_record import plan_summary
 from angel_jax.train.protocol import StateMismatch, check_arrays
@@ -160,9 +160,9 @@ class PagedTrainEngine:
         try:
             run_dir.mkdir(parents=True, exist_ok=True)
             timeline.save_json(run_dir / f"timeline_{kind}.json")
-            timeline.save_png(run_dir / f"timeline_{kind}.png", f"{self.cfg.name}: {kind} timeline")
-        except OSError as e:  # a picture is not worth stopping training for
-            log.warning("could not write the %s timeline to %s: %s", kind, run_dir, e)
+            save_pngs(run_dir, self.cfg.name)  # both charts, on one time scale once both exist
+        except Exception as e:  # noqa: BLE001 - a picture is not worth stopping training for (matplotlib's errors)
+            log.warning("could not write the %s timeline to %s: %s: %s", kind, run_dir, type(e).__name__, e)
 
     # ------------------------------------------------------------------------------------------------ state
     def _names(self) -> tuple[list, list, list]:
