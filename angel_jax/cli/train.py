@@ -16,11 +16,15 @@ def run(args: argparse.Namespace) -> int:
         return 0
     from angel_jax.schedule.pinned_limit import configure_pinned_limit
     from angel_jax.tol.faults import FaultHooks
+    from angel_jax.train.finished import finished_run
     from angel_jax.train.loop import persisted_text, train  # jax is imported only when needed: `--print-config` stays instant
     from angel_jax.train.preemption import Preempted
 
     if line := configure_pinned_limit(cfg):  # before jax starts a GPU client, which reads the limit once
         logging.getLogger("angel_jax.train").info("%s", line)
+    if line := finished_run(cfg):  # as `launch` says it: nothing is built, nothing trained
+        print(line)
+        return 0
     faults = FaultHooks.from_env(rank=0, vocab_size=cfg.model.vocab_size)  # ANGEL_JAX_FAULTS: tests only
     try:
         result = train(cfg, hooks=[faults] if faults else [])

@@ -32,6 +32,7 @@ from angel_jax.tol.goodput import format_report, goodput
 from angel_jax.tol.group import WorkerGroup, log_tail, reserve_port
 from angel_jax.tol.heartbeat import HeartbeatServer, RejectionLimiter
 from angel_jax.tol.watchers import default_detectors
+from angel_jax.train.finished import finished_run
 
 TICK = 0.05
 """Seconds between ticks of the machine: the bound on how late a hang is noticed, beyond its timeout."""
@@ -76,6 +77,9 @@ class Launcher:
     # --------------------------------------------------------------------------------------------- the loop
 
     def run(self) -> int:
+        if line := finished_run(self.cfg):  # nothing to train: no worker, no event, no goodput of 0%
+            self._say(line)
+            return 0
         self.run_dir.mkdir(parents=True, exist_ok=True)
         server = HeartbeatServer(self.token, self.n, host=self.heartbeat_host).start()
         self.inbox = server.inbox
@@ -278,7 +282,11 @@ def _human(event: dict) -> str:
     kind = event["kind"]
     stamp = time.strftime("%H:%M:%S", time.localtime(event["time"]))
     text = event.get("message") or event.get("reason") or event.get("summary") or ""
-    if kind == "state":
+    if kind == "job_start":
+        policy = event.get("policy") or {}
+        text = (f"{event['workers']} worker(s) on {', '.join(dict.fromkeys(event['nodes']))}, to step "
+                f"{event['steps']}, up to {policy.get('max_restarts', '?')} restarts")
+    elif kind == "state":
         text = f"{event['from']} -> {event['to']}: {event['reason']}"
     elif kind == "start":
         text = f"attempt {event['attempt']}: " + ", ".join(f"rank {w['rank']} pid {w['pid']} on {w['node']}"
