@@ -38,6 +38,14 @@ def get(cfg: ModelConfig, documents: bool = False) -> StagedModel:
     return _get(_Key(copy.deepcopy(cfg), documents))
 
 
+def param_count(cfg: ModelConfig) -> dict[str, int]:
+    """The parameter counts of `get(cfg)`, from the config alone: arithmetic, nothing built, so a model too large
+    in any dimension (a billion layers) is sized at once."""
+    if cfg.name not in FAMILIES:
+        raise ConfigError(f"'model.name': unknown model {cfg.name!r}; known: {', '.join(sorted(FAMILIES))}")
+    return importlib.import_module(FAMILIES[cfg.name]).param_count(cfg)
+
+
 @dataclass(frozen=True, eq=False)
 class _Key:
     """A model config as a cache key: equal when every field is, nested sections (model.moe) included."""
@@ -75,4 +83,4 @@ def check_init_from(cfg: ModelConfig) -> None:
         hf.CheckpointTensors(cfg.init_from)  # reads the headers: a missing or unreadable weights file fails here
 
 
-__all__ = ["DOCUMENTS", "FAMILIES", "Stage", "StagedModel", "check_init_from", "get"]
+__all__ = ["DOCUMENTS", "FAMILIES", "Stage", "StagedModel", "check_init_from", "get", "param_count"]

@@ -56,7 +56,13 @@ class Stream:
 
 
 def moe_layers(cfg: ModelConfig) -> int:
-    return sum(is_moe(cfg, j) for j in range(cfg.n_layers))
+    return routed_count(cfg, cfg.n_layers)
+
+
+def routed_count(cfg: ModelConfig, blocks: int) -> int:
+    """How many of `blocks` blocks have an MoE MLP (`is_moe`: every moe.every-th), counted without a loop: a
+    config's size is computed before anything is built, however deep it is."""
+    return blocks // cfg.moe.every if cfg.moe.experts > 0 else 0
 
 
 def stages(cfg: ModelConfig) -> tuple[Stage, ...]:

@@ -280,8 +280,7 @@ def _stacked_blocks(cls: type, cfg: ModelConfig, key: jax.Array, first: int, sta
 
 def moe_layers(cfg: ModelConfig) -> int:
     """MoE MLPs in the encoder and the decoder together."""
-    return (sum(is_moe(cfg, j) for j in range(cfg.n_layers))
-            + sum(is_moe(cfg, j) for j in range(cfg.decoder_layers)))
+    return moe_decoder.routed_count(cfg, cfg.n_layers) + moe_decoder.routed_count(cfg, cfg.decoder_layers)
 
 
 Carry = tuple
@@ -619,7 +618,7 @@ def param_count(cfg: ModelConfig) -> dict[str, int]:
     d, hidden, V = cfg.d_model, cfg.hidden, corruption(cfg).table_size
     attn, mlp, bias = 4 * d * d, 3 * d * hidden, cfg.relative_buckets * cfg.n_heads
     moe = cfg.moe
-    routed = sum(is_moe(cfg, j) for j in range(cfg.n_layers)) + sum(is_moe(cfg, j) for j in range(cfg.decoder_layers))
+    routed = moe_layers(cfg)  # arithmetic: the size of a config is known before anything is built
     encoder = attn + mlp
     decoder = 2 * attn + mlp
     # an MoE MLP in place of a dense one: the router and `experts` copies of the MLP (all, or top_k: active)

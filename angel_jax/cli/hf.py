@@ -61,6 +61,9 @@ def import_config(hf_dir: Path, out: Path, base: Path | None = None, overrides: 
         raw = _merge(raw, parse_override(text))
     origin = f"the config for {hf_dir}" + (f" (base {base})" if base else "")
     cfg = config_from_dict({"name": out.stem, **raw}, origin)
+    from angel_jax.train.engines import refuse_beyond_reach
+
+    refuse_beyond_reach(cfg)  # a config.json no tier could hold is refused from its numbers, before any tensor
     models.check_init_from(cfg.model)
     if cfg.data.tokenizer == "hf":
         tokenizers_hf.load_for(cfg)  # a tokenizer larger than the model is refused now, not at training

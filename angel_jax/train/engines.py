@@ -21,12 +21,15 @@ from __future__ import annotations
 
 import functools
 import logging
+import shutil
 import threading
+from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import psutil
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from angel_jax.checkpoint.state import StateSnapshot
@@ -275,7 +278,7 @@ def state_bytes(cfg: Config, fsdp: int = 1) -> int:
     optimizer.state_dtype), 1/`fsdp` of them when sharded over that many devices (mesh.fsdp), and one set of
     gradients, whole (a step builds them in full before reducing them); with optimizer.master_weights, the
     float32 master copy too."""
-    n = models.get(cfg.model).param_count["total"]
+    n = models.param_count(cfg.model)["total"]
     itemsize = jnp.dtype(cfg.model.param_dtype).itemsize
     per_param = state_buffers(cfg.optimizer)
     master = 4 if cfg.optimizer.master_weights else 0  # a float32 copy of the parameters
@@ -295,11 +298,42 @@ def refuse_what_cannot_fit(cfg: Config, device: jax.Device, fsdp: int = 1) -> No
     need, free = state_bytes(cfg, fsdp), device_free_bytes(device)
     if need > free:
         where = "of host RAM it may use" if device.platform == "cpu" else f"free on the {device.device_kind}"
-        n = models.get(cfg.model).param_count["total"]
+        n = models.param_count(cfg.model)["total"]
         raise ConfigError(f"memory.mode=in_memory: the training state needs {human_bytes(need)} on each device "
                           f"(parameters, gradients and optimizer state of {n:,} parameters), more than the "
                           f"{human_bytes(free)} {where}: set memory.mode=paged (or auto) to page it across device, "
                           "host and disk, or shrink the model")
+
+
+def reachable_bytes(cfg: Config) -> dict[str, int]:
+    """The most memory of each tier a run on this host could put its training state in, whatever memory.mode: every
+    local device's free bytes, all of the host's RAM, and the disk tier's budget or free space (none without one)."""
+    devices = sum(device_free_bytes(d) for d in jax.local_devices())
+    disk = 0
+    if cfg.memory.disk_dir:
+        where = Path(cfg.memory.disk_dir).absolute()
+        while not where.exists() and where != where.parent:  # the tier's directory may not be made yet
+            where = where.parent
+        disk = cfg.memory.disk_budget or shutil.disk_usage(where).free
+    return {"device": devices, "host RAM": int(psutil.virtual_memory().total), "disk": disk}
+
+
+def refuse_beyond_reach(cfg: Config) -> None:
+    """ConfigError, before anything is built or allocated (computed from the config: models.param_count), when the
+    training state is larger than every tier this host could put it in together: a model too deep, too wide, of too
+    large a vocabulary or too many experts fails in one line, naming the bytes it needs, instead of building
+    a billion stages first. The state is split over the run's processes, each holding its share."""
+    need = state_bytes(cfg) // jax.process_count()
+    room = reachable_bytes(cfg)
+    if need > sum(room.values()):
+        m = cfg.model
+        n = models.param_count(m)["total"]
+        tiers = ", ".join(f"{human_bytes(v)} {k}" for k, v in room.items() if v or k != "disk")
+        raise ConfigError(f"the model (model.name={m.name}: d_model={m.d_model}, n_layers={m.n_layers}"
+                          + (f", n_decoder_layers={m.decoder_layers}" if m.name == "t5" else "")
+                          + f", vocab_size={m.vocab_size}, moe.experts={m.moe.experts}) has {n:,} parameters; "
+                          f"their training state needs {human_bytes(need)} on this host, more than all it has "
+                          f"({tiers}) in any memory.mode: shrink the model")
 
 
 def build_engine(cfg: Config, mesh: jax.sharding.Mesh) -> TrainEngine:

@@ -41,7 +41,7 @@ from angel_jax.train import metrics as metrics_lib
 from angel_jax.train.anomaly import AnomalyMonitor, RestartRequested, TrainingDiverged, Verdict
 from angel_jax.train.checkpointing import TrainCheckpointer, check_same_model
 from angel_jax.train.curves import loss_curve_hooks
-from angel_jax.train.engines import TrainEngine, build_engine
+from angel_jax.train.engines import TrainEngine, build_engine, refuse_beyond_reach
 from angel_jax.train.evaluation import ValidationSet, eval_due, evaluate
 from angel_jax.train.hooks import HookList, OnStep, TrainHooks
 from angel_jax.train.preemption import Preempted, StopSignals, SyncedStop, stop_source
@@ -170,6 +170,7 @@ def setup(cfg: Config, hooks: HookList) -> Trainer:
             f"'train.batch_size'={cfg.train.batch_size} must be divisible by the number of devices ({len(devices)})")
     cfg.train.micro_batches(len(devices))  # a batch that does not split into micro-batches per device is refused
     mesh = make_mesh(cfg.mesh, devices)  # ('data', 'fsdp'): replicas x shards of the training state
+    refuse_beyond_reach(cfg)  # a model no tier could hold fails at once, from its config, before anything is built
     models.check_init_from(cfg.model)  # a wrong model.init_from fails before the data is prepared
     data, validation = _data(cfg)
     engine = build_engine(cfg, mesh)
