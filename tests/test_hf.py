@@ -382,3 +382,24 @@ def test_missing_or_broken_files_are_named(tmp_path):
     misshapen = _copy_with(tmp_path / "f", "gpt2", tensors={**gpt2, "transformer.wpe.weight": np.zeros((32, 48), np.float32)})
     with pytest.raises(hf.CheckpointFileError, match=r"'transformer.wpe.weight' has shape \[32, 48\].*\[64, 48\]"):
         models.get(fixture_cfg("gpt2", init_from=str(misshapen))).init(0)
+
+
+def test_a_tensor_is_read_only_as_finite_floats(tmp_path):
+    """Each tensor as it is read: a bool or integer dtype is refused from the header, before its bytes are read;
+    an infinity is found in float16; float64 values whose sum overflows but are all finite pass."""
+    directory = tmp_path / "ckpt"
+    directory.mkdir()
+    huge = np.full((4,), 1e308)
+    half = np.ones((2, 3), np.float16)
+    half[1, 2] = -np.inf
+    save_file({"mask": np.ones((2, 2), bool), "huge": huge, "half": half, "fine": np.ones(3, np.float32)},
+              str(directory / "model.safetensors"))
+    files = hf.CheckpointTensors(directory)
+    with pytest.raises(hf.CheckpointFileError, match=r"model.safetensors: tensor 'mask' is stored as BOOL, not a "
+                                                     r"floating-point type"):
+        files.get("mask", (2, 2))
+    assert np.array_equal(files.get("huge", (4,)), huge)  # 4e308: its sum is infinite, its values are not
+    with pytest.raises(hf.CheckpointFileError, match=r"tensor 'half' holds 1 non-finite values \(0 NaN, 1 infinite; "
+                                                     r"the first at index \[1, 2\]\)"):
+        files.get("half", (2, 3))
+    assert files.get("fine", (3,)).dtype == np.float32

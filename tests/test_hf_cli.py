@@ -5,6 +5,8 @@ loss is our model's loss with those parameters), and `angel-jax export` writes a
 from __future__ import annotations
 
 import dataclasses
+import re
+import shutil
 from pathlib import Path
 
 import jax
@@ -135,3 +137,45 @@ def test_a_checkpoint_from_before_a_model_key_existed_resumes_as_its_default():
     check_same_model(saved, load_config(None), 3)
     with pytest.raises(CheckpointError, match=r"model.qkv_bias=True \(the checkpoint's: False\)"):
         check_same_model(saved, load_config(None, ["model.name=llama", "model.qkv_bias=true"]), 3)
+
+
+def _damaged_gpt2(directory: Path, damage: str) -> tuple[Path, str]:
+    """A copy of the GPT-2 fixture with one tensor damaged, and that tensor's name: the embedding's float bytes
+    declared I32 (the same bytes, read as integers), or one NaN in block 1's MLP."""
+    from safetensors.numpy import load_file, save_file
+
+    directory.mkdir()
+    shutil.copy(FIXTURES / "gpt2" / "config.json", directory)
+    tensors = load_file(str(FIXTURES / "gpt2" / "model.safetensors"))
+    if damage == "I32":
+        name = "transformer.wte.weight"
+        tensors[name] = tensors[name].view(np.int32)
+    else:
+        name = "transformer.h.1.mlp.c_fc.weight"
+        tensors[name] = tensors[name].copy()
+        tensors[name][3, 5] = np.nan
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    return directory, name
+
+
+@pytest.mark.parametrize("mode", ["in_memory", "paged"])
+@pytest.mark.parametrize("damage", ["I32", "NaN"])
+def test_weights_that_are_not_finite_floats_are_refused_naming_the_tensor(damage, mode, tmp_path, capsys,
+                                                                          write_tiny_config):
+    """`angel-jax import` reads headers only (it goes through); `train` reads the weights, in the in-memory
+    engine whole, in the paged one stage by stage, and refuses the damaged tensor on one line naming it and its
+    file, before a step is trained."""
+    src, name = _damaged_gpt2(tmp_path / "ckpt", damage)
+    memory = {"mode": mode, **({"page_size": 65536, "device_budget": 3_000_000} if mode == "paged" else {})}
+    base = write_tiny_config(tmp_path, "base", memory=memory, train={"steps": 2})
+    config = tmp_path / "run.yaml"
+    assert cli.main(["import", str(src), "--config", str(config), "--base", str(base),
+                     f"train.run_dir={tmp_path / 'run'}"]) == 0
+    capsys.readouterr()
+    assert cli.main(["train", str(config)]) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: "), err[-5:]
+    says = (rf"tensor '{name}' is stored as I32, not a floating-point type" if damage == "I32" else
+            rf"tensor '{name}' holds 1 non-finite values \(1 NaN, 0 infinite; the first at index \[3, 5\]\)")
+    assert re.search(rf"{src / 'model.safetensors'}: {says}", err[0]), err[0]
+    assert not list((tmp_path / "run").glob("checkpoints/*"))

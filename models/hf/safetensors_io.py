@@ -2,7 +2,9 @@
 
 A checkpoint holds `model.safetensors`, or shards named by `model.safetensors.index.json` (its `weight_map`:
 tensor name -> file). `CheckpointTensors` reads the headers once and then one tensor at a time (safetensors maps
-the file; a tensor is read when asked for), so a model larger than RAM is imported stage by stage.
+the file; a tensor is read when asked for), so a model larger than RAM is imported stage by stage. Each tensor is
+checked as it is read: the shape the config implies, a floating-point dtype, and finite values; a refusal names
+the tensor and the file.
 
 numpy has no bfloat16 of its own, and safetensors' numpy API refuses BF16 tensors (most Llama checkpoints): those
 are read through the same package's flax API on the CPU and handed over as ml_dtypes bfloat16 arrays, the type
@@ -44,6 +46,9 @@ SIZE_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
 DTYPE_CODES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64",
                "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
 """numpy dtype name -> safetensors dtype code."""
+FLOAT_CODE_PREFIXES = ("F", "BF")
+"""safetensors codes of floating-point types (F64, F32, F16, BF16, F8_E4M3, ...): what weights are stored as; the
+integer and bool codes (I32, U8, BOOL, ...) are not, whatever the tensor's shape."""
 
 
 class CheckpointFileError(AngelError):
@@ -108,7 +113,8 @@ class CheckpointTensors:
         return name in self.header
 
     def get(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
-        """The tensor `name`, which must have `shape` (the shape the model's config implies)."""
+        """The tensor `name`, which must have `shape` (the shape the model's config implies), a floating-point dtype
+        and finite values."""
         if name not in self.header:
             raise CheckpointFileError(f"{self.directory}: the checkpoint has no tensor {name!r} "
                                       f"(its config.json implies one of shape {list(shape)})")
@@ -117,13 +123,39 @@ class CheckpointTensors:
             raise CheckpointFileError(f"{self.file_of[name]}: tensor {name!r} has shape {list(have)}, but "
                                       f"config.json implies {list(shape)}")
         path = self.file_of[name]
+        if not dtype.startswith(FLOAT_CODE_PREFIXES):
+            raise CheckpointFileError(f"{path}: tensor {name!r} is stored as {dtype}, not a floating-point type (F32, "
+                                      "F16, BF16): its bytes are not weights; the file is damaged or was written "
+                                      "wrongly (download or export it again)")
         try:
             if dtype == "BF16":
-                return _read_bfloat16(path, name)
-            with safe_open(str(path), framework="numpy") as f:
-                return f.get_tensor(name)
+                tensor = _read_bfloat16(path, name)
+            else:
+                with safe_open(str(path), framework="numpy") as f:
+                    tensor = f.get_tensor(name)
         except (SafetensorError, OSError) as e:
             raise CheckpointFileError(f"{path}: cannot read tensor {name!r}: {e}") from None
+        check_finite(tensor, name, path)
+        return tensor
+
+
+def check_finite(tensor: np.ndarray, name: str, path: Path) -> None:
+    """Refuse a tensor holding NaN or infinite values, naming it, how many and where the first is. A model started
+    from it would only fail later, at training's anomaly checks, blaming the training instead of the file."""
+    # One pass and no copy: the sum (accumulated in float64, cast in small buffers) is finite when every value is;
+    # the element-wise test runs only to describe what it found (or to clear a float64 sum that overflowed).
+    with np.errstate(over="ignore", invalid="ignore"):
+        if np.isfinite(tensor.sum(dtype=np.float64)):
+            return
+    bad = ~np.isfinite(tensor)
+    count = int(bad.sum())
+    if count == 0:
+        return
+    nan = int(np.isnan(tensor).sum())
+    first = tuple(int(i) for i in np.unravel_index(int(np.argmax(bad)), tensor.shape))
+    raise CheckpointFileError(f"{path}: tensor {name!r} holds {count} non-finite values ({nan} NaN, {count - nan} "
+                              f"infinite; the first at index {list(first)}): a model cannot start from it; the file "
+                              "is damaged (download or export it again)")
 
 
 def _read_header(path: Path) -> dict[str, tuple[tuple[int, ...], str]]:
