@@ -346,6 +346,26 @@ def test_the_bound_keeps_a_rows_worth_of_tokens_for_every_tokenizer():
     assert idata._cut(chat, 21) is chat and idata._cut(("ab", "cd"), 3) == ("ab", "c")
 
 
+def test_empty_responses_are_counted_and_warned_about_once(tmp_path, caplog, capsys):
+    """Records with an empty response (a chat: an empty assistant turn) are kept, only their end scored, as
+    transformers' trainers keep them; meta.json and `data prepare` count them and one warning says so."""
+    chat = {"messages": [{"role": "user", "content": "Say nothing."}, {"role": "assistant", "content": ""}]}
+    source = _write(tmp_path / "sft.jsonl", [{"prompt": "Q: up\nR:", "response": " down"},
+                                              {"prompt": "Q: hush\nR:", "response": ""}, chat,
+                                              {"prompt": "Q: quiet\nR:", "response": ""}])
+    with caplog.at_level("WARNING", logger=idata.log.name):
+        meta = idata.prepare([source], tmp_path / "out", idata.Rows(ROW), tokenizer="hf", tokenizer_path=TOKENIZER)
+    assert (meta["instruction"]["empty"], meta["instruction"]["rows"]) == (3, 4)
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert len(warnings) == 1 and "3 of 4 records have an empty response" in warnings[0]
+    rows = np.fromfile(tmp_path / "out" / meta["shards"][0]["file"], "<i4").reshape(-1, ROW)
+    assert int(token_marks.scored(rows[1]).sum()) == 1  # the end of the document alone
+    assert cli.main(["data", "prepare", "--format", "instruction", "--seq-len", str(GPT.seq_len), "--source",
+                     str(source), "--tokenizer", "hf", "--tokenizer-path", str(TOKENIZER), "--out",
+                     str(tmp_path / "cli")]) == 0
+    assert "3 with an empty response" in capsys.readouterr().out
+
+
 def test_instruction_data_reads_json_lines_only_and_gets_a_directory_of_its_own(tmp_path):
     text = tmp_path / "notes.txt"
     text.write_text("plain text")
@@ -370,7 +390,7 @@ def test_data_prepare_makes_the_directory_training_reuses(tmp_path, monkeypatch,
                                             response_key="answer", val_fraction=0.25))
     out = data_dir_for(cfg)
     assert (f"{out}: 32 records -> 32 rows of {ROW} tokens (padded; 0 cut to what a row can use before "
-            f"tokenization, 0 truncated, 0 dropped)") in capsys.readouterr().out
+            f"tokenization, 0 truncated, 0 dropped, 0 with an empty response)") in capsys.readouterr().out
     made = data_lib.load_meta(out)
     builds = []
     real = idata.prepare

@@ -27,7 +27,8 @@ def run(args: argparse.Namespace) -> int:
         info = meta["instruction"]
         print(f"{out}: {info['records']:,} records -> {info['rows']:,} rows of {rows.row_tokens} tokens "
               f"({'packed' if rows.pack else 'padded'}; {info['cut']:,} cut to what a row can use before "
-              f"tokenization, {info['truncated']:,} truncated, {info['dropped']:,} dropped), "
+              f"tokenization, {info['truncated']:,} truncated, {info['dropped']:,} dropped, {info['empty']:,} "
+              f"with an empty response), "
               f"{info['scored_tokens']:,} scored tokens, vocabulary "
               f"{meta['vocab_size']}; training with model.seq_len={args.seq_len} data.format=instruction "
               f"data.pack={str(rows.pack).lower()} and the same source, tokenizer and keys reuses it")

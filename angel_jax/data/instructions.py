@@ -34,7 +34,8 @@ Rows hold row_tokens (seq_len + 1) tokens:
 Before tokenization a record's texts are cut to what a row can use (text_bound, bounded): the work and memory of a
 record are bounded by the row, and the row is the one the whole record gives. A document cut so short that none
 of its response is left is dropped; meta.json's "instruction" entry counts the records, the cut, truncated and
-dropped ones, the rows and the scored tokens. Shards are int32 (the marks use the
+dropped ones, those with an empty response (kept, warned about once: only their end is scored), the rows and the
+scored tokens. Shards are int32 (the marks use the
 sign and bit 30); the val split is the tail rows. A bad record stops preparation naming its file and line.
 """
 
@@ -83,6 +84,8 @@ class Counts:
     records: int = 0
     cut: int = 0
     """Records whose texts were cut before tokenization, to what a row can use (text_bound)."""
+    empty: int = 0
+    """Records with an empty response (a chat: an empty assistant turn): only the end of it is scored."""
     truncated: int = 0
     """Documents longer than a row, cut to it."""
     dropped: int = 0
@@ -208,10 +211,26 @@ def bounded(items: Iterable[Record], chars: int, counts: Counts) -> Iterator[Rec
     messages in order, each with at least its content's characters, so nothing past them reaches a row). The work
     and memory of tokenizing a record are then bounded by the row, not the record."""
     for item in items:
+        counts.empty += _empty_response(item)
         cut = _cut(item, chars)
         if cut is not item:
             counts.cut += 1
         yield cut
+
+
+def _empty_response(item: Record) -> bool:
+    """Whether a record's response, or one of a chat's assistant turns, is empty."""
+    if isinstance(item, Chat):
+        return any(m["role"] == ASSISTANT and not m["content"] for m in item.messages)
+    return not item[1]
+
+
+def warn_empty(counts: Counts) -> None:
+    """One warning for all the records with an empty response (they are kept: see docs/training.md)."""
+    if counts.empty:
+        log.warning("instruction data: %d of %d records have an empty response (or an empty assistant turn): they "
+                    "are trained on, only the end of the document scored (teaching the model to stop at once); "
+                    "remove them from the source if that is not meant", counts.empty, counts.records)
 
 
 def _cut(item: Record, chars: int) -> Record:
@@ -456,6 +475,7 @@ def prepare(files: list[Path], out_dir: Path, rows: Rows, *, tokenizer: str = "b
             counts.scored_tokens += int(np.sum(token_marks.scored(row[1:])))
             writer.append(row)
         train = writer.close()
+        warn_empty(counts)
         if counts.rows == 0:
             raise DataError(f"the {len(files)} source file(s) (first: {files[0]}) give no row with a response "
                             f"token: {counts.records} records, {counts.dropped} dropped for a prompt (or a chat's "
@@ -475,9 +495,9 @@ def prepare(files: list[Path], out_dir: Path, rows: Rows, *, tokenizer: str = "b
         if isinstance(tok, HfTokenizer):  # what a copy without config.json still needs (data.load_tokenizer)
             meta.update(tokenizer_path=str(Path(tokenizer_path).absolute()), special_tokens=tok.special_tokens)
         log.info("instruction data: %d records -> %d rows of %d tokens (%s), %d cut before tokenization, %d "
-                 "truncated, %d dropped, %d scored tokens", counts.records, counts.rows, rows.row_tokens,
-                 "packed" if rows.pack else "padded", counts.cut, counts.truncated, counts.dropped,
-                 counts.scored_tokens)
+                 "truncated, %d dropped, %d with an empty response, %d scored tokens", counts.records, counts.rows,
+                 rows.row_tokens, "packed" if rows.pack else "padded", counts.cut, counts.truncated,
+                 counts.dropped, counts.empty, counts.scored_tokens)
         return meta
 
     return data_lib.publish(Path(out_dir), build)
