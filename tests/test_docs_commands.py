@@ -23,17 +23,35 @@ def shell_lines(text: str) -> list[str]:
     return out
 
 
-def command(line: str) -> list[str] | None:
-    """The angel-jax arguments of `line` when it is a cheap command written out in full, else None."""
+MARKERS = ("needs a GPU", "needs a cluster")
+"""A command line whose comment says one of these is not run on a CPU (docs/development.md, "Code blocks")."""
+
+
+def angel_args(line: str) -> list[str] | None:
+    """The arguments of an `angel-jax` command line of a runnable block (None: another line, or one marked as
+    needing a GPU or a cluster)."""
     try:
         words = shlex.split(line, comments=True)
     except ValueError:
         return None
+    if any(marker in line for marker in MARKERS):
+        return None
+    words = [w for w in words if not re.fullmatch(r"[A-Z_]+=\S*", w)] if words else words  # XLA_FLAGS=... prefixes
     if not words or words[0] not in ("angel-jax", ".venv/bin/angel-jax"):
         return None
-    args = words[1:]
-    if any(re.fullmatch(r"[A-Z][A-Z0-9_]*", a) or a.startswith(("[", "/path")) for a in args):
-        return None  # a placeholder: CONFIG, RUN_DIR, [key=value ...]
+    return words[1:]
+
+
+def placeholders(args: list[str]) -> list[str]:
+    """The words of a command that stand for something to fill in: CONFIG, RUN_DIR, [key=value ...], /path/..."""
+    return [a for a in args if re.fullmatch(r"[A-Z][A-Z0-9_]*", a) or a.startswith(("[", "/path"))]
+
+
+def command(line: str) -> list[str] | None:
+    """The angel-jax arguments of `line` when it is a cheap command written out in full, else None."""
+    args = angel_args(line)
+    if args is None or placeholders(args):
+        return None
     if args[:1] == ["config"] or (args[:1] == ["train"] and "--print-config" in args) or (
             args[:1] == ["plan"] and "--estimate" in args):
         return args
@@ -51,6 +69,14 @@ def documented_commands() -> list[tuple[str, list[str]]]:
 
 
 COMMANDS = documented_commands()
+
+
+def test_runnable_blocks_hold_no_placeholders():
+    """Every angel-jax command of a runnable block (no fence language, sh or bash) is written out in full, or is
+    marked as needing a GPU or a cluster; a synopsis with placeholders goes in a `text` block."""
+    found = [f"{page.name}: {line.strip()}" for page in PAGES for line in shell_lines(page.read_text())
+             if (args := angel_args(line)) is not None and placeholders(args)]
+    assert not found, "placeholders in runnable code blocks:\n" + "\n".join(found)
 
 
 def test_the_docs_show_cheap_commands():
