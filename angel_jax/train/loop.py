@@ -87,6 +87,8 @@ class Trainer:
     """The latest evaluation's loss, shown in the progress bar until the next."""
     stop: StopSignals | SyncedStop = field(default_factory=lambda: StopSignals(enabled=False))
     """A SIGTERM or SIGINT received: the loop saves the step in flight and stops."""
+    window: metrics_lib.StepWindow = field(default_factory=metrics_lib.StepWindow)
+    """The recent steps' intervals the `perf/` figures average over (restarted after every pause)."""
 
 
 @dataclass(frozen=True)
@@ -239,7 +241,8 @@ def train(cfg: Config, *, hooks: Sequence[TrainHooks] = (),
 def _run(t: Trainer) -> TrainResult:
     cfg, steps = t.cfg, t.cfg.train.steps
     if t.is_primary:
-        print(memory_report(cfg, t.mesh, t.engine.memory_report()), flush=True)
+        print(memory_report(cfg, t.mesh, t.engine.memory_report()) + "\n" + metrics_lib.peak_line(t.peak),
+              flush=True)
     t.progress = _progress(t)
     t.hooks.on_phase(Phase.COMPILING, t.start_step)
 
@@ -266,19 +269,21 @@ def _run(t: Trainer) -> TrainResult:
             last_done, verdict = _finish(t, pending, last_done)
             if verdict.action is not None:
                 step = _act(t, pending[0], verdict)  # the step dispatched meanwhile is dropped with it
-                pending, last_done = None, time.perf_counter()
+                pending, last_done = None, _paused(t)
                 continue
         pending = dispatched
         # A checkpoint or an evaluation of step s waits for it before step s+1 is dispatched: both need the state
-        # of step s (and never one with an anomaly).
-        if pending is not None and (_checkpoint_due(cfg, pending[0]) or eval_due(cfg, pending[0])):
+        # of step s (and never one with an anomaly). So does the first step (it compiles): the steps' times start
+        # from its end with no step in flight.
+        if pending is not None and (_checkpoint_due(cfg, pending[0]) or eval_due(cfg, pending[0])
+                                    or pending[0] == t.start_step + 1):
             last_done, verdict = _finish(t, pending, last_done, evaluate=eval_due(cfg, pending[0]))
             pending = None
             if verdict.action is not None:
                 step = _act(t, step, verdict)
             elif _checkpoint_due(cfg, step):
                 _save(t, step)
-            last_done = time.perf_counter()  # neither the save's blocking part nor an evaluation is a training step
+            last_done = _paused(t)  # neither the save's blocking part nor an evaluation is a training step
     if t.progress is not None:
         t.progress.close()
     t.hooks.on_phase(Phase.CHECKPOINTING, steps)  # the final checkpoint is committed before train() returns
@@ -472,18 +477,20 @@ def _finish(t: Trainer, pending: tuple[int, dict, float], last_done: float,
     done = time.perf_counter()
     # Between completions; at least the call itself, for an engine whose step returns once it has computed (the
     # sharded paged engine on the CPU backend): its completion was before the previous step was judged.
-    step_time = max(done - last_done, call_s)
+    interval = max(done - last_done, call_s)
     if step == t.start_step + 1:
-        values["perf/first_step_time"] = step_time  # includes compilation
+        values["perf/first_step_time"] = interval  # includes compilation
         t.hooks.on_phase(Phase.TRAINING, step)
         phase = Phase.COMPILING
     else:
         tokens = t.cfg.train.batch_size * t.cfg.model.seq_len
+        # Over the recent steps, not this interval alone: see metrics.StepWindow.
+        step_time = t.window.add(interval)
         values.update(metrics_lib.throughput(step_time, tokens, t.flops_per_token, t.peak, jax.device_count()))
         values["perf/mfu_is_estimate"] = float(t.peak.is_estimate)
         # This process's time outside waiting for the device: in a synchronous data-parallel step every rank's
         # step time is the same, but a rank slowed on its host (data, hooks, a busy CPU) shows here.
-        values["perf/busy_time"] = max(0.0, step_time - (done - waiting))
+        values["perf/busy_time"] = max(0.0, interval - (done - waiting))
         phase = Phase.TRAINING
     verdict = t.monitor.observe(step, values, phase=phase)
     values.update(verdict.metrics)
@@ -515,6 +522,13 @@ def _finish(t: Trainer, pending: tuple[int, dict, float], last_done: float,
         t.progress.set_postfix(postfix, refresh=False)
         t.progress.update(1)
     return done, verdict
+
+
+def _paused(t: Trainer) -> float:
+    """A pause ended (a compilation, a checkpoint, an evaluation, a rollback), no step in flight: the steps' times
+    start again from now."""
+    t.window.restart()
+    return time.perf_counter()
 
 
 def _evaluate(t: Trainer, step: int) -> dict[str, float]:

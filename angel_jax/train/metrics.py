@@ -6,14 +6,21 @@ MFU = achieved model FLOP/s / peak FLOP/s of the devices, where
   flops_per_token       = 6 * N_matmul + 12 * n_layers * d_model * seq_len  (PaLM, appendix B; N_matmul is the
                           family's, stated with its `flops_per_token` in models/),
   peak                  = dense bf16 peak per device from `PEAK_FLOPS` * number of devices.
-Devices missing from the table (CPUs included) get a peak measured at start-up with a large float32 matmul, and
-their MFU is reported with `perf/mfu_is_estimate = 1`.
+A CPU's peak is stated from its spec (`cpu_peak`): physical cores x clock x float32 FLOPs per cycle per core, the
+same figure every run. Other devices missing from the table get a peak measured at start-up with a large float32
+matmul, and their MFU is reported with `perf/mfu_is_estimate = 1`.
+
+The step time behind these figures is measured between the steps' completions as the host sees them, averaged
+over the last `STEP_WINDOW` completed steps (`StepWindow`): the loop runs one step ahead, and a host that wakes
+late to a finished step (on a CPU, the cores are busy computing the next one) sees two completions at once, so a
+single interval can be a few milliseconds against a median of tens.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import re
 import secrets
 import sys
@@ -81,7 +88,121 @@ def device_peak(device: jax.Device | None = None) -> Peak:
     for key in sorted(PEAK_FLOPS, key=len, reverse=True):  # longest match first: "H100 PCIe" before "H100"
         if re.search(rf"(?<![A-Za-z0-9]){re.escape(key)}(?![A-Za-z0-9])", kind, re.IGNORECASE):
             return Peak(PEAK_FLOPS[key], f"table:{key}")
+    if getattr(device, "platform", kind) == "cpu" and (peak := cpu_peak(_cpu_devices())) is not None:
+        return peak
     return Peak(measure_matmul_flops(), "estimate:matmul")
+
+
+# float32 FLOPs per cycle per core by the widest vector instructions the CPU has (its /proc/cpuinfo flags), taking
+# two vector FMA units wherever some models of that family have two: an upper bound, so an MFU over it is never
+# overstated (a core with one unit is understated by half). (flags that must all be present, FLOPs, what they are)
+CPU_FLOPS_PER_CYCLE: tuple[tuple[tuple[str, ...], int, str], ...] = (
+    (("avx512f",), 64, "AVX-512: 2 FMA units x 16 lanes x 2"),
+    (("avx2", "fma"), 32, "AVX2: 2 FMA units x 8 lanes x 2"),
+    (("avx",), 16, "AVX: 8 lanes x (1 multiply + 1 add)"),
+    (("asimd",), 32, "NEON: 4 FMA units x 4 lanes x 2"),  # aarch64 (Neoverse V1, Apple M): the most units
+    (("sse2",), 8, "SSE2: 4 lanes x (1 multiply + 1 add)"),
+)
+
+
+def cpu_peak(devices: int = 1, cpuinfo: str | None = None, sys_root: Path = Path("/sys"),
+             usable: set[int] | None = None) -> Peak | None:
+    """The CPU's float32 peak per device: physical cores this process may use x clock x FLOPs per cycle per core
+    (`CPU_FLOPS_PER_CYCLE`), split over `devices` CPU devices sharing the cores (`--cpu-devices`). The clock is
+    the cores' maximum (cpufreq), else /proc/cpuinfo's (in a VM often the base clock: a turbo clock can run a
+    matmul a little faster than the figure). `usable`: the processors this process may run on (its affinity).
+    None when /proc/cpuinfo does not say (not Linux)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return None
+    blocks = [dict(_cpuinfo_fields(block)) for block in cpuinfo.strip().split("\n\n") if block.strip()]
+    if usable is None and hasattr(os, "sched_getaffinity"):
+        usable = set(os.sched_getaffinity(0))
+    mine = [b for b in blocks if "processor" in b and (usable is None or int(b["processor"]) in usable)] or blocks
+    flags = set((mine[0].get("flags") or mine[0].get("features") or "").split()) if mine else set()
+    per_cycle = next(((n, what) for need, n, what in CPU_FLOPS_PER_CYCLE if set(need) <= flags), None)
+    clock = _cpu_clock(mine, sys_root)
+    if not mine or per_cycle is None or clock is None:
+        return None
+    cores = len({(b.get("physical id"), b.get("core id", b.get("processor"))) for b in mine})
+    quota = _cgroup_cores(sys_root)
+    if quota is not None and quota < cores:
+        cores = quota
+    (hz, clock_source), (flops, what) = clock, per_cycle
+    split = f" / {devices} CPU devices" if devices > 1 else ""
+    return Peak(cores * hz * flops / devices, f"cpu: {cores} cores x {hz / 1e9:.2f} GHz ({clock_source}) x {flops} "
+                                              f"float32 FLOP/cycle ({what}){split}")
+
+
+def _cpuinfo_fields(block: str) -> list[tuple[str, str]]:
+    return [(k.strip().lower(), v.strip()) for k, _, v in (line.partition(":") for line in block.splitlines()) if _]
+
+
+def _cpu_clock(blocks: list[dict[str, str]], sys_root: Path) -> tuple[float, str] | None:
+    """(Hz, where from): the highest cpufreq maximum of the usable cores, else /proc/cpuinfo's 'cpu MHz' or the
+    '@ 2.60GHz' of the model name."""
+    khz = []
+    for b in blocks:
+        try:
+            khz.append(int((sys_root / f"devices/system/cpu/cpu{b.get('processor', 0)}/cpufreq/cpuinfo_max_freq")
+                           .read_text()))
+        except (OSError, ValueError):
+            pass
+    if khz:
+        return max(khz) * 1e3, "cpufreq maximum"
+    mhz = [float(b["cpu mhz"]) for b in blocks if re.fullmatch(r"[0-9.]+", b.get("cpu mhz", ""))]
+    if mhz and max(mhz) > 0:
+        return max(mhz) * 1e6, "/proc/cpuinfo"
+    named = re.search(r"@\s*([0-9.]+)\s*GHz", blocks[0].get("model name", "") if blocks else "")
+    return (float(named.group(1)) * 1e9, "model name") if named else None
+
+
+def _cgroup_cores(sys_root: Path) -> int | None:
+    """Cores a cgroup v2 CPU quota allows ('200000 100000' in cpu.max: 2), or None when unlimited."""
+    try:
+        quota, period = (sys_root / "fs/cgroup/cpu.max").read_text().split()[:2]
+        return max(1, math.ceil(int(quota) / int(period)))
+    except (OSError, ValueError):
+        return None
+
+
+def _cpu_devices() -> int:
+    try:
+        return jax.local_device_count("cpu")
+    except RuntimeError:
+        return 1
+
+
+def peak_line(peak: Peak) -> str:
+    """The banner's line: what the MFU is measured against."""
+    return (f"mfu: model FLOPs/s over a peak of {peak.flops_per_device / 1e12:.3g} TFLOP/s per device "
+            f"({peak.source}{', an estimate: ~' if peak.is_estimate else ''})")
+
+
+STEP_WINDOW = 10
+"""Completed steps the `perf/` figures average over (fewer since the last pause: a compilation, a checkpoint, an
+evaluation, a rollback)."""
+
+
+class StepWindow:
+    """The step time of the `perf/` figures: the mean of the last `size` intervals between completed steps since
+    `restart` (a pause). The loop runs one step ahead, so a step the host sees late leaves the next one an
+    interval of almost nothing; the pair together is right, and so is any window over both. From a restart, where
+    no step was in flight, the mean over the window is never shorter than the device took."""
+
+    def __init__(self, size: int = STEP_WINDOW):
+        self.size = size
+        self._intervals: list[float] = []
+
+    def restart(self) -> None:
+        self._intervals = []
+
+    def add(self, interval: float) -> float:
+        """One more completed step, `interval` seconds after the previous; returns the window's mean step time."""
+        self._intervals = (self._intervals + [interval])[-self.size:]
+        return sum(self._intervals) / len(self._intervals)
 
 
 def throughput(step_time: float, tokens_per_step: int, flops_per_token: float, peak: Peak, n_devices: int) -> dict:
