@@ -7,6 +7,7 @@ fingerprint, and bad chats refused naming their file and line."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -192,3 +193,25 @@ def test_a_long_chat_is_cut_before_rendering_to_the_rows_it_gives_whole(tmp_path
     assert whole["instruction"]["cut"] == 0 and max(longest) > bound
     np.testing.assert_array_equal(_rows(tmp_path / "cut", meta), _rows(tmp_path / "whole", whole))
     assert meta["instruction"]["dropped"] == whole["instruction"]["dropped"] == 1  # the long system message
+
+
+@pytest.mark.parametrize("template, refused", [
+    ("{% include '/etc/passwd' %}", r"TypeError: no loader for this environment"),
+    ("{% for i in range(10**8) %}x{% endfor %}", r"OverflowError: Range too big"),
+    ("{{ 'A' * 4000000000 }}", r"SecurityError: a repetition to 4,000,000,000 items"),
+    ("{{ 'A' * 4e9 }}", r"TypeError: can't multiply sequence"),
+    ("{{ 7 ** 99999999 }}", r"SecurityError: a power of about"),
+])
+def test_a_hostile_template_is_refused_in_one_line_naming_its_file(tmp_path, capsys, template, refused):
+    """A template that reads a file, loops 10**8 times or builds 4 GB is refused by `data prepare` in one line
+    naming the template's file and what was refused (they gave 42-67-line tracebacks; 'A' * 4000000000 ran)."""
+    from angel_jax import cli
+
+    d = shutil.copytree(TOKENIZER, tmp_path / "tok")
+    (d / CHAT_TEMPLATE_FILE).write_text(template)
+    source = _write(tmp_path / "chats.jsonl", [{"messages": [USER, ASSISTANT]}])
+    assert cli.main(["data", "prepare", "--format", "instruction", "--seq-len", "32", "--source", str(source),
+                     "--tokenizer", "hf", "--tokenizer-path", str(d), "--out", str(tmp_path / "out")]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and str(d / CHAT_TEMPLATE_FILE) in err[0], err
+    assert re.search(refused, err[0]), err[0]

@@ -163,12 +163,40 @@ def _compiled_template(source: str) -> Any:
                sort_keys: bool = False) -> str:
         return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                       extensions=[Generation, jinja2.ext.loopcontrols])
+    class Sandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
+        """The sandbox, and `*` / `**` held to results of a bounded size: `'A' * 4000000000` would allocate 4 GB
+        (jinja2's sandbox bounds `range`, not repetition)."""
+
+        intercepted_binops = frozenset({"*", "**"})
+
+        def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+            _check_size(operator, left, right)
+            return super().call_binop(context, operator, left, right)
+
+    env = Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols])
     env.filters["tojson"] = tojson
     env.globals["raise_exception"] = raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
     return env.from_string(source)
+
+
+MAX_TEMPLATE_ITEMS = 2**24
+"""The most characters or items a chat template's `*` may repeat a text or a list to (and bits of a `**` result)."""
+
+
+def _check_size(operator: str, left: Any, right: Any) -> None:
+    """SecurityError (a refusal the sandbox reports) for a `*` or `**` whose result would be too large."""
+    import jinja2.exceptions
+
+    if operator == "*":
+        seq, n = (left, right) if isinstance(right, int) else (right, left)
+        if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and len(seq) * n > MAX_TEMPLATE_ITEMS:
+            raise jinja2.exceptions.SecurityError(f"a repetition to {len(seq) * n:,} items (at most "
+                                                  f"{MAX_TEMPLATE_ITEMS:,})")
+    elif isinstance(left, int) and isinstance(right, int) and right > 0 \
+            and abs(left).bit_length() * right > MAX_TEMPLATE_ITEMS:
+        raise jinja2.exceptions.SecurityError(f"a power of about {abs(left).bit_length() * right:,} bits (at most "
+                                              f"{MAX_TEMPLATE_ITEMS:,})")
 
 
 def _import_tokenizers() -> Any:
@@ -283,6 +311,9 @@ class HfTokenizer:
                                                      **self._template_tokens())
         except jinja2.TemplateError as e:  # raise_exception(...), a syntax error, a sandbox refusal
             raise ConfigError(f"the chat template ({where}): {type(e).__name__}: {e}") from None
+        except (TypeError, ValueError, ArithmeticError, LookupError, AttributeError, RecursionError,
+                MemoryError) as e:  # what else a template's code raises: `include` with no loader, a huge range
+            raise ConfigError(f"the chat template ({where}) was refused: {type(e).__name__}: {e}") from None
 
     def _template_tokens(self) -> dict[str, str]:
         # transformers passes its special tokens' texts (bos_token, ...); config.json names some only by id.
