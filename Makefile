@@ -55,7 +55,7 @@ test-lowest:
 	PYTHON="$(PYTHON)" bash scripts/test_lowest_versions.sh $(PYTEST_ARGS)
 
 bench: setup
-	$(VENV)/bin/python experiments/bench/reference_step.py $(CONFIG) $(ARGS)
+	$(VENV)/bin/python experiments/bench/reference_step.py $(CONFIG) $(ARGS) --write
 
 clean:
 	rm -rf $(VENV) .venv-lowest runs data .pytest_cache

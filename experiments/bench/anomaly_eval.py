@@ -1,7 +1,7 @@
 """Anomaly detection, evaluated: inject faults into real training runs and check what the detectors did.
 
     python experiments/bench/anomaly_eval.py [--config experiments/gpt_tiny.yaml] [--steps 400] [--clean-steps 1000]
-                                             [--cases nan_batch,corrupt_batch,...] [--workdir DIR] [--no-save]
+                                             [--cases nan_batch,corrupt_batch,...] [--workdir DIR] [--write]
 
 Every case is a real `angel-jax train` (single process) or `angel-jax launch -n 2` (two workers) process with a
 fault injected through ANGEL_JAX_FAULTS (angel_jax/tol/faults.py), default thresholds and actions. For each
@@ -208,12 +208,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--clean-workers", default="1,2", help="clean runs with these worker counts")
     p.add_argument("--limit", type=float, default=3600, help="seconds before a run is killed")
     p.add_argument("--workdir", type=Path, default=None)
-    p.add_argument("--no-save", action="store_true")
+    p.add_argument("--write", action="store_true", help="append the figures to experiments/results/")
     args = p.parse_args(argv)
 
     machine = machine_info()
     work = Path(tempfile.mkdtemp(prefix="angel_jax_anomaly_eval_", dir=args.workdir))
-    save = None if args.no_save else results_path("anomaly_eval")
+    save = results_path("anomaly_eval") if args.write else None
     try:
         cleans, clean_losses = [], {}
         for workers in [int(w) for w in args.clean_workers.split(",") if w]:

@@ -2,7 +2,10 @@
 one machine committed under experiments/results/ (nothing is measured here, and nothing is assumed: a figure with
 no measurement behind it is an error naming the benchmark to run there).
 
-    python experiments/bench/calibration.py [--device "NVIDIA H200"] [--out experiments/results/h200_calibration.json]
+    python experiments/bench/calibration.py [--device "NVIDIA H200"] [--write | --out FILE]
+
+prints the calibration; --write writes it to experiments/results/h200_calibration.json (the committed file), --out to
+FILE.
 
 From the `*_gpu.jsonl` records whose machine is that device:
 
@@ -34,6 +37,7 @@ from angel_jax.train.metrics import PEAK_FLOPS
 
 ROOT = Path(__file__).resolve().parents[2]
 RESULTS = ROOT / "experiments" / "results"
+DEFAULT_OUT = "h200_calibration.json"
 
 
 def records(name: str, device: str) -> Iterator[dict[str, Any]]:
@@ -125,11 +129,17 @@ def build(device: str) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--device", default="NVIDIA H200", help="the device whose committed measurements to use")
-    p.add_argument("--out", type=Path, default=RESULTS / "h200_calibration.json")
+    p.add_argument("--write", action="store_true", help=f"write it to {(RESULTS / DEFAULT_OUT).relative_to(ROOT)}")
+    p.add_argument("--out", type=Path, help="write it to this file")
     args = p.parse_args(argv)
     calibration = build(args.device)
-    args.out.write_text(json.dumps(calibration, indent=2) + "\n")
-    print(json.dumps({"bench": "calibration", "device": args.device, "out": str(args.out),
+    out = args.out or (RESULTS / DEFAULT_OUT if args.write else None)
+    text = json.dumps(calibration, indent=2) + "\n"
+    if out is None:  # the committed file is written only when asked
+        print(text, end="")
+    else:
+        out.write_text(text)
+    print(json.dumps({"bench": "calibration", "device": args.device, "out": str(out) if out else None,
                       "compute_tflops": round(calibration["compute_flops"] / 1e12, 1),
                       "links_GBps": {k: round(v / 1e9, 2) for k, v in calibration["bandwidth_Bps"].items()}}))
     return 0

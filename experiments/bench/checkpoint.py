@@ -1,9 +1,9 @@
 """Training stall per save and restore time: the TCE checkpoint manager against plain blocking orbax.
 
-    python experiments/bench/checkpoint.py [--arrays 16] [--mib 64] [--repeats 3] [--workdir DIR] [--no-save]
+    python experiments/bench/checkpoint.py [--arrays 16] [--mib 64] [--repeats 3] [--workdir DIR] [--write]
 
 State: `arrays` float32 arrays of `mib` MiB each (default 1 GiB), random (incompressible) values.
-Figures (one JSON line each, appended to experiments/results/checkpoint_<platform>.jsonl unless --no-save):
+Figures (one JSON line each, appended to experiments/results/checkpoint_<platform>.jsonl with --write):
 
   save_blocking_orbax_s      orbax Checkpointer.save of the state to the persistent directory, blocking (median)
   save_stall_held_s          what the in-memory trainer blocks for: CheckpointManager.save of a held StateSnapshot of
@@ -69,10 +69,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mib", type=int, default=64, help="MiB per array")
     p.add_argument("--repeats", type=int, default=3, help="timed repetitions per figure (median reported)")
     p.add_argument("--workdir", type=Path, default=None, help="persistent directory's parent (default: /var/tmp)")
-    p.add_argument("--no-save", action="store_true", help="print only, do not append to experiments/results")
+    p.add_argument("--write", action="store_true", help="append the figures to experiments/results/")
     args = p.parse_args(argv)
 
-    results = None if args.no_save else results_path("checkpoint")
+    results = results_path("checkpoint") if args.write else None
     machine = machine_info()
     work = Path(tempfile.mkdtemp(prefix="angel_jax_ckpt_bench_", dir=args.workdir or "/var/tmp"))
     memory = Path("/dev/shm") / f"angel_jax_ckpt_bench_{os.getpid()}"

@@ -1,6 +1,6 @@
 """Ways pages can move between an accelerator's memories and the XLA CPU backend (where host updates run).
 
-    PYTHONPATH=. python experiments/bench/crossing.py [--mib 256] [--no-save]
+    PYTHONPATH=. python experiments/bench/crossing.py [--mib 256] [--write]
 
 On an accelerator the host tier is the accelerator client's pinned host memory and host updates compute on the
 XLA CPU backend: a second client. `angel_jax/memory/crossing.py` chose its paths from these figures. Each figure
@@ -13,7 +13,7 @@ moves one float32 array of --mib MiB (median of 5 after a warm-up); GB/s counts 
   compute_on(device_host)      a triad x*0.9 + y*0.1 on pinned operands inside the accelerator's program
                                (jax.experimental.compute_on), against the same triad on the CPU backend
 
-One JSON line each, appended to experiments/results/crossing_<platform>.jsonl unless --no-save. On the CPU backend
+One JSON line each, appended to experiments/results/crossing_<platform>.jsonl with --write. On the CPU backend
 every path stays inside one client (the figures say nothing about an accelerator).
 """
 
@@ -34,9 +34,9 @@ from angel_jax.benchinfo import emit, machine_info, results_path
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mib", type=int, default=256)
-    p.add_argument("--no-save", action="store_true")
+    p.add_argument("--write", action="store_true", help="append the figures to experiments/results/")
     args = p.parse_args(argv)
-    save, machine = None if args.no_save else results_path("crossing"), machine_info()
+    save, machine = results_path("crossing") if args.write else None, machine_info()
     acc, cpu = jax.devices()[0], jax.local_devices(backend="cpu")[0]
     pinned = SingleDeviceSharding(acc, memory_kind="pinned_host")
     device, compute = SingleDeviceSharding(acc, memory_kind="device"), SingleDeviceSharding(cpu)

@@ -2,7 +2,7 @@
 
     python experiments/bench/delayed_gradient_reference.py [--config experiments/gpt_tiny.yaml] [--steps 600]
         [--modes exact,delayed] [--delay-from K] [--replay STALE.json] [--compare METRICS.jsonl ...]
-        [--losses-out DIR] [--no-save] [key=value ...]
+        [--losses-out DIR] [--write] [key=value ...]
 
 The model, data and optimizer are the ones `angel-jax train` builds for the config (`models.get`, the loop's own
 data iterator, `split_optimizer`: adamw, the warm-up + cosine schedule, weight decay, global-norm clipping), and a
@@ -22,8 +22,8 @@ clipped gradients; `apply` = the optax update), jitted here without donation. Mo
 The loss of a step is the loss at the parameters its gradient is taken at (what every engine reports). The
 anomaly guard's bounds are left unbounded (StepControls()): pass anomaly.enabled=false to the runs compared.
 
-Figures (one JSON line each, appended to experiments/results/delayed_gradient_reference_<platform>.jsonl unless
---no-save):
+Figures (one JSON line each, appended to experiments/results/delayed_gradient_reference_<platform>.jsonl with
+--write):
 
   run_<mode>        final training loss (mean of the last 50 steps' losses, as lockfree_convergence.py), first and
                     last loss, updates skipped (non-finite loss or norm), seconds
@@ -140,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="metrics.jsonl per mode, in --modes order (an `angel-jax train` run to compare with)")
     p.add_argument("--tolerance", type=float, default=1e-5, help="relative loss difference for --compare")
     p.add_argument("--losses-out", type=Path, help="write each mode's per-step losses to DIR/<mode>.json")
-    p.add_argument("--no-save", action="store_true", help="print only, do not append to experiments/results")
+    p.add_argument("--write", action="store_true", help="append the figures to experiments/results/")
     p.add_argument("overrides", nargs="*", help="key=value config overrides")
     args = p.parse_args(argv)
     modes = [m for m in args.modes.split(",") if m]
@@ -150,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
     if "replay" in modes and stale_plan is None:
         p.error("mode replay needs --replay STALE.json")
     cfg = load_config(args.config, [f"train.steps={args.steps}", *args.overrides])
-    results = None if args.no_save else results_path("delayed_gradient_reference")
+    results = results_path("delayed_gradient_reference") if args.write else None
     machine = machine_info()
     base = {"config": str(args.config.relative_to(ROOT) if args.config.is_relative_to(ROOT) else args.config),
             "steps": args.steps, "overrides": args.overrides,

@@ -1,7 +1,7 @@
 """False positives of the default anomaly thresholds on the main job: clean runs, default detectors and actions.
 
     python experiments/bench/false_positives.py [--config experiments/gpt_tiny.yaml] [--runs 300x0,300x1,1000x2]
-                                                [--workdir DIR] [--no-save] [KEY=VALUE ...]
+                                                [--workdir DIR] [--write] [KEY=VALUE ...]
 
 `--runs` lists STEPSxSEED: each entry is one real `angel-jax train` of the config with `train.steps=STEPS` and
 `data.seed=SEED` (a different data order), `train.log_every=1` so every step's figures are in metrics.jsonl, and
@@ -83,13 +83,13 @@ def main(argv: list[str] | None = None) -> int:
                    help="comma-separated STEPSxSEED")
     p.add_argument("--limit", type=float, default=3600, help="seconds before a run is killed")
     p.add_argument("--workdir", type=Path, default=None)
-    p.add_argument("--no-save", action="store_true")
+    p.add_argument("--write", action="store_true", help="append the figures to experiments/results/")
     p.add_argument("overrides", nargs="*", help="KEY=VALUE config overrides for every run")
     args = p.parse_args(argv)
     runs = [tuple(int(x) for x in spec.split("x")) for spec in args.runs.split(",") if spec]
     work = args.workdir or Path(tempfile.mkdtemp(prefix="angel-fp-"))
     work.mkdir(parents=True, exist_ok=True)
-    out = None if args.no_save else results_path("false_positives")
+    out = results_path("false_positives") if args.write else None
     total = 0
     for steps, seed in runs:
         row = one_run(args.config, steps, seed, work, args.overrides, args.limit)

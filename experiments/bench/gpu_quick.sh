@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The GPU figures that fit in under eight minutes on one GPU machine, each under its own time limit so that one
-# slow or hung figure costs only its own slot. Results are appended to experiments/results/*_gpu.jsonl.
+# slow or hung figure costs only its own slot. Results are appended to experiments/results/*_gpu.jsonl (each
+# script's --write, or bench io's --jsonl).
 #
 #   bash experiments/bench/gpu_quick.sh            # from the repository root; jax with CUDA installed
 #
@@ -11,7 +12,7 @@
 # the in-memory engine (paged_gpu.py fits_auto): at most 460 s of limits. quarter_state also gives a streamed step
 # against its prediction (the earlier paged_step.py and crossing.py figures: run them alone). Afterwards, on any
 # machine:
-#   python experiments/bench/calibration.py && python experiments/bench/paper_plans.py
+#   python experiments/bench/calibration.py --write && python experiments/bench/paper_plans.py --write
 # rebuild experiments/results/h200_calibration.json from these measurements and the plans on it.
 set -u
 cd "$(dirname "$0")/../.."
@@ -27,7 +28,7 @@ run() {  # run LIMIT_S NAME COMMAND...: one figure under its own limit
   timeout -s KILL "$limit" "$@" 2>&1 | grep -E '^\{|Error|error' | cut -c1-400
   echo "   $name: exit ${PIPESTATUS[0]} after $((SECONDS - t0)) s"
 }
-run 70 host_optimizer "$PY" experiments/bench/host_optimizer.py --repeats 3
-run 220 quarter_state "$PY" experiments/bench/paged_gpu.py --skip fits_auto ladder beyond_hbm --rounds 2 --steps 1
+run 70 host_optimizer "$PY" experiments/bench/host_optimizer.py --repeats 3 --write
+run 220 quarter_state "$PY" experiments/bench/paged_gpu.py --skip fits_auto ladder beyond_hbm --rounds 2 --steps 1 --write
 run 50 "bench io" "$PY" -m angel_jax.cli bench io --rounds 2 --jsonl experiments/results/io_gpu.jsonl
-run 120 fits_auto "$PY" experiments/bench/paged_gpu.py --skip quarter_state ladder beyond_hbm --rounds 3 --steps 3
+run 120 fits_auto "$PY" experiments/bench/paged_gpu.py --skip quarter_state ladder beyond_hbm --rounds 3 --steps 3 --write

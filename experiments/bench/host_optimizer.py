@@ -1,7 +1,7 @@
 """Throughput of the host optimizer (the stage update streamed stages run on the host) against this machine's
 memory-bandwidth bound, and how many cores it keeps busy.
 
-    python experiments/bench/host_optimizer.py [CONFIG] [key=value ...] [--repeats R] [--gib G] [--no-save]
+    python experiments/bench/host_optimizer.py [CONFIG] [key=value ...] [--repeats R] [--gib G] [--write]
 
 The stage timed is one block of the config's model (default: experiments/gpt_tiny.yaml and its optimizer, AdamW,
 with model.d_model=2048: 50 M parameters, 201 MB in float32), with the page size set to the block's parameter
@@ -21,7 +21,7 @@ way over arrays of --gib GiB (default 1), counting bytes read plus bytes written
   numpy triad      a = b + s*c in numpy, as np.multiply(c, s, out=a); np.add(a, b, out=a) (5 arrays moved)
   XLA triad        jit(lambda b, c: b + s*c) on the CPU backend with b donated: one fused loop, XLA's threads
 
-Figures (one JSON line each, appended to experiments/results/host_optimizer_<platform>.jsonl unless --no-save):
+Figures (one JSON line each, appended to experiments/results/host_optimizer_<platform>.jsonl with --write):
 
   bandwidth        every bound above in GB/s and the best one, `bound_gbs`
   update           the stage update's median and best seconds, bytes moved, achieved GB/s (from the median),
@@ -229,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("overrides", nargs="*")
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--gib", type=float, default=1.0, help="size of each array the bound is measured on")
-    p.add_argument("--no-save", action="store_true", help="print only, do not append to experiments/results")
+    p.add_argument("--write", action="store_true", help="append the figures to experiments/results/")
     p.add_argument("--update-only", action="store_true", help=argparse.SUPPRESS)  # a child: time the update
     p.add_argument("--bandwidth-only", action="store_true", help=argparse.SUPPRESS)  # a child: measure the bound
     p.add_argument("--one-core", action="store_true", help=argparse.SUPPRESS)
@@ -250,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     from angel_jax.benchinfo import emit, results_path
     from angel_jax.memory.malloc import with_huge_pages
 
-    out = None if args.no_save else results_path("host_optimizer")
+    out = results_path("host_optimizer") if args.write else None
     huge = with_huge_pages(PLAIN_ENV)
     # The bound is measured as the update is timed: in a child started with malloc's huge pages (without them the
     # same copies and triads ran at 0.6-1.0x these figures here, depending on how the arrays happened to be mapped).

@@ -1,7 +1,7 @@
 """Updates one step behind against exact updates: the main job's loss over a whole run with every stage streamed.
 
     python experiments/bench/lockfree_convergence.py [--config experiments/gpt_tiny.yaml] [--steps 600]
-        [--device-budget 36000000] [--page-size 262144] [--no-save] [key=value ...]
+        [--device-budget 36000000] [--page-size 262144] [--write] [key=value ...]
 
 Trains the config twice with the paged engine, every stage streamed through host memory and updated there (a
 device budget that holds no stage), in its own process each: `memory.staleness=0` (exact: step t+1 waits for each
@@ -9,7 +9,7 @@ stage's update of step t) and `memory.staleness=1` (lock-free: a stage may run s
 parameters while its step-t update is written, Angel-PTM's lock-free update). Same seed, same data; key=value
 overrides (optimizer.lr=1e-3, ...) apply to both runs and are recorded with every figure.
 
-Figures (one JSON line each, appended to experiments/results/lockfree_convergence_<platform>.jsonl unless --no-save):
+Figures (one JSON line each, appended to experiments/results/lockfree_convergence_<platform>.jsonl with --write):
 
   run_<staleness>        per run: the final training loss (mean of the last 50 steps' losses), the last eval/loss,
                          the mean step time after the first 20 steps, the plan (stages streamed, predicted step)
@@ -69,10 +69,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--device-budget", type=int, default=36_000_000, help="bytes; the default streams every stage "
                                                                           "of gpt_tiny")
     p.add_argument("--page-size", type=int, default=262_144)
-    p.add_argument("--no-save", action="store_true", help="print only, do not append to experiments/results")
+    p.add_argument("--write", action="store_true", help="append the figures to experiments/results/")
     p.add_argument("overrides", nargs="*", help="key=value config overrides for both runs")
     args = p.parse_args(argv)
-    results = None if args.no_save else results_path("lockfree_convergence")
+    results = results_path("lockfree_convergence") if args.write else None
     machine = machine_info()
     base = {"config": str(args.config.relative_to(ROOT) if args.config.is_relative_to(ROOT) else args.config),
             "steps": args.steps, "device_budget": args.device_budget, "page_size": args.page_size,

@@ -1,9 +1,9 @@
 """The paged engine on one GPU (H100 / H200): no slowdown for models that fit, and how far past HBM it goes.
 
-    PYTHONPATH=. python experiments/bench/paged_gpu.py [--disk-dir DIR] [--no-save]
+    PYTHONPATH=. python experiments/bench/paged_gpu.py [--disk-dir DIR] [--write]
     PYTHONPATH=. python experiments/bench/paged_gpu.py --smoke          # CPU, tiny models, a minute: the plumbing
 
-Figures (one JSON line each; appended to experiments/results/paged_gpu_<platform>.jsonl unless --no-save or
+Figures (one JSON line each; appended to experiments/results/paged_gpu_<platform>.jsonl with --write, never with
 --smoke):
 
   fits_auto        a model whose training state fits HBM: tokens/s of `memory.mode=auto` (which picks the in-memory
@@ -295,7 +295,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--skip", nargs="*", default=[], choices=["fits_auto", "quarter_state", "ladder", "beyond_hbm"])
     p.add_argument("--overrides", nargs="*", default=[], metavar="KEY=VALUE",
                    help="quarter_state: config overrides for both engines")
-    p.add_argument("--no-save", action="store_true")
+    p.add_argument("--write", action="store_true", help="append the figures to experiments/results/")
     p.add_argument("--rung", nargs=2, metavar=("MODE", "LAYERS"), help=argparse.SUPPRESS)
     p.add_argument("--sizes", default="gpu", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -307,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.smoke:
         args.rounds, args.steps = 1, min(args.steps, 2)
     Path(args.disk_dir).mkdir(parents=True, exist_ok=True)
-    save = None if (args.no_save or args.smoke) else results_path("paged_gpu")
+    save = results_path("paged_gpu") if args.write and not args.smoke else None
     machine = machine_info()
     deadline = time.time() + args.budget_s
     if "fits_auto" not in args.skip:

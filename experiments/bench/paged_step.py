@@ -2,7 +2,7 @@
 trainer in the same run, and the planner's predicted step time against the measured one.
 
     python experiments/bench/paged_step.py [CONFIG] [key=value ...] [--rounds R] [--steps N] [--warmup W]
-                                           [--micro-batches M] [--no-save]
+                                           [--micro-batches M] [--write]
 
 The default model (overrides below, on experiments/gpt_tiny.yaml) is sized so that the reference step takes over a
 second on a 2-core CPU and one eighth of the training state (fp32 parameters + Adam moments) still holds the step's
@@ -27,7 +27,7 @@ tokens against a 64 MB budget. The figure in docs/paged-training.md with 8 micro
 train.batch_size=1`: 8 micro-batches of one 64-token row, as many tokens per step as the default 2 x 256.
 
 Figures (one JSON line each, with "micro_batches": M, appended to experiments/results/paged_step_<platform>.jsonl
-unless --no-save):
+with --write):
 
   paged_vs_reference   median over rounds of paged step / reference step (target <= 1.5 on the CPU; with several
                        micro-batches <= 1.1), for the reference with model.remat as configured and, as
@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per engine after compiling")
     p.add_argument("--micro-batches", type=int, default=1,
                    help="micro-batches per step (gradient accumulation) of train.batch_size rows each")
-    p.add_argument("--no-save", action="store_true", help="print only, do not append to experiments/results")
+    p.add_argument("--write", action="store_true", help="append the figures to experiments/results/")
     args = p.parse_args(argv)
     cfg = load_config(args.config, DEFAULTS + args.overrides)
     micro = args.micro_batches
@@ -169,11 +169,11 @@ def main(argv: list[str] | None = None) -> int:
         emit({**common, "figure": "paged_vs_reference", "reference_remat": remat,
               "ratio_median": round(statistics.median(ratios), 4), "ratios": [round(r, 4) for r in ratios],
               "target": ratio_target, "meets_target": statistics.median(ratios) <= ratio_target},
-             None if args.no_save else results_path("paged_step"))
+             results_path("paged_step") if args.write else None)
     error = plan.predicted.step_time / med["paged"] - 1
     emit({**common, "figure": "predicted_vs_measured", "predicted_step_s": round(plan.predicted.step_time, 4),
           "measured_step_s": round(med["paged"], 4), "relative_error": round(error, 4), "target": error_target,
-          "meets_target": abs(error) <= error_target}, None if args.no_save else results_path("paged_step"))
+          "meets_target": abs(error) <= error_target}, results_path("paged_step") if args.write else None)
     return 0
 
 

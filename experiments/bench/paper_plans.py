@@ -15,7 +15,7 @@ on each command line.
   per GPU each way (8 GPUs in one server; an H100/H200 SXM's NVLink 4 is 450 GB/s each way, of which a ring
   all-gather reaches a part), or InfiniBand, 25 GB/s per GPU (one 200 Gb/s HDR port per GPU, 8 servers).
 
-    python experiments/bench/paper_plans.py [--only NAME] [--no-save]
+    python experiments/bench/paper_plans.py [--only NAME] [--write]
 
 Nothing is measured here: every figure is the planner's prediction from FLOPs at the stated peak (989 TFLOP/s,
 an H100/H200 SXM's dense bf16) and the stated bandwidths. Two sets of links are assumed, and one is measured:
@@ -28,7 +28,7 @@ an H100/H200 SXM's dense bf16) and the stated bandwidths. Two sets of links are 
                  in-memory engine reached there, ~420 TFLOP/s of the 989; pinned links ~49 GB/s; disk tier 1.4 read
                  / 1.8 write GB/s; host update 5.1 GB/s), under that machine's budgets (`H200_CASES`)
 
-Per case (one JSON line each, appended to experiments/results/paper_plans_<platform>.jsonl unless --no-save; the
+Per case (one JSON line each, appended to experiments/results/paper_plans_<platform>.jsonl with --write; the
 Gantt chart, plan.json and the command line (command.txt) under experiments/results/paper_plans/<case>/): the
 command line, the predicted step time and MFU, the stream that bounds the step and each stream's busy share, the
 chosen micro-batch size, passes and prefetch, the stages resident / streamed, each page family's bytes per tier,
@@ -193,9 +193,9 @@ def run_case(name: str, config: str, overrides: list[str], links: str, disk_dir:
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--only", default=None, help="run the cases whose name starts with this (default: all)")
-    p.add_argument("--no-save", action="store_true")
+    p.add_argument("--write", action="store_true", help="append the figures to experiments/results/")
     args = p.parse_args()
-    results = None if args.no_save else results_path("paper_plans")
+    results = results_path("paper_plans") if args.write else None
     charts = ROOT / "experiments" / "results" / "paper_plans"
     cases = {name: (config, overrides, links, BUDGETS, []) for name, (config, overrides, links) in CASES.items()}
     cases.update({name: (c.config, list(c.overrides), c.links, list(c.budgets),

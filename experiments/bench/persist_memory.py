@@ -1,7 +1,7 @@
 """The memory a persistent save needs beside the snapshot it persists: the persistent tier's writer against orbax's
 stock numpy handler, from the same memory-tier snapshot to the same directory.
 
-    python experiments/bench/persist_memory.py [--arrays 16] [--mib 64] [--repeats 3] [--workdir DIR] [--no-save]
+    python experiments/bench/persist_memory.py [--arrays 16] [--mib 64] [--repeats 3] [--workdir DIR] [--write]
                                                [--snapshot MEMORY_TIER/step_K]
 
 The persistent tier copies a committed memory-tier snapshot (read-only views of its file in /dev/shm) into an
@@ -15,7 +15,7 @@ The state is random float32 (`--arrays` x `--mib`, incompressible), or with `--s
 snapshot of a real run (e.g. /dev/shm/angel_jax-0/<run>/step_600 after `make train`), whose bytes on disk show what
 compression gains on trained weights and optimizer state.
 
-Figures (one JSON line each, appended to experiments/results/persist_memory_<platform>.jsonl unless --no-save):
+Figures (one JSON line each, appended to experiments/results/persist_memory_<platform>.jsonl with --write):
 
   persist_extra_anon_<writer>       peak RssAnon during the save minus RssAnon before it, bytes (median)
   persist_s_<writer>                the save's wall time (median)
@@ -95,7 +95,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mib", type=int, default=64, help="MiB per array")
     p.add_argument("--repeats", type=int, default=3, help="saves per writer (median reported)")
     p.add_argument("--workdir", type=Path, default=None, help="the persistent directories' parent (default: /var/tmp)")
-    p.add_argument("--no-save", action="store_true", help="print only, do not append to experiments/results")
+    p.add_argument("--write", action="store_true", help="append the figures to experiments/results/")
     p.add_argument("--snapshot", type=Path, default=None, help="a committed memory-tier snapshot to persist instead")
     p.add_argument("--child", nargs=3, metavar=("WRITER", "SNAPSHOT", "TARGET"), help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from angel_jax.checkpoint import CheckpointManager, CheckpointOptions
 
-    results = None if args.no_save else results_path("persist_memory")
+    results = results_path("persist_memory") if args.write else None
     machine = machine_info()
     work = Path(tempfile.mkdtemp(prefix="angel_jax_persist_bench_", dir=args.workdir or "/var/tmp"))
     memory = Path("/dev/shm") / f"angel_jax_persist_bench_{os.getpid()}"

@@ -1,6 +1,6 @@
 """Recovery time of `angel-jax launch`: from a fault to the first completed step after the restart.
 
-    python experiments/bench/recovery.py [--config experiments/gpt_tiny.yaml] [--repeats 1] [--no-save] [key=value ...]
+    python experiments/bench/recovery.py [--config experiments/gpt_tiny.yaml] [--repeats 1] [--write] [key=value ...]
 
 Each scenario launches the config with 2 workers on the CPU (gloo), waits for step --kill-at in metrics.jsonl,
 signals rank 1 from here, and reads the watchdog's events.jsonl afterwards (one clock: this machine's).
@@ -9,7 +9,7 @@ signals rank 1 from here, and reads the watchdog's events.jsonl afterwards (one 
   sigkill_nocache   SIGKILL, resilience.compile_cache=false: the restart compiles everything again
   sigstop_cache     SIGSTOP (a hang: the process is alive and silent); detection is bounded by the hang timeout
 
-Figures (one JSON line each, appended to experiments/results/recovery_<platform>.jsonl unless --no-save), per
+Figures (one JSON line each, appended to experiments/results/recovery_<platform>.jsonl with --write), per
 scenario:
 
   detection_s        signal sent -> the watchdog's crash / hang event (targets: crash <= 2 s; hang <= timeout + 2 s)
@@ -122,12 +122,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--kill-at", type=int, default=15, help="signal rank 1 once metrics.jsonl reaches this step")
     p.add_argument("--limit", type=float, default=900, help="seconds before a launch is killed")
-    p.add_argument("--no-save", action="store_true", help="print only, do not append to experiments/results")
+    p.add_argument("--write", action="store_true", help="append the figures to experiments/results/")
     args = p.parse_args(argv)
     overrides = ["train.steps=40", "checkpoint.every=10", "resilience.hang_timeout_min=10",
                  "resilience.stop_grace=5", *args.overrides]
     machine = machine_info()
-    results = None if args.no_save else results_path("recovery")
+    results = results_path("recovery") if args.write else None
     with tempfile.TemporaryDirectory(prefix="recovery-bench-") as tmp:
         for scenario in args.scenarios.split(","):
             samples = []

@@ -1,9 +1,9 @@
 """Tokens/s and MFU of the reference trainer's step for a config.
 
-    python experiments/bench/reference_step.py experiments/gpt_tiny.yaml [key=value ...] [--steps N] [--no-save]
+    python experiments/bench/reference_step.py experiments/gpt_tiny.yaml [key=value ...] [--steps N] [--write]
 
 Compiles, warms up, then times N steps on synthetic tokens (data loading is not part of the figure), and prints
-one JSON line; appends it to experiments/results/reference_step_<platform>.jsonl unless --no-save.
+one JSON line; appends it to experiments/results/reference_step_<platform>.jsonl with --write.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("config")
     p.add_argument("overrides", nargs="*")
     p.add_argument("--steps", type=int, default=10, help="timed steps (after 2 warm-up steps)")
-    p.add_argument("--no-save", action="store_true", help="print only, do not append to experiments/results")
+    p.add_argument("--write", action="store_true", help="append the figures to experiments/results/")
     args = p.parse_args(argv)
     cfg = load_config(args.config, args.overrides)
 
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         "tflops": round(perf["perf/tflops"], 4), "mfu": round(perf["perf/mfu"], 4),
         "peak_flops_per_device": peak.flops_per_device, "peak_source": peak.source,
     }
-    emit(record, None if args.no_save else results_path("reference_step"))
+    emit(record, results_path("reference_step") if args.write else None)
     return 0
 
 

@@ -2,7 +2,7 @@
 holds, how long a step takes, what the plan predicted, and how many bytes the collectives move.
 
     python experiments/bench/sharded.py [--ns 1,2,4] [--no-processes] [--rounds R] [--steps S] [--warmup W]
-                                        [--d-model D] [--no-save]
+                                        [--d-model D] [--write]
 
 Every configuration runs in its own child process (a CPU device count is fixed when jax starts): N forced host
 devices (XLA_FLAGS=--xla_force_host_platform_device_count=N, one process; N = 1 is the single-device paged engine,
@@ -26,7 +26,7 @@ reported):
     in_memory_sharded the in-memory engine with mesh.fsdp=N (NamedSharding, XLA's partitioner), N > 1
 
 Figures (one JSON line each, with n, kind "devices" / "processes", the machine, versions and date, appended to
-experiments/results/sharded_cpu.jsonl unless --no-save):
+experiments/results/sharded_cpu.jsonl with --write):
 
   per_rank_bytes     after the warm-up steps, every update landed (store.wait_all): per device, the bytes of the
                      arrays the store's device tier and host tier hold (`addressable_shards` of each tier's
@@ -438,7 +438,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--steps", type=int, default=3, help="steps per timed round")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps per engine after compiling")
     p.add_argument("--d-model", type=int, default=128)
-    p.add_argument("--no-save", action="store_true")
+    p.add_argument("--write", action="store_true", help="append the figures to experiments/results/")
     p.add_argument("--child", choices=("devices", "processes"), help=argparse.SUPPRESS)
     p.add_argument("--port", type=int, help=argparse.SUPPRESS)
     p.add_argument("--process-id", type=int, default=0, help=argparse.SUPPRESS)
@@ -455,7 +455,7 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         results.append(run_processes(args))
         print(f"# 2 processes: {time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)
-    figures(results, not args.no_save)
+    figures(results, args.write)
     return 0
 
 

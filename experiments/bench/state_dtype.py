@@ -1,10 +1,10 @@
 """What storing the optimizer state in bfloat16 costs in loss, and what it saves in bytes, on the main job.
 
-    python experiments/bench/state_dtype.py [--config experiments/gpt_tiny.yaml] [--steps 300] [--no-save]
+    python experiments/bench/state_dtype.py [--config experiments/gpt_tiny.yaml] [--steps 300] [--write]
 
 Two real `angel-jax train` runs of the config, identical but for `optimizer.state_dtype` (float32, then
 bfloat16), each in its own process. Figures (one JSON line each, appended to
-experiments/results/state_dtype_<platform>.jsonl unless --no-save):
+experiments/results/state_dtype_<platform>.jsonl with --write):
 
   loss_effect     final loss and the mean loss of the last 50 steps of each run, and their relative difference
                   (goal: within 1% of float32)
@@ -54,9 +54,9 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", default=str(ROOT / "experiments" / "gpt_tiny.yaml"))
     p.add_argument("--steps", type=int, default=300)
-    p.add_argument("--no-save", action="store_true")
+    p.add_argument("--write", action="store_true", help="append the figures to experiments/results/")
     args = p.parse_args()
-    out = None if args.no_save else results_path("state_dtype")
+    out = results_path("state_dtype") if args.write else None
     with tempfile.TemporaryDirectory(prefix="state_dtype.") as d:
         runs = {dtype: run(args.config, args.steps, dtype, Path(d)) for dtype in ("float32", "bfloat16")}
     final = {k: r["losses"][-1] for k, r in runs.items()}
