@@ -314,3 +314,28 @@ def test_callbacks_that_wait_for_a_lock_never_stall_tensorstore(tmp_path):
         f.result(timeout=30)
     assert np.array_equal(tier.read(5).result(timeout=30), np.arange(16, dtype=np.uint32) + 5)
     tier.close()
+
+
+def test_a_tier_that_cannot_delete_warns_once_with_the_cause_then_counts(tmp_path, monkeypatch, recwarn):
+    """A tier whose directory turned immutable mid-run (`chattr +i`: every unlink says EPERM) warned once per chunk
+    file (574 lines before the run's last one); now once with the cause, and once with the count at close."""
+    import errno
+
+    import angel_jax.memory.disk_tier as disk_tier
+
+    tier = DiskTier(tmp_path)
+    for i in range(20):
+        tier.write(i, page(i)).result()
+
+    def unlink(path, *a, **k):
+        raise PermissionError(errno.EPERM, "Operation not permitted", path)
+
+    monkeypatch.setattr(disk_tier.os, "unlink", unlink)
+    for i in range(20):
+        tier.free(i)
+    tier.close()
+    messages = [str(w.message) for w in recwarn.list if issubclass(w.category, RuntimeWarning)]
+    assert len(messages) == 2, messages
+    assert "Operation not permitted" in messages[0] and "counted, not warned about one by one" in messages[0]
+    assert messages[1].startswith(f"disk tier: {len(tier.unremoved_files)} chunk files") and \
+        len(tier.unremoved_files) >= 20

@@ -347,6 +347,9 @@ class DiskTier(Tier):
                 self._forget(pid)
         if remove and os.path.isdir(self.root):
             shutil.rmtree(self.root, ignore_errors=True)
+        if len(self.unremoved_files) > 1:
+            warnings.warn(f"disk tier: {len(self.unremoved_files)} chunk files under {self.root} could not be deleted "
+                          f"(the first: {self.unremoved_files[0]}); delete them by hand", RuntimeWarning, stacklevel=2)
 
     def _forget(self, page_id: int) -> None:
         with self._lock:
@@ -366,7 +369,11 @@ class DiskTier(Tier):
         except OSError as e:
             with self._lock:
                 self.unremoved_files.append(path)
-            warnings.warn(f"disk tier: could not delete {path}: {e}", RuntimeWarning, stacklevel=2)
+                first = len(self.unremoved_files) == 1
+            if first:  # the cause once, not once per chunk (a tier made immutable mid-run fails every delete)
+                warnings.warn(f"disk tier: could not delete {path}: {e}; the chunk files it cannot delete from now "
+                              f"on are counted, not warned about one by one (the count when the tier closes)",
+                              RuntimeWarning, stacklevel=2)
 
 
 def _crc32(data: np.ndarray) -> int:
