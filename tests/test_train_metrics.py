@@ -174,3 +174,5 @@ def test_a_trained_gpt_tiny_logs_no_impossible_figure(tmp_path, write_tiny_confi
     assert 0.25 * span <= last["perf/step_time"] * (steps - 1) <= 4 * span + 0.01
     shown = re.findall(r"tok/s=(\d+), mfu=([0-9.]+)%", err)[-1]
     assert int(shown[0]) == round(last["perf/tokens_per_s"]) and float(shown[1]) == round(100 * last["perf/mfu"], 1)
+    # stderr is not a terminal here: plain lines (every step at log_every=1), no \r bar
+    assert "\r" not in err and re.findall(r"^tiny: step (\d+)/7", err, re.M) == [str(k) for k in range(1, 8)]

@@ -45,6 +45,7 @@ from angel_jax.train.engines import TrainEngine, build_engine, refuse_beyond_rea
 from angel_jax.train.evaluation import ValidationSet, eval_due, evaluate
 from angel_jax.train.hooks import HookList, OnStep, TrainHooks
 from angel_jax.train.preemption import Preempted, StopSignals, SyncedStop, stop_source
+from angel_jax.train.progress import progress_display
 from angel_jax.train.report import memory_report
 from angel_jax.train.rundir import lock_run_dir
 from angel_jax.train.sharding import make_mesh
@@ -552,6 +553,5 @@ def _close(t: Trainer) -> None:
 def _progress(t: Trainer) -> Any:
     if not (t.is_primary and t.cfg.train.progress):
         return None
-    from tqdm import tqdm
-
-    return tqdm(total=t.cfg.train.steps, initial=t.start_step, desc=t.cfg.name, unit="step", dynamic_ncols=True)
+    # A bar on a terminal; in a log file plain lines, every train.log_every steps and at least every 30 s.
+    return progress_display(t.cfg.name, t.cfg.train.steps, t.start_step, every=t.cfg.train.log_every)
