@@ -281,6 +281,8 @@ class TrainConfig:
     log_every: int = doc(10, "Write metrics every this many steps (step 1 is always logged).")
     progress: bool = doc(True, "Show a progress bar on process 0.")
     resume: bool = doc(True, "Resume from the newest checkpoint in the run directory if there is one.")
+    allow_data_change: bool = doc(False, "Resume even when the tokenizer or the training data's content differ from "
+                                         "what the checkpoint recorded (a resume on other data is refused otherwise).")
     eval_every: int = doc(0, "Evaluate the validation loss every this many steps, and after the last (0 = off).")
     eval_batches: int = doc(4, "Validation batches of batch_size sequences per evaluation: the same first ones of "
                                "the val split every time.")

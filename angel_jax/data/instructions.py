@@ -55,6 +55,7 @@ from angel_jax.data import marks as token_marks
 from angel_jax.config import ConfigError
 from angel_jax.data.sources import JSONL, DataError, json_kind, json_object, jsonl_lines, resolve_sources, source_format
 from angel_jax.data.hf_tokenizer import HfTokenizer, chat_template_fingerprint, copy_files, fingerprint
+from angel_jax.data.identity import sources_content
 
 log = logging.getLogger(__name__)
 
@@ -489,7 +490,7 @@ def prepare(files: list[Path], out_dir: Path, rows: Rows, *, tokenizer: str = "b
         else:
             val = []
         meta = data_lib.base_meta(tokenizer, tok.vocab_size, train, val)
-        meta.update(dtype=SHARD_DTYPE, sources=len(files), spec=want,
+        meta.update(dtype=SHARD_DTYPE, sources=len(files), spec=want, content=sources_content(files),
                     tokenizer_file=None if tokenizer == "byte" else data_lib.TOKENIZER_FILE,
                     instruction={"row_tokens": rows.row_tokens, "pack": rows.pack, **vars(counts)})
         if isinstance(tok, HfTokenizer):  # what a copy without config.json still needs (data.load_tokenizer)

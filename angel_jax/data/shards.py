@@ -2,7 +2,8 @@
 
 A prepared data directory holds:
 
-    meta.json        format, tokenizer, vocab size, shard list, token counts and the spec it was prepared from
+    meta.json        format, tokenizer, vocab size, shard list, token counts, the spec it was prepared from and
+                     the content of its sources (sha256 per file: what a resume compares, data/identity.py)
     train_00000.bin  raw little-endian uint16 tokens (uint32 for a vocabulary past 65536 ids; np.memmap-able);
                      every shard but the last has shard_tokens (instruction data: int32 rows of seq_len + 1 marked
                      tokens, angel_jax/data/instructions.py)
@@ -35,6 +36,7 @@ import numpy as np
 # DataError and resolve_sources are also this module's API (callers name them through it).
 from angel_jax.data.sources import DataError, ReadStats, holds_records, read_documents, resolve_sources
 from angel_jax.data.hf_tokenizer import HfTokenizer, copy_files, fingerprint
+from angel_jax.data.identity import sources_content, tokens_content
 
 FORMAT = 1
 DTYPE = np.dtype("<u2")  # little-endian on every host, so shards are portable
@@ -341,7 +343,8 @@ def prepare(sources: list[Path], out_dir: Path, *, tokenizer: str = "byte", voca
         train, val = split_tail(tmp, train, n_val, shard_tokens, dtype) if n_val else (train, [])
         meta = base_meta(tokenizer, tok.vocab_size, train, val)
         meta.update(sources=stats.files, source_bytes=stats.bytes, spec=spec,
-                    tokenizer_file=None if tokenizer == "byte" else TOKENIZER_FILE)
+                    tokenizer_file=None if tokenizer == "byte" else TOKENIZER_FILE,
+                    content=sources_content(sources))  # what a resume compares (data/identity.py)
         if isinstance(tok, HfTokenizer):  # what a copy without config.json still needs (load_tokenizer)
             meta.update(tokenizer_path=str(Path(tokenizer_path).absolute()), special_tokens=tok.special_tokens)
         return meta
@@ -430,7 +433,7 @@ def write_tokens(tokens: np.ndarray, out_dir: Path, *, vocab_size: int, shard_to
         writer = ShardWriter(tmp, "train", shard_tokens, dtype)
         writer.append(tokens.astype(dtype))
         meta = base_meta(tokenizer, vocab_size, writer.close(), [])
-        meta.update(sources=0, source_bytes=0, spec=None, tokenizer_file=None)
+        meta.update(sources=0, source_bytes=0, spec=None, tokenizer_file=None, content=tokens_content(tokens))
         return meta
 
     return publish(Path(out_dir), build)

@@ -6,7 +6,8 @@ peer copy and an orbax checkpoint in the background) holds
     arrays   every array of the engine's training state (`TrainEngine.state_snapshot`: parameters and optimizer
              state; for the paged engine, every page family wherever it lives)
     meta     {"step": k, "data": the data iterator's state, "engine": engine meta (name, page layout),
-              "seed": train.seed, "config": the resolved config}
+              "seed": train.seed, "config": the resolved config, "identity": what the run trains on (the
+              tokenizer's fingerprint, the sha256 of the data's sources: data/identity.py)}
 
 in the format of the engine that wrote it (its array names, meta and assembly: train/state_formats.py).
 
@@ -31,6 +32,10 @@ and on restore the processes agree on the newest step every one of them can rest
 valid tier). A run over another set of processes (fewer, more, or one) resumes the newest step committed in
 every process's persistent tier, assembled into whole pages or leaves (`assemble_shards`), and logs that it did.
 
+A resume continues the same run or is refused (`check_same_run`): the config's model, and the identity recorded
+in the checkpoint against the run's own (another tokenizer of the same vocabulary, a source replaced by another
+of the same size), unless train.allow_data_change says to go on.
+
 Fault injection (crash tests only) enters here, at the edge: the engine is built with the hook that
 ANGEL_JAX_CKPT_KILL_AT describes (angel_jax/checkpoint/faults.py), read when the engine is built.
 """
@@ -54,6 +59,7 @@ from angel_jax.checkpoint.persist import OrbaxTier
 from angel_jax.checkpoint.snapshot import SnapshotDamaged
 from angel_jax.checkpoint.trust import untrusted
 from angel_jax.config import Config, to_dict
+from angel_jax.data import identity as data_identity
 from angel_jax.multihost import barrier, every_process_lists, from_any, from_primary
 from angel_jax.train.state_formats import format_of
 from angel_jax.train.tier_ownership import OWNER_FILE, PROCESS_DIR, claim_memory_tier, release_memory_tier
@@ -83,6 +89,34 @@ def check_same_model(saved_config: dict | None, cfg: Config, step: int) -> None:
         raise CheckpointError(f"the checkpoint of step {step} holds another model than the config asks for: "
                               f"{changes}. Resume with the checkpoint's model settings, or start a new run "
                               "(another train.run_dir, or train.resume=false)", step=step)
+
+
+def check_same_run(meta: dict[str, Any], cfg: Config, identity: dict[str, Any] | None, step: int) -> None:
+    """Refuse to resume a checkpoint (its `meta`) into another run: another model (check_same_model), or another
+    tokenizer or other training data than its recorded identity (data/identity.py), unless
+    train.allow_data_change says to. Every process compares its own data, and all refuse when any does (a
+    collective: every process calls it). A checkpoint written before identities were recorded resumes uncompared."""
+    check_same_model(meta.get("config"), cfg, step)
+    saved = meta.get("identity")
+    if identity is None or not isinstance(saved, dict):
+        if identity is not None:
+            log.warning("the checkpoint of step %d records no tokenizer or data fingerprint (written before "
+                        "checkpoints recorded them): resuming without comparing them", step)
+        return
+    source = f"data.source={cfg.data.source}"
+    differ = data_identity.changes(saved, identity, source_key=source, tokenizer_key=(
+        f"data.tokenizer_path={cfg.data.tokenizer_path}" if cfg.data.tokenizer == "hf" else
+        f"data.tokenizer={cfg.data.tokenizer}"))
+    if differ and cfg.train.allow_data_change:
+        log.warning("train.allow_data_change: resuming the checkpoint of step %d on changed data: %s", step,
+                    "; ".join(differ))
+        differ = []
+    if from_any(bool(differ)):
+        detail = "; ".join(differ) or "another process's tokenizer or data differ (see its message)"
+        raise CheckpointError(f"the checkpoint of step {step} was trained on other data than this run's: {detail}. "
+                              "Resume with the checkpoint's tokenizer and data, start a new run (train.resume=false, "
+                              "or another train.run_dir), or set train.allow_data_change=true to resume on this data "
+                              "anyway", step=step)
 
 
 def checkpoint_options(cfg: Config, run_dir: Path, process: int | None = None) -> CheckpointOptions:
@@ -127,8 +161,10 @@ class TrainCheckpointer:
     its own tiers (`process_<p>` directories), and the processes agree on the newest step each of them can
     restore. A run over another set of processes resumes such shards assembled into the whole state."""
 
-    def __init__(self, cfg: Config, run_dir: Path, *, primary: bool, per_process: bool = False):
+    def __init__(self, cfg: Config, run_dir: Path, *, primary: bool, per_process: bool = False,
+                 identity: dict[str, Any] | None = None):
         self.cfg = cfg
+        self.identity = identity  # what the run trains on (data/identity.py): recorded in every checkpoint
         self.per_process = per_process
         self.options = checkpoint_options(cfg, run_dir, jax.process_index() if per_process else None)
         self.primary = primary
@@ -158,7 +194,8 @@ class TrainCheckpointer:
         if not (self.primary or self.per_process):
             snapshot.release()
             return None
-        full = {"step": step, **meta, "seed": self.cfg.train.seed, "config": to_dict(self.cfg)}
+        full = {"step": step, **meta, "seed": self.cfg.train.seed, "config": to_dict(self.cfg),
+                **({"identity": self.identity} if self.identity is not None else {})}
         self.last_handle = self.engine.save(step, snapshot, full)
         return self.last_handle
 

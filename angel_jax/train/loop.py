@@ -29,6 +29,8 @@ from angel_jax import config as config_lib
 from angel_jax.data import shards as data_lib
 from angel_jax.data import hf_tokenizer as tokenizers_hf
 from angel_jax.data import instructions as instruction_data
+from angel_jax.data import identity as data_identity
+from angel_jax.data.sources import resolve_sources
 from angel_jax.checkpoint.manager import PersistenceFailed, PersistStreak
 from angel_jax.config import Config
 from angel_jax.errors import EXIT_EXCLUDE, EXIT_RESTART
@@ -39,7 +41,7 @@ from angel_jax.tee.actions import Action
 from angel_jax.tee.events import EventLog
 from angel_jax.train import metrics as metrics_lib
 from angel_jax.train.anomaly import AnomalyMonitor, RestartRequested, TrainingDiverged, Verdict
-from angel_jax.train.checkpointing import TrainCheckpointer, check_same_model
+from angel_jax.train.checkpointing import TrainCheckpointer, check_same_run
 from angel_jax.train.curves import loss_curve_hooks
 from angel_jax.train.engines import TrainEngine, build_engine, refuse_beyond_reach
 from angel_jax.train.evaluation import ValidationSet, eval_due, evaluate
@@ -181,7 +183,11 @@ def setup(cfg: Config, hooks: HookList) -> Trainer:
     monitor = AnomalyMonitor(cfg.anomaly, rank=jax.process_index(), primary=is_primary, events=events)
     skips = [list(r) for r in cfg.data.skip_batches]
 
-    checkpointer = TrainCheckpointer(cfg, run_dir, primary=is_primary, per_process=engine.checkpoints_per_process)
+    # What this run trains on, recorded in its checkpoints and compared at resume (data for a legacy directory
+    # whose meta.json lacks its content is hashed from the sources it was prepared from).
+    identity = data_identity.identity_of(data_dir_for(cfg), data.meta, lambda: resolve_sources(cfg.data.source))
+    checkpointer = TrainCheckpointer(cfg, run_dir, primary=is_primary, per_process=engine.checkpoints_per_process,
+                                     identity=identity)
     start_step = 0
     if not cfg.train.resume:
         checkpointer.archive_existing()
@@ -190,7 +196,7 @@ def setup(cfg: Config, hooks: HookList) -> Trainer:
         restored = checkpointer.restore_latest()
         if restored is not None:
             start_step, arrays, meta, tier = restored
-            check_same_model(meta.get("config"), cfg, start_step)
+            check_same_run(meta, cfg, identity, start_step)
             engine.load_state(arrays, meta.get("engine", {}))
             data.restore(data_lib.IteratorState.from_dict(meta["data"]))
             skips += [r for r in meta.get("data_skips", []) if r not in skips]
