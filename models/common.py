@@ -1,5 +1,6 @@
-"""Pieces every model family shares: the per-stage random keys, the loss, the pure-dict view of NNX state, and how
-a family builds its parameters whole, abstractly or one stage at a time."""
+"""Pieces every model family shares: the per-stage random keys, the loss, the pure-dict view of NNX state, how
+a family builds its parameters whole, abstractly or one stage at a time, and the matmul rule of the CPU backend
+(`dot_general`, `einsum`, `Linear`)."""
 
 from __future__ import annotations
 
@@ -11,6 +12,74 @@ import jax.numpy as jnp
 from flax import nnx
 
 from angel_jax.data import marks as token_marks
+
+
+def fp32_here(compute_dtype: Any) -> bool:
+    """Whether a matmul of a model computing in `compute_dtype` computes in float32 in the program being traced:
+    the compute dtype is a float narrower than float32 (a bfloat16 recipe) and the program is for XLA:CPU. XLA:CPU
+    has no fast bfloat16 dot for every layout: a weight gradient's dot (contracting the batch and sequence axes)
+    runs a generic loop, so a bfloat16 block's forward and backward took 11x its float32 time on the 2-core VM
+    (experiments/bench/bf16_cpu.py).
+
+    Decided when the program is traced, from the default backend: the model's stage and step functions run there.
+    (The paged engine's host updates run on the CPU backend of a GPU machine too, but they hold no model matmul.)"""
+    dtype = jnp.dtype(compute_dtype)
+    return jnp.issubdtype(dtype, jnp.floating) and jnp.finfo(dtype).bits < 32 and jax.default_backend() == "cpu"
+
+
+def precision_line(cfg: Any) -> str:
+    """The run's compute dtypes in one line for its start-up report, with the matmul rule where it applies
+    ("compute bfloat16, parameters float32, matmuls in float32 on cpu: ...")."""
+    line = f"compute {cfg.compute_dtype}, parameters {cfg.param_dtype}"
+    if not fp32_here(cfg.compute_dtype):
+        return line
+    if cfg.cpu_matmul_fp32:
+        return (f"{line}, matmuls in float32 on {jax.default_backend()}: XLA:CPU has no fast bfloat16 dot "
+                "(model.cpu_matmul_fp32=false keeps them in bfloat16)")
+    return f"{line}, matmuls in bfloat16 on {jax.default_backend()} (model.cpu_matmul_fp32=false: slow on XLA:CPU)"
+
+
+def dot_general(x: jax.Array, w: jax.Array, dimension_numbers: Any, *, dtype: Any, cpu_fp32: bool) -> jax.Array:
+    """The families' matmul rule: activations `x` against weights `w` (as stored, in model.param_dtype), the
+    result in the compute dtype `dtype`. Where `cpu_fp32` (model.cpu_matmul_fp32) and `fp32_here(dtype)`: the
+    activations rounded to `dtype` as everywhere else, then both operands in float32 (exact upcasts), products
+    summed in float32, the result rounded to `dtype` once; so what is stored and moved around the dot (stage inputs,
+    activations) stays in bfloat16 and the dot is XLA:CPU's float32 one. Weights are not rounded to bfloat16 first:
+    on the CPU that rounding is a pass over every weight (and over its gradient in the backward) that buys nothing,
+    and it cost +20% of a block's time over float32. Elsewhere both operands are cast to `dtype`, as nnx.Linear."""
+    if cpu_fp32 and fp32_here(dtype):
+        x32, w32 = x.astype(dtype).astype(jnp.float32), w.astype(jnp.float32)
+        return jax.lax.dot_general(x32, w32, dimension_numbers).astype(dtype)
+    return jax.lax.dot_general(x.astype(dtype), w.astype(dtype), dimension_numbers)
+
+
+def einsum(spec: str, x: jax.Array, w: jax.Array, *, dtype: Any, cpu_fp32: bool) -> jax.Array:
+    """`jnp.einsum(spec, x, w)` under the rule of `dot_general` (activations `x`, weights or a second activation
+    `w`, the result in `dtype`)."""
+    if cpu_fp32 and fp32_here(dtype):
+        x32, w32 = x.astype(dtype).astype(jnp.float32), w.astype(jnp.float32)
+        return jnp.einsum(spec, x32, w32).astype(dtype)
+    return jnp.einsum(spec, x.astype(dtype), w.astype(dtype))
+
+
+class Linear(nnx.Linear):
+    """`nnx.Linear` (same parameters, same paths: kernel, bias) whose product follows the families' matmul rule
+    (`dot_general`; the bias is added in float32 there, before the one rounding). `cpu_fp32`:
+    model.cpu_matmul_fp32."""
+
+    def __init__(self, in_features: int, out_features: int, *, cpu_fp32: bool, **kwargs: Any):
+        super().__init__(in_features, out_features, **kwargs)
+        self.cpu_fp32 = cpu_fp32
+
+    def __call__(self, inputs: jax.Array, out_sharding: Any = None) -> jax.Array:
+        dtype = self.dtype or inputs.dtype
+        if out_sharding is not None or not (self.cpu_fp32 and fp32_here(dtype)):
+            return super().__call__(inputs, out_sharding)
+        x32, kernel = inputs.astype(dtype).astype(jnp.float32), self.kernel[...].astype(jnp.float32)
+        y = jax.lax.dot_general(x32, kernel, (((x32.ndim - 1,), (0,)), ((), ())))
+        if self.bias is not None:
+            y = y + self.bias[...].astype(jnp.float32)
+        return y.astype(dtype)
 
 
 def stage_key(key: jax.Array, stage: int | jax.Array) -> jax.Array:

@@ -37,7 +37,8 @@ from angel_jax.data import marks as token_marks
 from angel_jax.config import ModelConfig
 from models.attention import cached_attention, causal_attention
 from models import documents as documents_lib, moe_decoder
-from models.common import abstract_params_of, cross_entropy, family_functions, one_stage_params, stage_key, whole_params
+from models.common import (Linear, abstract_params_of, cross_entropy, family_functions, one_stage_params,
+                           stage_key, whole_params)
 from models.moe import MoE, MoEFigures
 from models.stages import PlannerHints, Stage, StagedModel
 
@@ -84,29 +85,30 @@ class Block(nnx.Module):
         init = nnx.initializers.normal(_INIT_STD)
         # GPT-2: residual projections scaled by 1/sqrt(2 * depth) so the stream's variance does not grow with depth.
         out_init = nnx.initializers.normal(_INIT_STD / (2 * cfg.n_layers) ** 0.5)
-        lin = dict(dtype=cdt, param_dtype=pdt, rngs=rngs)
+        lin = dict(dtype=cdt, param_dtype=pdt, cpu_fp32=cfg.cpu_matmul_fp32, rngs=rngs)
         self.ln_attn = nnx.LayerNorm(d, epsilon=cfg.norm_eps, dtype=cdt, param_dtype=pdt, rngs=rngs)
-        self.qkv = nnx.Linear(d, 3 * d, kernel_init=init, **lin)
-        self.attn_out = nnx.Linear(d, d, kernel_init=out_init, **lin)
+        self.qkv = Linear(d, 3 * d, kernel_init=init, **lin)
+        self.attn_out = Linear(d, d, kernel_init=out_init, **lin)
         self.ln_mlp = nnx.LayerNorm(d, epsilon=cfg.norm_eps, dtype=cdt, param_dtype=pdt, rngs=rngs)
         if moe:
             self.moe = MoE(cfg, gated=False, out_std=_INIT_STD / (2 * cfg.n_layers) ** 0.5, rngs=rngs)
         else:
-            self.mlp_in = nnx.Linear(d, hidden, kernel_init=init, **lin)
-            self.mlp_out = nnx.Linear(hidden, d, kernel_init=out_init, **lin)
+            self.mlp_in = Linear(d, hidden, kernel_init=init, **lin)
+            self.mlp_out = Linear(hidden, d, kernel_init=out_init, **lin)
         self.n_heads = cfg.n_heads
+        self.cpu_fp32 = cfg.cpu_matmul_fp32
 
     def __call__(self, x: jax.Array, segments: jax.Array | None = None) -> jax.Array:
         """`segments`: packed documents (models/documents.py), each attending only to itself."""
         q, k, v = self._qkv(x)
-        return self._residual(x, causal_attention(q, k, v, segments))
+        return self._residual(x, causal_attention(q, k, v, segments, cpu_fp32=self.cpu_fp32))
 
     def decode(self, x: jax.Array, cache_k: jax.Array, cache_v: jax.Array,
                pos: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """The block on tokens at positions pos .. pos+T-1, attending to this block's cache [B, S, H, D] of the
         positions before them; returns the output and the cache with their keys and values added."""
         q, k, v = self._qkv(x)
-        attn, cache_k, cache_v = cached_attention(q, k, v, cache_k, cache_v, pos)
+        attn, cache_k, cache_v = cached_attention(q, k, v, cache_k, cache_v, pos, cpu_fp32=self.cpu_fp32)
         return self._residual(x, attn), cache_k, cache_v
 
     def _qkv(self, x: jax.Array) -> list[jax.Array]:
@@ -116,7 +118,7 @@ class Block(nnx.Module):
     def routed(self, x: jax.Array, segments: jax.Array | None = None) -> tuple[jax.Array, MoEFigures]:
         """An MoE block's forward: its output and its MoE layer's figures (`segments` as for `__call__`)."""
         q, k, v = self._qkv(x)
-        x = self._attention_residual(x, causal_attention(q, k, v, segments))
+        x = self._attention_residual(x, causal_attention(q, k, v, segments, cpu_fp32=self.cpu_fp32))
         y, figures = self.moe(self.ln_mlp(x))
         return x + y, figures
 
@@ -124,7 +126,7 @@ class Block(nnx.Module):
                       pos: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         """An MoE block's `decode`: its experts route without dropping a token (`MoE.__call__(drop=False)`)."""
         q, k, v = self._qkv(x)
-        attn, cache_k, cache_v = cached_attention(q, k, v, cache_k, cache_v, pos)
+        attn, cache_k, cache_v = cached_attention(q, k, v, cache_k, cache_v, pos, cpu_fp32=self.cpu_fp32)
         x = self._attention_residual(x, attn)
         return x + self.moe(self.ln_mlp(x), drop=False)[0], cache_k, cache_v
 
@@ -142,7 +144,8 @@ class Head(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         cdt, pdt = _dtypes(cfg)
         self.ln = nnx.LayerNorm(cfg.d_model, epsilon=cfg.norm_eps, dtype=cdt, param_dtype=pdt, rngs=rngs)
-        self.unembed = nnx.Linear(cfg.d_model, cfg.vocab_size, use_bias=False, dtype=cdt, param_dtype=pdt,
+        self.unembed = Linear(cfg.d_model, cfg.vocab_size, use_bias=False, dtype=cdt, param_dtype=pdt,
+                                  cpu_fp32=cfg.cpu_matmul_fp32,
                                   kernel_init=nnx.initializers.normal(_INIT_STD), rngs=rngs)
 
     def __call__(self, x: jax.Array) -> jax.Array:

@@ -55,7 +55,8 @@ from angel_jax.data import marks as token_marks
 from angel_jax.config import ConfigError, ModelConfig
 from models.attention import cached_attention, causal_attention
 from models import documents as documents_lib, moe_decoder
-from models.common import abstract_params_of, cross_entropy, family_functions, one_stage_params, stage_key, whole_params
+from models.common import (Linear, abstract_params_of, cross_entropy, dot_general, family_functions,
+                           one_stage_params, stage_key, whole_params)
 from models.moe import MoE, MoEFigures
 from models.stages import PlannerHints, Stage, StagedModel
 
@@ -170,23 +171,24 @@ class Block(nnx.Module):
         # As the GPT: residual projections scaled by 1/sqrt(2 * depth) so the stream's variance does not grow with
         # depth when training from scratch (imported weights replace all of this).
         out_init = nnx.initializers.normal(_INIT_STD / (2 * cfg.n_layers) ** 0.5)
-        lin = dict(use_bias=False, dtype=cdt, param_dtype=pdt, rngs=rngs)
+        lin = dict(use_bias=False, dtype=cdt, param_dtype=pdt, cpu_fp32=cfg.cpu_matmul_fp32, rngs=rngs)
         qkv = {**lin, "use_bias": cfg.qkv_bias}  # biases start at zero (nnx.Linear's default)
         norm = dict(epsilon=cfg.norm_eps, dtype=cdt, param_dtype=pdt, rngs=rngs)
         self.attn_norm = nnx.RMSNorm(d, **norm)
-        self.q = nnx.Linear(d, cfg.n_heads * hd, kernel_init=init, **qkv)
-        self.k = nnx.Linear(d, cfg.kv_heads * hd, kernel_init=init, **qkv)
-        self.v = nnx.Linear(d, cfg.kv_heads * hd, kernel_init=init, **qkv)
-        self.o = nnx.Linear(cfg.n_heads * hd, d, kernel_init=out_init, **{**lin, "use_bias": cfg.o_bias})
+        self.q = Linear(d, cfg.n_heads * hd, kernel_init=init, **qkv)
+        self.k = Linear(d, cfg.kv_heads * hd, kernel_init=init, **qkv)
+        self.v = Linear(d, cfg.kv_heads * hd, kernel_init=init, **qkv)
+        self.o = Linear(cfg.n_heads * hd, d, kernel_init=out_init, **{**lin, "use_bias": cfg.o_bias})
         self.mlp_norm = nnx.RMSNorm(d, **norm)
         if moe:
             self.moe = MoE(cfg, gated=True, out_std=_INIT_STD / (2 * cfg.n_layers) ** 0.5, rngs=rngs)
         else:
-            self.gate = nnx.Linear(d, hidden, kernel_init=init, **lin)
-            self.up = nnx.Linear(d, hidden, kernel_init=init, **lin)
-            self.down = nnx.Linear(hidden, d, kernel_init=out_init, **lin)
+            self.gate = Linear(d, hidden, kernel_init=init, **lin)
+            self.up = Linear(d, hidden, kernel_init=init, **lin)
+            self.down = Linear(hidden, d, kernel_init=out_init, **lin)
         self.n_heads, self.kv_heads, self.head_dim, self.rope_theta = cfg.n_heads, cfg.kv_heads, hd, cfg.rope_theta
         self.rope_scaling = rope_scaling(cfg)
+        self.cpu_fp32 = cfg.cpu_matmul_fp32
 
     def _qkv(self, x: jax.Array, positions: jax.Array) -> tuple[jax.Array, jax.Array, jax.Array]:
         b, t, _ = x.shape
@@ -212,13 +214,13 @@ class Block(nnx.Module):
         its start."""
         positions = jnp.arange(x.shape[1]) if segments is None else documents_lib.positions_in(segments)
         q, k, v = self._qkv(x, positions)
-        return self._rest(x, causal_attention(q, k, v, segments))
+        return self._rest(x, causal_attention(q, k, v, segments, cpu_fp32=self.cpu_fp32))
 
     def routed(self, x: jax.Array, segments: jax.Array | None = None) -> tuple[jax.Array, MoEFigures]:
         """An MoE block's forward: its output and its MoE layer's figures (`segments` as for `__call__`)."""
         positions = jnp.arange(x.shape[1]) if segments is None else documents_lib.positions_in(segments)
         q, k, v = self._qkv(x, positions)
-        x = self._attention_residual(x, causal_attention(q, k, v, segments))
+        x = self._attention_residual(x, causal_attention(q, k, v, segments, cpu_fp32=self.cpu_fp32))
         y, figures = self.moe(self.mlp_norm(x))
         return x + y, figures
 
@@ -226,14 +228,14 @@ class Block(nnx.Module):
                ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """x [B, T, d] at positions pos .. pos+T-1 over this layer's cache [B, S, K, D]: (output, new k, new v)."""
         q, k, v = self._qkv(x, pos + jnp.arange(x.shape[1]))
-        attn, cache_k, cache_v = cached_attention(q, k, v, cache_k, cache_v, pos)
+        attn, cache_k, cache_v = cached_attention(q, k, v, cache_k, cache_v, pos, cpu_fp32=self.cpu_fp32)
         return self._rest(x, attn), cache_k, cache_v
 
     def routed_decode(self, x: jax.Array, cache_k: jax.Array, cache_v: jax.Array, pos: jax.Array
                       ) -> tuple[jax.Array, jax.Array, jax.Array]:
         """An MoE block's `decode`: its experts route without dropping a token (`MoE.__call__(drop=False)`)."""
         q, k, v = self._qkv(x, pos + jnp.arange(x.shape[1]))
-        attn, cache_k, cache_v = cached_attention(q, k, v, cache_k, cache_v, pos)
+        attn, cache_k, cache_v = cached_attention(q, k, v, cache_k, cache_v, pos, cpu_fp32=self.cpu_fp32)
         x = self._attention_residual(x, attn)
         return x + self.moe(self.mlp_norm(x), drop=False)[0], cache_k, cache_v
 
@@ -243,8 +245,10 @@ class Head(nnx.Module):
         cdt, pdt = _dtypes(cfg)
         self.norm = nnx.RMSNorm(cfg.d_model, epsilon=cfg.norm_eps, dtype=cdt, param_dtype=pdt, rngs=rngs)
         self.tied = cfg.tie_embeddings
+        self.compute_dtype, self.cpu_fp32 = cdt, cfg.cpu_matmul_fp32
         if not self.tied:  # tied: the embedding's matrix unembeds, the head owns none
-            self.unembed = nnx.Linear(cfg.d_model, cfg.vocab_size, use_bias=False, dtype=cdt, param_dtype=pdt,
+            self.unembed = Linear(cfg.d_model, cfg.vocab_size, use_bias=False, dtype=cdt, param_dtype=pdt,
+                                      cpu_fp32=cfg.cpu_matmul_fp32,
                                       kernel_init=nnx.initializers.normal(_INIT_STD), rngs=rngs)
 
     def __call__(self, x: jax.Array, embed: Embed | None = None) -> jax.Array:
@@ -253,7 +257,10 @@ class Head(nnx.Module):
         if self.tied:
             if embed is None:
                 raise ValueError("a tied head unembeds with the embedding's matrix: pass the model's `embed`")
-            return embed.tokens.attend(h).astype(jnp.float32)  # h @ embedding.T in the compute dtype
+            # h @ embedding.T in the compute dtype (nnx.Embed.attend's product, through the families' matmul rule)
+            logits = dot_general(h, embed.tokens.embedding[...], (((h.ndim - 1,), (1,)), ((), ())),
+                                 dtype=self.compute_dtype, cpu_fp32=self.cpu_fp32)
+            return logits.astype(jnp.float32)
         return self.unembed(h).astype(jnp.float32)
 
 

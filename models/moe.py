@@ -28,6 +28,7 @@ from jax.sharding import PartitionSpec as P
 
 from angel_jax.config import ModelConfig
 from models import parallel
+from models.common import einsum
 
 _INIT_STD = 0.02
 
@@ -111,6 +112,7 @@ class MoE(nnx.Module):
         self.experts, self.top_k, self.capacity_factor = moe.experts, moe.top_k, moe.capacity_factor
         self.aux_loss_coef, self.z_loss_coef, self.gated = moe.aux_loss_coef, moe.z_loss_coef, gated
         self.gate_gelu = gate_gelu
+        self.cpu_fp32 = cfg.cpu_matmul_fp32
         init, out_init = nnx.initializers.normal(_INIT_STD), nnx.initializers.normal(out_std)
         # The router in float32 whatever the compute dtype: its softmax decides where tokens go.
         self.router = nnx.Linear(d, moe.experts, use_bias=False, dtype=jnp.float32, param_dtype=pdt,
@@ -131,7 +133,7 @@ class MoE(nnx.Module):
         cdt = self.compute_dtype
         slots = capacity(x.shape[1], self.experts, self.top_k, self.capacity_factor) if drop else x.shape[1]
         routing = route(self.router(x.astype(jnp.float32)), self.top_k, slots)
-        expert_in = jnp.einsum("btec,btd->becd", routing.dispatch.astype(cdt), x.astype(cdt))  # [B, E, C, d]
+        expert_in = self._einsum("btec,btd->becd", routing.dispatch, x)  # [B, E, C, d]
         axis, mesh, weights = parallel.expert_axis(), parallel.expert_mesh(), self._weights()
         split = dict(mesh.shape).get(axis, 1) if mesh is not None else 1  # devices the experts split over
         if axis is not None and mesh is not None and split > 1 and self.experts % split == 0:
@@ -162,16 +164,20 @@ class MoE(nnx.Module):
 
     def _experts(self, expert_in: jax.Array, weights: tuple[jax.Array, ...]) -> jax.Array:
         """[B, E', C, d] -> [B, E', C, d]: expert e of `weights` (the E' experts held) on the slots of expert e."""
-        cdt = self.compute_dtype
         if self.gated:
-            gate_w, up_w, down_w = (w.astype(cdt) for w in weights)
-            gate = jnp.einsum("becd,edh->bech", expert_in, gate_w)
-            up = jnp.einsum("becd,edh->bech", expert_in, up_w)
+            gate_w, up_w, down_w = weights
+            gate = self._einsum("becd,edh->bech", expert_in, gate_w)
+            up = self._einsum("becd,edh->bech", expert_in, up_w)
             act = jax.nn.gelu(gate) if self.gate_gelu else jax.nn.silu(gate)
-            return jnp.einsum("bech,ehd->becd", act * up, down_w)
-        w_in, w_out = (w.astype(cdt) for w in weights)
-        hidden = jax.nn.gelu(jnp.einsum("becd,edh->bech", expert_in, w_in))
-        return jnp.einsum("bech,ehd->becd", hidden, w_out)
+            return self._einsum("bech,ehd->becd", act * up, down_w)
+        w_in, w_out = weights
+        hidden = jax.nn.gelu(self._einsum("becd,edh->bech", expert_in, w_in))
+        return self._einsum("bech,ehd->becd", hidden, w_out)
+
+    def _einsum(self, spec: str, x: jax.Array, w: jax.Array) -> jax.Array:
+        """x against w in the compute dtype, under the families' matmul rule (models/common.py `einsum`: in float32
+        on the CPU backend, the weights as stored)."""
+        return einsum(spec, x, w, dtype=self.compute_dtype, cpu_fp32=self.cpu_fp32)
 
 
 def exchange_values(cfg: ModelConfig, tokens: int) -> int:

@@ -60,7 +60,9 @@ from flax import nnx
 
 from angel_jax.config import ConfigError, ModelConfig
 from models import moe_decoder
-from models.common import abstract_params_of, cross_entropy, family_functions, one_stage_params, stage_key, whole_params
+from models.attention import attention
+from models.common import (Linear, abstract_params_of, cross_entropy, family_functions, one_stage_params,
+                           stage_key, whole_params)
 from models.moe import MoE, MoEFigures, exchange_values, is_expert_leaf, is_moe
 from models.span_corruption import SpanCorruption
 from models.stages import PlannerHints, Stage, StagedModel
@@ -129,14 +131,15 @@ class Attention(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         cdt, pdt = _dtypes(cfg)
         d = cfg.d_model
-        lin = dict(use_bias=False, dtype=cdt, param_dtype=pdt, rngs=rngs)
+        lin = dict(use_bias=False, dtype=cdt, param_dtype=pdt, cpu_fp32=cfg.cpu_matmul_fp32, rngs=rngs)
         init = nnx.initializers.normal(_INIT_STD)
         depth = cfg.n_layers + cfg.decoder_layers
-        self.q = nnx.Linear(d, d, kernel_init=init, **lin)
-        self.k = nnx.Linear(d, d, kernel_init=init, **lin)
-        self.v = nnx.Linear(d, d, kernel_init=init, **lin)
-        self.o = nnx.Linear(d, d, kernel_init=nnx.initializers.normal(_INIT_STD / (2 * depth) ** 0.5), **lin)
+        self.q = Linear(d, d, kernel_init=init, **lin)
+        self.k = Linear(d, d, kernel_init=init, **lin)
+        self.v = Linear(d, d, kernel_init=init, **lin)
+        self.o = Linear(d, d, kernel_init=nnx.initializers.normal(_INIT_STD / (2 * depth) ** 0.5), **lin)
         self.n_heads = cfg.n_heads
+        self.cpu_fp32 = cfg.cpu_matmul_fp32
 
     def __call__(self, x: jax.Array, context: jax.Array | None = None, bias: jax.Array | None = None,
                  causal: bool = False) -> jax.Array:
@@ -146,7 +149,7 @@ class Attention(nnx.Module):
         q = self.q(x).reshape(b, t, *heads)
         k = self.k(context).reshape(b, context.shape[1], *heads)
         v = self.v(context).reshape(b, context.shape[1], *heads)
-        out = jax.nn.dot_product_attention(q, k, v, bias=bias, is_causal=causal)
+        out = attention(q, k, v, bias=bias, is_causal=causal, cpu_fp32=self.cpu_fp32)
         return self.o(out.reshape(b, t, d))
 
 
@@ -156,12 +159,12 @@ class GatedGelu(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         cdt, pdt = _dtypes(cfg)
         d, hidden = cfg.d_model, cfg.hidden
-        lin = dict(use_bias=False, dtype=cdt, param_dtype=pdt, rngs=rngs)
+        lin = dict(use_bias=False, dtype=cdt, param_dtype=pdt, cpu_fp32=cfg.cpu_matmul_fp32, rngs=rngs)
         init = nnx.initializers.normal(_INIT_STD)
         depth = cfg.n_layers + cfg.decoder_layers
-        self.gate = nnx.Linear(d, hidden, kernel_init=init, **lin)
-        self.up = nnx.Linear(d, hidden, kernel_init=init, **lin)
-        self.down = nnx.Linear(hidden, d, kernel_init=nnx.initializers.normal(_INIT_STD / (2 * depth) ** 0.5), **lin)
+        self.gate = Linear(d, hidden, kernel_init=init, **lin)
+        self.up = Linear(d, hidden, kernel_init=init, **lin)
+        self.down = Linear(hidden, d, kernel_init=nnx.initializers.normal(_INIT_STD / (2 * depth) ** 0.5), **lin)
 
     def __call__(self, x: jax.Array) -> jax.Array:
         return self.down(jax.nn.gelu(self.gate(x)) * self.up(x))
@@ -250,8 +253,9 @@ class Head(nnx.Module):
     def __init__(self, cfg: ModelConfig, rngs: nnx.Rngs):
         cdt, pdt = _dtypes(cfg)
         self.norm = _norm(cfg, rngs)
-        self.unembed = nnx.Linear(cfg.d_model, corruption(cfg).table_size, use_bias=False, dtype=cdt,
-                                  param_dtype=pdt, kernel_init=nnx.initializers.normal(_INIT_STD), rngs=rngs)
+        self.unembed = Linear(cfg.d_model, corruption(cfg).table_size, use_bias=False, dtype=cdt,
+                                  param_dtype=pdt, kernel_init=nnx.initializers.normal(_INIT_STD),
+                                  cpu_fp32=cfg.cpu_matmul_fp32, rngs=rngs)
 
     def __call__(self, y: jax.Array) -> jax.Array:
         return self.unembed(self.norm(y)).astype(jnp.float32)

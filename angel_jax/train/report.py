@@ -11,6 +11,7 @@ import psutil
 from angel_jax.config import Config
 from angel_jax.units import device_memory_stats, human_bytes
 import models
+from models.common import precision_line
 
 
 def tree_bytes(tree: Any) -> int:
@@ -35,6 +36,7 @@ def memory_report(cfg: Config, mesh: jax.sharding.Mesh, placement: list[str] = (
     lines = [
         f"model: {counts['total'] / 1e6:.2f}M parameters ({counts['matmul'] / 1e6:.2f}M in matmuls), "
         f"stages {stage_summary(staged.kinds())}, d_model {m.d_model}, seq_len {m.seq_len}",
+        f"precision: {precision_line(m)}",
         f"state: params {human_bytes(params)}, optimizer {human_bytes(opt)}, "
         f"gradients {human_bytes(params)}, activations ~{human_bytes(act_bytes)}"
         f" -> ~{human_bytes(2 * params + opt + act_bytes)}",
