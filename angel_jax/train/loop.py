@@ -92,6 +92,8 @@ class Trainer:
     """A SIGTERM or SIGINT received: the loop saves the step in flight and stops."""
     window: metrics_lib.StepWindow = field(default_factory=metrics_lib.StepWindow)
     """The recent steps' intervals the `perf/` figures average over (restarted after every pause)."""
+    rollbacks: list[dict] = field(default_factory=list)
+    """This run's rollbacks: {"step": the bad step, "to_step": the step it went back to}."""
 
 
 @dataclass(frozen=True)
@@ -106,6 +108,10 @@ class TrainResult:
     newest_persisted: int | None = None
     """The newest step committed in the persistent tier when the run ended (this run's or an earlier one's); None
     when there is none: the run's state is then only in the memory tier, which a reboot loses."""
+    start_step: int = 0
+    """The step this run started after (the checkpoint it resumed, else 0)."""
+    rollbacks: tuple[dict, ...] = ()
+    """This run's rollbacks, in order: {"step": the bad step, "to_step": the step it went back to}."""
 
 
 def persisted_text(step: int | None) -> str:
@@ -302,7 +308,8 @@ def _run(t: Trainer) -> TrainResult:
         raise Preempted(f"stopped by {t.stop.name} after step {step}: {persisted_text(_newest_persisted(t))}",
                         t.stop.signum)
     t.hooks.on_phase(Phase.DONE, steps)
-    return TrainResult(t.run_dir, steps, t.history, _final_params(t), newest_persisted=_newest_persisted(t))
+    return TrainResult(t.run_dir, steps, t.history, _final_params(t), newest_persisted=_newest_persisted(t),
+                       start_step=t.start_step, rollbacks=tuple(t.rollbacks))
 
 
 def _stop_with_checkpoint(t: Trainer, step: int, pending: tuple[int, dict, float] | None) -> int:
@@ -403,6 +410,7 @@ def _rollback(t: Trainer, bad_step: int, verdict: Verdict) -> int:
     t.skips.append(window)
     t.trail = {}
     t.monitor.rolled_back(bad_step, to_step)
+    t.rollbacks.append({"step": bad_step, "to_step": to_step})
     log.warning("step %d: %s -> rolled back to step %d (%s), skipping global batches %d..%d",
                 bad_step, verdict.reason, to_step, tier, *window)
     if t.is_primary:
