@@ -70,6 +70,7 @@ the step is recorded), and reads the answers from the deferred results.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -106,21 +107,43 @@ class PagedModel:
     """Sets of disk-homed gradient pages, used by step parity: 2 in lock-free mode (`staleness: 1`), where step
     t+1's backward may write a stage's gradients while step t's update still reads them; 1 otherwise (the update
     reads them before the next backward of the stage can run)."""
+    newest: list[int] = dataclasses.field(default_factory=list)
+    """Per stage, the set of parameter pages that holds its newest parameters: 0, or in lock-free mode 1 for a
+    stage whose parameters live on disk (two sets there: the version a step is using stays readable while the
+    updater writes the next into the other set, `PageUpdater`). Empty: every stage's is set 0. Changed by the
+    updater's worker alone (under its lock); read for the current state once no update is in flight, while a
+    step reads the set each stage acquired (`PageUpdater.version_in_use`)."""
 
     @property
     def grad_offset(self) -> int:
         """Disk-homed gradient pages: `grad_sets` sets of the parameter pages' shapes, ids from here."""
         return self.opt_offset + self.opt_layout.num_pages
 
+    @property
+    def second_set_offset(self) -> int:
+        """The second set of parameter pages (lock-free mode, disk-homed parameters): ids from here, after the
+        gradient pages."""
+        return self.grad_offset + self.grad_sets * self.params_layout.num_pages
+
     def grad_ids(self, stage: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """The stage's gradient page ids of even and of odd steps (the same ids with one set)."""
-        ids = self.param_ids(stage)
+        ids = self.param_ids(stage, 0)
         even = tuple(p + self.grad_offset for p in ids)
         odd = tuple(p + self.grad_offset + self.params_layout.num_pages for p in ids) if self.grad_sets == 2 else even
         return even, odd
 
-    def param_ids(self, stage: int) -> tuple[int, ...]:
-        return self.params_layout.stage(self.staged.stages[stage].name).page_ids
+    def param_ids(self, stage: int, version: int | None = None) -> tuple[int, ...]:
+        """The stage's parameter page ids in set `version` (None: the set holding its newest parameters)."""
+        ids = self.params_layout.stage(self.staged.stages[stage].name).page_ids
+        if version is None:
+            version = self.newest[stage] if self.newest else 0
+        return ids if version == 0 else tuple(p + self.second_set_offset for p in ids)
+
+    def first_set_id(self, page_id: int) -> int:
+        """The id in set 0 of a parameter page of either set (other pages: the id itself)."""
+        if self.second_set_offset <= page_id < self.second_set_offset + self.params_layout.num_pages:
+            return page_id - self.second_set_offset
+        return page_id
 
     def reads(self, stage: int) -> tuple[int, ...]:
         """The stages whose parameter pages the stage's calls take: itself, then the stage it borrows from
@@ -128,9 +151,11 @@ class PagedModel:
         lender = self.staged.borrows.get(stage)
         return (stage,) if lender is None else (stage, lender)
 
-    def call_ids(self, stage: int) -> tuple[int, ...]:
-        """The parameter pages the stage's calls take, in `reads` order."""
-        return tuple(pid for s in self.reads(stage) for pid in self.param_ids(s))
+    def call_ids(self, stage: int, versions: dict[int, int] | None = None) -> tuple[int, ...]:
+        """The parameter pages the stage's calls take, in `reads` order: of the sets in `versions` (per stage; a
+        step's, those acquired), else the newest."""
+        return tuple(pid for s in self.reads(stage)
+                     for pid in self.param_ids(s, None if versions is None else versions[s]))
 
     def opt_ids(self, stage: int) -> tuple[int, ...]:
         return tuple(p + self.opt_offset for p in self.opt_layout.stage(self.staged.stages[stage].name).page_ids)
@@ -209,7 +234,7 @@ class PagedExecutor:
             targets = [stacked[p * per_pass:(p + 1) * per_pass, :, 1:] for p in range(passes)]
         streamed = set(plan.streamed)
         refs: dict[int, int] = {}
-        acquired: set[int] = set()
+        acquired: dict[int, int] = {}  # per stage acquired in this step, the set of pages of its version
         saved: dict[int, Any] = {}  # per stage, its input of the current pass (parked: in host memory)
         parked: set[int] = set()  # the stages whose saved input is in host memory
 
@@ -234,17 +259,17 @@ class PagedExecutor:
             for s in reads:
                 if s not in acquired:  # the stage's first access in the step: it keeps this version to the last
                     updater.acquire(s, step)
-                    acquired.add(s)
+                    acquired[s] = updater.version_in_use(s)  # (the set of pages holding it)
                 if s not in streamed:
                     continue
                 refs[s] = refs.get(s, 0) + 1
                 if refs[s] == 1:
-                    for pid in self.model.param_ids(s):
+                    for pid in self.model.param_ids(s, acquired[s]):
                         # A host copy of disk-homed parameters is the updater's (staged for the update): it stays.
                         store.prefetch(pid, "device", keep_source=True)
                     if rec:  # (a fetch starts once its source, the last update's pages, is written; from disk the
                         # fetch includes the read)
-                        ids = self.model.param_ids(s)
+                        ids = self.model.param_ids(s, acquired[s])
                         rec.record("h2d", f"fetch {staged.stages[s].name}", [store.get(p, "device") for p in ids],
                                    after=None if plan.home[s] == "disk" else [store.get(p, "host") for p in ids])
 
@@ -253,7 +278,7 @@ class PagedExecutor:
                 if s in streamed:
                     refs[s] -= 1
                     if refs[s] == 0:
-                        for pid in self.model.param_ids(s):
+                        for pid in self.model.param_ids(s, acquired[s]):
                             store.evict(pid, "device")
             if k == self._last_use[i]:
                 updater.release(i)
@@ -276,7 +301,7 @@ class PagedExecutor:
                 # done; with no prefetch it is issued now, once the previous computation is done.
                 issue_through(k)
                 kind = staged.stages[i].kind
-                pages = tuple(store.get(pid, "device") for pid in self.model.call_ids(i))
+                pages = tuple(store.get(pid, "device") for pid in self.model.call_ids(i, acquired))
                 if op == "forward":  # one call per access: it scans the pass's micro-batches (`forward_micro`)
                     saved[i] = x
                     x = out = mark = (fns.forward if per_pass == 1 else fns.forward_micro)[kind](pages, x)

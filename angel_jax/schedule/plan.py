@@ -17,7 +17,9 @@ so each access of a stage costs the compute of every micro-batch and the transfe
    then parameters (read for the forward, again for the backward, and around the update; written after it).
    Updates of streamed stages run on the host; disk-homed pages are staged through it (`OPT_STAGING` stages at a
    time) and gradients on their way to disk are bounded too (`GRAD_SPILL` stages). Lock-free mode
-   (`staleness: 1`) keeps one more copy of host-homed parameters: the version in use while the next is written.
+   (`staleness: 1`) keeps one more copy of parameters, the version in use while the next is written: host-homed
+   ones in host memory; disk-homed ones as a second set of pages on disk (and the staged stages' new version in
+   host memory beside the old one until it is written).
    Streamed stages whose every page family lives on the host may update on the device instead
    (`memory.streamed_updates`): their parameters, gradients and optimizer state cross the link to the device and
    the new pages cross back, `DEVICE_UPDATES_IN_FLIGHT` stages at a time, for which device memory is reserved
@@ -541,13 +543,13 @@ def min_host_bytes(costs: list[StageCost], staleness: int = 0) -> int:
 def host_bytes(costs: list[StageCost], homes: Homes, staleness: int) -> int:
     """Host memory a placement needs at its peak: the host-homed pages (lock-free mode: a second version of
     host-homed parameters), the disk-homed pages of `OPT_STAGING` stages staged around their update (the largest
-    such stages; disk-homed parameters are updated exactly, in place), and `GRAD_SPILL` stages of gradients on
-    their way to disk."""
+    such stages; exact mode updates disk-homed parameters in place, lock-free mode writes the new version beside
+    the old, which a step may still be reading), and `GRAD_SPILL` stages of gradients on their way to disk."""
     home, grad_home, opt_home = homes
     homed = sum((1 + staleness) * c.param_bytes for c, h in zip(costs, home) if h == "host") \
         + sum(c.param_bytes for c, h in zip(costs, grad_home) if h == "host") \
         + sum(c.opt_bytes for c, h in zip(costs, opt_home) if h == "host")
-    staged = sorted((c.param_bytes * (h == "disk") + c.param_bytes * (g == "disk")
+    staged = sorted(((1 + staleness) * c.param_bytes * (h == "disk") + c.param_bytes * (g == "disk")
                      + c.opt_bytes * (o == "disk") for c, h, g, o in zip(costs, home, grad_home, opt_home)),
                     reverse=True)
     spill = max((c.param_bytes for c, g in zip(costs, grad_home) if g == "disk"), default=0)
@@ -555,9 +557,10 @@ def host_bytes(costs: list[StageCost], homes: Homes, staleness: int) -> int:
 
 
 def disk_bytes(costs: list[StageCost], homes: Homes, staleness: int = 0) -> int:
-    """Bytes on the disk tier: disk-homed gradients have a second set in lock-free mode (two steps' in flight)."""
+    """Bytes on the disk tier: disk-homed gradients have a second set in lock-free mode (two steps' in flight), and
+    so have disk-homed parameters (the version a step is using and the one being written)."""
     home, grad_home, opt_home = homes
-    return sum(c.param_bytes * ((h == "disk") + (1 + staleness) * (g == "disk")) + c.opt_bytes * (o == "disk")
+    return sum(c.param_bytes * (1 + staleness) * ((h == "disk") + (g == "disk")) + c.opt_bytes * (o == "disk")
                for c, h, g, o in zip(costs, home, grad_home, opt_home))
 
 

@@ -133,15 +133,24 @@ def plan_for(decision: Decision, bp: Blueprint, example_batch: jax.Array, device
     the decided budgets (schedule/budgets.py) for `example_batch`'s rows."""
     cfg, budgets, micro_batches = decision.cfg, decision.budgets, decision.micro_batches
     device_sharding, host_sharding = tier_shardings(device, zero)
+    # Phase by phase as they happen: on a small CPU, compiling the stage functions alone takes a minute.
+    start = time.perf_counter()
+    log.info("paged engine: compiling and profiling the functions of %d stages (one micro-batch of %d rows) ...",
+             len(bp.staged.stages), decision.rows)
     costs = profile_costs(bp.fns, bp.updates, bp.params_layout, bp.opt_layout, bp.opt_small,
                           jax.device_put(example_batch[:decision.rows], device_sharding),
                           placements(device, host_sharding, zero), micro_batches)
+    log.info("paged engine: stage functions compiled and profiled in %.1f s", time.perf_counter() - start)
+    start = time.perf_counter()
     bw = profile_transfers(bp.params_layout, device_sharding, host_sharding,
                            load_bandwidths(default_calibration_path()))
     if jax.process_count() > 1:  # every process must make the same plan: the programs they run are collectives
         costs, bw = _agreed(costs, bw)
     plan = make_plan(costs, bw, budgets, shared_cpu=device.platform == "cpu", micro_batches=micro_batches,
                      **plan_settings(cfg))
+    log.info("paged engine: transfers profiled and the plan made in %.1f s: %d of %d stages resident, %d "
+             "streamed, predicted step %.3f s", time.perf_counter() - start, len(plan.resident), len(plan.home),
+             len(plan.streamed), plan.predicted.step_time)
     if "disk" in plan.home + plan.grad_home + plan.opt_home and not Path(default_calibration_path()).is_file():
         # The disk figures are then guesses: the plan's placement and predicted step rest on them.
         log.warning("the plan puts pages on the disk, but this machine's disk is not calibrated (no %s): the plan "
@@ -179,6 +188,12 @@ def _young_garbage_collected() -> Iterator[None]:
     gc.collect(0)
 
 
+def two_sets(plan: Plan, i: int) -> bool:
+    """Whether stage i has two sets of parameter pages: lock-free mode, parameters homed on disk, updated on the
+    host (its versions alternate between the sets, `StageSlot.second_set`; the plan counts both on disk)."""
+    return bool(plan.staleness) and plan.home[i] == "disk" and plan.updates[i] == "host"
+
+
 def build_paged_runtime(cfg: Config, params: Any, example_batch: jax.Array, *, device: jax.Device | None = None,
                         zero: Zero | None = None) -> PagedRuntime:
     """The paged runtime for `cfg`, planned for `example_batch`'s shape, with train.micro_batch_size as the config
@@ -212,12 +227,15 @@ def assemble_runtime(decision: Decision, bp: Blueprint, params: Any, example_bat
     seconds["profile"] = lap()
     store = make_store(cfg, device, budgets, plan, zero)
     model = PagedModel(staged, bp.params_layout, bp.opt_layout, opt_offset=bp.params_layout.num_pages,
-                       grad_sets=1 + plan.staleness)
+                       grad_sets=1 + plan.staleness, newest=[0] * len(staged.stages))
     tx, _ = make_optimizer(cfg.optimizer, cfg.train.steps, clip=False)
     where = placements(device, store.tiers["host"].sharding, zero)
     whole = staged.split(params) if params is not None else None
     slots, small = [], []
     cpu = jax.local_devices(backend="cpu")[0]
+    homes = sorted(set(plan.home) | set(plan.opt_home))
+    log.info("paged engine: %s the pages of %d stages in their homes (%s) ...",
+             "initialising" if whole is None else "placing", len(staged.stages), ", ".join(homes))
     try:
         for i, stage in enumerate(staged.stages):
             where_home = "device" if plan.home[i] == "device" else "host"  # the tier its update reads pages from
@@ -235,7 +253,7 @@ def assemble_runtime(decision: Decision, bp: Blueprint, params: Any, example_bat
             slot = StageSlot(stage.name, stage.kind, model.param_ids(i), model.opt_ids(i), where_home,
                              plan.opt_home[i], param_home=plan.home[i], grad_home=plan.grad_home[i],
                              grad_ids=model.grad_ids(i) if plan.grad_home[i] == "disk" else (),
-                             update_on=plan.updates[i])
+                             update_on=plan.updates[i], second_set=model.param_ids(i, 1) if two_sets(plan, i) else ())
             small.append([jax.device_put(np.asarray(s), where[slot.placement].scalar) for s in small_leaves])
             slots.append(slot)
             errors = store.wait_all()  # one stage at a time: host memory holds at most one stage's staging copies
@@ -248,11 +266,12 @@ def assemble_runtime(decision: Decision, bp: Blueprint, params: Any, example_bat
     if not cfg.memory.overlap:  # every move waited for; the updates run in turn on the training thread (inline)
         store = SerialStore(store)
     updater = PageUpdater(store, slots, bp.updates, small, where, bp.schedule, staleness=cfg.memory.staleness,
-                          inline=zero is not None or not cfg.memory.overlap)
+                          inline=zero is not None or not cfg.memory.overlap, newest=model.newest)
     executor = PagedExecutor(model, bp.fns, plan, store, updater,
                              micro_batch_size=decision.rows,
                              host_compute=where["host"].compute, overlap=cfg.memory.overlap)
     seconds["pages"] = lap()
+    log.info("paged engine: pages allocated and initialised in %.1f s", seconds["pages"])
     log.info("paged engine: %d stages, %d resident, prefetch %d, predicted step %.3f s; built in %.1f s (layouts "
              "%.1f s, compile and profile %.1f s, pages %.1f s)", len(staged.stages), len(plan.resident),
              plan.prefetch, plan.predicted.step_time, sum(seconds.values()), seconds["layouts"], seconds["profile"],

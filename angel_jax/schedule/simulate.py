@@ -20,7 +20,8 @@ Rules (those of execute.py and updater.py):
   stage 0 between one pass's backward and the next pass's forward; otherwise each access fetches them.
 - A streamed stage's fetch for access k may start once access k - prefetch has started computing (the window frees
   its slot) and, for the stage's first access in a step, once its home copy holds the previous update (exact mode;
-  lock-free mode skips that wait when the update is not finished: the stage runs one update behind).
+  lock-free mode skips that wait when the update is not finished: the stage runs one update behind, host- and
+  disk-homed alike; a disk-homed one reads the version before from its other set of pages).
 - A resident stage's compute waits for its previous update on the device.
 - Gradients of streamed stages go to the host after their backward (d2h).
 - Updates start once the last backward is done (the global norm is needed for clipping, and the guard's verdict on
@@ -285,7 +286,7 @@ def simulate(costs: list[StageCost], bw: Bandwidths, home: tuple[str, ...], opt_
         elif home[i] != "device":
             gate = issued_at(k)
             first = i not in fetched and i not in fetched_passes
-            if first and staleness and home[i] == "host" and update_at[i] == "host" and updated[i] > gate:
+            if first and staleness and home[i] in ("host", "disk") and update_at[i] == "host" and updated[i] > gate:
                 ready = updated_before[i]  # runs one update behind rather than wait
             at = max(gate, ready if first else 0.0)
             if not (first and ready > gate):

@@ -84,6 +84,10 @@ class StageSlot:
     """'device' or 'host': where the update computes ('' = `where`). A streamed stage whose pages live in host
     memory may update on the device (`Plan.update_at`): its pages and gradients cross to the device for the update,
     the new pages cross back into the host tier."""
+    second_set: tuple[int, ...] = ()
+    """Lock-free mode, parameters homed on disk: the ids of the stage's second set of parameter pages (`param_ids`
+    are the first). Its versions alternate between the two, so a step using one keeps reading it while the
+    update writes the next into the other; empty: one set."""
 
     @property
     def runs_on(self) -> str:
@@ -104,9 +108,14 @@ class StageSlot:
         """The gradient page ids step `step` writes (disk-homed gradients only)."""
         return self.grad_ids[step % 2] if self.grad_ids else ()
 
-    def staged_ids(self) -> tuple[int, ...]:
-        """Page ids of the stage's disk-homed parameters and optimizer state: what is staged around its update."""
-        return (self.param_ids if self.param_home == "disk" else ()) + \
+    def params_in(self, version: int) -> tuple[int, ...]:
+        """The ids of parameter set `version` (0 or 1; a stage with one set has set 0 only)."""
+        return self.second_set if version else self.param_ids
+
+    def staged_ids(self, version: int = 0) -> tuple[int, ...]:
+        """Page ids of the stage's disk-homed parameters (of set `version`) and optimizer state: what is staged
+        around its update."""
+        return (self.params_in(version) if self.param_home == "disk" else ()) + \
             (self.opt_ids if self.opt_home == "disk" else ())
 
     @property
@@ -313,13 +322,15 @@ class PageUpdater:
 
     def __init__(self, store: PageStore, slots: list[StageSlot], updates: StageUpdates, opt_small: list[list],
                  placements: dict[str, Placement], schedule: optax.Schedule, *, staleness: int,
-                 inline: bool = False):
+                 inline: bool = False, newest: list[int] | None = None):
         """`inline`: dispatch each step's updates on the training thread, in `finish`, instead of a worker thread.
         For updates that are multi-device programs with collectives (ZeRO-3 pages on the CPU backend): there two
         threads dispatching such programs at once deadlock (each program's participants wait for devices the
         other's hold). The updates still run after the training thread moves on (dispatch is asynchronous);
         what is lost is only the worker's waiting for disk reads, which the training thread then does. Each update
-        is waited for before the next is dispatched: a program with collectives runs alone (`Zero.serial`)."""
+        is waited for before the next is dispatched: a program with collectives runs alone (`Zero.serial`).
+        `newest`: per stage, the set of parameter pages holding its newest version (`PagedModel.newest`, shared:
+        the updater changes it as it writes stages with two sets); None: a list of the updater's own."""
         if staleness not in (0, 1):
             raise ValueError(f"staleness must be 0 or 1, got {staleness}")
         if inline and staleness:
@@ -343,6 +354,13 @@ class PageUpdater:
         self._applied = jnp.zeros((), jnp.int32)
         """Updates applied (a dropped one does not count): the reference trainer's `TrainState.step`."""
         n = len(slots)
+        self._newest = newest if newest is not None else [0] * n
+        """Per stage, the set of parameter pages holding its newest version (only stages with a `second_set`
+        change it; under `_cond`)."""
+        self._in_use = [0] * n
+        """Per stage, the set of parameter pages of the version the training thread acquired (under `_cond`)."""
+        self._made: set[int] = set()
+        """Pages of second sets that exist in the store (each is made by its first write)."""
         self._cond = threading.Condition()
         self._done = [0] * n
         """Per stage: updates whose results exist (installed in the store, or pending while the stage is in use)."""
@@ -381,7 +399,14 @@ class PageUpdater:
             self.stale_uses += stale
             self.max_lag = max(self.max_lag, step - self._done[i])
             self._held[i] = True
+            self._in_use[i] = self._newest[i]
             return stale
+
+    def version_in_use(self, i: int) -> int:
+        """The set of parameter pages (`StageSlot.params_in`) of the version stage i was last acquired with: the
+        pages a step reads for it from `acquire` to `release`."""
+        with self._cond:
+            return self._in_use[i]
 
     def release(self, i: int) -> None:
         """After stage i's last access in a step: an update that completed meanwhile is installed now."""
@@ -542,7 +567,7 @@ class PageUpdater:
         if i >= len(self.slots) or not self.slots[i].on_disk:
             return
         slot = self.slots[i]
-        ids = slot.staged_ids() + (slot.grads_of(step) if step is not None else ())
+        ids = slot.staged_ids(self._newest[i]) + (slot.grads_of(step) if step is not None else ())
         if i in self._ahead:
             if wait or step is not None:  # idempotent; reads pages again whose host copy went away meanwhile
                 for pid in ids:
@@ -583,7 +608,7 @@ class PageUpdater:
         def to_compute(arrays: Any) -> Any:
             return onto(arrays, place.compute)
 
-        params = to_compute(tuple(self.store.get(p, slot.where) for p in slot.param_ids))
+        params = to_compute(tuple(self.store.get(p, slot.where) for p in slot.params_in(self._newest[i])))
         opt = to_compute(tuple(self.store.get(o, slot.opt_where) for o in slot.opt_ids))
         return params, to_compute(grads), opt, jax.device_put(self._opt_small[i], place.scalar)
 
@@ -611,7 +636,7 @@ class PageUpdater:
             if slot.on_disk:
                 jax.block_until_ready(sq[-1])  # done reading the staged copies: free them (the disk copy is current)
                 self._written_back(i, [self.store.evict(pid, "host")
-                                       for pid in slot.staged_ids() + slot.grads_of(order.step)])
+                                       for pid in slot.staged_ids(self._newest[i]) + slot.grads_of(order.step)])
         self._stage_first(record)
         return self._on_device(sq, jnp.add)
 
@@ -650,24 +675,26 @@ class PageUpdater:
                    after=ready_when)
         if lock_free:
             jax.block_until_ready(new_params)  # "written": only then may the training thread pick it up
+        old = slot.params_in(self._newest[i]) if slot.second_set else ()  # the version read: its staged copies
         with self._cond:
-            if self._held[i]:
+            if self._held[i] and not slot.second_set:
                 self._pending[i] = new_params
-            else:
+            else:  # (a stage with two sets in use keeps reading the other set: `_install` writes this one)
                 writes += self._install(i, new_params)
             self._done[i] += 1
             self._cond.notify_all()
-        if slot.on_disk:  # staged gradient copies go once the update ran (the disk holds the same bytes)
-            self._written_back(i, writes, drop=slot.grads_of(order.step), after=update_sq)
+        if slot.on_disk:  # staged gradient copies go once the update ran (the disk holds the same bytes), and a
+            # second set's old parameters (their pages on disk stay for a step still using them)
+            self._written_back(i, writes, drop=slot.grads_of(order.step) + old, after=update_sq)
         return update_sq, applied
 
     def _lock_free(self, slot: StageSlot) -> bool:
-        """Whether the stage may run one update behind: lock-free mode, for stages updated on the host whose
-        parameters live there. Disk-homed parameters are updated exactly (their read-update-write still overlaps
-        the compute of the other stages and of the next step): a stage in use holds its new version until it is
-        released, and for disk-homed ones that second version, for every stage in use, would be host memory the
-        window does not bound."""
-        return self.staleness > 0 and slot.runs_on == "host" and slot.param_home != "disk"
+        """Whether the stage may run one update behind: lock-free mode, for stages updated on the host. A stage in
+        use holds its new version until it is released; for host-homed parameters that second version is host
+        memory the plan counts. Disk-homed parameters have two sets of pages on disk instead (`second_set`): the
+        new version goes to the set the stage in use is not reading, so nothing waits in host memory beyond the
+        window (holding it there until release would be a version for every stage in use)."""
+        return self.staleness > 0 and slot.runs_on == "host" and (slot.param_home != "disk" or bool(slot.second_set))
 
     @staticmethod
     def _stream(slot: StageSlot) -> str:
@@ -677,11 +704,18 @@ class PageUpdater:
 
     def _install(self, i: int, new_params: tuple) -> list:
         """Put a stage's new parameters in the store; disk-homed ones start on their way home (their handles are
-        returned)."""
+        returned). A stage with two sets of parameter pages gets them in the set it does not hold now, which then
+        holds its newest version (called under `_cond`)."""
         slot = self.slots[i]
+        target = 1 - self._newest[i] if slot.second_set else 0
         writes = []
-        for pid, arr in zip(slot.param_ids, new_params):
-            self.store.put(pid, arr, slot.where)
+        for pid, arr in zip(slot.params_in(target), new_params):
+            if target and pid not in self._made:  # its first write: made on the host, its home then the disk
+                self.store.add(pid, arr, home="host")
+                self._made.add(pid)
+            else:
+                self.store.put(pid, arr, slot.where)
             if slot.param_home == "disk":
                 writes.append(self.store.evict(pid, "host"))
+        self._newest[i] = target
         return writes

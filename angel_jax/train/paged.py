@@ -99,6 +99,8 @@ class PagedTrainEngine:
         start = time.perf_counter()
         bp = blueprint(cfg, self.zero)
         layouts_seconds = time.perf_counter() - start
+        log.info("paged engine: page layouts and stage functions of %d stages in %.1f s", len(bp.staged.stages),
+                 layouts_seconds)
         decision = decide(cfg, self.device, cfg.train.batch_size, bp.sizes, self.zero)
         self.cfg = cfg = decision.cfg
         example = jax.make_array_from_callback((cfg.train.batch_size, cfg.model.seq_len + 1), self.batch_sharding,
@@ -342,6 +344,7 @@ class PagedTrainEngine:
 
     def _page_spec(self, page_id: int) -> tuple[tuple[int], np.dtype]:
         model = self.built.model
+        page_id = model.first_set_id(page_id)  # (a second set's parameter page: the first's shape)
         layout, pid = (model.opt_layout, page_id - model.opt_offset) if page_id >= model.opt_offset else \
             (model.params_layout, page_id)
         spec = layout.page(pid)
