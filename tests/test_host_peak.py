@@ -75,3 +75,31 @@ def test_a_paged_engine_under_budgets_stays_within_its_plan(tmp_path, caplog):
     # (the growth may be less than the plan: pages can reuse memory the process freed before)
     assert check.measured is not None and check.measured <= check.allowed, (check, plan.peak_bytes)
     assert "host memory:" not in caplog.text
+
+
+def test_the_check_covers_evaluations(tmp_path, caplog):
+    """The check after the first steady steps is within the plan; host memory that grows during a later evaluation
+    (here: memory past the plan held while it runs) is still caught, after that evaluation, in one warning line.
+    Before, the check ran once, and an end-of-run evaluation that grew past the plan went unreported."""
+    from angel_jax.train.paged import HOST_PEAK_AFTER, PagedTrainEngine
+
+    model = ModelConfig(d_model=64, n_layers=2, n_heads=2, seq_len=32, vocab_size=256, compute_dtype="float32")
+    cfg = Config(model=model, optimizer=OptimizerConfig(name="adamw", lr=1e-3),
+                 train=TrainConfig(steps=4, batch_size=2, run_dir=str(tmp_path / "run")),
+                 memory=MemoryConfig(mode="paged", page_size=1 << 16, device_budget=2_000_000))
+    mesh = jax.make_mesh((1,), ("data",), devices=jax.devices()[:1], axis_types=(jax.sharding.AxisType.Auto,))
+    rows = lambda: jax.device_put(np.random.default_rng(0).integers(0, 256, (2, 33)).astype(np.int32),
+                                  engine.batch_sharding)
+    with caplog.at_level(logging.WARNING, logger="angel_jax.train.paged"):
+        engine = PagedTrainEngine(cfg, mesh)
+        try:
+            for _ in range(HOST_PEAK_AFTER + 2):
+                float(engine.step(rows())["loss"])
+            assert engine.host_peak.measured is not None and "host memory:" not in caplog.text
+            held = _resident(engine.host_peak.allowed + 64 * MIB)
+            float(engine.eval_loss(rows()))
+            held.close()
+        finally:
+            engine.close()
+    warnings = [r.getMessage() for r in caplog.records if "host memory:" in r.getMessage()]
+    assert len(warnings) == 1 and "(measured after an evaluation)" in warnings[0], warnings

@@ -56,7 +56,9 @@ class HostPeakCheck:
     planned: int
     baseline: int | None
     measured: int | None = None
-    """The peak's growth over the baseline, once `check` ran."""
+    """The peak's growth over the baseline, once `check` ran (its latest measurement)."""
+    warned: bool = False
+    """Whether a `check` has found the growth over `allowed`."""
 
     @classmethod
     def start(cls, planned: int = 0) -> "HostPeakCheck":
@@ -66,15 +68,19 @@ class HostPeakCheck:
     def allowed(self) -> int:
         return int(self.planned * (1 + TOLERANCE)) + FIXED_OVERHEAD
 
-    def check(self) -> str | None:
-        """Measure the growth of the peak RSS; the one-line warning when it exceeds `allowed`, else None."""
+    def check(self, after: str = "") -> str | None:
+        """Measure the growth of the peak RSS; the one-line warning when it exceeds `allowed`, else None. `after`:
+        what the process has done by now, for the warning (the peak counts everything since the reset, so a later
+        check covers what an earlier one saw and what came after: evaluations, checkpoints)."""
         peak = peak_rss()
         if self.baseline is None or peak is None:
             return None
         self.measured = max(0, peak - self.baseline)  # (RSS counters lag by a few pages: never below zero)
         if self.measured <= self.allowed:
             return None
-        return (f"host memory: the process's peak grew by {human_bytes(self.measured)} since the engine was built, "
-                f"over the plan's {human_bytes(self.planned)} + {TOLERANCE:.0%} + {human_bytes(FIXED_OVERHEAD)} "
+        self.warned = True
+        by = f" (measured after {after})" if after else ""
+        return (f"host memory: the process's peak grew by {human_bytes(self.measured)} since the engine was "
+                f"built{by}, over the plan's {human_bytes(self.planned)} + {TOLERANCE:.0%} + {human_bytes(FIXED_OVERHEAD)} "
                 "for what no plan counts: some host memory is not in the plan (a budget set from the plan may "
                 "not hold)")

@@ -133,8 +133,13 @@ class PagedTrainEngine:
         return metrics
 
     def eval_loss(self, batch: jax.Array) -> jax.Array:
-        """Forward only, stage by stage through the device (`PagedExecutor.eval_loss`): never the whole model."""
-        return self.executor.eval_loss(batch)
+        """Forward only, stage by stage through the device (`PagedExecutor.eval_loss`): never the whole model.
+        The host-peak check runs again once its loss is computed: the kernel's peak since the engine was built
+        covers the evaluation, which the check after the first steady steps had not seen."""
+        loss = jax.block_until_ready(self.executor.eval_loss(batch))
+        if self._steps_here >= HOST_PEAK_AFTER:  # (before that, the first steady step's check covers it)
+            self._check_host_peak("an evaluation")
+        return loss
 
     @property
     def stale_uses(self) -> int:
@@ -401,13 +406,16 @@ class PagedTrainEngine:
                          f"compile and profile {took['profile']:.1f} s, pages into their homes {took['pages']:.1f} s")
         return lines
 
-    def _check_host_peak(self) -> None:
-        if self.host_peak.measured is None and (warning := self.host_peak.check()):
+    def _check_host_peak(self, after: str = "the first steady steps") -> None:
+        """Measure the peak again (after the first steady steps, every evaluation and at close); one warning line
+        the first time it is over the plan."""
+        warned = self.host_peak.warned
+        if (warning := self.host_peak.check(after)) and not warned:
             log.warning("%s", warning)
 
     def close(self) -> None:
-        if self._steps_here >= HOST_PEAK_AFTER:  # a run too short to have checked it yet
-            self._check_host_peak()
+        if self._steps_here >= HOST_PEAK_AFTER:  # the whole run's peak, evaluations and checkpoints included
+            self._check_host_peak("the run")
         if self._timelines_due["measured"] and self.executor.finish_recording() is not None:
             self._write_timeline("measured", self.executor.last_timeline)
         self.built.close()
