@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 from angel_jax.memory import bench_io
 
@@ -13,10 +14,10 @@ FIGURES = {"host_memcpy", "h2d_pageable", "h2d_pinned", "d2h_pinned", "d2h_pagea
 def test_bench_io_smoke(tmp_path, capsys):
     out, jsonl = tmp_path / "cal" / "io.json", tmp_path / "io.jsonl"
     rc = bench_io.main(["--out", str(out), "--jsonl", str(jsonl), "--dir", str(tmp_path), "--page-bytes",
-                        str(1 << 16), "--pages", "2", "--reps", "1", "--disk-bytes", str(1 << 18), "--rounds", "1",
-                        "--cache-drop", "files"])
+                        str(1 << 16), "--pages", "2", "--reps", "1", "--disk-bytes", str(1 << 18), "--rounds", "1"])
     assert rc == 0
-    lines = [json.loads(ln) for ln in capsys.readouterr().out.splitlines()]
+    captured = capsys.readouterr()
+    lines = [json.loads(ln) for ln in captured.out.splitlines()]  # stdout: JSON lines only
     figures = {r["figure"]: r for r in lines if "figure" in r}
     assert FIGURES <= set(figures)
     assert all(figures[f]["GBps"] > 0 for f in FIGURES)
@@ -32,6 +33,13 @@ def test_bench_io_smoke(tmp_path, capsys):
     recorded = [json.loads(ln) for ln in jsonl.read_text().splitlines()]
     assert len(recorded) == len(figures) and all("machine" in r for r in recorded)
     assert not any(p.name.startswith(("angel_jax_pages", "angel_jax_raw")) for p in tmp_path.iterdir())
+    # Without --drop-caches only the files it wrote are evicted, whoever runs it; the summary (stderr) says so.
+    assert {figures[f]["cache_drop"] for f in FIGURES if f.startswith(("disk", "raw"))} == {"fadvise"}
+    table = captured.err.splitlines()
+    assert any(re.match(r"disk_tier_read +[0-9.]+ +[0-9.]+ +1$", line) for line in table), captured.err
+    assert any("disk tier / raw buffered I/O (best rounds)" in line for line in table)
+    assert f"page cache before reads: {bench_io.CACHE_DROPS['fadvise']}" in table
+    assert f"calibration written to {out}" in captured.err
 
 
 def test_bench_io_rejects_bad_arguments(tmp_path, capsys):

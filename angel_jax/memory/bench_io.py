@@ -21,13 +21,16 @@ Figures (GB/s = 1e9 bytes/s; `GBps` is the median of `--reps` (transfers) or `--
 Disk figures are measured in interleaved rounds (tier, raw direct, raw buffered, rotated each round) on the same
 directory, so machine noise hits them alike; `disk_tier_vs_raw` gives tier/raw for each raw method (best rounds,
 medians, per round), and checks the tier's best round against raw buffered I/O's, the same page-cache path the
-tier's files take (target: 70%). The page cache is dropped with /proc/sys/vm/drop_caches where
-permitted, else with posix_fadvise(DONTNEED) on every file written (both clean pages after fsync): the record's
-`cache_drop` says which.
+tier's files take (target: 70%). Before each read the files this run just wrote are evicted from the page cache
+with posix_fadvise(DONTNEED) (clean pages after fsync): the reads come from the disk, and nothing else of the
+machine's page cache is touched. Only `--drop-caches` also drops the whole system's page cache
+(/proc/sys/vm/drop_caches, where permitted: root), which every other process then pays for. The record's
+`cache_drop` says which was used; the O_DIRECT figures bypass the page cache either way.
 
-Output: one JSON line per figure on stdout (also appended to `--jsonl` if given, each with the machine), and the
-calibration file `--out` (default `$ANGEL_JAX_CACHE_DIR/io_calibration.json`, else
-`~/.cache/angel_jax/io_calibration.json`), which the cost model reads:
+Output: one JSON line per figure on stdout (also appended to `--jsonl` if given, each with the machine), a
+readable summary table on stderr at the end (the figures, the disk tier against raw I/O, how the page cache was
+evicted, the calibration file), and the calibration file `--out` (default `$ANGEL_JAX_CACHE_DIR/io_calibration.json`,
+else `~/.cache/angel_jax/io_calibration.json`), which the cost model reads:
 
   {"format": "angel_jax.io_calibration/1", "created": ISO-8601, "machine": {...}, "page_bytes": int,
    "bandwidth_Bps": {"h2d_pinned": float, ..., "disk_write": float, "disk_read": float, ...},
@@ -165,9 +168,10 @@ def memory_figures(page_bytes: int, n_pages: int, reps: int) -> list[dict[str, A
 
 
 # --- disk figures -----------------------------------------------------------------------------------------------
-def drop_page_cache(paths: list[str], system: bool = True) -> str:
+def drop_page_cache(paths: list[str], system: bool = False) -> str:
     """Evict the files from the page cache: posix_fadvise(DONTNEED) on each (clean after fsync), and with
-    `system` also /proc/sys/vm/drop_caches where permitted. Returns the method used."""
+    `system` (asked for: `--drop-caches`) also the whole machine's, /proc/sys/vm/drop_caches where permitted.
+    Returns the method used."""
     os.sync()
     method = "fadvise"
     if system:
@@ -191,7 +195,7 @@ def _tier_files(tier: DiskTier) -> list[str]:
 
 
 def tier_round(directory: str, pages: list[np.ndarray], into: list[np.ndarray], io_mode: str,
-               concurrency: int, check: bool, system_drop: bool = True) -> tuple[float, float, str, float, float]:
+               concurrency: int, check: bool, system_drop: bool = False) -> tuple[float, float, str, float, float]:
     """(write s, read s, how the page cache was dropped, write CPU s, read CPU s) of one round through a tier."""
     tier = DiskTier(directory, file_io_concurrency=concurrency, io_mode=io_mode)
     tier.open()
@@ -212,7 +216,7 @@ def tier_round(directory: str, pages: list[np.ndarray], into: list[np.ndarray], 
 
 
 def raw_round(directory: str, pages: list[np.ndarray], into: list[np.ndarray], direct: bool,
-              system_drop: bool = True) -> tuple[float, float, str]:
+              system_drop: bool = False) -> tuple[float, float, str]:
     path = os.path.join(directory, "angel_jax_raw_io.bin")
     flag = os.O_DIRECT if direct else 0
 
@@ -261,7 +265,7 @@ def direct_io_works(directory: str) -> bool:
 
 
 def disk_figures(directory: str, page_bytes: int, total_bytes: int, rounds: int, io_mode: str,
-                 concurrency: int, system_drop: bool = True) -> list[dict[str, Any]]:
+                 concurrency: int, system_drop: bool = False) -> list[dict[str, Any]]:
     n_pages = max(1, total_bytes // page_bytes)
     total = n_pages * page_bytes
     rng = np.random.default_rng(1)
@@ -340,8 +344,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=7, help="interleaved rounds of disk samples")
     p.add_argument("--io-mode", default="memmap", choices=IO_MODES, help="disk tier's tensorstore file_io_mode")
     p.add_argument("--file-io-concurrency", type=int, default=8)
-    p.add_argument("--cache-drop", choices=["system", "files"], default="system",
-                   help="system: also /proc/sys/vm/drop_caches where permitted; files: posix_fadvise only")
+    p.add_argument("--drop-caches", action="store_true",
+                   help="also drop the whole system's page cache before each read (/proc/sys/vm/drop_caches, as "
+                        "root); without it only the files this run wrote are evicted (posix_fadvise)")
     p.add_argument("--skip-disk", action="store_true")
     p.add_argument("--skip-memory", action="store_true")
     return p.parse_args(argv)
@@ -389,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"--dir {args.dir} has {free} B free; need {int(2.5 * args.disk_bytes)}", file=sys.stderr)
             return 2
         records += disk_figures(args.dir, args.page_bytes, args.disk_bytes, args.rounds, args.io_mode,
-                                args.file_io_concurrency, args.cache_drop == "system")
+                                args.file_io_concurrency, args.drop_caches)
     lines = [json.dumps({"bench": "io", **r}) for r in records]
     print("\n".join(lines), flush=True)
     if args.jsonl:
@@ -399,7 +404,34 @@ def main(argv: list[str] | None = None) -> int:
                 f.write(json.dumps({"bench": "io", **r, "machine": machine}) + "\n")
     write_calibration(args.out, records, machine, args, created)
     print(json.dumps({"bench": "io", "calibration": os.path.abspath(args.out)}), flush=True)
+    print(summary(records, os.path.abspath(args.out)), file=sys.stderr, flush=True)
     return 0
+
+
+CACHE_DROPS = {"fadvise": "only the files this run wrote, evicted with posix_fadvise(DONTNEED) after fsync; the "
+                          "system's page cache untouched (--drop-caches drops it too)",
+               "drop_caches+fadvise": "the whole system's page cache dropped before each read (--drop-caches), "
+                                      "and the files evicted with posix_fadvise"}
+
+
+def summary(records: list[dict[str, Any]], calibration: str) -> str:
+    """The readable end of a run: one row per figure (median, best, samples), the disk tier against raw I/O, how
+    the page cache was evicted before reads, and where the calibration went."""
+    rows = [r for r in records if "GBps" in r]
+    width = max([len(r["figure"]) for r in rows] + [6])
+    lines = ["", f"{'figure':<{width}}  {'GB/s':>7}  {'best':>7}  samples",
+             f"{'-' * width}  {'-' * 7}  {'-' * 7}  -------"]
+    lines += [f"{r['figure']:<{width}}  {r['GBps']:>7.2f}  {r['GBps_best']:>7.2f}  {len(r['GBps_samples'])}"
+              for r in rows]
+    ratio = next((r for r in records if r.get("figure") == "disk_tier_vs_raw"), None)
+    if ratio is not None:
+        lines.append(f"disk tier / raw buffered I/O (best rounds): write {ratio['write_vs_raw_buffered_best']:.2f}, "
+                     f"read {ratio['read_vs_raw_buffered_best']:.2f} (target {ratio['target']:.2f}: "
+                     f"{'met' if ratio['meets_target'] else 'NOT met'})")
+    for how in sorted({r["cache_drop"] for r in rows if r.get("cache_drop")}):
+        lines.append(f"page cache before reads: {CACHE_DROPS.get(how, how)}")
+    lines.append(f"calibration written to {calibration} (the cost model reads it)")
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":
