@@ -46,8 +46,8 @@ def done_line(result: TrainResult, cfg: Config, wall_s: float, persisted: str) -
     its wall time, every rollback (a run that went back must say so), and the newest persisted step, always (a
     run whose checkpoints are all in RAM must not look finished and safe)."""
     if not result.history:  # resumed at its last step: nothing left to train
-        return (f"done: step {result.final_step}, no step trained by this run ({_wall(wall_s)}); run directory "
-                f"{result.run_dir}; {persisted}")
+        return (f"done: step {result.final_step}, no step trained by this run; run directory {result.run_dir}; "
+                f"{persisted}")
     first, last = result.history[0], result.history[-1]
     parts = [f"loss {first['loss']:.4f} (step {first['step']}) -> {last['loss']:.4f} (step {last['step']})"]
     evaluated = [r for r in result.history if "eval/loss" in r]
