@@ -279,7 +279,8 @@ class TrainConfig:
     seed: int = doc(0, "Seed of parameter initialisation.")
     run_dir: str = doc("", "Run directory (config, metrics, checkpoints); empty = runs/<config name>.")
     log_every: int = doc(10, "Write metrics every this many steps (step 1 is always logged).")
-    progress: bool = doc(True, "Show a progress bar on process 0.")
+    progress: bool = doc(True, "Show progress on process 0: a bar on a terminal, else a plain line every log_every "
+                               "steps and at least every 30 s.")
     resume: bool = doc(True, "Resume from the newest checkpoint in the run directory if there is one.")
     allow_data_change: bool = doc(False, "Resume even when the tokenizer or the training data's content differ from "
                                          "what the checkpoint recorded (a resume on other data is refused otherwise).")
