@@ -261,3 +261,40 @@ def test_describe_status():
 
     assert (errors.EXIT_RESTART, errors.EXIT_EXCLUDE, errors.EXIT_CONFIG) == (co.EXIT_RESTART, co.EXIT_EXCLUDE,
                                                                                co.EXIT_CONFIG)
+
+
+def test_a_lost_node_takes_the_blame_from_the_peer_whose_collective_broke():
+    """Under a scheduler: rank 1's node vanishes, rank 0 fails first on the broken collective; the node probe
+    says n2's daemon is gone, so n2 (not n1) is charged and excluded at once, the spare taking its rank."""
+    d = Drive(node_names=["n1", "n2", "n3"])
+    assert d.of(co.Spawn) == [co.Spawn(0, ("n1", "n2"), True)]
+    d.warm(0.0)
+    d.all(3.0, 1)
+    d.exit(4.0, 0, 1)
+    assert d.events("crash")[0]["node"] == "n1" and d.wd.node_failures == {"n1": 1}
+    d.do(d.wd.handle(co.NodeDown(4.5, "n2")))
+    (lost,) = d.events("node_lost")
+    assert (lost["node"], lost["rank"], lost["recharged_from"]) == ("n2", 1, "n1")
+    assert d.wd.node_failures == {"n1": 0, "n2": 1}
+    d.stopped(5.0)
+    assert d.events("exclusion") == [{"node": "n2", "rank": 1, "failures": 1, "reason": "node lost",
+                                      "replaced_by": "n3"}]
+    assert d.of(co.Spawn)[-1] == co.Spawn(1, ("n1", "n3"), True)
+    d.do(d.wd.handle(co.NodeDown(6.0, "n2")))  # told again: already excluded, nothing more
+    assert len(d.events("node_lost")) == 1
+
+
+def test_a_node_lost_while_running_fails_the_attempt_and_all_its_ranks_move():
+    d = Drive(n=4, node_names=["a", "b", "c"], ranks_per_node=2)
+    assert d.of(co.Spawn) == [co.Spawn(0, ("a", "a", "b", "b"), True)]
+    d.warm(0.0)
+    d.all(3.0, 1)
+    d.do(d.wd.handle(co.NodeDown(3.5, "b")))
+    (failure,) = d.wd.failures
+    assert (failure.kind, failure.node, failure.rank, failure.action) == ("node_lost", "b", 2, "exclude")
+    assert failure.detail == "node b lost: its slurmd answers no connection (ranks 2, 3)"
+    assert d.wd.state == co.State.RECOVERING and d.of(co.StopGroup)
+    d.do(d.wd.handle(co.GroupStopped(4.0, 0, {r: "x" for r in range(4)})))
+    assert d.of(co.Spawn)[-1] == co.Spawn(1, ("a", "a", "c", "c"), True)
+    d.do(d.wd.handle(co.NodeDown(5.0, "c")))  # now no spare is left: the loss is a failure, not an exclusion
+    assert d.events("exclusion_skipped")[-1:] == [] and d.wd.failures[-1].node == "c"

@@ -16,8 +16,8 @@ POLICY = co.WatchdogPolicy(total_steps=16, hang_timeout_min=5.0, hang_factor=10.
 class Drive:
     """A Watchdog, its actions and emitted events, and per-rank message sequence numbers."""
 
-    def __init__(self, policy: co.WatchdogPolicy = POLICY, n: int = 2, spares: int = 0):
-        self.wd = co.Watchdog(policy, n_workers=n, spares=spares)
+    def __init__(self, policy: co.WatchdogPolicy = POLICY, n: int = 2, spares: int = 0, **placement):
+        self.wd = co.Watchdog(policy, n_workers=n, spares=spares, **placement)
         self.actions: list = []
         self.seq: dict[int, int] = {}
         self.do(self.wd.start(0.0))

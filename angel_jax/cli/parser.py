@@ -42,7 +42,9 @@ committed copy and checks every array's XXH3-64 checksum (exit status 1 if any c
 
 _LAUNCH_HELP = """\
 Train CONFIG with N worker processes that form one data-parallel job (jax.distributed; gloo collectives on the
-CPU), watched by a coordinator: heartbeats (step, loss, phase) over loopback, authenticated with a per-job token.
+CPU), watched by a coordinator: heartbeats (step, loss, phase) over TCP, authenticated with a per-job token.
+Inside a Slurm allocation (sbatch, salloc) each attempt runs every rank as a job step on the nodes the watchdog
+trusts; nodes beyond the job's are spares, and a node whose slurmd stops answering is excluded at once.
 A worker that exits non-zero or dies, a hang (no step progress within resilience.hang_timeout_min or
 resilience.hang_factor x the p95 step time; resilience.slow_phase_timeout while compiling, restoring,
 checkpointing or evaluating), or an anomaly asking for a restart stops the whole group (SIGTERM, resilience.stop_grace, SIGKILL)
@@ -107,11 +109,23 @@ def build_parser() -> argparse.ArgumentParser:
 
     launch = sub.add_parser("launch", help="train with N worker processes under the watchdog",
                             description=_LAUNCH_HELP)
-    launch.add_argument("-n", "--workers", type=int, required=True, help="number of worker processes")
+    launch.add_argument("-n", "--workers", type=int, default=None,
+                        help="number of worker processes (inside a Slurm allocation: default every node's ranks "
+                             "but the spares')")
     launch.add_argument("config", type=Path, help="YAML config file")
     launch.add_argument("overrides", nargs="*", help="dotted key=value overrides")
     launch.add_argument("--spares", type=int, default=0,
-                        help="spare worker slots that replace a slot excluded after repeated failures")
+                        help="spare nodes (on one machine: worker slots) that replace one excluded after repeated "
+                             "failures or lost")
+    where = launch.add_mutually_exclusive_group()
+    where.add_argument("--slurm", dest="slurm", action="store_true", default=None,
+                       help="start each attempt as job steps of this Slurm allocation (the default inside sbatch or "
+                            "salloc: SLURM_JOB_ID set)")
+    where.add_argument("--local", dest="slurm", action="store_false",
+                       help="start the workers on this machine even inside a Slurm allocation")
+    launch.add_argument("--ranks-per-node", type=int, default=None, metavar="K",
+                        help="with --slurm: workers per node (default: the allocation's --ntasks-per-node, else its "
+                             "GPUs per node, else 1)")
     launch.add_argument("--cpu-devices", type=int, default=None,
                         help="CPU devices per worker (CPU backend; default: JAX's, 1)")
 

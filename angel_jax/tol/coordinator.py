@@ -156,7 +156,15 @@ class GroupStopped:
     """rank -> how it ended ('exited with status 1 before the stop', 'killed by SIGKILL after 10 s grace')."""
 
 
-Input = GroupStarted | Message | WorkerExited | Tick | AnomalyReport | GroupStopped
+@dataclass(frozen=True)
+class NodeDown:
+    """The scheduler's daemon on `node` answers no more (under a scheduler: the machine is gone or cut off)."""
+
+    now: float
+    node: str
+
+
+Input = GroupStarted | Message | WorkerExited | Tick | AnomalyReport | GroupStopped | NodeDown
 
 
 # --------------------------------------------------------------------------------------------- actions
@@ -237,7 +245,7 @@ class RankView:
 @dataclass(frozen=True)
 class Failure:
     kind: str
-    """crash, hang or anomaly."""
+    """crash, hang, node_lost or anomaly."""
     attempt: int
     rank: int | None
     node: str | None
@@ -256,15 +264,17 @@ class Watchdog:
     """The state machine. `handle` never blocks and reads no clock; every decision is an Action."""
 
     def __init__(self, policy: WatchdogPolicy, *, n_workers: int, spares: int = 0, resume: bool = True,
-                 node_names: Sequence[str] | None = None):
-        if n_workers < 1:
-            raise ValueError("n_workers must be >= 1")
+                 node_names: Sequence[str] | None = None, ranks_per_node: int = 1):
+        if n_workers < 1 or ranks_per_node < 1 or n_workers % ranks_per_node:
+            raise ValueError(f"{n_workers} workers do not fill nodes of {ranks_per_node} ranks")
         self.policy = policy
         self.n = n_workers
+        self.per_node = ranks_per_node
         self.nodes = list(node_names) if node_names else [f"local{i}" for i in range(n_workers + spares)]
-        if len(self.nodes) < n_workers:
-            raise ValueError(f"{len(self.nodes)} nodes for {n_workers} workers")
-        self.assignment = self.nodes[:n_workers]
+        if len(self.nodes) * ranks_per_node < n_workers:
+            raise ValueError(f"{len(self.nodes)} nodes for {n_workers} workers at {ranks_per_node} per node")
+        self.assignment = [self.nodes[r // ranks_per_node] for r in range(n_workers)]
+        """assignment[rank]: the node it runs on (ranks_per_node consecutive ranks per node)."""
         self.excluded: list[str] = []
         self.node_failures: dict[str, int] = {}
         self.first_resume = resume
@@ -313,6 +323,8 @@ class Watchdog:
             return self._anomaly(event)
         if isinstance(event, GroupStopped):
             return self._stopped(event)
+        if isinstance(event, NodeDown):
+            return self._node_down(event)
         raise TypeError(f"unknown watchdog input {event!r}")
 
     @property
@@ -498,6 +510,34 @@ class Watchdog:
                        "heartbeat_lost": suspect.lost})
         return out
 
+    def _node_down(self, e: NodeDown) -> list[Action]:
+        """A node whose daemon is gone: excluded at once. Its ranks' peers usually fail first (a broken
+        collective); such a failure of this attempt is charged to the lost node instead."""
+        if e.node in self.excluded:
+            return []
+        if e.node not in self.assignment:  # a spare: no longer one
+            self.excluded.append(e.node)
+            return [Emit("exclusion", {"node": e.node, "rank": None, "failures": 0, "reason": "spare node lost",
+                                       "replaced_by": None})]
+        views = [v for v in self.ranks.values() if self.assignment[v.rank] == e.node]
+        first = views[0] if views else None
+        detail = (f"node {e.node} lost: its slurmd answers no connection"
+                  + (f" (ranks {', '.join(str(v.rank) for v in views)})" if views else ""))
+        failure = Failure("node_lost", self.attempt, first.rank if first else None, e.node,
+                          first.step if first else None, first.phase if first else Phase.STARTING, detail,
+                          action="exclude")
+        if not self.stopping:
+            return self._fail(e.now, e.now, failure)
+        blamed = self.failures[-1] if self.failures and self.failures[-1].attempt == self.attempt else None
+        if blamed is not None and blamed.kind == "node_lost" and blamed.node == e.node:
+            return []  # its heartbeats told us first
+        if blamed is not None and blamed.node not in (None, e.node):
+            self.node_failures[blamed.node] -= 1  # the peer of a lost node: not its own fault
+        self.failures.append(failure)
+        self.node_failures[e.node] = self.node_failures.get(e.node, 0) + 1
+        return [Emit("node_lost", {"attempt": self.attempt, "node": e.node, "rank": failure.rank,
+                                   "message": detail, "recharged_from": blamed.node if blamed else None})]
+
     def current_timeout(self) -> float:
         slow = any(v.phase in SLOW_PHASES or (v.step or 0) >= self.policy.total_steps for v in self.live)
         return hang_timeout(self.policy, list(self.step_times), slow=slow)
@@ -562,12 +602,13 @@ class Watchdog:
         if not wanted:
             return []
         spares = [n for n in self.nodes if n not in self.assignment and n not in self.excluded]
-        why = "exclusion requested" if failure.action == "exclude" else f"{count} failures"
+        why = ("node lost" if failure.kind == "node_lost" else
+               "exclusion requested" if failure.action == "exclude" else f"{count} failures")
         if not spares:
             return [Emit("exclusion_skipped", {"node": node, "rank": failure.rank, "failures": count,
                                                "reason": f"{why}, but no spare node is left (launch --spares)"})]
         self.excluded.append(node)
-        self.assignment[failure.rank] = spares[0]
+        self.assignment = [spares[0] if n == node else n for n in self.assignment]  # every rank of the node
         return [Emit("exclusion", {"node": node, "rank": failure.rank, "failures": count, "reason": why,
                                    "replaced_by": spares[0]})]
 

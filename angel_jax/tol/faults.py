@@ -5,8 +5,9 @@
 
 A spec is a comma-separated list of `kind@at[:key=value]...`. Batch faults are keyed on the global batch index
 (so a rollback that skips the batch also skips the fault, as it would skip bad data); the others on the step.
-Every fault may carry `rank=R` (only on process R) and `attempt=A` (only in the A-th start of the job, 0 = the
-first; the watchdog sets ANGEL_JAX_ATTEMPT), which is how a fault that a restart cures is modelled.
+Every fault may carry `rank=R` (only on process R), `attempt=A` (only in the A-th start of the job, 0 = the
+first; the watchdog sets ANGEL_JAX_ATTEMPT), which is how a fault that a restart cures is modelled, and
+`node=NAME` (only on that node: a bad machine, whichever rank runs there).
 
     nan_batch@B                the rows of global batch B get token ids outside the vocabulary: NaN activations
     corrupt_batch@B            the rows of global batch B become uniform random bytes: a loss spike
@@ -54,6 +55,8 @@ class Fault:
     params: dict[str, float]
     rank: int | None = None
     attempt: int | None = None
+    node: str | None = None
+    """Only on this node (the scheduler's name for it, or the launcher's: a fault of a machine, not of a rank)."""
 
 
 def parse(spec: str) -> list[Fault]:
@@ -65,7 +68,7 @@ def parse(spec: str) -> list[Fault]:
         if kind not in KINDS or not sep or not at.isdigit():
             raise ValueError(f"fault {part!r}: expected kind@N[:key=value...] with kind one of {', '.join(KINDS)}")
         params = dict(_PARAMS.get(kind, {}))
-        rank = attempt = None
+        rank = attempt = node = None
         for opt in options:
             key, eq, value = opt.partition("=")
             try:
@@ -73,23 +76,26 @@ def parse(spec: str) -> list[Fault]:
                     rank = int(value)
                 elif key == "attempt":
                     attempt = int(value)
+                elif key == "node" and value:
+                    node = value
                 elif key in params and eq:
                     params[key] = float(value)
                 else:
                     raise ValueError
             except ValueError:
                 raise ValueError(f"fault {part!r}: bad option {opt!r} (options of {kind}: "
-                                 f"{', '.join([*params, 'rank', 'attempt'])})") from None
-        faults.append(Fault(kind, int(at), params, rank, attempt))
+                                 f"{', '.join([*params, 'rank', 'attempt', 'node'])})") from None
+        faults.append(Fault(kind, int(at), params, rank, attempt, node))
     return faults
 
 
 class FaultHooks(TrainHooks):
     """The faults of one process, as training hooks."""
 
-    def __init__(self, faults: list[Fault], *, rank: int = 0, attempt: int = 0, vocab_size: int = 256):
+    def __init__(self, faults: list[Fault], *, rank: int = 0, attempt: int = 0, vocab_size: int = 256,
+                 node: str = ""):
         self.faults = [f for f in faults if (f.rank is None or f.rank == rank)
-                       and (f.attempt is None or f.attempt == attempt)]
+                       and (f.attempt is None or f.attempt == attempt) and (f.node is None or f.node == node)]
         self.vocab_size = vocab_size
         self._leaked: list[np.ndarray] = []
         self._healthy: list[float] = []
@@ -103,7 +109,9 @@ class FaultHooks(TrainHooks):
         spec = os.environ.get(ENV, "")
         if not spec:
             return None
-        return cls(parse(spec), rank=rank, attempt=int(os.environ.get(ATTEMPT_ENV, "0")), vocab_size=vocab_size)
+        node = os.environ.get("ANGEL_JAX_NODE") or os.environ.get("SLURMD_NODENAME", "")
+        return cls(parse(spec), rank=rank, attempt=int(os.environ.get(ATTEMPT_ENV, "0")), vocab_size=vocab_size,
+                   node=node)
 
     def _active(self, kind: str) -> list[Fault]:
         return [f for f in self.faults if f.kind == kind]

@@ -58,8 +58,14 @@ class WorkerGroup:
     """One attempt's workers."""
 
     def __init__(self, attempt: int, log_dir: Path, on_exit: Callable[[int, int, int, float], None],
-                 clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic, preexec: Callable[[], None] | None = None,
+                 stop_signals: Sequence[int] = ()):
         self.attempt = attempt
+        self.preexec = preexec
+        """Run in each child before exec (e.g. a parent-death signal for an `srun`)."""
+        self.stop_signals = tuple(stop_signals)
+        """Sent, 0.3 s apart, to what is still running after the stop grace, before SIGKILL (`srun`: two SIGINTs
+        cancel its job step, which SIGKILL of `srun` itself would leave running)."""
         self.log_dir = Path(log_dir)
         self.on_exit = on_exit
         """on_exit(attempt, rank, returncode, when): from the waiter thread."""
@@ -75,7 +81,7 @@ class WorkerGroup:
             path = self.log_dir / f"attempt{self.attempt}-rank{rank}.log"
             with open(path, "ab") as out:
                 proc = subprocess.Popen(list(argv), env=dict(env), cwd=cwd, stdin=subprocess.DEVNULL, stdout=out,
-                                        stderr=subprocess.STDOUT, start_new_session=True)
+                                        stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=self.preexec)
             self.workers[rank] = Worker(rank, proc, path)
             threading.Thread(target=self._wait, args=(rank, proc), name=f"wait-rank{rank}", daemon=True).start()
         return {rank: w.proc.pid for rank, w in self.workers.items()}
@@ -104,6 +110,13 @@ class WorkerGroup:
         deadline = time.monotonic() + grace
         while time.monotonic() < deadline and self.alive():
             time.sleep(0.02)
+        for sig in self.stop_signals:
+            self._signal(self.alive(), sig)
+            time.sleep(0.3)
+        if self.stop_signals:  # give the scheduler a moment to cancel the steps
+            deadline = time.monotonic() + 2.0
+            while time.monotonic() < deadline and self.alive():
+                time.sleep(0.05)
         killed = self.alive()
         self._signal(killed, signal.SIGKILL)
         outcomes: dict[int, str] = {}

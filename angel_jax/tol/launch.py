@@ -31,6 +31,8 @@ from angel_jax.tee.events import EventLog, read_events
 from angel_jax.tol.goodput import format_report, goodput
 from angel_jax.tol.group import WorkerGroup, log_tail, reserve_port
 from angel_jax.tol.heartbeat import HeartbeatServer, RejectionLimiter
+from angel_jax.tol.slurm import (AllocationError, Placement, SlurmPlacement, daemon_addresses, inside_allocation,
+                                 silent_daemons)
 from angel_jax.tol.watchers import default_detectors
 from angel_jax.train.finished import finished_run
 
@@ -53,16 +55,18 @@ class Launcher:
     """One job: the machine, the server, the current group, the logs."""
 
     def __init__(self, config: str | Path, overrides: list[str], *, workers: int, spares: int = 0,
-                 cpu_devices: int | None = None, heartbeat_host: str = "127.0.0.1",
+                 cpu_devices: int | None = None, placement: Placement | None = None,
                  out: TextIO = sys.stdout, python: str = sys.executable):
         self.config_path, self.overrides = str(config), list(overrides)
         self.cfg: Config = load_config(config, overrides)  # a bad config fails here, before anything starts
         self.n, self.spares, self.cpu_devices = workers, spares, cpu_devices
-        self.heartbeat_host, self.out, self.python = heartbeat_host, out, python
+        self.placement = placement or Placement.local(workers, spares)
+        self.heartbeat_host, self.out, self.python = self.placement.heartbeat_host, out, python
         self.run_dir = self.cfg.run_dir.absolute()
         self.token = secrets.token_hex(32)
         self.machine = co.Watchdog(co.WatchdogPolicy.from_config(self.cfg.resilience, total_steps=self.cfg.train.steps),
-                                   n_workers=workers, spares=spares, resume=self.cfg.train.resume)
+                                   n_workers=workers, spares=spares, resume=self.cfg.train.resume,
+                                   node_names=self.placement.nodes, ranks_per_node=self.placement.ranks_per_node)
         self.detectors: list[co.CoordinatorDetector] = default_detectors(self.cfg)
         self.inbox: queue.Queue | None = None
         self.rejections = RejectionLimiter()  # heartbeat_rejected events per sender, rate-limited
@@ -73,6 +77,8 @@ class Launcher:
         self.result: co.Finish | None = None
         self.heartbeat_addr: str | None = None
         self._last_progress_line = 0.0
+        self.daemons = daemon_addresses(self.placement.nodes) if self.placement.kind == "slurm" else {}
+        """node -> its scheduler daemon's address, probed when a rank fails (lost nodes)."""
 
     # --------------------------------------------------------------------------------------------- the loop
 
@@ -85,7 +91,13 @@ class Launcher:
         self.inbox = server.inbox
         self.heartbeat_addr = server.address
         old = {s: signal.signal(s, self._interrupt) for s in (signal.SIGTERM, signal.SIGINT)}
-        self._say(f"watchdog: {self.n} worker(s), run directory {self.run_dir}, heartbeats on {self.heartbeat_addr}")
+        where = "" if self.placement.kind == "local" else (
+            f", {self.placement.kind} job {getattr(self.placement, 'job_id', '')} on nodes "
+            f"{','.join(dict.fromkeys(self.machine.assignment))} ({self.placement.ranks_per_node} per node)"
+            + (f", spares {','.join(n for n in self.placement.nodes if n not in self.machine.assignment)}"
+               if len(self.placement.nodes) * self.placement.ranks_per_node > self.n else ""))
+        self._say(f"watchdog: {self.n} worker(s){where}, run directory {self.run_dir}, heartbeats on "
+                  f"{self.heartbeat_addr}")
         try:
             self._do(self.machine.start(time.monotonic()), time.monotonic())
             while self.result is None:
@@ -174,17 +186,29 @@ class Launcher:
                 tail = log_tail(worker.log_path, 6)
                 if tail:
                     self._say(f"  last lines of {worker.log_path}:\n" + "\n".join(f"    {t}" for t in tail))
+        if action.kind in ("crash", "hang", "heartbeat_lost") and self.daemons:
+            self._probe_nodes(now)
         if action.kind in ("start", "state", "job_end"):
             self._write_status()
+
+    def _probe_nodes(self, now: float) -> None:
+        """Ask the nodes of the attempt whether their scheduler daemon still answers, before the group is stopped
+        (milliseconds when they do; ~1 s to be sure of one that refuses): a node that does not is lost, and the
+        failure is charged to it, not to the peer whose collective broke first."""
+        for node in silent_daemons(self.daemons, list(self.machine.assignment)):
+            self._do(self.machine.handle(co.NodeDown(now, node)), now)
 
     def _spawn(self, action: co.Spawn) -> None:
         assert self.inbox is not None
         inbox = self.inbox
         group = WorkerGroup(action.attempt, self.run_dir / "logs",
-                            on_exit=lambda attempt, rank, code, when: inbox.put(("exit", when, attempt, rank, code)))
+                            on_exit=lambda attempt, rank, code, when: inbox.put(("exit", when, attempt, rank, code)),
+                            preexec=self.placement.preexec(), stop_signals=self.placement.stop_signals)
         port, sock = reserve_port()
         group.reserved.append(sock)
-        commands = {rank: (self._argv(action), self._env(action, rank, port)) for rank in range(self.n)}
+        commands = {rank: (self.placement.command(self._argv(action), node=action.nodes[rank], rank=rank,
+                                                  attempt=action.attempt), self._env(action, rank, port))
+                    for rank in range(self.n)}
         pids = group.spawn(commands)
         self.group = group
         now = time.monotonic()
@@ -199,12 +223,15 @@ class Launcher:
         env = with_huge_pages(os.environ)  # the host stage updates' buffers: see angel_jax.memory.malloc
         root = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
+        host = self.placement.coordinator_host(action.nodes[0])  # the first node of the attempt
+        local = self.n if self.placement.kind == "local" else self.placement.ranks_per_node
+        env.pop("ANGEL_JAX_WATCHDOG_PID", None)
         env.update({
-            "ANGEL_JAX_COORDINATOR_ADDRESS": f"127.0.0.1:{port}", "ANGEL_JAX_NUM_PROCESSES": str(self.n),
-            "ANGEL_JAX_LOCAL_PROCESSES": str(self.n),  # all on this machine: they share its cores
+            "ANGEL_JAX_COORDINATOR_ADDRESS": f"{host}:{port}", "ANGEL_JAX_NUM_PROCESSES": str(self.n),
+            "ANGEL_JAX_LOCAL_PROCESSES": str(local),  # the ranks that share a machine's cores
             "ANGEL_JAX_PROCESS_ID": str(rank), "ANGEL_JAX_HEARTBEAT_ADDR": self.heartbeat_addr,
             "ANGEL_JAX_JOB_TOKEN": self.token, "ANGEL_JAX_ATTEMPT": str(action.attempt),
-            "ANGEL_JAX_NODE": action.nodes[rank], "ANGEL_JAX_WATCHDOG_PID": str(os.getpid()),
+            "ANGEL_JAX_NODE": action.nodes[rank], **self.placement.worker_env(os.getpid()),
         })
         if self.cpu_devices:
             env["ANGEL_JAX_CPU_DEVICES"] = str(self.cpu_devices)
@@ -302,7 +329,11 @@ def _human(event: dict) -> str:
     elif kind == "recovered":
         text = ", ".join(f"{k} {v:.2f} s" for k, v in event.items() if k.endswith("_s") and v is not None)
     elif kind == "restart":
-        text = f"attempt {event['attempt']} ({event['restarts']} of {event['budget']} restarts)"
+        text = (f"attempt {event['attempt']} ({event['restarts']} of {event['budget']} restarts) on "
+                f"{', '.join(dict.fromkeys(event.get('nodes') or []))}")
+    elif kind == "exclusion":
+        text = (f"node {event['node']} excluded ({event['reason']})"
+                + (f", replaced by {event['replaced_by']}" if event.get("replaced_by") else ""))
     elif kind == "stopped":
         text = "; ".join(f"rank {r} {how}" for r, how in event["outcomes"].items())
     elif kind in ("heartbeat_lost", "heartbeat_rejected"):
@@ -312,7 +343,23 @@ def _human(event: dict) -> str:
     return f"{stamp} watchdog {kind}: {text}"
 
 
-def launch(config: str | Path, overrides: list[str], *, workers: int, spares: int = 0,
-           cpu_devices: int | None = None, out: TextIO = sys.stdout) -> int:
-    return Launcher(config, overrides, workers=workers, spares=spares, cpu_devices=cpu_devices, out=out).run()
+def launch(config: str | Path, overrides: list[str], *, workers: int | None, spares: int = 0,
+           cpu_devices: int | None = None, slurm: bool | None = None, ranks_per_node: int | None = None,
+           out: TextIO = sys.stdout) -> int:
+    """`slurm`: True inside an allocation (job steps on its nodes), False on this machine, None: detected from
+    the environment (an sbatch script or salloc shell)."""
+    if slurm is None:
+        slurm = inside_allocation(os.environ)
+    if slurm:
+        if not inside_allocation(os.environ):
+            raise AllocationError("launch --slurm runs inside a Slurm allocation (an sbatch script or an salloc "
+                                  "shell: SLURM_JOB_ID and SLURM_JOB_NODELIST set, not inside a job step)")
+        placement, workers = SlurmPlacement.from_env(os.environ, workers=workers, spares=spares,
+                                                     ranks_per_node=ranks_per_node)
+    else:
+        if workers is None:
+            raise AllocationError("launch needs -n N outside a Slurm allocation")
+        placement = Placement.local(workers, spares)
+    return Launcher(config, overrides, workers=workers, spares=spares, cpu_devices=cpu_devices,
+                    placement=placement, out=out).run()
 

@@ -83,7 +83,7 @@ class WorkerEnv:
 
         out = cls(coordinator_address=get("COORDINATOR_ADDRESS"), num_processes=integer("NUM_PROCESSES"),
                   process_id=integer("PROCESS_ID"), heartbeat_addr=get("HEARTBEAT_ADDR"), token=get("JOB_TOKEN"),
-                  attempt=integer("ATTEMPT") or 0, node=get("NODE") or "", cpu_devices=integer("CPU_DEVICES"),
+                  attempt=integer("ATTEMPT") or 0, node=get("NODE") or env.get("SLURMD_NODENAME", ""), cpu_devices=integer("CPU_DEVICES"),
                   watchdog_pid=integer("WATCHDOG_PID"))
         if out.coordinator_address and (out.num_processes is None or out.process_id is None):
             raise ValueError(f"{PREFIX}COORDINATOR_ADDRESS needs {PREFIX}NUM_PROCESSES and {PREFIX}PROCESS_ID")

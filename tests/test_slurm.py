@@ -1,0 +1,225 @@
+"""The watchdog across nodes, under a real Slurm: slurmctld and three `slurmd -N nK` on this machine
+(scripts/slurm_cluster.sh), `angel-jax launch` inside an `salloc` allocation, each attempt's ranks as job steps.
+
+One job carries the restart and the node-loss cases (a launch costs ~40 s here): rank 1 raises on n2 in attempt 0
+(a crash: one restart on the same nodes), then everything of n2 is killed in attempt 1 (its slurmd, its
+slurmstepd, its worker: a machine gone); rank 0's collective breaks first, the node probe finds n2's daemon
+silent, the failure is charged to n2, which is excluded at once and replaced by the spare n3. The job must end
+with the numbers of one uninterrupted job of the same config, step for step. A second job's launcher is SIGKILLed
+while the allocation lives on: no worker may survive it.
+
+Where no cluster can be had (not root, no package, a daemon that does not start) the tests skip with the reason,
+except under CI, where they must run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from angel_jax.tee.events import read_events
+from angel_jax.train import metrics as M
+from conftest import comparing_env
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parent.parent
+STEPS, EVERY = 16, 4
+LIMIT = 300
+EXACT_KEYS = ("loss", "grad_norm", "update_norm", "lr")
+XLA_FLAGS = " ".join(filter(None, [os.environ.get("XLA_FLAGS"), "--xla_backend_optimization_level=0"]))
+RESILIENCE = {"hang_timeout_min": 20.0, "slow_phase_timeout": 120.0, "stop_grace": 3.0, "heartbeat_interval": 0.5,
+              "heartbeat_lost_after": 4.0, "max_restarts": 3, "exclude_after": 2}
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory) -> dict[str, str]:
+    """A 3-node cluster; yields the environment that reaches it (SLURM_CONF)."""
+    where = tmp_path_factory.mktemp("slurm")
+    done = subprocess.run(["timeout", "-s", "KILL", "300", "bash", str(ROOT / "scripts" / "slurm_cluster.sh"),
+                           "start", str(where), "3"], capture_output=True, text=True)
+    if done.returncode != 0:
+        why = (done.stderr.strip().splitlines() or [f"exit status {done.returncode}"])[-1]
+        if os.environ.get("CI"):
+            pytest.fail(f"no Slurm cluster in CI: {why}")
+        pytest.skip(f"no Slurm cluster here: {why}")
+    env = dict(os.environ, SLURM_CONF=str(where / "slurm.conf"))
+    yield env
+    subprocess.run(["bash", str(ROOT / "scripts" / "slurm_cluster.sh"), "stop", str(where)], timeout=60)
+
+
+class Job:
+    def __init__(self, name: str, run_dir: Path, proc: subprocess.Popen, out: Path):
+        self.name, self.run_dir, self.proc, self.out_path = name, run_dir, proc, out
+
+    @property
+    def out(self) -> str:
+        return self.out_path.read_text(errors="replace")
+
+    def events(self, kind: str | None = None) -> list[dict]:
+        return [e for e in read_events(self.run_dir / "events.jsonl", kind) if e["source"] == "watchdog"]
+
+    def step(self) -> int:
+        try:
+            lines = (self.run_dir / "metrics.jsonl").read_text().splitlines()
+        except OSError:
+            return 0
+        return max((json.loads(line)["step"] for line in lines if line.endswith("}")), default=0)
+
+    def wait(self, timeout: float = LIMIT) -> int:
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"{self.name}: the job did not finish in {timeout} s:\n{self.out[-4000:]}")
+
+    def wait_for(self, predicate, what: str, timeout: float = 180.0) -> None:
+        deadline = time.monotonic() + timeout
+        while not predicate():
+            assert self.proc.poll() is None, f"{self.name} ended before {what}:\n{self.out[-4000:]}"
+            assert time.monotonic() < deadline, f"{self.name}: no {what} within {timeout} s:\n{self.out[-4000:]}"
+            time.sleep(0.02)
+
+
+@pytest.fixture(scope="module")
+def jobs(cluster, tmp_path_factory, write_tiny_config):
+    root = tmp_path_factory.mktemp("slurm-jobs")
+    started: list[Job] = []
+
+    def start(name: str, *, faults: str = "", then: str = "", steps: int = STEPS) -> Job:
+        cfg = write_tiny_config(root, name, train={"steps": steps}, checkpoint={"every": EVERY, "keep": 2},
+                                resilience={**RESILIENCE, "compile_cache_dir": str(root / "cache")})
+        launch = [sys.executable, "-m", "angel_jax.cli", "launch", "-n", "2", str(cfg)]
+        # --no-kill: the allocation outlives a node that fails (the watchdog replaces it with the spare)
+        command = ["bash", "-c", " ".join(launch) + (f"; {then}" if then else "")]
+        env = comparing_env(dict(cluster, JAX_PLATFORMS="cpu", XLA_FLAGS=XLA_FLAGS))
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
+        if faults:
+            env["ANGEL_JAX_FAULTS"] = faults
+        out = root / f"{name}.out"
+        with open(out, "w") as f:
+            proc = subprocess.Popen(["timeout", "-s", "KILL", str(LIMIT), "salloc", "-N", "3", "--no-kill", "-Q",
+                                     f"--job-name={name}", *command], cwd=root, env=env, stdout=f,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+        job = Job(name, root / name, proc, out)
+        started.append(job)
+        return job
+
+    yield start
+    for pid in _processes_of(root, "angel_jax.cli"):  # launchers: salloc runs them in a session of their own
+        os.kill(pid, signal.SIGKILL)
+    for job in started:
+        if job.proc.poll() is None:
+            os.killpg(job.proc.pid, signal.SIGKILL)
+            job.proc.wait(timeout=30)
+    for pid in _workers_of(root) + _processes_of(root, "angel_jax.tol.worker", srun=True):
+        os.kill(pid, signal.SIGKILL)
+
+
+def _processes_of(root: Path, module: str, srun: bool = False) -> list[int]:
+    """Live Python processes running `module` with an argument under `root` (or, with `srun`, the srun processes
+    that started them)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            argv = (proc / "cmdline").read_bytes().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if (Path(argv[0]).name == "srun") == srun and module in argv and any(str(root) in a for a in argv):
+            pids.append(int(proc.name))
+    return pids
+
+
+def _workers_of(root: Path) -> list[int]:
+    return _processes_of(root, "angel_jax.tol.worker")
+
+
+def _kill_node(cluster: dict[str, str], node: str) -> None:
+    """Everything of `node` dies at once, as when its machine goes: its slurmd, the slurmstepd of its job steps
+    and their tasks."""
+    conf = Path(cluster["SLURM_CONF"])
+    steps = subprocess.run(["squeue", "-s", "-h", "-o", "%i %N"], capture_output=True, text=True, env=cluster,
+                           timeout=30).stdout.split("\n")
+    ids = [line.split()[0] for line in steps if line.split()[1:] == [node]]
+    victims = [int((conf.parent / f"slurmd.{node}.pid").read_text())]
+    for step in ids:
+        stepds = subprocess.run(["pgrep", "-f", f"slurmstepd: \\[{step}\\]"], capture_output=True,
+                                text=True).stdout.split()
+        for pid in map(int, stepds):
+            victims.append(pid)
+            victims += [int(p) for p in subprocess.run(["pgrep", "-P", str(pid)], capture_output=True,
+                                                       text=True).stdout.split()]
+    for pid in victims:  # the tasks' own children (the worker under `bash -c`, if any) die with the session
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def _revive(cluster: dict[str, str], node: str) -> None:
+    subprocess.run(["slurmd", "-f", cluster["SLURM_CONF"], "-N", node], check=True, timeout=30, env=cluster)
+
+
+@pytest.fixture(scope="module")
+def reference(jobs) -> list[dict]:
+    job = jobs("reference")
+    assert job.wait() == 0, job.out[-4000:]
+    (end,) = job.events("job_end")
+    assert end["state"] == "succeeded" and end["restarts"] == 0, end
+    return M.read_jsonl(job.run_dir / "metrics.jsonl")
+
+
+def test_a_crash_restarts_on_the_same_nodes_and_a_lost_node_is_replaced_by_the_spare(jobs, cluster, reference):
+    job = jobs("faults", faults="raise@7:node=n2:attempt=0")
+    job.wait_for(lambda: len(job.events("start")) == 2, "attempt 1")
+    job.wait_for(lambda: job.step() >= 10, "step 10 in attempt 1")
+    _kill_node(cluster, "n2")
+    try:
+        assert job.wait() == 0, job.out[-5000:]
+    finally:
+        _revive(cluster, "n2")
+    starts = job.events("start")
+    assert [[w["node"] for w in s["workers"]] for s in starts] == [["n1", "n2"], ["n1", "n2"], ["n1", "n3"]]
+    crash = job.events("crash")[0]
+    assert (crash["node"], crash["attempt"]) == ("n2", 0) and "InjectedFault" in crash["message"]
+    (lost,) = [e for e in job.events() if e["kind"] == "node_lost" or (e["kind"] == "crash" and e["attempt"] == 1
+                                                                        and "slurmd" in e.get("message", ""))]
+    assert lost["node"] == "n2", lost
+    (exclusion,) = job.events("exclusion")
+    assert (exclusion["node"], exclusion["replaced_by"], exclusion["reason"]) == ("n2", "n3", "node lost")
+    (end,) = job.events("job_end")
+    assert end["state"] == "succeeded" and end["restarts"] == 2 and end["excluded"] == ["n2"], end
+    records = M.read_jsonl(job.run_dir / "metrics.jsonl")
+    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+    for r, want in zip(records, reference):
+        assert [r[k] for k in EXACT_KEYS] == [want[k] for k in EXACT_KEYS], f"step {r['step']}"
+    for resumed in job.events("resumed"):
+        assert resumed["step"] % EVERY == 0 and resumed["lost_steps"] <= EVERY, resumed
+
+
+def test_a_killed_coordinator_leaves_no_worker_running(jobs, cluster, tmp_path):
+    # The allocation lives on after the launcher, and the job would train for minutes: only the launcher's death
+    # can end the workers within the deadline below.
+    job = jobs("orphans", then="sleep 120", steps=20000)
+    job.wait_for(lambda: job.step() >= 2, "step 2")
+    status = json.loads((job.run_dir / "watchdog.json").read_text())
+    launcher = status["pid"]
+    assert len(_workers_of(job.run_dir.parent)) == 2
+    os.kill(launcher, signal.SIGKILL)
+    deadline = time.monotonic() + 60  # SIGTERM, the worker's save, Slurm's KillWait: seconds, on a busy machine
+    while _workers_of(job.run_dir.parent) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = {pid: Path(f"/proc/{pid}/cmdline").read_bytes()[:200] for pid in _workers_of(job.run_dir.parent)}
+    assert not left, f"workers outlived their coordinator: {left}"
+    assert job.proc.poll() is None, "the allocation ended with the launcher: the test would prove nothing"
+    steps = subprocess.run(["squeue", "-s", "-h", "-o", "%j", "-n", "orphans"], capture_output=True, text=True,
+                           env=cluster, timeout=30).stdout.split()
+    assert not [s for s in steps if s.startswith("angel-jax.")], steps
