@@ -25,6 +25,7 @@ import dataclasses
 from dataclasses import dataclass
 import logging
 import shutil
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -344,3 +345,16 @@ def disk_budget(cfg: Config) -> int | None:
         return shutil.disk_usage(cfg.memory.disk_dir).free
     except OSError:
         return None
+
+
+def reachable_bytes(cfg: Config) -> dict[str, int]:
+    """The most memory of each tier a run on this host could put its training state in, whatever memory.mode: every
+    local device's free bytes, all of the host's RAM, and the disk tier's budget or free space (none without one)."""
+    devices = sum(device_free_bytes(d) for d in jax.local_devices())
+    disk = 0
+    if cfg.memory.disk_dir:
+        where = Path(cfg.memory.disk_dir).absolute()
+        while not where.exists() and where != where.parent:  # the tier's directory may not be made yet
+            where = where.parent
+        disk = cfg.memory.disk_budget or shutil.disk_usage(where).free
+    return {"device": devices, "host RAM": int(psutil.virtual_memory().total), "disk": disk}

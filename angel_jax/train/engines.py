@@ -21,15 +21,12 @@ from __future__ import annotations
 
 import functools
 import logging
-import shutil
 import threading
-from pathlib import Path
 from typing import Any, Callable, Mapping
 
 import jax
 import jax.numpy as jnp
 import numpy as np
-import psutil
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from angel_jax.checkpoint.state import StateSnapshot
@@ -37,7 +34,7 @@ from angel_jax.config import Config, ConfigError
 from angel_jax.errors import AngelError
 from angel_jax.optim import split_optimizer, state_buffers
 from angel_jax.memory.shards import from_pieces, local_pieces
-from angel_jax.schedule.budgets import device_free_bytes, in_memory_budget
+from angel_jax.schedule.budgets import device_free_bytes, in_memory_budget, reachable_bytes
 from angel_jax.train.paged import PagedTrainEngine
 from angel_jax.train.protocol import StateMismatch, TrainEngine, check_arrays, named_leaves, path_name  # noqa: F401
 from angel_jax.train.sharding import FSDP, batch_sharding, device_bytes, fsdp_size, state_shardings, whole
@@ -305,19 +302,6 @@ def refuse_what_cannot_fit(cfg: Config, device: jax.Device, fsdp: int = 1) -> No
                           "host and disk, or shrink the model")
 
 
-def reachable_bytes(cfg: Config) -> dict[str, int]:
-    """The most memory of each tier a run on this host could put its training state in, whatever memory.mode: every
-    local device's free bytes, all of the host's RAM, and the disk tier's budget or free space (none without one)."""
-    devices = sum(device_free_bytes(d) for d in jax.local_devices())
-    disk = 0
-    if cfg.memory.disk_dir:
-        where = Path(cfg.memory.disk_dir).absolute()
-        while not where.exists() and where != where.parent:  # the tier's directory may not be made yet
-            where = where.parent
-        disk = cfg.memory.disk_budget or shutil.disk_usage(where).free
-    return {"device": devices, "host RAM": int(psutil.virtual_memory().total), "disk": disk}
-
-
 def refuse_beyond_reach(cfg: Config) -> None:
     """ConfigError, before anything is built or allocated (computed from the config: models.param_count), when the
     training state is larger than every tier this host could put it in together: a model too deep, too wide, of too
@@ -330,7 +314,7 @@ def refuse_beyond_reach(cfg: Config) -> None:
         n = models.param_count(m)["total"]
         tiers = ", ".join(f"{human_bytes(v)} {k}" for k, v in room.items() if v or k != "disk")
         raise ConfigError(f"the model (model.name={m.name}: d_model={m.d_model}, n_layers={m.n_layers}"
-                          + (f", n_decoder_layers={m.decoder_layers}" if m.name == "t5" else "")
+                          + (f", n_decoder_layers={m.n_decoder_layers}" if m.n_decoder_layers else "")
                           + f", vocab_size={m.vocab_size}, moe.experts={m.moe.experts}) has {n:,} parameters; "
                           f"their training state needs {human_bytes(need)} on this host, more than all it has "
                           f"({tiers}) in any memory.mode: shrink the model")
