@@ -100,8 +100,12 @@ def test_a_run_larger_than_the_machine_stops_at_once_with_one_line(tmp_path):
                            *overrides], env=env, capture_output=True, text=True)
     peak_kib = int(peak_file.read_text())
     assert proc.returncode not in (0, -9), proc.stderr[-2000:]
-    errors = [line for line in proc.stderr.splitlines() if "need the disk tier" in line]
+    # Refused from the config's numbers (the state, 384 GiB, is past device + host + the disk budget), or, when
+    # this host's tiers together could hold it, from the page layouts (the disk budget the plan needs).
+    errors = [line for line in proc.stderr.splitlines()
+              if "need the disk tier" in line or "more than all it has" in line]
     assert len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
-    assert "give the disk tier more than 50,000,000,000 B" in errors[0], errors[0]
+    assert ("give the disk tier more than 50,000,000,000 B" in errors[0]
+            or ("384.14 GiB" in errors[0] and "memory.disk_budget" in errors[0])), errors[0]
     assert peak_kib < 2 * 1024 * 1024, f"peak RSS {peak_kib} KiB: the model was allocated"
     assert not any((tmp_path / "disk").rglob("c.*")), "nothing may be written to the disk tier"

@@ -317,7 +317,9 @@ def refuse_beyond_reach(cfg: Config) -> None:
                           + (f", n_decoder_layers={m.n_decoder_layers}" if m.n_decoder_layers else "")
                           + f", vocab_size={m.vocab_size}, moe.experts={m.moe.experts}) has {n:,} parameters; "
                           f"their training state needs {human_bytes(need)} on this host, more than all it has "
-                          f"({tiers}) in any memory.mode: shrink the model")
+                          f"({tiers}) in any memory.mode: shrink the model, spread it over more hosts, or give it "
+                          f"a disk tier with room for {human_bytes(need - room['device'] - room['host RAM'])} "
+                          "(memory.disk_dir on a larger disk, memory.disk_budget)")
 
 
 def build_engine(cfg: Config, mesh: jax.sharding.Mesh) -> TrainEngine:
