@@ -43,6 +43,8 @@ ANGEL_JAX_CKPT_KILL_AT describes (angel_jax/checkpoint/faults.py), read when the
 from __future__ import annotations
 
 import contextlib
+import hashlib
+import json
 import logging
 import shutil
 import time
@@ -58,7 +60,7 @@ from angel_jax.checkpoint.filetier import FileTier
 from angel_jax.checkpoint.persist import OrbaxTier
 from angel_jax.checkpoint.snapshot import SnapshotDamaged
 from angel_jax.checkpoint.trust import untrusted
-from angel_jax.config import Config, to_dict
+from angel_jax.config import Config, ConfigError, to_dict
 from angel_jax.data import identity as data_identity
 from angel_jax.multihost import barrier, every_process_lists, from_any, from_primary
 from angel_jax.train.state_formats import format_of
@@ -89,6 +91,24 @@ def check_same_model(saved_config: dict | None, cfg: Config, step: int) -> None:
         raise CheckpointError(f"the checkpoint of step {step} holds another model than the config asks for: "
                               f"{changes}. Resume with the checkpoint's model settings, or start a new run "
                               "(another train.run_dir, or train.resume=false)", step=step)
+
+
+def check_processes_agree(identity: dict[str, Any] | None) -> None:
+    """Every process of a job trains on process 0's tokenizer and data (a host with another tokenizer file or corpus
+    would train another model without a word): ConfigError naming the processes that differ, on every process (a
+    collective each start, every process calls it). It also compiles, in a job's first attempt, the one program a
+    resume's comparison runs (from_any), so that a restarted process loads every program from the cache."""
+    if jax.process_count() == 1:
+        return
+    what = {k: v for k, v in (identity or {}).items() if k != "files"}  # paths may differ between hosts
+    digest = hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).digest()
+    words = [int.from_bytes(digest[i:i + 3], "big") for i in range(0, 21, 3)]  # 24-bit words: int32 on device
+    rows = every_process_lists(words)
+    others = [p for p, row in enumerate(rows) if row != rows[0]]
+    if others:
+        raise ConfigError(f"process(es) {', '.join(map(str, others))} of this job train on another tokenizer or "
+                          "other data than process 0: give every host the same data.source, data.dir and tokenizer "
+                          "files")
 
 
 def check_same_run(meta: dict[str, Any], cfg: Config, identity: dict[str, Any] | None, step: int) -> None:

@@ -41,7 +41,7 @@ from angel_jax.tee.actions import Action
 from angel_jax.tee.events import EventLog
 from angel_jax.train import metrics as metrics_lib
 from angel_jax.train.anomaly import AnomalyMonitor, RestartRequested, TrainingDiverged, Verdict
-from angel_jax.train.checkpointing import TrainCheckpointer, check_same_run
+from angel_jax.train.checkpointing import TrainCheckpointer, check_processes_agree, check_same_run
 from angel_jax.train.curves import loss_curve_hooks
 from angel_jax.train.engines import TrainEngine, build_engine, refuse_beyond_reach
 from angel_jax.train.evaluation import ValidationSet, eval_due, evaluate
@@ -192,6 +192,7 @@ def setup(cfg: Config, hooks: HookList) -> Trainer:
     # What this run trains on, recorded in its checkpoints and compared at resume (data for a legacy directory
     # whose meta.json lacks its content is hashed from the sources it was prepared from).
     identity = data_identity.identity_of(data_dir_for(cfg), data.meta, lambda: resolve_sources(cfg.data.source))
+    check_processes_agree(identity)
     checkpointer = TrainCheckpointer(cfg, run_dir, primary=is_primary, per_process=engine.checkpoints_per_process,
                                      identity=identity)
     start_step = 0
