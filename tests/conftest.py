@@ -165,6 +165,9 @@ def tiny_config_dict(corpus: tuple[Path, Path], run_dir: Path, **sections: dict)
         "data": {"source": str(source), "tokenizer": "byte", "dir": str(data_dir)},
         "optimizer": {"name": "adamw", "lr": 3e-3, "warmup_steps": 2, "schedule": "constant"},
         "train": {"steps": 30, "batch_size": 4, "log_every": 1, "progress": False, "run_dir": str(run_dir)},
+        # No loss.png: hundreds of short runs would each import matplotlib and draw (tests/test_pictures.py
+        # draws them, with the key on).
+        "logging": {"loss_curve": False},
         # The memory tier beside the run (not /dev/shm): test runs leave nothing in shared RAM.
         "checkpoint": {"every": 10, "keep": 2, "memory_dir": str(run_dir) + ".memtier"},
     }
@@ -221,7 +224,8 @@ def trained_tiny_run(tmp_path_factory: pytest.TempPathFactory, write_tiny_config
     def get(mode: str) -> tuple[Path, dict]:
         if mode not in runs:
             directory = tmp_path_factory.mktemp(f"trained-{mode}")
-            config = write_tiny_config(directory, mode, memory=memory[mode], checkpoint={"every": 2, "keep": 2})
+            config = write_tiny_config(directory, mode, memory=memory[mode], checkpoint={"every": 2, "keep": 2},
+                                       logging={"loss_curve": True})  # test_pictures.py reads its loss.png
             at = {2: train(load_config(config, ["train.steps=2"])).params} if mode == "in_memory" else {}
             at[4] = train(load_config(config, ["train.steps=4"])).params
             runs[mode] = (directory / mode, at)

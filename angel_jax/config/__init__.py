@@ -323,6 +323,8 @@ class TrainConfig:
 class LoggingConfig:
     tensorboard: bool = doc(False, "Also write TensorBoard event files to <run_dir>/tb.")
     jsonl: str = doc("metrics.jsonl", "Metrics file name inside the run directory (always written).")
+    loss_curve: bool = doc(True, "Keep <run_dir>/loss.png, the loss curve, redrawn at evaluations, checkpoints and "
+                                 "the end (~1 s of CPU for matplotlib per process, ~0.1 s per drawing).")
     wandb: bool = doc(False, "Also log to Weights & Biases, files in <run_dir>/wandb (pip install "
                              "'angel-jax[wandb]').")
     wandb_project: str = doc("angel-jax", "Weights & Biases project of the run.")

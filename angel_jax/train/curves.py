@@ -220,6 +220,6 @@ class LossCurves(TrainHooks):
 
 def loss_curve_hooks(cfg: Any, primary: bool) -> list[TrainHooks]:
     """The loss-curve hook of a run (process 0 only: the others write no metrics)."""
-    if not primary:
+    if not primary or not cfg.logging.loss_curve:
         return []
     return [LossCurves(cfg.run_dir, name=cfg.name, total_steps=cfg.train.steps, metrics_name=cfg.logging.jsonl)]
