@@ -216,7 +216,10 @@ def test_a_checkpoints_directory_symlinked_to_another_runs_is_refused_naming_the
     link = f"the symlink {copy / 'checkpoints'} -> {run_dir / 'checkpoints'}"
     assert cli.main(["ckpt", "verify", str(copy)]) == 1
     out = capsys.readouterr().out
-    assert "step 2: NOT LOADED" in out and "step 4: NOT LOADED" in out and link in out and "mode 777" not in out
+    # Every step the original persisted (step 4, and step 2 unless its save was skipped on a busy machine).
+    persisted = sorted(int(p.name) for p in (run_dir / "checkpoints").iterdir() if p.name.isdigit())
+    assert 4 in persisted and all(f"step {s}: NOT LOADED" in out for s in persisted), (persisted, out)
+    assert link in out and "mode 777" not in out
     with pytest.raises(CheckpointError, match="may not be loaded") as refused:
         train(load_config(copy / "config.yaml", ["train.steps=6"]))
     assert link in str(refused.value) and "train.resume=false" in str(refused.value)
