@@ -38,11 +38,12 @@ def _checkpoint_with_tokenizer(directory: Path, tokenizer: Path = TOKENIZER) -> 
     return directory
 
 
-def _word_tokenizer(directory: Path, n_ids: int) -> Path:
-    """A tokenizer.json of n_ids whole-word ids ("w0" ... ), with an end-of-sequence token: vocabularies of any size."""
+def _word_tokenizer(directory: Path, n_ids: int, order: list[int] | None = None) -> Path:
+    """A tokenizer.json of n_ids whole-word ids ("w0" ... ), with an end-of-sequence token: vocabularies of any size.
+    `order`: word 'w<k>' gets id order[k] instead of k (the same words, other ids)."""
     from tokenizers import Tokenizer, models, pre_tokenizers
 
-    vocab = {"</s>": 0, "[UNK]": 1, **{f"w{i}": i for i in range(2, n_ids)}}
+    vocab = {"</s>": 0, "[UNK]": 1, **{f"w{i}": (order[i] if order else i) for i in range(2, n_ids)}}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     directory.mkdir(parents=True, exist_ok=True)

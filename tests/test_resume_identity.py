@@ -22,6 +22,7 @@ from angel_jax.data import shards as data_lib
 from angel_jax.train.checkpointing import check_same_run
 from angel_jax.train.loop import train
 from conftest import TOY_TEXT, tiny_config_dict
+from test_hf_tokenizer import _word_tokenizer as word_tokenizer
 
 ENGINES = {"in_memory": {"mode": "in_memory"},
            "paged": {"mode": "paged", "page_size": 16384, "device_budget": 700_000}}
@@ -90,15 +91,7 @@ def test_a_source_only_touched_is_the_same_data_and_resumes_exactly(tmp_path):
 
 def _word_tokenizer(directory: Path, order: list[int]) -> Path:
     """A tokenizer.json of 256 whole-word ids, word 'w<k>' having id order[k] (an end-of-sequence token at 0)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
-    vocab = {"</s>": 0, "[UNK]": 1, **{f"w{k}": order[k] for k in range(2, 256)}}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    directory.mkdir(parents=True, exist_ok=True)
-    tok.save(str(directory / "tokenizer.json"))
-    (directory / "tokenizer_config.json").write_text(json.dumps({"eos_token": "</s>"}))
-    return directory
+    return word_tokenizer(directory, 256, order)
 
 
 def test_a_tokenizer_of_the_same_vocabulary_with_its_ids_permuted_is_refused_naming_it(tmp_path):
