@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import textwrap
 from pathlib import Path
 
 import jax
@@ -33,7 +34,7 @@ from angel_jax.optim.fused import host_update_by
 from angel_jax.train.metrics import device_peak
 from angel_jax.cli.plan_args import add_plan_arguments
 from angel_jax.train.plan_record import plan_summary, predicted_mfu
-from angel_jax.train.plan_target import PlanTarget, plan_target
+from angel_jax.train.plan_target import ASSUMED, PlanTarget, plan_target
 from angel_jax.schedule.blueprint import Blueprint, blueprint, refuse_sharded_optimizer
 from angel_jax.schedule.budgets import decide, local_batch, micro_batching, micro_sizes, plan_settings, stated_budgets
 from angel_jax.schedule.runtime import plan_for
@@ -147,8 +148,8 @@ def _estimated_plan(cfg: Config, bp: Blueprint, args: argparse.Namespace, target
     if best is None:
         raise errors[-1]
     trial, plan, costs, budgets = best
-    chosen = " (micro-batch size chosen by the planner)" if not cfg.train.micro_batch_size else ""
-    return trial, plan, costs, budgets, bw, f"estimated from FLOPs at {target.compute_flops / 1e12:.1f} " \
+    chosen = "; micro-batch size chosen by the planner" if not cfg.train.micro_batch_size else ""
+    return trial, plan, costs, budgets, bw, f"stage times estimated from FLOPs at {target.compute_flops / 1e12:.1f} " \
                                             f"TFLOP/s ({target.sources['compute']}); {bw.source}{chosen}"
 
 
@@ -159,7 +160,8 @@ def _profiled_plan(cfg: Config, bp: Blueprint) -> tuple[Config, Plan, list[Stage
     example = np.zeros((cfg.train.batch_size, cfg.model.seq_len + 1), np.int32)
     plan, costs, bw = plan_for(decision, bp, example, device)
     budgets = decision.budgets
-    return cfg, plan, costs, budgets, bw, f"profiled on {device.device_kind}; bandwidths: {bw.source}"
+    links = bw.source.replace("; ", ", ")  # ('h2d/d2h profiled; disk from PATH': one figure of the report)
+    return cfg, plan, costs, budgets, bw, f"stage times profiled on {device.device_kind}; bandwidths: {links}"
 
 
 def report(cfg: Config, plan: Plan, costs: list[StageCost], budgets: Budgets, bw: Bandwidths,
@@ -189,10 +191,7 @@ def report(cfg: Config, plan: Plan, costs: list[StageCost], budgets: Budgets, bw
         lines.append(f"  {row['tier']:<8}{human_bytes(row['params']):>14}{human_bytes(row['gradients']):>14}"
                      f"{human_bytes(row['optimizer']):>14}{b_text:>14}")
     peak = plan.peak_bytes
-    step, serial = plan.predicted.step_time, plan.serial_step_time
-    overlap = ("memory.overlap=false: nothing overlapped" if not cfg.memory.overlap else
-               f"{serial:.4f} s with nothing overlapped: overlap hides {1 - step / serial:.0%} of it" if serial else "")
-    lines += ["", f"  predicted step time   {step:.4f} s ({source})" + (f"; {overlap}" if overlap else ""),
+    lines += ["", *step_lines(cfg, plan, costs, source, peak_flops),
               f"  predicted peak bytes  device {human_bytes(peak['device'])} (of which activations and working set "
               f"{human_bytes(plan.fixed_device)}, streaming window {human_bytes(plan.window_bytes)}"
               + (f", whole stages gathered {human_bytes(plan.gather_bytes)}" if plan.ranks > 1 else "")
@@ -216,12 +215,6 @@ def report(cfg: Config, plan: Plan, costs: list[StageCost], budgets: Budgets, bw
                          f"parameter shards, never gathered); its all-to-alls move "
                          f"{human_bytes(calls * (plan.ranks - 1) // plan.ranks)} per step, inside the stage calls "
                          f"(counted above)")
-    bound, shares = plan.bound(costs[0].name)
-    busy = ", ".join(f"{s} {v:.0%}" for s, v in shares.items())
-    waits = plan.predicted.waits
-    idle = (f"; the compute waits {sum(waits.values()):.4g} s per step for: "
-            + ", ".join(f"{k} {v:.4g} s" for k, v in sorted(waits.items(), key=lambda kv: -kv[1]))) if waits else ""
-    lines.append(f"  bound by              {bound} (streams busy: {busy}{idle})")
     if plan.parked_bytes:
         lines.append(f"  parked activations    stage inputs wait for their backward in host memory "
                      f"(memory.activations={cfg.memory.activations}): {human_bytes(plan.parked_bytes)} a stage, "
@@ -234,10 +227,39 @@ def report(cfg: Config, plan: Plan, costs: list[StageCost], budgets: Budgets, bw
                      f"({human_bytes(plan.update_bytes)} of device memory)")
     if len(plan.streamed) > len(on_device):  # the other streamed stages update on the host
         lines.append(f"  host updates          {host_update_by(cfg.optimizer)}")
+    return lines
+
+
+def step_lines(cfg: Config, plan: Plan, costs: list[StageCost], source: str, peak_flops: float | None) -> list[str]:
+    """The predicted step: a headline (step time, MFU, the bound), then one short line per figure behind it
+    (`source`'s '; '-separated parts: where the stage times and each link's figure come from), the step without
+    overlap, the streams' busy shares, what the compute waits for and what the MFU is stated against."""
+    step, serial = plan.predicted.step_time, plan.serial_step_time
+    bound, shares = plan.bound(costs[0].name)
+    mfu = f", {predicted_mfu(cfg, plan, peak_flops):.1%} MFU" if peak_flops else ""
+    lines = [f"  predicted step time   {step:.4g} s{mfu}, bound by {bound}"]
+
+    def detail(label: str, text: str) -> None:
+        lines.append(f"    {label:<20}{text}")
+
+    for i, part in enumerate(source.split("; ")):
+        for j, piece in enumerate(textwrap.wrap(part, 76, subsequent_indent="  ", break_on_hyphens=False)):
+            detail("figures" if i == j == 0 else "", piece)
+        if ASSUMED in part:
+            detail("", "(assumed: name the target's with --calibration or the --*-gbps flags)")
+    if not cfg.memory.overlap:
+        detail("without overlap", "the same (memory.overlap=false)")
+    elif serial:
+        detail("without overlap", f"{serial:.4g} s (overlap hides {1 - step / serial:.0%} of it)")
+    detail("streams busy", ", ".join(f"{s} {v:.0%}" for s, v in shares.items()))
+    waits = plan.predicted.waits
+    if waits:
+        detail("compute waits", f"{sum(waits.values()):.4g} s per step: " + ", ".join(
+            f"{k} {v:.4g} s" for k, v in sorted(waits.items(), key=lambda kv: -kv[1])))
     if peak_flops:
-        lines.append(f"  predicted MFU         {predicted_mfu(cfg, plan, peak_flops):.1%} (model FLOPs per step, "
-                     f"6N + attention per token, over step time x {peak_flops / 1e12:.1f} TFLOP/s"
-                     + (f" x {plan.ranks} devices" if plan.ranks > 1 else "") + ")")
+        devices = f" x {plan.ranks} devices" if plan.ranks > 1 else ""
+        detail("MFU", f"model FLOPs per step (6N + attention per token) / (step x "
+                      f"{peak_flops / 1e12:.1f} TFLOP/s{devices})")
     return lines
 
 

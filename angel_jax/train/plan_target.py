@@ -33,6 +33,8 @@ LINK_FLAGS = ("h2d", "d2h", "disk_read", "disk_write", "link", "host")
 """The `--<name>-gbps` flags that name a target's links."""
 LINK_FIGURES = ("h2d", "d2h", "disk read", "disk write", "host update")
 """The figures besides compute whose source the report names."""
+ASSUMED = "assumed (built-in)"
+"""The source of a figure nothing states for the target (the report says how to state it)."""
 ASSUMED_DEVICE_BW = 1e12
 """Device memory bytes/s an estimate assumes when nothing states the target's (the device's own updates)."""
 ASSUMED_HOST_BW = 10e9
@@ -99,7 +101,7 @@ def plan_target(args: argparse.Namespace) -> PlanTarget:
         sources.update(dict.fromkeys(LINK_FIGURES, label))
         device_memory = cal.get("device_memory_bytes")
     elif other:
-        label = "assumed (built-in: name the target's with --calibration or the --*-gbps flags)"
+        label = ASSUMED
         peak = Peak(args.peak_tflops * 1e12, "--peak-tflops") if args.peak_tflops else device_peak(jax.devices()[0])
         compute = peak.flops_per_device
         sources["compute"] = peak.source
