@@ -14,7 +14,10 @@ partitioned over the ranks, and the plan is one rank's. Its costs are per rank: 
 shard (`shard_bytes`: each page split into N equal slices, its length rounded up to a multiple of N elements),
 its compute that of the rank's local rows (train.batch_size / N, the global batch), its budgets
 memory.device_budget / host_budget / disk_budget (each rank's own tiers). The collectives (an all-gather of every
-stage's parameters per access, a reduce-scatter of its gradients per backward) run at G GB/s per rank.
+stage's parameters per access, a reduce-scatter of its gradients per backward) run at G GB/s per rank. Ranks
+on several hosts (`--devices-per-node R --inter-node-gbps G2`): G is each rank's link inside its host, G2 its
+link to other hosts, the collectives run at the two-level algorithm's figure (schedule/links.py), and the report
+adds each host's peak (cli/plan_hosts.py).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from angel_jax.errors import AngelError
 from angel_jax.optim.fused import host_update_by
 from angel_jax.train.metrics import device_peak
 from angel_jax.cli.plan_args import add_plan_arguments
+from angel_jax.cli.plan_hosts import collective_link, host_line, per_host, per_node, refuse_two_level_experts
 from angel_jax.train.plan_record import plan_summary, predicted_mfu
 from angel_jax.train.plan_target import ASSUMED, PlanTarget, plan_target
 from angel_jax.schedule.blueprint import Blueprint, blueprint, refuse_sharded_optimizer
@@ -127,6 +131,7 @@ def _estimated_plan(cfg: Config, bp: Blueprint, args: argparse.Namespace, target
         raise AngelError(f"a plan of {ranks} data-parallel ranks (--devices) needs the bandwidth of their "
                          "collectives: give --link-gbps (GB/s each rank sends; e.g. NVLink ~150-300 per GPU within "
                          "a server, InfiniBand ~25-50 across servers)")
+    bw, two_level = collective_link(bw, args, ranks)
     local = local_batch(cfg, ranks)
     # A target named by its peak, links or calibration is another machine, an accelerator with streams of its own;
     # without one the plan is for this machine, whose CPU backend computes, copies and updates on the same cores.
@@ -148,9 +153,11 @@ def _estimated_plan(cfg: Config, bp: Blueprint, args: argparse.Namespace, target
     if best is None:
         raise errors[-1]
     trial, plan, costs, budgets = best
+    refuse_two_level_experts(two_level, costs)
     chosen = "; micro-batch size chosen by the planner" if not cfg.train.micro_batch_size else ""
     return trial, plan, costs, budgets, bw, f"stage times estimated from FLOPs at {target.compute_flops / 1e12:.1f} " \
-                                            f"TFLOP/s ({target.sources['compute']}); {bw.source}{chosen}"
+                                            f"TFLOP/s ({target.sources['compute']}); {bw.source}{chosen}" \
+                                            + (f"; {two_level}" if two_level else "")
 
 
 def _profiled_plan(cfg: Config, bp: Blueprint) -> tuple[Config, Plan, list[StageCost], Budgets, Bandwidths, str]:
@@ -165,8 +172,9 @@ def _profiled_plan(cfg: Config, bp: Blueprint) -> tuple[Config, Plan, list[Stage
 
 
 def report(cfg: Config, plan: Plan, costs: list[StageCost], budgets: Budgets, bw: Bandwidths,
-           source: str, peak_flops: float | None = None) -> list[str]:
-    """The lines `angel-jax plan` prints. With several ranks the bytes, times and budgets are one rank's."""
+           source: str, peak_flops: float | None = None, node: int | None = None) -> list[str]:
+    """The lines `angel-jax plan` prints. With several ranks the bytes, times and budgets are one rank's; with
+    `node` (--devices-per-node), also each host's peak."""
     counts = models.get(cfg.model).param_count
     size = f"{counts['total'] / 1e9:.2f} B" if counts["total"] >= 1e9 else f"{counts['total'] / 1e6:.2f} M"
     local = cfg.train.batch_size // plan.ranks
@@ -199,6 +207,8 @@ def report(cfg: Config, plan: Plan, costs: list[StageCost], budgets: Budgets, bw
               + (f" per rank; all {plan.ranks} ranks: device {human_bytes(plan.ranks * peak['device'])}, host "
                  f"{human_bytes(plan.ranks * peak['host'])}, disk {human_bytes(plan.ranks * peak['disk'])}"
                  if plan.ranks > 1 else "")]
+    if node and plan.ranks > 1:
+        lines.append(host_line(plan, budgets, node))
     io = plan.io_per_step(costs, bw)
     lines += [f"  I/O per step          h2d {human_bytes(io['h2d_bytes'])}, d2h {human_bytes(io['d2h_bytes'])}, "
               f"disk read {human_bytes(io['disk_read_bytes'])}, disk write {human_bytes(io['disk_write_bytes'])}; "
@@ -206,7 +216,7 @@ def report(cfg: Config, plan: Plan, costs: list[StageCost], budgets: Budgets, bw
     if plan.ranks > 1:
         lines.append(f"  collectives per step  each rank receives {human_bytes(io['collective_bytes'])} (all-gathers "
                      f"of every stage per access, reduce-scatters per backward: (ranks - 1) x shard bytes each), "
-                     f"{io['collective_s']:.4f} s at {bw.link / 1e9:g} GB/s per rank")
+                     f"{io['collective_s']:.4f} s at {bw.link / 1e9:.4g} GB/s per rank")
         own = sum(c.expert_bytes for c in costs)
         if own:  # expert parallelism
             calls = exchange_bytes(costs, plan.micro_batches)
@@ -266,9 +276,9 @@ def step_lines(cfg: Config, plan: Plan, costs: list[StageCost], source: str, pea
 def main(args: list[str] | argparse.Namespace | None = None) -> int:
     if not isinstance(args, argparse.Namespace):
         args = _parser().parse_args(args)
-    if not args.estimate and (args.devices or args.link_gbps):
-        raise AngelError("--devices and --link-gbps describe a target to estimate a plan for: add --estimate "
-                         "(a profiled plan is this process's, of one rank)")
+    if not args.estimate and (args.devices or args.link_gbps or args.devices_per_node or args.inter_node_gbps):
+        raise AngelError("--devices, --link-gbps, --devices-per-node and --inter-node-gbps describe a target to "
+                         "estimate a plan for: add --estimate (a profiled plan is this process's, of one rank)")
     if getattr(args, "what_if", False) and not args.estimate:
         raise AngelError("--what-if plans other settings on paper: add --estimate")
     cfg = load_config(args.config, list(args.overrides))
@@ -278,7 +288,8 @@ def main(args: list[str] | argparse.Namespace | None = None) -> int:
     cfg, plan, costs, budgets, bw, source = (_estimated_plan(cfg, bp, args, target) if target
                                              else _profiled_plan(cfg, bp))
     peak = peak.flops_per_device
-    print("\n".join(report(cfg, plan, costs, budgets, bw, source, peak)))
+    node = per_node(args, plan.ranks) if target and getattr(args, "devices_per_node", None) else None
+    print("\n".join(report(cfg, plan, costs, budgets, bw, source, peak, node)))
     what_if = {}
     if getattr(args, "what_if", False):
         what_if = alternatives(cfg, args, target, peak)
@@ -290,6 +301,8 @@ def main(args: list[str] | argparse.Namespace | None = None) -> int:
     summary = plan_summary(plan, costs, budgets, bw, source, bp.staged.param_count, cfg, peak)
     if what_if:
         summary["what_if"] = what_if
+    if node and plan.ranks > 1:
+        summary["per_host"] = per_host(plan, budgets, node)
     (out / "plan.json").write_text(json.dumps(summary, indent=1))
     print(f"  wrote {out / 'timeline_predicted.png'}, timeline_predicted.json and plan.json")
     return 0

@@ -45,4 +45,11 @@ def add_plan_arguments(p: argparse.ArgumentParser) -> None:
     dp.add_argument("--link-gbps", type=float, default=None,
                     help="bytes each rank sends (and receives) per second in a collective, GB/s: e.g. NVLink "
                          "~150-300 per GPU within a server, InfiniBand ~25-50 across servers (needed with "
-                         "more than one device)")
+                         "more than one device); with --devices-per-node, each rank's link inside its host")
+    dp.add_argument("--devices-per-node", type=int, default=None,
+                    help="ranks on each host, when --devices spans several hosts (each host's share of host "
+                         "memory is then memory.host_budget per rank; the report states each host's peak)")
+    dp.add_argument("--inter-node-gbps", type=float, default=None,
+                    help="with --devices-per-node: bytes each rank sends (and receives) per second to other hosts, "
+                         "GB/s (its own network port, e.g. 50 for 400 Gb/s); the collectives are then timed as "
+                         "the two-level algorithm (across hosts, then inside each: angel_jax/schedule/links.py)")

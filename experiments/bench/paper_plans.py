@@ -14,6 +14,16 @@ on each command line.
   config's Adafactor: sharded pages need an elementwise optimizer. Collective links: NVLink, 150 GB/s
   per GPU each way (8 GPUs in one server; an H100/H200 SXM's NVLink 4 is 450 GB/s each way, of which a ring
   all-gather reaches a part), or InfiniBand, 25 GB/s per GPU (one 200 Gb/s HDR port per GPU, 8 servers).
+- 8 x H200 servers, on one H200's measured figures (`H200_BOXES`): Llama-2 70B (experiments/llama_70b.yaml, fp32
+  state, 256 x 4096 tokens per step) on one server of 8, and GPT-3 175B (1536 x 2048) on 8 servers = 64 GPUs.
+  Each server: 2 TB of host memory (250 GB per rank: its share), 8 NVMe drives of 3.5 TB (one per rank); each
+  rank's device budget the calibration's (the memory jax gives a process on one H200). Collectives: NVLink
+  inside a server at 450 GB/s per rank (the H200's 900 GB/s is both directions together; a ring receives from
+  one direction, so 450 is its ceiling: assumed, not measured, and a real ring reaches less), 400 Gb/s = 50 GB/s
+  per GPU between servers (assumed), timed as the two-level algorithm (`--devices-per-node 8
+  --inter-node-gbps 50`, angel_jax/schedule/links.py). Two more cases show how far the bound is from the
+  links: 70B at 150 GB/s inside the server, and 175B with every link at 50 GB/s (a flat ring waiting for its
+  slowest hop at every step).
 
     python experiments/bench/paper_plans.py [--only NAME] [--write]
 
@@ -102,7 +112,19 @@ H200_CASES = {
     "gpt_13b_h200_measured_64x2048_bf16_master": (
         "experiments/gpt_13b.yaml", ["train.batch_size=64", *MASTER_LAYOUT], H200_BUDGETS),
 }
-COLLECTIVES = {"nvlink": ["--link-gbps", "150"], "infiniband": ["--link-gbps", "25"]}
+COLLECTIVES = {"nvlink": ["--link-gbps", "150"], "infiniband": ["--link-gbps", "25"],
+               "h200_nvlink": ["--link-gbps", "450", "--devices-per-node", "8"],
+               "h200_nvlink150": ["--link-gbps", "150", "--devices-per-node", "8"],
+               "h200_nvlink_ib400": ["--link-gbps", "450", "--devices-per-node", "8", "--inter-node-gbps", "50"],
+               "h200_all50": ["--link-gbps", "50", "--devices-per-node", "8", "--inter-node-gbps", "50"]}
+H200_BOX_RANK = ("memory.host_budget=250000000000", "memory.disk_budget=3500000000000")
+"""Each rank's budgets on an 8 x H200 server: its share of 2 TB of host memory and one 3.5 TB NVMe drive (the
+device budget is the calibration's)."""
+H200_BOX_ASSUMED = ("server: 8 x H200, 2 TB host memory (250 GB per rank), 8 x 3.5 TB NVMe (one per rank): "
+                    "assumed; disk figures are the calibration's (one H200 machine's disk tier), not an NVMe's",
+                    "host update: the calibration's 5.1 GB/s (XLA's update on that machine's 16 cores) per rank, "
+                    "assuming each of a server's 8 ranks has as many cores")
+"""What the 8 x H200 cases assume besides their link flags (each recorded with the case)."""
 
 
 @dataclass(frozen=True)
@@ -115,6 +137,8 @@ class MultiDevice:
     budgets: tuple[str, ...]
     devices: int
     collectives: str
+    assumed: tuple[str, ...] = ()
+    """What the case assumes that nothing measured: recorded with its figures."""
 
 
 MULTI = {
@@ -132,6 +156,22 @@ MULTI = {
     # gpt_13b_conservative (below) on 8 GPUs: the same global batch, links and budgets per GPU.
     "gpt_13b_8x80g_nvlink_conservative": MultiDevice("experiments/gpt_13b.yaml", (), "conservative", tuple(BUDGETS),
                                                      8, "nvlink"),
+}
+NVLINK_450 = "link 450 GB/s per rank inside a server: the H200's NVLink 900 GB/s counts both directions; a ring " \
+             "receives at one direction's 450 at most (assumed, not measured)"
+IB_400 = "inter-node 50 GB/s per rank: one 400 Gb/s port per GPU, rail-aligned (assumed, not measured)"
+H200_BOXES = {
+    "llama_70b_8xh200_nvlink": MultiDevice("experiments/llama_70b.yaml", (), "h200_measured", H200_BOX_RANK, 8,
+                                           "h200_nvlink", (NVLINK_450, *H200_BOX_ASSUMED)),
+    "llama_70b_8xh200_nvlink150": MultiDevice(
+        "experiments/llama_70b.yaml", (), "h200_measured", H200_BOX_RANK, 8, "h200_nvlink150",
+        ("link 150 GB/s per rank inside a server: a third of NVLink's one-way ceiling (assumed)", *H200_BOX_ASSUMED)),
+    "gpt3_175b_64xh200_nvlink_ib400": MultiDevice("experiments/gpt3_175b.yaml", (), "h200_measured", H200_BOX_RANK,
+                                                  64, "h200_nvlink_ib400", (NVLINK_450, IB_400, *H200_BOX_ASSUMED)),
+    "gpt3_175b_64xh200_all50": MultiDevice(
+        "experiments/gpt3_175b.yaml", (), "h200_measured", H200_BOX_RANK, 64, "h200_all50",
+        ("every link 50 GB/s per rank, inside the server too: a flat ring's slowest hop (assumed)", IB_400,
+         *H200_BOX_ASSUMED)),
 }
 MASTER = ["model.param_dtype=bfloat16", "optimizer.master_weights=true"]
 CASES = {
@@ -161,7 +201,7 @@ CASES = {
 
 
 def run_case(name: str, config: str, overrides: list[str], links: str, disk_dir: str, out: Path,
-             budgets: list[str] = BUDGETS, target: list[str] = ()) -> dict:
+             budgets: list[str] = BUDGETS, target: list[str] = (), assumed: tuple[str, ...] = ()) -> dict:
     args = [config, *budgets, f"memory.disk_dir={disk_dir}", *overrides, *PEAK, *LINKS[links], *target]
     command = ["angel-jax", "plan", *args, "--out", "OUT"]
     done = subprocess.run([sys.executable, "-m", "angel_jax.cli", "plan", *args, "--out", str(out)], cwd=ROOT,
@@ -177,9 +217,10 @@ def run_case(name: str, config: str, overrides: list[str], links: str, disk_dir:
         io = plan["io_per_step"]
         ranks = {"devices": plan["ranks"], "per_rank": True, "gather_bytes": plan["gather_bytes"],
                  "collective_bytes_per_rank": io["collective_bytes"], "collective_s": round(io["collective_s"], 2),
-                 "peak_bytes_all_ranks": {k: plan["ranks"] * v for k, v in plan["peak_bytes"].items()}}
+                 "peak_bytes_all_ranks": {k: plan["ranks"] * v for k, v in plan["peak_bytes"].items()},
+                 **({"per_host": plan["per_host"]} if "per_host" in plan else {})}
     return {"bench": "paper_plans", "case": name, "command": " ".join(command).replace(disk_dir, "DIR"),
-            "links": links, **ranks, "predicted_step_s": round(plan["predicted_step_s"], 2),
+            "links": links, **({"assumed": list(assumed)} if assumed else {}), **ranks, "predicted_step_s": round(plan["predicted_step_s"], 2),
             "predicted_mfu": round(plan["predicted_mfu"], 4), "bound": plan["bound"],
             "stream_shares": {k: round(v, 3) for k, v in plan["stream_shares"].items()},
             "compute_waits_s": {k: round(v, 2) for k, v in plan["compute_waits_s"].items()},
@@ -197,17 +238,19 @@ def main() -> int:
     args = p.parse_args()
     results = results_path("paper_plans") if args.write else None
     charts = ROOT / "experiments" / "results" / "paper_plans"
-    cases = {name: (config, overrides, links, BUDGETS, []) for name, (config, overrides, links) in CASES.items()}
+    cases = {name: (config, overrides, links, BUDGETS, [], ()) for name, (config, overrides, links) in CASES.items()}
     cases.update({name: (c.config, list(c.overrides), c.links, list(c.budgets),
-                         ["--devices", str(c.devices), *COLLECTIVES[c.collectives]]) for name, c in MULTI.items()})
-    cases.update({name: (config, overrides, "h200_measured", budgets, [])
+                         ["--devices", str(c.devices), *COLLECTIVES[c.collectives]], c.assumed)
+                  for name, c in {**MULTI, **H200_BOXES}.items()})
+    cases.update({name: (config, overrides, "h200_measured", budgets, [], ())
                   for name, (config, overrides, budgets) in H200_CASES.items()})
     with tempfile.TemporaryDirectory() as tmp:
-        for name, (config, overrides, links, budgets, target) in cases.items():
+        for name, (config, overrides, links, budgets, target, assumed) in cases.items():
             if args.only and not name.startswith(args.only):
                 continue
             out = Path(tmp) / name
-            record = run_case(name, config, overrides, links, str(Path(tmp) / "disk"), out, budgets, target)
+            record = run_case(name, config, overrides, links, str(Path(tmp) / "disk"), out, budgets, target,
+                              assumed)
             emit(record, results)
             if results is not None and "error" not in record:
                 (charts / name).mkdir(parents=True, exist_ok=True)
