@@ -9,7 +9,8 @@
 
 Modules: options (CheckpointOptions), state (StateSnapshot: the arrays handed to a save and their lifetime),
 tiers (the interface every tier implements) with memtier (the memory tier; writer: its fast, buffer-reusing
-snapshot writer), peer (the peer backup) and persist (the orbax tier; its docstring shows how plain orbax reads a
+snapshot writer), peer (the peer backup in a mounted directory) or netpeer (in the next node's memory, over TCP:
+peer_wire the format, peer_receiver the receiving end) and persist (the orbax tier; its docstring shows how plain orbax reads a
 checkpoint), or filetier (the persistent tier in the snapshot format, for checkpoints each process of a
 multi-process run writes on its own); snapshot (the memory/peer directory format, reading, checking), checksum (XXH3-64 per array),
 retention (pure policy), faults (the crash-test hook, passed in as a callable), worker (the background queue and

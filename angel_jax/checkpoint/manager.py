@@ -4,11 +4,12 @@ A save, in order:
 
     save()  [blocks]   copy every array into memory_dir/step_<k>.tmp/data.bin              state "copied"
     worker             XXH3-64 of the copy, index.json, rename to step_<k>/  (the commit) state "snapshotted"
-    worker             copy to peer_dir/step_<k>/ (tmp + fsync + rename)                  state "backed_up"
+    worker             copy to peer_dir/step_<k>/ (tmp + fsync + rename), or to the next    state "backed_up"
+                       node's memory over the network (netpeer.py)
     worker             orbax save of the snapshot's bytes to persistent_dir/<k>/          state "persisted"
     worker             retention in every tier
 
-The tiers (tiers.py: memtier.MemoryTier, peer.PeerTier, persist.OrbaxTier) know how to store, list, load, check
+The tiers (tiers.py: memtier.MemoryTier, peer.PeerTier or netpeer.NetworkPeerTier, persist.OrbaxTier) know how to store, list, load, check
 and delete steps; this module decides the order, what runs in the background (worker.py) and what a failure
 means. Restore, latest_valid and verify go through the tiers fastest first and fall back on damage.
 
@@ -53,7 +54,7 @@ from angel_jax.checkpoint.faults import Fault, no_fault
 from angel_jax.checkpoint.filetier import FileTier
 from angel_jax.checkpoint.memtier import MemoryTier, MemoryTierFull
 from angel_jax.checkpoint.options import CheckpointOptions
-from angel_jax.checkpoint.peer import PeerTier
+from angel_jax.checkpoint.peer import peer_tier
 from angel_jax.checkpoint.persist import OrbaxTier
 from angel_jax.checkpoint.records import CheckpointError, CheckpointInfo, CheckpointRef, Restored, TierState
 from angel_jax.checkpoint.snapshot import remove_dir
@@ -122,11 +123,13 @@ class CheckpointManager:
         self.options = options
         self._clock = clock
         self._memory = MemoryTier(options.resolved_memory_dir(), options.keep_last, fault=fault)
-        peer = PeerTier(options.peer_dir, options.keep_last, fault=fault) if options.peer_dir is not None else None
+        peer = peer_tier(options, fault)
         persistent = OrbaxTier if options.persistent_format == "orbax" else FileTier
         self._persistent = persistent(options.persistent_dir, options.keep_last, options.keep_every, fault=fault)
         self._downstream: tuple[CopyTier, ...] = (*([peer] if peer else []), self._persistent)
         self._tiers: tuple[CheckpointTier, ...] = (self._memory, *self._downstream)  # restore order: fastest first
+        self.peer = peer
+        """The peer tier (a mounted directory, or the next node over the network), or None."""
         self._worker = SaveWorker(self._process)
         self._errors_lock = threading.Lock()
         self._errors: list[CheckpointError] = []
@@ -478,7 +481,8 @@ class CheckpointManager:
 
     def tier_roots(self) -> str:
         """Where each tier keeps its checkpoints, on one line (for messages that say where nothing was found)."""
-        return f"memory={self._memory.root}, peer={self.options.peer_dir}, persistent={self.options.persistent_dir}"
+        peer = self.options.peer_dir if self.options.peer_network is None else self.peer
+        return f"memory={self._memory.root}, peer={peer}, persistent={self.options.persistent_dir}"
 
     # ------------------------------------------------------------------------------------------- closing
 

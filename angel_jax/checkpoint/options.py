@@ -8,6 +8,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from angel_jax.checkpoint.peer_wire import NetworkPeer
 from angel_jax.config.fields import doc
 
 
@@ -17,6 +18,8 @@ class CheckpointOptions:
     memory_dir: Path | None = doc(None, "Memory tier (tmpfs); None = /dev/shm/angel_jax-<uid>/<run id from "
                                          "persistent_dir>.")
     peer_dir: Path | None = doc(None, "Backup copy of each snapshot, e.g. a peer host's tmpfs mount; None = no peer.")
+    peer_network: NetworkPeer | None = doc(None, "Backup copy of each snapshot in the next node's memory, over TCP "
+                                                 "(netpeer.py); None = none. Not with peer_dir.")
     keep_last: int = doc(3, "Keep this many newest checkpoints in every tier.")
     keep_every: int | None = doc(None, "Also keep persisted steps divisible by this (persistent tier only).")
     verify_on_restore: bool = doc(True, "Check every array's XXH3-64 checksum before a restore returns it.")
@@ -39,6 +42,8 @@ class CheckpointOptions:
             raise ValueError(f"CheckpointOptions.keep_last: must be an int >= 1, got {self.keep_last!r}")
         if self.keep_every is not None and (not isinstance(self.keep_every, int) or self.keep_every < 1):
             raise ValueError(f"CheckpointOptions.keep_every: must be None or an int >= 1, got {self.keep_every!r}")
+        if self.peer_dir is not None and self.peer_network is not None:
+            raise ValueError("CheckpointOptions: peer_dir and peer_network are two peer tiers; give one")
         if self.persistent_format not in ("orbax", "snapshot"):
             raise ValueError(f"CheckpointOptions.persistent_format: 'orbax' or 'snapshot', got "
                              f"{self.persistent_format!r}")

@@ -1,4 +1,5 @@
-"""The peer tier: a copy of each memory-tier snapshot in another directory, typically a peer host's mount.
+"""The peer tier: a copy of each memory-tier snapshot in another directory, typically a peer host's mount (or,
+over the network, in the next node's memory: netpeer.py; `peer_tier` picks the one the options ask for).
 
 TRANSOM's backup: when this host dies with its tmpfs, the neighbour still has the newest snapshot, and restoring
 from it is as fast as from the memory tier (the same directory format, snapshot.py). The copy is best effort: a
@@ -17,7 +18,19 @@ import numpy as np
 
 from angel_jax.checkpoint import snapshot as snap
 from angel_jax.checkpoint.faults import Fault, no_fault
+from angel_jax.checkpoint.netpeer import NetworkPeerTier
+from angel_jax.checkpoint.options import CheckpointOptions
 from angel_jax.checkpoint.tiers import Committed, CopyTier, SnapshotDirectories
+
+
+def peer_tier(options: CheckpointOptions, fault: Fault = no_fault) -> CopyTier | None:
+    """The peer tier the options ask for: a mounted directory (PeerTier), the next node's memory over the
+    network (netpeer.NetworkPeerTier), or none."""
+    if options.peer_network is not None:
+        return NetworkPeerTier(options.peer_network, options.keep_last, fault=fault)
+    if options.peer_dir is not None:
+        return PeerTier(options.peer_dir, options.keep_last, fault=fault)
+    return None
 
 
 class PeerTier(SnapshotDirectories, CopyTier):

@@ -365,6 +365,9 @@ class MemoryConfig:
     overlap: bool = doc(True, "Paged engine: false runs every copy, disk transfer, computation and update alone, "
                               "each waited for before the next starts: the baseline that shows what overlap "
                               "gains (slow; exact updates only).")
+    accelerator_path: bool = doc(False, "Paged engine on the CPU backend: run host updates the way an accelerator "
+                                        "does (pages copied to the compute device and back, never updated in "
+                                        "place; ZeRO-3 shard by shard), for tests of that code; slower.")
 
     def validate(self) -> list[tuple[str, str]]:
         errs = []
@@ -416,8 +419,17 @@ class CheckpointConfig:
     keep: int = doc(2, "Keep this many newest checkpoints in every tier (memory, peer, persistent).")
     keep_every: int = doc(0, "Also keep every persisted step divisible by this (0 = off): a long-term history.")
     at_end: bool = doc(True, "Save a checkpoint after the last step.")
-    memory_dir: str = doc("", "Memory tier (a RAM-backed directory, private to this user); empty = /dev/shm/angel_jax-<uid>/<run id>.")
+    memory_dir: str = doc("", "Memory tier (a RAM-backed directory, private to this user); empty = /dev/shm/angel_jax-<uid>/<run id>. "
+                              "'{node}' in it stands for the node's name (SLURMD_NODENAME): one tier per node on a shared path.")
     peer_dir: str = doc("", "Where each snapshot is copied in the background (a peer host's mount); empty = none.")
+    peer_network: str = doc("auto", "Copy each snapshot to the next node's memory over TCP: 'auto' (when the launcher runs the "
+                                    "job across the nodes of a Slurm allocation and peer_dir is empty), 'on' or 'off'.")
+    peer_max_bytes: int = doc(0, "Most bytes of peer copies one receiver holds for the run (0 = no fixed limit; in RAM it "
+                                 "always leaves 2 GiB available).")
+    peer_timeout: float = doc(30.0, "Seconds a peer copy's connect, send or receive may wait on the other node before the "
+                                    "copy is given up (training goes on).")
+    peer_port: int = doc(0, "TCP port of process p's peer-copy receiver: this + p (0 = any free port; the processes tell "
+                            "each other theirs).")
     verify_on_restore: bool = doc(True, "Check every array's XXH3-64 checksum before resuming from it.")
     max_persist_failures: int = doc(3, "Stop the run (exit status 78) once this many saves in a row failed to reach "
                                        "the persistent tier (0 = never stop).")
@@ -430,9 +442,17 @@ class CheckpointConfig:
             errs.append(("every", "must be >= 0"))
         if self.keep <= 0:
             errs.append(("keep", "must be > 0"))
-        for key in ("keep_every", "max_persist_failures"):
+        for key in ("keep_every", "max_persist_failures", "peer_max_bytes"):
             if getattr(self, key) < 0:
                 errs.append((key, "must be >= 0"))
+        if self.peer_network not in ("auto", "on", "off"):
+            errs.append(("peer_network", f"must be auto, on or off, got {self.peer_network!r}"))
+        elif self.peer_network == "on" and self.peer_dir:
+            errs.append(("peer_network", "'on' and checkpoint.peer_dir are two peer tiers: give one"))
+        if not self.peer_timeout > 0:
+            errs.append(("peer_timeout", "must be > 0"))
+        if not 0 <= self.peer_port <= 65535:
+            errs.append(("peer_port", "must be 0 (any free port) or a TCP port"))
         return errs
 
 

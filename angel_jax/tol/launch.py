@@ -231,7 +231,8 @@ class Launcher:
             "ANGEL_JAX_LOCAL_PROCESSES": str(local),  # the ranks that share a machine's cores
             "ANGEL_JAX_PROCESS_ID": str(rank), "ANGEL_JAX_HEARTBEAT_ADDR": self.heartbeat_addr,
             "ANGEL_JAX_JOB_TOKEN": self.token, "ANGEL_JAX_ATTEMPT": str(action.attempt),
-            "ANGEL_JAX_NODE": action.nodes[rank], **self.placement.worker_env(os.getpid()),
+            "ANGEL_JAX_NODE": action.nodes[rank], "ANGEL_JAX_PLACEMENT": self.placement.kind,
+            **self.placement.worker_env(os.getpid()),
         })
         if self.cpu_devices:
             env["ANGEL_JAX_CPU_DEVICES"] = str(self.cpu_devices)

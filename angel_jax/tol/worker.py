@@ -11,6 +11,8 @@ Environment set by `angel-jax launch` (all ANGEL_JAX_*):
     HEARTBEAT_ADDR        host:port of the watchdog's heartbeat server;  JOB_TOKEN  the job's secret
     ATTEMPT               0 for the first start of the job, +1 per restart
     NODE                  the worker slot this rank runs on (what the watchdog excludes)
+    PLACEMENT             'local' (this machine's processes) or 'slurm' (job steps of an allocation: snapshots are
+                          copied to the next node's memory, checkpoint.peer_network)
     CPU_DEVICES           CPU devices per process (CPU backend only)
     WATCHDOG_PID          the launcher: the worker dies with it (PR_SET_PDEATHSIG), so no worker is orphaned
 

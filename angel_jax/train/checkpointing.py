@@ -26,7 +26,8 @@ writes only its own shards, through tiers of its own,
                                                  by that process alone (checkpoint/orbax_local.py)
     <memory tier>/process_<p>/step_<k>/          its snapshots
     <checkpoint.peer_dir>/process_<p>/           its peer copies: a neighbour host's mount, so the loss of this
-                                                 host's memory loses nothing
+                                                 host's memory loses nothing (or, over the network, in the next
+                                                 node's memory: train/peer_network.py)
 
 and on restore the processes agree on the newest step every one of them can restore (each from its fastest
 valid tier). A run over another set of processes (fewer, more, or one) resumes the newest step committed in
@@ -43,6 +44,7 @@ ANGEL_JAX_CKPT_KILL_AT describes (angel_jax/checkpoint/faults.py), read when the
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import logging
@@ -57,12 +59,14 @@ import numpy as np
 from angel_jax.checkpoint import CheckpointManager, CheckpointError, CheckpointOptions, SaveHandle, StateSnapshot
 from angel_jax.checkpoint import faults
 from angel_jax.checkpoint.filetier import FileTier
+from angel_jax.checkpoint.netpeer import NetworkPeerTier
 from angel_jax.checkpoint.persist import OrbaxTier
 from angel_jax.checkpoint.snapshot import SnapshotDamaged
 from angel_jax.checkpoint.trust import untrusted
 from angel_jax.config import Config, ConfigError, to_dict
 from angel_jax.data import identity as data_identity
 from angel_jax.multihost import barrier, every_process_lists, from_any, from_primary
+from angel_jax.train.peer_network import network_peer, per_node
 from angel_jax.train.state_formats import format_of
 from angel_jax.train.tier_ownership import OWNER_FILE, PROCESS_DIR, claim_memory_tier, release_memory_tier
 
@@ -144,7 +148,7 @@ def checkpoint_options(cfg: Config, run_dir: Path, process: int | None = None) -
     directory in each tier (in the run's memory tier, the default one or checkpoint.memory_dir)."""
     c = cfg.checkpoint
     persistent = (run_dir / "checkpoints").absolute()
-    memory = Path(c.memory_dir) if c.memory_dir else None
+    memory = Path(per_node(c.memory_dir)) if c.memory_dir else None
     if process is not None:  # inside the run's memory tier, checkpoint.memory_dir or the default one
         memory = (memory or CheckpointOptions(persistent_dir=persistent).resolved_memory_dir()) / f"process_{process}"
     mine = (lambda p: p / f"process_{process}") if process is not None else (lambda p: p)
@@ -202,6 +206,11 @@ class TrainCheckpointer:
                 self._claim(self.options.resolved_memory_dir())
         elif primary:  # before any restore: other processes restore the step process 0 chooses
             self._claim(self.options.resolved_memory_dir())
+        # (a collective where the job copies snapshots over the network: after the claims, which make the run's token)
+        network = network_peer(cfg, run_dir, checkpoint_options(cfg, run_dir).resolved_memory_dir(),
+                               key=f"process_{jax.process_index()}" if per_process else "whole")
+        if network is not None:
+            self.options = dataclasses.replace(self.options, peer_network=network)
         self.engine = training_engine(self.options)
         self.last_handle: SaveHandle | None = None
 
@@ -375,6 +384,8 @@ class TrainCheckpointer:
             self._archive_whole_state()
         if not (self.has_any() or (not self.per_process and shard_dirs(self.run_dir))):
             return None
+        if isinstance(self.engine.peer, NetworkPeerTier):  # copies on other nodes cannot be moved aside: removed
+            self.engine.peer.discard_everywhere()
         self.engine.close()
         stamp = time.strftime("%Y%m%d-%H%M%S", time.gmtime())
         persistent = self.options.persistent_dir

@@ -43,6 +43,7 @@ from angel_jax.train import metrics as metrics_lib
 from angel_jax.train.anomaly import AnomalyMonitor, RestartRequested, TrainingDiverged, Verdict
 from angel_jax.train.checkpointing import TrainCheckpointer, check_processes_agree, check_same_run
 from angel_jax.train.curves import loss_curve_hooks
+from angel_jax.train import peer_network
 from angel_jax.train.engines import TrainEngine, build_engine, refuse_beyond_reach
 from angel_jax.train.evaluation import ValidationSet, eval_due, evaluate
 from angel_jax.train.hooks import HookList, OnStep, TrainHooks
@@ -200,9 +201,13 @@ def setup(cfg: Config, hooks: HookList) -> Trainer:
         checkpointer.archive_existing()
     else:
         hooks.on_phase(Phase.RESTORING, 0)
+        began = time.monotonic()
         restored = checkpointer.restore_latest()
         if restored is not None:
             start_step, arrays, meta, tier = restored
+            if jax.process_count() > 1:  # each process's own tier (a rank moved to a spare reads the peer copy)
+                events.write("restored", step=start_step, tier=tier, node=peer_network.node_name(),
+                             read_s=round(time.monotonic() - began, 4))
             check_same_run(meta, cfg, identity, start_step)
             engine.load_state(arrays, meta.get("engine", {}))
             data.restore(data_lib.IteratorState.from_dict(meta["data"]))
@@ -431,7 +436,7 @@ def _report_checkpoint_errors(t: Trainer) -> None:
     """Background save failures (a full disk, ...), once each, in the events log: the checkpoint manager has
     logged each on one line naming its cause. A few do not stop training; `_stop_unless_persisting` decides."""
     for error in t.checkpointer.poll_errors():
-        if t.is_primary:
+        if t.is_primary or t.checkpointer.per_process:  # (every process saves its own shards: its own failures)
             t.events.write("checkpoint_failed", step=error.step, stage=error.stage, message=str(error))
 
 
