@@ -6,10 +6,12 @@
 #   bash experiments/bench/gpu_quick.sh            # from the repository root; jax with CUDA installed
 #
 # In order: the host optimizer on this host's cores (host_optimizer.py: the fused kernel's bytes/s, the figure
-# that bounds every streamed plan), gpt_1b at 32 x 2048 tokens per step in memory and paged with a quarter of its
-# state on the device (paged_gpu.py quarter_state: tokens/s and MFU of each, paged / in-memory), the cost model's
-# calibration (`angel-jax bench io`, memory paths and the disk), and a model that fits HBM in auto mode against
-# the in-memory engine (paged_gpu.py fits_auto): at most 460 s of limits. quarter_state also gives a streamed step
+# that bounds every streamed plan), ZeRO-3 pages over a mesh of this one GPU with streamed stages against the
+# unsharded paged engine (zero_gpu.py: the sharded stage functions, each rank's host updates crossing to the CPU
+# backend shard by shard; the losses of both and whether they match), gpt_1b at 32 x 2048 tokens per step in
+# memory and paged with a quarter of its state on the device (paged_gpu.py quarter_state: tokens/s and MFU of
+# each, paged / in-memory), the cost model's calibration (`angel-jax bench io`, memory paths and the disk), and a
+# model that fits HBM in auto mode against the in-memory engine (paged_gpu.py fits_auto): at most 475 s of limits. quarter_state also gives a streamed step
 # against its prediction (the earlier paged_step.py and crossing.py figures: run them alone). Afterwards, on any
 # machine:
 #   python experiments/bench/calibration.py --write && python experiments/bench/paper_plans.py --write
@@ -28,7 +30,8 @@ run() {  # run LIMIT_S NAME COMMAND...: one figure under its own limit
   timeout -s KILL "$limit" "$@" 2>&1 | grep -E '^\{|Error|error' | cut -c1-400
   echo "   $name: exit ${PIPESTATUS[0]} after $((SECONDS - t0)) s"
 }
-run 70 host_optimizer "$PY" experiments/bench/host_optimizer.py --repeats 3 --write
-run 220 quarter_state "$PY" experiments/bench/paged_gpu.py --skip fits_auto ladder beyond_hbm --rounds 2 --steps 1 --write
-run 50 "bench io" "$PY" -m angel_jax.cli bench io --rounds 2 --jsonl experiments/results/io_gpu.jsonl
-run 120 fits_auto "$PY" experiments/bench/paged_gpu.py --skip quarter_state ladder beyond_hbm --rounds 3 --steps 3 --write
+run 60 host_optimizer "$PY" experiments/bench/host_optimizer.py --repeats 3 --write
+run 70 zero3_one_gpu "$PY" experiments/bench/zero_gpu.py --steps 4 --write
+run 200 quarter_state "$PY" experiments/bench/paged_gpu.py --skip fits_auto ladder beyond_hbm --rounds 2 --steps 1 --write
+run 45 "bench io" "$PY" -m angel_jax.cli bench io --rounds 2 --jsonl experiments/results/io_gpu.jsonl
+run 100 fits_auto "$PY" experiments/bench/paged_gpu.py --skip quarter_state ladder beyond_hbm --rounds 3 --steps 3 --write
