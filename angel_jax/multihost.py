@@ -4,8 +4,22 @@ process each returns at once."""
 
 from __future__ import annotations
 
+import os
+from typing import Mapping
+
 import jax
 import numpy as np
+
+
+def processes_on_this_host(env: Mapping[str, str] | None = None) -> int:
+    """The training processes that share this machine (its cores and RAM): what `angel-jax launch -n N` started
+    here (ANGEL_JAX_LOCAL_PROCESSES), or srun's tasks per node (SLURM_NTASKS_PER_NODE, e.g. "4(x2)"), else 1."""
+    env = os.environ if env is None else env
+    local = env.get("ANGEL_JAX_LOCAL_PROCESSES") or env.get("SLURM_NTASKS_PER_NODE") or "1"
+    try:
+        return max(1, int(local.split("(")[0].split(",")[0]))
+    except ValueError:
+        return 1
 
 
 def barrier(name: str) -> None:
@@ -17,7 +31,7 @@ def barrier(name: str) -> None:
 
 
 def every_process_lists(values: list[int], most: int = 64) -> list[list[int]]:
-    """Every process's list of (at most `most`) non-negative ints, by process."""
+    """Every process's list of (at most `most`) non-negative ints below 2**31 (they cross as int32), by process."""
     if jax.process_count() == 1:
         return [list(values[:most])]
     from jax.experimental import multihost_utils

@@ -1,7 +1,8 @@
 """The paged engine with every page sharded over the devices (ZeRO-3: memory/sharded_layout.py, schedule/zero.py).
 
 The layout's arithmetic runs here; the engine runs in its own processes (zero_check.py: one process with four
-CPU devices; zero_mp_check.py: two processes of one device each, jax.distributed over gloo), each against the
+CPU devices; zero_mp_check.py: two processes of two devices each, jax.distributed over gloo, the host updates
+shard by shard as on an accelerator), each against the
 in-memory engine on one device: the same losses over 20 steps (10 for the two processes), with a device budget of three quarters of a rank's share of the
 state (most stages stream), and each device holding 1/N of the pages."""
 
@@ -29,7 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LIMIT = 300  # seconds before a check's process is killed
 RANKS, BATCH, STEPS = 4, 8, 20
 DISK_STEPS = 8  # the checks with every page on disk, and in accumulation passes
-MP_STEPS = 10  # the two-process check's (each of its collectives a message between processes: slower steps)
+MP_STEPS = 8  # the two-process check's (each of its collectives a message between processes: slower steps)
 MODEL = ModelConfig(d_model=64, n_layers=8, n_heads=2, seq_len=16, compute_dtype="float32")
 PAGE = 12_496 * 2  # half a rank's share of a block's parameters (199,936 B / 4): two pages each, padding only in
 # the embedding's and head's last pages (under 4% of the state)
@@ -214,6 +215,7 @@ def test_each_device_holds_a_quarter_of_the_pages(four_devices):
 def test_sharded_pages_homed_on_disk_train_as_on_one_device(four_devices):
     out = four_devices["disk"]
     assert out["homes"] == {"params": 9, "gradients": 9, "optimizer": 9} and out["stages"] == 10, out
+    assert out["shard_by_shard"] and not out["in_place"]  # the accelerator's path: rank by rank, copies
     np.testing.assert_allclose(out["losses"], four_devices["reference"]["loss"][:DISK_STEPS], rtol=1e-5)
 
 
@@ -223,6 +225,7 @@ def test_sharded_pages_in_accumulation_passes_train_as_on_one_device(four_device
     between the passes (their sum of squares a collective), the whole batch's step."""
     out = four_devices["passes"]
     assert (out["passes"], out["micro_batches"]) == (2, 2) and out["streamed"] > 0, out
+    assert out["shard_by_shard"]  # (the sums too: rank by rank on the compute device)
     np.testing.assert_allclose(out["losses"], four_devices["reference"]["loss"][:DISK_STEPS], rtol=1e-5)
 
 
@@ -249,12 +252,18 @@ def _free_port() -> int:
 
 @pytest.mark.compares_programs
 def test_two_processes_shard_the_pages_between_them(checks, four_devices):
+    """Two processes of two devices each, the host updates through the accelerator's path (shard by shard)."""
     out = checks["two_processes"]
-    assert len(out["losses"]) == MP_STEPS
+    assert len(out["losses"]) == MP_STEPS and out["shard_by_shard"]
     np.testing.assert_allclose(out["losses"], four_devices["reference"]["loss"][:MP_STEPS], rtol=1e-5)
     assert out["streamed"] > 0
-    (mine,) = [out["device"].get(k, 0) + out["host"].get(k, 0) for k in out["device"]]
+    assert len(out["device"]) == 2, out["device"]  # process 0's two devices
+    mine = sum(out["device"].values()) + sum(out["host"].values())
     assert four_devices["state"] / 2 <= mine * 1.0001 and mine <= 1.05 * four_devices["state"] / 2
+    # The host-peak check holds per process: its two ranks' share of the plan (a quarter each), not the whole.
+    assert out["host_peak_warning"] is None
+    peak = out["plan_peak"]  # (the plan's, of the four ranks together; on the CPU its device tier is RAM too)
+    assert out["host_planned"] == 2 * (peak["host"] + peak["device"]) // 4 > 0, (out["host_planned"], peak)
 
 
 @pytest.mark.compares_programs

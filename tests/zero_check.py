@@ -1,5 +1,6 @@
 """Run by test_zero.py in its own process with four CPU devices: the paged engine with every page sharded over
-the devices (ZeRO-3) against the in-memory engine on one device, and the bytes each device holds.
+the devices (ZeRO-3) against the in-memory engine on one device, and the bytes each device holds; the disk and
+accumulation-pass variants through the accelerator's host-update path (memory.accelerator_path).
 
     python zero_check.py
 
@@ -86,9 +87,11 @@ def main() -> None:
         out["report"] = engine.memory_report()
     finally:
         engine.close()
+    # The next two run their host updates and gradient sums the way an accelerator does (memory.accelerator_path:
+    # each rank's shards copied to the compute device, updated alone, joined back; memory/shardwise.py).
     with tempfile.TemporaryDirectory() as disk:  # every page family of every stage homed on the disk tier
-        out["disk"] = variant(mesh, batches[:DISK_STEPS], disk_dir=disk, host_budget=520_000)
-    out["passes"] = variant(mesh, batches[:DISK_STEPS], passes=2, micro_batch_size=1)
+        out["disk"] = variant(mesh, batches[:DISK_STEPS], disk_dir=disk, host_budget=520_000, accelerator_path=True)
+    out["passes"] = variant(mesh, batches[:DISK_STEPS], passes=2, micro_batch_size=1, accelerator_path=True)
     out["tied"] = tied(one, mesh)
     print(json.dumps(out), flush=True)
 
@@ -123,8 +126,10 @@ def variant(mesh, batches: list, micro_batch_size: int = 0, **memory) -> dict:
         plan = engine.built.plan
         homes = {"params": plan.home.count("disk"), "gradients": plan.grad_home.count("disk"),
                  "optimizer": plan.opt_home.count("disk")}
+        host = engine.built.updater.placements["host"]
         return {"homes": homes, "stages": len(plan.home), "passes": plan.passes, "streamed": len(plan.streamed),
-                "micro_batches": plan.micro_batches, "losses": run(engine, batches)["loss"]}
+                "micro_batches": plan.micro_batches, "shard_by_shard": host.shardwise is not None,
+                "in_place": host.in_place, "losses": run(engine, batches)["loss"]}
     finally:
         engine.close()
 

@@ -1,5 +1,7 @@
-"""Run by test_zero.py as two real processes of one CPU device each (jax.distributed, gloo collectives): the paged
-engine with every page sharded over the two processes' devices (ZeRO-3).
+"""Run by test_zero.py as two real processes of two CPU devices each (jax.distributed, gloo collectives): the paged
+engine with every page sharded over the four devices (ZeRO-3), its host updates through the accelerator's path
+(memory.accelerator_path: each rank's shards copied to the process's compute device, updated there alone, joined
+back, the update's sum of squares summed over the ranks by a collective; memory/shardwise.py).
 
     python zero_mp_check.py PORT PROCESS_ID
 
@@ -21,7 +23,8 @@ from pathlib import Path
 
 os.environ["JAX_PLATFORMS"] = "cpu"
 # (as the four-device check whose reference losses these are compared with: without LLVM's optimisations)
-os.environ["XLA_FLAGS"] = os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_backend_optimization_level=0"
+                           " --xla_force_host_platform_device_count=2")
 sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.path.dirname(os.path.abspath(__file__))]
 
 import jax  # noqa: E402
@@ -36,8 +39,10 @@ from test_zero import BATCH, DISK_STEPS, MP_STEPS, data, paged, tier_bytes  # no
 def main(port: int, process_id: int) -> None:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=process_id)
-    assert jax.device_count() == 2 and jax.local_device_count() == 1
-    engine = build_engine(paged(ranks=2), make_mesh(MeshConfig(fsdp=2), jax.devices()))
+    assert jax.device_count() == 4 and jax.local_device_count() == 2
+    base = paged(ranks=4)
+    engine = build_engine(dataclasses.replace(base, memory=dataclasses.replace(base.memory, accelerator_path=True)),
+                          make_mesh(MeshConfig(fsdp=4), jax.devices()))
     rows = slice(process_id * BATCH // 2, (process_id + 1) * BATCH // 2)
     try:
         losses = [float(engine.step(jax.make_array_from_process_local_data(engine.batch_sharding,
@@ -47,6 +52,9 @@ def main(port: int, process_id: int) -> None:
         engine.built.store.wait_all()
         store = engine.built.store
         out = {"losses": losses, "streamed": len(engine.built.plan.streamed),
+               "shard_by_shard": engine.built.updater.placements["host"].shardwise is not None,
+               "host_peak_warning": engine.host_peak.check("the steps"), "host_planned": engine.host_peak.planned,
+               "plan_peak": engine.built.plan.peak_bytes,
                "device": tier_bytes(store.tiers["device"]), "host": tier_bytes(store.tiers["host"])}
     finally:
         engine.close()
@@ -58,10 +66,11 @@ def main(port: int, process_id: int) -> None:
 
 
 def on_disk(disk: Path, rows: slice) -> dict:
-    base = paged(ranks=2)
+    base = paged(ranks=4)
     # An explicit disk budget: one taken from the free space could differ between the processes, and so the plans.
-    memory = dataclasses.replace(base.memory, disk_dir=str(disk), host_budget=1_000_000, disk_budget=2**30)
-    engine = build_engine(dataclasses.replace(base, memory=memory), make_mesh(MeshConfig(fsdp=2), jax.devices()))
+    memory = dataclasses.replace(base.memory, disk_dir=str(disk), host_budget=500_000, disk_budget=2**29,
+                                 accelerator_path=True)
+    engine = build_engine(dataclasses.replace(base, memory=memory), make_mesh(MeshConfig(fsdp=4), jax.devices()))
     batches = [jax.make_array_from_process_local_data(engine.batch_sharding, np.asarray(b)[rows])
                for b in data()[:DISK_STEPS]]
     try:

@@ -35,6 +35,7 @@ import optax
 
 from angel_jax.config import OptimizerConfig
 from angel_jax.memory.layout import StageLayout
+from angel_jax.multihost import processes_on_this_host
 from angel_jax.optim.kernels import HOST_OPTIMIZER, load_host_optimizer
 
 Pages = tuple
@@ -90,14 +91,8 @@ def kernel_threads(env: Mapping[str, str] | None = None, cores: int | None = Non
     """Threads one process's kernel calls use: the cores this process may run on, shared with the other training
     processes on the same machine (`angel-jax launch -n N` starts N there; srun says how many tasks per node), so
     that N processes updating at once do not start N x cores threads."""
-    env = os.environ if env is None else env
     cores = len(os.sched_getaffinity(0)) if cores is None else cores
-    local = env.get("ANGEL_JAX_LOCAL_PROCESSES") or env.get("SLURM_NTASKS_PER_NODE") or "1"
-    try:
-        local_n = int(local.split("(")[0].split(",")[0])  # SLURM may say e.g. "4(x2)"
-    except ValueError:
-        local_n = 1
-    return max(1, cores // max(1, local_n))
+    return max(1, cores // processes_on_this_host(env))
 
 
 def kernel_table(tx: optax.GradientTransformation, params_rep: StageLayout, opt_rep: StageLayout,

@@ -136,4 +136,4 @@ def _blueprint(cfg: Config, zero: Zero | None = None) -> Blueprint:
     sizes = ModelBytes([StageCost(n, params_layout.stage(n).nbytes, opt_layout.stage(n).nbytes, 0.0, 0.0, 0.0, 0.0)
                         for n in names], one_device)
     return Blueprint(staged, params_layout, opt_layout, structure, opt_small, fns,
-                     StageUpdates(fns.update, fns.update_norm), schedule, sizes)
+                     StageUpdates(fns.update, fns.update_norm, fns.update_rank, fns.update_norm_rank), schedule, sizes)

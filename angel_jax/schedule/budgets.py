@@ -35,6 +35,7 @@ from angel_jax import config as config_lib
 from angel_jax.config import Config, ConfigError
 from angel_jax.memory import pinned
 from angel_jax.memory.layout import StageLayout
+from angel_jax.multihost import every_process_lists, processes_on_this_host
 from angel_jax.schedule.plan import (Bandwidths, Budgets, ModelBytes, PlanError, make_plan, min_host_bytes,
                                      minimum_device_bytes)
 from angel_jax.schedule.zero import Zero
@@ -202,7 +203,8 @@ def budgets_for(cfg: Config, device: jax.Device, local_batch: int, sizes: ModelB
     device N times a rank's: the memory.*_budget keys are per rank and count N times, pages are counted whole (N
     times a rank's shard), and the activations are those of the whole batch plus, per rank, the whole parameters
     and gradients of the largest stage while it computes (gathered, not yet reduce-scattered). Budgets taken from
-    the machine (0) are the machine's: the device's own memory per rank, the host's RAM once."""
+    the machine (0) are the machine's: the device's own memory per rank; of the host's RAM, each rank its host's
+    share (`host_share`)."""
     if zero is None:
         return Budgets(device=device_budget(cfg, device, sizes),
                        host=pinned_cap(host_budget(cfg, device, sizes), device),
@@ -212,12 +214,30 @@ def budgets_for(cfg: Config, device: jax.Device, local_batch: int, sizes: ModelB
     n = zero.ranks
     shared = device.platform == "cpu"  # the CPU backend's devices are one RAM: its free bytes count once
     dev = cfg.memory.device_budget * n if cfg.memory.device_budget else device_free_bytes(device) * (1 if shared else n)
-    host = cfg.memory.host_budget * n if cfg.memory.host_budget else host_budget(cfg, None) - (dev if shared else 0)
+    host = cfg.memory.host_budget * n if cfg.memory.host_budget else n * host_share(cfg) - (dev if shared else 0)
     disk = (cfg.memory.disk_budget * n if cfg.memory.disk_budget else disk_budget(cfg)) if cfg.memory.disk_dir else 0
     gathered = n * 2 * max(gathered_bytes(s, n) for s in sizes.params.stages)  # each rank holds its own
     return Budgets(device=dev, host=pinned_cap(max(0, host), device, jax.process_count()), disk=disk,
                    fixed_device=fixed_device_bytes(cfg, local_batch, sizes) + gathered,
                    saved_device=saved_input_bytes(cfg, local_batch))
+
+
+_shares: dict[str, int] = {}
+
+
+def host_share(cfg: Config) -> int:
+    """Host bytes each rank may use when memory.host_budget is 0: this machine's room (`host_budget`) split
+    between the ranks it runs (its local devices in each of its processes, `processes_on_this_host`); with
+    several processes, the smallest share of any (one plan is made for every rank: all must hold it). Decided
+    once per config (a collective then: every process asks in the same order)."""
+    key = config_lib.dump_yaml(cfg)
+    if key not in _shares:
+        ranks_here = jax.local_device_count() * processes_on_this_host()
+        mine = max(0, host_budget(cfg, None)) // ranks_here
+        # (in MiB: the processes' ints cross as int32)
+        _shares[key] = mine if jax.process_count() == 1 else \
+            min(row[0] for row in every_process_lists([mine >> 20])) << 20
+    return _shares[key]
 
 
 def pinned_cap(host: int, device: jax.Device, processes: int = 1) -> int:

@@ -65,7 +65,7 @@ def profile_costs(fns: StageFunctions, updates: StageUpdates, params_layout: Pag
     device = placements["device"].tier
     inputs, targets = tokens[:, :-1], tokens[:, 1:]
     per_kind: dict[str, tuple[float, float, float, float, float]] = {}
-    host_sums = HostSums.on(placements["host"].compute)
+    host_sums = HostSums.on(placements["host"].compute, placements["host"].shardwise)
     x = inputs
     norm = jnp.ones((), jnp.float32)
     last = len(staged.stages) - 1
@@ -92,7 +92,7 @@ def profile_costs(fns: StageFunctions, updates: StageUpdates, params_layout: Pag
             for where, place in placements.items():
                 if where == "device" and place.compute.device_set == placements["host"].compute.device_set:
                     continue  # one device for both (the CPU backend): the same cores, the same time
-                fn = updates.get(kind, place.compute, donate_params=True, in_place=place.compute == place.tier)
+                fn = updates.get(kind, place, donate_params=True)
 
                 def setup(name=stage.name, place=place) -> tuple:
                     return (_zeros(params_layout, name, place.tier), _zeros(params_layout, name, place.tier),

@@ -81,6 +81,7 @@ import numpy as np
 
 from angel_jax.memory import PageStore
 from angel_jax.memory.layout import PageLayout, to_bits
+from angel_jax.memory.shardwise import Shardwise
 from angel_jax.optim.guard import StepControls, before_update_ok
 from angel_jax.optim.stage_update import global_norm, join_opt_state, sqsum
 from angel_jax.schedule.staging import ACTIVATIONS_IN_FLIGHT, GRAD_SPILL
@@ -167,7 +168,7 @@ class PagedExecutor:
 
     def __init__(self, model: PagedModel, fns: StageFunctions, plan: Plan, store: PageStore, updater: PageUpdater,
                  micro_batch_size: int = 0, host_compute: jax.sharding.Sharding | None = None,
-                 overlap: bool = True):
+                 overlap: bool = True, host_split: Shardwise | None = None):
         self.model, self.fns, self.plan, self.store, self.updater = model, fns, plan, store, updater
         self._settle: Callable[[Any], Any] = (lambda x: x) if overlap else jax.block_until_ready
         """`memory.overlap: false`: each computation and copy is waited for as it is dispatched (with a store
@@ -176,9 +177,9 @@ class PagedExecutor:
         """Rows per micro-batch (0: the whole batch in one go); a batch is split into batch rows / this many."""
         assert plan.passes == 1 or "disk" not in plan.grad_home, \
             "with several accumulation passes gradients are summed on the host: none is homed on disk"
-        self._host_sums = HostSums.on(host_compute or store.tiers["host"].sharding)
+        self._host_sums = HostSums.on(host_compute or store.tiers["host"].sharding, host_split)
         """Where streamed stages' gradients are summed over passes: the host placement's compute
-        (`engine.placements`)."""
+        (`engine.placements`; `host_split`: its ZeRO-3 pages shard by shard)."""
         self._summed_on_device = set(plan.streamed_device_updates) if plan.passes > 1 else set()
         """Streamed stages whose sums over passes are added on the device (they update there)."""
         self._steps_taken = 0

@@ -34,6 +34,7 @@ from angel_jax.memory.bench_io import default_calibration_path
 from angel_jax.memory.disk_tier import PAGES_SUBDIR
 from angel_jax.memory.malloc import return_large_frees_to_the_os
 from angel_jax.memory.serial import SerialStore
+from angel_jax.memory.shardwise import Shardwise
 from angel_jax.memory.tiers import page_sharding
 from angel_jax.multihost import primary_floats
 from angel_jax.optim import make_optimizer
@@ -75,28 +76,30 @@ class PagedRuntime:
         self.store.close()
 
 
-def placements(device: jax.Device, host_sharding: jax.sharding.Sharding,
-               zero: Zero | None = None) -> dict[str, Placement]:
+def placements(device: jax.Device, host_sharding: jax.sharding.Sharding, zero: Zero | None = None, *,
+               accelerator_path: bool = False) -> dict[str, Placement]:
     """Where updates run: resident stages on the device; streamed ones on the host, or on the device
     ('device_for_host': host pages cross to the device for the update and back, `memory.streamed_updates`). The
     CPU backend computes on its host-memory pages in place; an accelerator's pinned host pages go to the XLA CPU
-    backend and back. With `zero`, every rank updates its own shards where they live; scalars are replicated over
-    the ranks (no streamed stage updates on the device there: the plan refuses it)."""
+    backend and back (with `zero`, shard by shard: memory/shardwise.py). `accelerator_path` runs the CPU backend's
+    host updates that accelerator way too (`memory.accelerator_path`). With `zero`, every rank updates its own
+    shards where they live; scalars are replicated over the ranks (no streamed stage updates on the device there:
+    the plan refuses it)."""
+    cpu = jax.local_devices(backend="cpu")[0]
+    crosses = accelerator_path or device.platform != "cpu"
     if zero is not None:
-        if device.platform != "cpu":
-            raise ConfigError("'mesh': the paged engine shards pages over several devices (ZeRO-3) on the CPU "
-                              "backend only so far: host updates of an accelerator's sharded pages are not built. "
-                              "Use memory.mode=in_memory with mesh.fsdp on accelerators.")
         on_device = zero.pages()
+        host_scalars = zero.replicated(host_sharding.memory_kind)
+        split = Shardwise(host_sharding, host_scalars, cpu) if crosses else None
         return {"device": Placement(on_device, on_device, zero.replicated()),
-                "host": Placement(host_sharding, host_sharding, zero.replicated(host_sharding.memory_kind))}
+                "host": Placement(host_sharding, host_sharding, host_scalars, crosses=crosses, shardwise=split)}
     on_device = jax.sharding.SingleDeviceSharding(device)
     crossing = Placement(on_device, host_sharding)
-    if device.platform == "cpu":
+    if not crosses:
         return {"device": Placement(on_device, on_device), "host": Placement(host_sharding, host_sharding),
                 "device_for_host": crossing}
-    cpu = jax.sharding.SingleDeviceSharding(jax.local_devices(backend="cpu")[0])
-    return {"device": Placement(on_device, on_device), "host": Placement(cpu, host_sharding),
+    return {"device": Placement(on_device, on_device),
+            "host": Placement(jax.sharding.SingleDeviceSharding(cpu), host_sharding, crosses=True),
             "device_for_host": crossing}
 
 
@@ -139,7 +142,8 @@ def plan_for(decision: Decision, bp: Blueprint, example_batch: jax.Array, device
              len(bp.staged.stages), decision.rows)
     costs = profile_costs(bp.fns, bp.updates, bp.params_layout, bp.opt_layout, bp.opt_small,
                           jax.device_put(example_batch[:decision.rows], device_sharding),
-                          placements(device, host_sharding, zero), micro_batches)
+                          placements(device, host_sharding, zero, accelerator_path=cfg.memory.accelerator_path),
+                          micro_batches)
     log.info("paged engine: stage functions compiled and profiled in %.1f s", time.perf_counter() - start)
     start = time.perf_counter()
     bw = profile_transfers(bp.params_layout, device_sharding, host_sharding,
@@ -229,7 +233,7 @@ def assemble_runtime(decision: Decision, bp: Blueprint, params: Any, example_bat
     model = PagedModel(staged, bp.params_layout, bp.opt_layout, opt_offset=bp.params_layout.num_pages,
                        grad_sets=1 + plan.staleness, newest=[0] * len(staged.stages))
     tx, _ = make_optimizer(cfg.optimizer, cfg.train.steps, clip=False)
-    where = placements(device, store.tiers["host"].sharding, zero)
+    where = placements(device, store.tiers["host"].sharding, zero, accelerator_path=cfg.memory.accelerator_path)
     whole = staged.split(params) if params is not None else None
     slots, small = [], []
     cpu = jax.local_devices(backend="cpu")[0]
@@ -269,7 +273,8 @@ def assemble_runtime(decision: Decision, bp: Blueprint, params: Any, example_bat
                           inline=zero is not None or not cfg.memory.overlap, newest=model.newest)
     executor = PagedExecutor(model, bp.fns, plan, store, updater,
                              micro_batch_size=decision.rows,
-                             host_compute=where["host"].compute, overlap=cfg.memory.overlap)
+                             host_compute=where["host"].compute, overlap=cfg.memory.overlap,
+                             host_split=where["host"].shardwise)
     seconds["pages"] = lap()
     log.info("paged engine: pages allocated and initialised in %.1f s", seconds["pages"])
     log.info("paged engine: %d stages, %d resident, prefetch %d, predicted step %.3f s; built in %.1f s (layouts "

@@ -46,6 +46,7 @@ import numpy as np
 import optax
 
 from angel_jax.memory.crossing import onto
+from angel_jax.memory.shardwise import Shardwise
 from angel_jax.memory.layout import PageLayout, StageLayout, to_bits, to_values
 from angel_jax.memory.tiers import HOST_MEMORY_KINDS
 from angel_jax.optim.fused import HostOptimizer
@@ -88,6 +89,10 @@ class StageFunctions:
         self.update: dict[str, Callable] = {}
         """kind -> pure update (`make_stage_update`); jitted where it runs by `StageUpdates`."""
         self.update_norm: dict[str, Callable] = {}
+        self.update_rank: dict[str, Callable] = {}
+        """ZeRO-3 only: kind -> the update of one rank's own shards alone, its sum of squares the rank's part (what
+        runs shard by shard on the CPU backend where the pages cannot be computed on in place, memory/shardwise.py)."""
+        self.update_norm_rank: dict[str, Callable] = {}
         self.forward_micro: dict[str, Callable] = {}
         """kind -> (pages, xs[M, ...]) -> ys[M, ...]: the forward of every micro-batch, one call."""
         self.backward_micro: dict[str, Callable] = {}
@@ -148,6 +153,8 @@ class StageFunctions:
                                                                         kernel=kernel))
                 self.update_norm[kind] = zero.update_spmd(
                     make_stage_update_norm(*args, reduce=psum, elementwise=elementwise, kernel=kernel), norm_only=True)
+                self.update_rank[kind] = make_stage_update(*args, elementwise=elementwise, kernel=kernel)
+                self.update_norm_rank[kind] = make_stage_update_norm(*args, elementwise=elementwise, kernel=kernel)
 
     @staticmethod
     def accumulate(acc: Pages | None, dpages: Pages, dtypes: tuple) -> Pages:
@@ -212,16 +219,18 @@ class HostSums:
     streamed stage come to the host and are added there), computed on `compute`, the host placement's sharding
     (`angel_jax.schedule.updater.Placement`): `accumulate` and `mean_grads` as `StageFunctions`' (the sums donated).
     Operands are moved to `compute` first (on an accelerator, the host tier's pinned pages to the CPU backend);
-    results stay there. One instance per sharding (`HostSums.on`), so engines share the compiled functions."""
+    results stay there. `split`: ZeRO-3 pages on an accelerator, summed shard by shard on the CPU backend and
+    joined back into the host tier (memory/shardwise.py). One instance per placement (`HostSums.on`), so engines
+    share the compiled functions."""
 
-    def __init__(self, compute: jax.sharding.Sharding):
-        self.compute = compute
+    def __init__(self, compute: jax.sharding.Sharding, split: Shardwise | None = None):
+        self.compute, self.split = compute, split
         self._jitted: dict[tuple, Callable] = {}
 
     @staticmethod
     @functools.cache
-    def on(compute: jax.sharding.Sharding) -> "HostSums":
-        return HostSums(compute)
+    def on(compute: jax.sharding.Sharding, split: Shardwise | None = None) -> "HostSums":
+        return HostSums(compute, split)
 
     def accumulate(self, acc: Pages | None, dpages: Pages, dtypes: tuple) -> Pages:
         """`dpages` (bits of pages of `dtypes`, or float32 sums) as float32 (acc None), else `acc + dpages`,
@@ -231,24 +240,39 @@ class HostSums:
         if acc is None:
             if all(d.dtype == jnp.float32 for d in dpages):
                 return dpages
-            return self._jit(("float32", dtypes), lambda d: _float32_pages(d, dtypes), ())(dpages)
-        return self._jit(("add", dtypes), lambda a, d: _add_pages(a, d, dtypes), (0,))(acc, dpages)
+            return self._call(("float32", dtypes), lambda d: _float32_pages(d, dtypes), (), (dpages,))
+        return self._call(("add", dtypes), lambda a, d: _add_pages(a, d, dtypes), (0,), (acc, dpages))
 
     def mean_grads(self, acc: Pages, micro_batches: int, dtypes: tuple) -> tuple[Pages, jax.Array]:
         """(sums x 1/micro_batches as the bits of pages of `dtypes`, their sum of squares), on the host."""
         dtypes = tuple(jnp.dtype(d).name for d in dtypes)
         scale = np.float32(1 / micro_batches)
-        fn = self._jit(("mean", micro_batches, dtypes), lambda a: _mean_pages(a, scale, dtypes), (),
-                       (self.compute, scalar_sharding(self.compute)))
-        out = fn(acc)
+        fn = lambda a: _mean_pages(a, scale, dtypes)  # noqa: E731
+        if self.split is not None:
+            return self.split.call(self._rank_jit(("mean", micro_batches, dtypes), fn), (acc,), ("pages", "sum"))
+        out = self._jit(("mean", micro_batches, dtypes), fn, (), (self.compute, scalar_sharding(self.compute)))(acc)
         return jax.block_until_ready(out) if serial(self.compute) else out
 
+    def _call(self, key: tuple, fn: Callable, donate: tuple, args: tuple) -> Pages:
+        if self.split is None:
+            return self._jit(key, fn, donate)(*args)
+        return self.split.call(self._rank_jit(key, lambda *a: (fn(*a),)), args, ("pages",))[0]
+
+    def _rank_jit(self, key: tuple, fn: Callable) -> Callable:
+        """`fn` on one rank's shards on the compute device; nothing donated (inputs aliased from pinned memory)."""
+        return self._cached(("rank",) + key, lambda: jax.jit(fn, out_shardings=self.split.on_compute))
+
     def _jit(self, key: tuple, fn: Callable, donate: tuple, out: Any = None) -> Callable:
+        def make() -> Callable:
+            inner = in_host_memory(fn) if self.compute.memory_kind in HOST_MEMORY_KINDS else fn
+            return jax.jit(inner, donate_argnums=donate, out_shardings=out or self.compute)
+
+        return self._cached(key, make)
+
+    def _cached(self, key: tuple, make: Callable[[], Callable]) -> Callable:
         jitted = self._jitted.get(key)
         if jitted is None:
-            if self.compute.memory_kind in HOST_MEMORY_KINDS:
-                fn = in_host_memory(fn)
-            jitted = self._jitted[key] = jax.jit(fn, donate_argnums=donate, out_shardings=out or self.compute)
+            jitted = self._jitted[key] = make()
         return jitted
 
 

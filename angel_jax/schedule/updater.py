@@ -55,6 +55,7 @@ import optax
 from angel_jax.errors import AngelError
 from angel_jax.memory import PageStore
 from angel_jax.memory.crossing import onto
+from angel_jax.memory.shardwise import Shardwise
 from angel_jax.memory.tiers import HOST_MEMORY_KINDS
 from angel_jax.optim.guard import StepControls, update_norm_ok
 from angel_jax.schedule.staging import DEVICE_UPDATES_IN_FLIGHT, OPT_STAGING
@@ -135,6 +136,14 @@ class Placement:
     scalars: jax.sharding.Sharding | None = None
     """Where the update's scalar inputs and outputs live (the norm, the guard's verdict, step counts) when the
     pages are sharded over several devices (ZeRO-3: replicated on every rank); None: `compute`."""
+    crosses: bool = False
+    """Whether the pages cross between two clients on their way to the update (an accelerator's pinned host pages
+    aliased onto the CPU backend, memory/crossing.py), or are made to on the CPU backend (`memory.accelerator_path`):
+    the update then never writes into its inputs."""
+    shardwise: Shardwise | None = None
+    """ZeRO-3 pages that the update cannot compute on where they live (an accelerator's pinned host shards): each
+    rank's shards cross to the CPU backend and are updated there one rank at a time (memory/shardwise.py); `compute`
+    is then the tier's sharding (the pages' own, what the update takes and returns)."""
 
     @property
     def scalar(self) -> jax.sharding.Sharding:
@@ -145,6 +154,8 @@ class Placement:
         """Whether the update may write its results into its input buffers: always, but where the pages cross
         between two clients (an accelerator's pinned memory aliased onto the CPU backend, memory/crossing.py). A
         copy between memory kinds of one client (host pages to the device) gives the update buffers of its own."""
+        if self.crosses or self.shardwise is not None:
+            return False
         platform = {d.platform for d in self.compute.device_set} | {d.platform for d in self.tier.device_set}
         return self.compute == self.tier or len(platform) == 1
 
@@ -223,25 +234,39 @@ class UpdaterState:
 class StageUpdates:
     """Jitted stage updates, one per (stage kind, placement, whether parameters are donated), and first passes."""
 
-    def __init__(self, pure: dict[str, Callable], pure_norm: dict[str, Callable]):
+    def __init__(self, pure: dict[str, Callable], pure_norm: dict[str, Callable],
+                 rank: dict[str, Callable] | None = None, rank_norm: dict[str, Callable] | None = None):
+        """`rank`, `rank_norm` (ZeRO-3): the updates of one rank's own shards alone, for placements that run them
+        shard by shard (`Placement.shardwise`)."""
         self._pure, self._pure_norm = pure, pure_norm
+        self._rank, self._rank_norm = rank or {}, rank_norm or {}
         self._jitted: dict[tuple, Callable] = {}
         self._lock = threading.Lock()
 
-    def get(self, kind: str, compute: jax.sharding.Sharding, donate_params: bool,
-            donate_grads: bool = True, in_place: bool = True) -> Callable:
+    def get(self, kind: str, place: Placement, donate_params: bool, donate_grads: bool = True) -> Callable:
+        """The update of stage kind `kind` where `place` runs it: (params, grads, opt pages, small leaves, norm, ok,
+        lr_scale) -> (params, opt pages, small, update sum of squares, applied)."""
         # The outputs (new parameter and optimizer pages) reuse donated input buffers: the old parameters and
         # optimizer pages, or, in lock-free mode, where the training thread may still be reading the old
         # parameters, the gradients in their place, unless they are the store's copies of disk-homed gradient
-        # pages (`donate_grads` False), which a write to the disk may still be reading. `in_place` False: the
-        # pages cannot be donated at all (they crossed from an accelerator's pinned memory, memory/crossing.py);
-        # an update that has a variant writing buffers of its own (the host kernel's) uses it.
+        # pages (`donate_grads` False), which a write to the disk may still be reading. Pages that cannot be
+        # donated (`Placement.in_place` False: they crossed from an accelerator's pinned memory) go to an update
+        # writing buffers of its own where it has one (the host kernel's).
+        if place.shardwise is not None:
+            fn = self._jit(("rank", kind, place.shardwise.compute), _fresh(self._rank[kind]), (),
+                           place.shardwise.on_compute)
+            return _per_rank(fn, place.shardwise, ("pages", "pages", "same", "sum", "same"))
         donate = (0, 2) if donate_params else (1, 2) if donate_grads else (2,)
-        pure = self._pure[kind] if in_place else getattr(self._pure[kind], "fresh_outputs", self._pure[kind])
-        return self._jit(("update", kind, compute, donate, in_place), pure, donate, compute)
+        in_place = place.in_place
+        pure = self._pure[kind] if in_place else _fresh(self._pure[kind])
+        return self._jit(("update", kind, place.compute, donate, in_place), pure, donate, place.compute)
 
-    def norm_pass(self, kind: str, compute: jax.sharding.Sharding) -> Callable:
-        return self._jit(("norm", kind, compute), self._pure_norm[kind], (), compute)
+    def norm_pass(self, kind: str, place: Placement) -> Callable:
+        if place.shardwise is not None:
+            fn = self._jit(("rank norm", kind, place.shardwise.compute), self._rank_norm[kind], (),
+                           place.shardwise.on_compute)
+            return _per_rank(lambda *a: (fn(*a),), place.shardwise, ("sum",), single=True)
+        return self._jit(("norm", kind, place.compute), self._pure_norm[kind], (), place.compute)
 
     def _jit(self, key: tuple, pure: Callable, donate: tuple, compute: jax.sharding.Sharding) -> Callable:
         with self._lock:
@@ -249,10 +274,26 @@ class StageUpdates:
             if fn is None:
                 if compute.memory_kind in HOST_MEMORY_KINDS:
                     pure = in_host_memory(pure)
-                # Over several devices the update is a shard_map whose out_specs place its outputs.
-                out = compute if len(compute.device_set) == 1 else None
+                # Over a mesh (ZeRO-3, even of one device) the update is a shard_map whose out_specs place its
+                # outputs (the scalars replicated, not laid out as pages).
+                out = None if isinstance(compute, jax.sharding.NamedSharding) else compute
                 fn = self._jitted[key] = jax.jit(pure, donate_argnums=donate, out_shardings=out)
             return fn
+
+
+def _fresh(pure: Callable) -> Callable:
+    """The variant of an update that writes buffers of its own (the host kernel's), or the update itself."""
+    return getattr(pure, "fresh_outputs", pure)
+
+
+def _per_rank(fn: Callable, split: Shardwise, how: tuple[str, ...], single: bool = False) -> Callable:
+    """`fn` (one rank's update, jitted on the compute device) over global pages: each local rank's shards in turn,
+    the results joined (`Shardwise.call`)."""
+    def call(*args: Any) -> Any:
+        out = split.call(fn, args, how)
+        return out[0] if single else out
+
+    return call
 
 
 def in_host_memory(fn: Callable) -> Callable:
@@ -625,7 +666,7 @@ class PageUpdater:
                 self._stage_disk(ahead, record, step=order.step)
             place = self.placements[slot.placement]
             params, g, opt, small = self._inputs(slot, place, self._grads(slot, grads[i], order.step), i)
-            fn = self.updates.norm_pass(slot.kind, place.compute)
+            fn = self.updates.norm_pass(slot.kind, place)
             sq.append(fn(params, g, opt, small, jax.device_put(order.norm, place.scalar),
                          jax.device_put(np.float32(order.guard.lr_scale), place.scalar)))
             del params, g, opt
@@ -645,8 +686,7 @@ class PageUpdater:
         place = self.placements[slot.placement]
         lock_free = self._lock_free(slot)
         # (Disk-homed gradients are the store's pages: a spill of them to the disk may still be reading the array.)
-        fn = self.updates.get(slot.kind, place.compute, donate_params=not lock_free, donate_grads=grads is not None,
-                              in_place=place.in_place)
+        fn = self.updates.get(slot.kind, place, donate_params=not lock_free, donate_grads=grads is not None)
         crossing = slot.placement == "device_for_host"
         while crossing and len(self._crossing) >= DEVICE_UPDATES_IN_FLIGHT:
             jax.block_until_ready(self._crossing.pop(0))  # its new pages are home: its device buffers are free

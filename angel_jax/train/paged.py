@@ -112,9 +112,12 @@ class PagedTrainEngine:
         self.executor = self.built.executor
         self._timelines_due = {"predicted": True, "measured": True}
         self._steps_here = 0  # steps run by this engine (a resumed run warms up again before recording)
+        # The plan's peaks are its ranks' together (ZeRO-3: N ranks, each holding 1/N): this process holds its
+        # local ranks' shares. On the CPU backend the "device" tier is host RAM too.
         peak, local = self.built.plan.peak_bytes, len(mesh.local_devices)
-        # On the CPU backend the "device" tier is host RAM too.
-        self.host_peak.planned = local * (peak["host"] + (peak["device"] if self.device.platform == "cpu" else 0))
+        ranks = self.zero.ranks if self.zero else 1
+        self.host_peak.planned = local * (peak["host"] + (peak["device"] if self.device.platform == "cpu" else 0)) \
+            // ranks
 
     # ------------------------------------------------------------------------------------------------ training
     def step(self, batch: jax.Array, controls: StepControls | None = None) -> dict[str, Any]:
