@@ -76,6 +76,7 @@ def test_disk_homed_stages_run_one_update_behind_as_a_delayed_gradient(tmp_path)
         # plan counted.
         plan, costs = engine.built.plan, engine.built.costs
         assert plan.peak_bytes["disk"] == sum(4 * c.param_bytes + c.opt_bytes for c in costs)
+        updater.drain()  # (lock-free: the last step's updates may still be writing pages when the step returns)
         engine.built.store.wait_all()
         files = Path(engine.built.store.tiers["disk"].root).rglob("c.*")
         assert sum(f.stat().st_size for f in files) == plan.peak_bytes["disk"]
