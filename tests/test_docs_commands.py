@@ -5,6 +5,7 @@ plan's files land there and not in the working tree's runs/."""
 
 from __future__ import annotations
 
+import importlib.util
 import re
 import shlex
 from pathlib import Path
@@ -12,18 +13,18 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+_spec = importlib.util.spec_from_file_location("check_docs_commands", ROOT / "scripts" / "check_docs_commands.py")
+checker = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(checker)  # the script that runs every command: the blocks are read as it reads them
+PAGES = checker.PAGES
 
 
-def shell_lines(text: str) -> list[str]:
-    """The lines of a page's plain code blocks (no language, sh or bash), continuation lines joined."""
-    out = []
-    for block in re.findall(r"^```(?:sh|bash)?\n(.*?)^```", text, flags=re.S | re.M):
-        out += block.replace("\\\n", " ").splitlines()
-    return out
+def shell_lines(page: Path) -> list[str]:
+    """The command lines of a page's runnable code blocks (no language, sh or bash), continuation lines joined."""
+    return [line for line, is_command in checker.runnable_lines(page) if is_command]
 
 
-MARKERS = ("needs a GPU", "needs a cluster")
+MARKERS = checker.MARKERS
 """A command line whose comment says one of these is not run on a CPU (docs/development.md, "Code blocks")."""
 
 
@@ -61,7 +62,7 @@ def command(line: str) -> list[str] | None:
 def documented_commands() -> list[tuple[str, list[str]]]:
     found: dict[str, tuple[str, list[str]]] = {}
     for page in PAGES:
-        for line in shell_lines(page.read_text()):
+        for line in shell_lines(page):
             args = command(line)
             if args is not None:
                 found.setdefault(shlex.join(args), (page.name, args))
@@ -74,9 +75,16 @@ COMMANDS = documented_commands()
 def test_runnable_blocks_hold_no_placeholders():
     """Every angel-jax command of a runnable block (no fence language, sh or bash) is written out in full, or is
     marked as needing a GPU or a cluster; a synopsis with placeholders goes in a `text` block."""
-    found = [f"{page.name}: {line.strip()}" for page in PAGES for line in shell_lines(page.read_text())
+    found = [f"{page.name}: {line.strip()}" for page in PAGES for line in shell_lines(page)
              if (args := angel_args(line)) is not None and placeholders(args)]
     assert not found, "placeholders in runnable code blocks:\n" + "\n".join(found)
+
+
+def test_runnable_blocks_hold_only_commands():
+    """Every line of a runnable block is a command, a comment or `source .venv/bin/activate`: output shown in a
+    block without a language would be read as commands to run (scripts/check_docs_commands.py fails on it too)."""
+    found = [f"{page.name}: {line}" for page in PAGES for line in checker.stray_lines(page)]
+    assert not found, "lines of runnable code blocks that are no command (a ```text block?):\n" + "\n".join(found)
 
 
 def test_the_docs_show_cheap_commands():
