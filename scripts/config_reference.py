@@ -41,7 +41,8 @@ Every key of a run's config, section by section: its type, its default and its o
 any of them with a dotted key, its value parsed as YAML:
 
 ```
-angel-jax train experiments/gpt_tiny.yaml optimizer.lr=3e-4 train.steps=200 memory.mode=paged
+angel-jax train experiments/gpt_tiny.yaml optimizer.lr=3e-4 train.steps=200 memory.mode=paged \\
+    train.run_dir=runs/gpt_tiny-lr3e-4-paged            # a run directory of its own: a new run
 angel-jax config                                        # every key: type, default, meaning
 angel-jax config experiments/gpt_tiny.yaml train.steps=5  # the resolved config of a file and overrides
 ```
