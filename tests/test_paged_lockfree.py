@@ -24,14 +24,15 @@ from test_paged import PAGE
 
 MODEL = ModelConfig(d_model=64, n_layers=8, n_heads=2, seq_len=32, compute_dtype="float32")
 BATCH = 8
-STEPS = 120
+STEPS = 60
 BUDGET = 3_200_000  # the step's minimum (activations + a window of 3 blocks), no room for a resident stage
 # With nearly every stage one update behind (what this CPU gives: host updates share its two cores with the next
 # step's compute), lock-free training is delayed-gradient Adam. How much a one-step delay costs after 120 steps
 # grows with the learning rate: ~1% here at 5e-4, ~3% at 1e-3, ~10% at 3e-3 (measured; after 200 steps the same:
 # ~1%, ~3%, ~12%, the figures of a whole-model delayed-gradient run, so they measure the algorithm, not the
-# engine). 5e-4 is the regime the check is about. In 120 steps exact mode goes from 5.56 (the first batch) to
-# 3.22 on held-out text, where the check asks for 2.0 less.
+# engine). 5e-4 is the regime the check is about. In 60 steps exact mode goes from 5.56 (the first batch) to 3.90
+# on held-out text, lock-free to 3.93 (0.8% above; measured on 2026-12-02), where the check asks for 1.2 less and
+# 2% apart (120 steps took twice the time for the same verdict: 3.22, ~1%).
 LR = 5e-4
 
 
@@ -115,7 +116,7 @@ def test_lock_free_training_runs_stale_and_converges_like_exact_mode():
     # backward read one version, its delayed gradient is applied once, to the newest parameters, with the current
     # optimizer state and the step's own global norm (any of those wrong moves a step's loss by 1e-3 or more).
     np.testing.assert_allclose(lock_free, _replayed(data, e1.stale), rtol=1e-5)
-    # The loss after 120 steps, on held-out text (single training batches are too noisy to compare at 2%).
+    # The loss after 60 steps, on held-out text (single training batches are too noisy to compare at 2%).
     final_exact, final_lock_free = _eval_loss(exact_params, held_out), _eval_loss(lock_free_params, held_out)
-    assert final_exact < exact[0] - 2.0, "the model must learn"
+    assert final_exact < exact[0] - 1.2, "the model must learn"
     assert abs(final_lock_free - final_exact) <= 0.02 * final_exact, (final_lock_free, final_exact)

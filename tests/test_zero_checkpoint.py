@@ -1,5 +1,5 @@
-"""Checkpoints of the sharded (ZeRO-3) paged engine, in one process with two CPU devices (zero_ckpt_check.py): the
-same world size restores bit for bit; another world size reshards the pages from the persistent tier. And over two
+"""Checkpoints of the sharded (ZeRO-3) paged engine, in one process with four CPU devices (zero_ckpt_check.py): the
+same world size restores bit for bit; another world size reshards the pages from the persistent tier (4 -> 2 -> 4). And over two
 processes of one device each (zero_ckpt_mp_check.py): each process checkpoints its own shards and restores them
 bit for bit, from its peer copy when its memory tier is lost; one process resumes them assembled."""
 
@@ -56,35 +56,35 @@ def checked(runs) -> dict:
 
 
 def test_same_world_size_is_bit_exact(checked):
-    """Saved at step 3 over 2 ranks, restored (memory tier) over 2 ranks: every page, small leaf and counter equal
+    """Saved at step 3 over 4 ranks, restored (memory tier) over 4 ranks: every page, small leaf and counter equal
     the saved ones, and the remaining steps give the uninterrupted run's losses exactly."""
     same, uninterrupted = checked["same"], checked["losses"]["uninterrupted"]
     assert uninterrupted[-1] < uninterrupted[0]  # it trains
-    assert (same["step"], same["tier"], same["ranks"]) == (3, "memory", 2)
+    assert (same["step"], same["tier"], same["ranks"]) == (3, "memory", 4)
     assert same["bit_exact"]
     assert same["losses"] == uninterrupted[3:]
 
 
-def test_the_weights_of_a_checkpoint_over_two_ranks_read_back_whole(checked):
-    """`load_params` (what export and sample read) unpacks pages written over 2 ranks into the whole parameters the
+def test_the_weights_of_a_checkpoint_over_four_ranks_read_back_whole(checked):
+    """`load_params` (what export and sample read) unpacks pages written over 4 ranks into the whole parameters the
     engine held, bit for bit."""
     assert checked["weights_bit_exact"]
 
 
 @pytest.mark.compares_programs
 def test_another_world_size_reshards(checked):
-    """2 -> 1 -> 2 ranks from the persistent tier: each resumed run continues the uninterrupted run's losses (another
-    reduction order: to float rounding), the state back on 2 ranks is the saved state bit for bit, and each
+    """4 -> 2 -> 4 ranks from the persistent tier: each resumed run continues the uninterrupted run's losses (another
+    reduction order: to float rounding), the state back on 4 ranks is the saved state bit for bit, and each
     resharding is logged."""
     uninterrupted = checked["losses"]["uninterrupted"]
     assert [(r["from"], r["to"], r["step"], r["tier"]) for r in checked["resumes"]] == \
-        [(2, 1, 3, "persistent"), (1, 2, 3, "persistent")]
+        [(4, 2, 3, "persistent"), (2, 4, 3, "persistent")]
     for r in checked["resumes"]:
         np.testing.assert_allclose(r["losses"], uninterrupted[3:], rtol=1e-5, atol=0,
                                    err_msg=f"{r['from']} -> {r['to']}")
     assert checked["resumes"][1]["bit_exact_with_saved"]
-    assert checked["streamed"]["1"] > 0  # the one-device run streams: resharded pages went to host as well as device
-    for a, b in ((2, 1), (1, 2)):
+    assert checked["streamed"]["2"] > 0  # the two-rank run streams: resharded pages went to host as well as device
+    for a, b in ((4, 2), (2, 4)):
         assert f"resharding the checkpoint's pages from {a} to {b} ranks" in checked["log"]
 
 
@@ -92,7 +92,7 @@ def test_another_layout_is_refused(checked):
     """A checkpoint whose pages are not this model's over its own ranks is refused, naming the difference, rather
     than resharded."""
     message = checked["other_layout"]
-    assert "page layout differs" in message and "over the checkpoint's 2 ranks" in message and "'embed'" in message
+    assert "page layout differs" in message and "over the checkpoint's 4 ranks" in message and "'embed'" in message
 
 
 @pytest.mark.compares_programs
@@ -140,17 +140,17 @@ def test_each_process_persists_its_shards_as_a_plain_orbax_checkpoint(runs):
 
 
 @pytest.mark.compares_programs
-def test_two_processes_resume_a_one_rank_checkpoint_resharded_on_their_own_budgets(runs):
-    """1 -> 2 processes: the checkpoint one process wrote over one rank, resumed by the two processes from its
+def test_two_processes_resume_a_four_rank_checkpoint_resharded_on_their_own_budgets(runs):
+    """4 ranks -> 2 processes: the checkpoint one process wrote over four ranks, resumed by the two processes from its
     persistent tier and resharded over them (logged), continues the uninterrupted losses (1e-5). They plan on the
     machine's own budgets (memory.device_budget 0): each process asks its own device for its free memory, not
     process 0's, which refuses another process's question (this failed every `angel-jax launch -n 2 ...
     memory.mode=paged` that left the device budget to the machine)."""
     for rank in (0, 1):
-        resumed = runs[f"mp{rank}"]["one_rank"]
+        resumed = runs[f"mp{rank}"]["other_world"]
         assert (resumed["step"], resumed["tier"]) == (3, "persistent"), rank
         np.testing.assert_allclose(resumed["losses"], runs["one"]["losses"]["uninterrupted"][3:], rtol=1e-5, atol=0)
-    assert "resharding the checkpoint's pages from 1 to 2 ranks" in runs["mp0"]["log"]
+    assert "resharding the checkpoint's pages from 4 to 2 ranks" in runs["mp0"]["log"]
 
 
 def test_a_host_that_lost_its_memory_restores_its_shards_from_the_peer_copy(runs):

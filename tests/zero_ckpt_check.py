@@ -1,12 +1,12 @@
-"""Run by test_zero_checkpoint.py in its own process with two CPU devices: checkpoints of the sharded (ZeRO-3)
+"""Run by test_zero_checkpoint.py in its own process with four CPU devices: checkpoints of the sharded (ZeRO-3)
 paged engine through the trainer's checkpointer (real orbax).
 
-- 2 ranks, saved at step SAVE_AT and restored into 2 ranks: the restored state equals the saved one bit for bit
+- 4 ranks, saved at step SAVE_AT and restored into 4 ranks: the restored state equals the saved one bit for bit
   and the remaining steps give the uninterrupted run's losses exactly.
 - Resharded resumes from the persistent tier, each saving its own checkpoint at once for the next:
-  2 -> 1 -> 2 ranks. Each resumed run's losses are compared with the uninterrupted run's (another reduction
-  order: close, not equal); resharding only moves bytes, so the state back on 2 ranks equals the state saved on
-  2 ranks bit for bit.
+  4 -> 2 -> 4 ranks. Each resumed run's losses are compared with the uninterrupted run's (another reduction
+  order: close, not equal); resharding only moves bytes, so the state back on 4 ranks equals the state saved on
+  4 ranks bit for bit.
 - A checkpoint whose page layout is not this model's is refused with a message naming the difference.
 
 Prints one JSON line."""
@@ -27,7 +27,7 @@ from pathlib import Path
 # between runs compiled alike. (Run as a script: zero_ckpt_mp_check.py imports this module for its configuration.)
 FAST_COMPILE = " --xla_backend_optimization_level=0"
 if __name__ == "__main__":
-    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=2"
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
                                + FAST_COMPILE)
 os.environ["JAX_PLATFORMS"] = "cpu"
 sys.path[:0] = [os.path.dirname(os.path.dirname(os.path.abspath(__file__))), os.path.dirname(os.path.abspath(__file__))]
@@ -45,9 +45,10 @@ import test_paged as tp  # noqa: E402
 
 MODEL = ModelConfig(d_model=32, n_layers=2, n_heads=2, seq_len=8, compute_dtype="float32")
 STEPS, SAVE_AT, BATCH = 6, 3, 4
+RANKS = 4  # the uninterrupted run's (and the world size a resharded run comes back to)
 PAGE = 8 * 4096 // 4
-# Per device: the working set (~570 kB) and part of the state (505 kB in all): with one device some stages stream.
-DEVICE_BUDGET = 800_000  # each rank's page: several pages per stage, so leaves span pages and pages hold several leaves
+# Per device: the working set and part of the state (505 kB in all): over 2 ranks some stages stream, over 4 none.
+DEVICE_BUDGET = 500_000  # each rank's page: several pages per stage, so leaves span pages and pages hold several leaves
 
 
 def cfg(tmp: Path, name: str, page: int = PAGE, peer: bool = False):
@@ -154,29 +155,32 @@ def main(shards_of: Path | None = None) -> None:
     out: dict = {"losses": {}, "resumes": []}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
-        c2 = cfg(tmp, "r2")
-        e = engine(c2, 2)
+        c2 = cfg(tmp, "r4")
+        e = engine(c2, RANKS)
         losses = run(e, data[:SAVE_AT])
         saved = state(e)
         save(c2, e, SAVE_AT)
+        if shards_of is not None:  # the checkpoint zero_ckpt_mp_check.py's two processes resume over 2 ranks
+            shutil.copytree(c2.run_dir, shards_of / "other-world")
+            (shards_of / "other-world-saved").touch()
         whole = jax.tree.map(np.asarray, e.params())
         out["losses"]["uninterrupted"] = losses + run(e, data[SAVE_AT:])
         e.close()
-        # The weights reader (export, sample): the parameters of a checkpoint written over 2 ranks, bit for bit.
+        # The weights reader (export, sample): the parameters of a checkpoint written over 4 ranks, bit for bit.
         (c2.run_dir / "config.yaml").write_text(dump_yaml(c2))
         loaded = load_params(c2.run_dir).params
         out["weights_bit_exact"] = jax.tree.structure(loaded) == jax.tree.structure(whole) and all(
             np.array_equal(a, b) for a, b in zip(jax.tree.leaves(loaded), jax.tree.leaves(whole)))
         # Same world size: memory tier, bit for bit.
         step, arrays, meta, tier = restore(c2, persistent_only=False)
-        e = engine(c2, 2)
+        e = engine(c2, RANKS)
         e.load_state(arrays, meta["engine"])
         out["same"] = {"step": step, "tier": tier, "ranks": meta["engine"].get("ranks"),
                        "bit_exact": same(saved, state(e)), "losses": run(e, data[SAVE_AT:])}
         e.close()
-        # Other world sizes, from the persistent tier: 2 -> 1 -> 2.
+        # Other world sizes, from the persistent tier: 4 -> 2 -> 4.
         prev = c2
-        for i, ranks in enumerate((1, 2)):
+        for i, ranks in enumerate((2, RANKS)):
             step, arrays, meta, tier = restore(prev, persistent_only=True)
             c = cfg(tmp, f"resume{i}-{ranks}")
             e = engine(c, ranks)
@@ -187,11 +191,8 @@ def main(shards_of: Path | None = None) -> None:
             back = state(e)
             if i == 0:  # the next resume's checkpoint
                 save(c, e, step)
-                if shards_of is not None:  # and, copied, the one zero_ckpt_mp_check.py's two processes resume
-                    shutil.copytree(c.run_dir, shards_of / "one-rank")
-                    (shards_of / "one-rank-saved").touch()
             out["resumes"].append({"from": meta["engine"].get("ranks", 1), "to": ranks, "step": step, "tier": tier,
-                                   "bit_exact_with_saved": same(saved, back) if ranks == 2 else None,
+                                   "bit_exact_with_saved": same(saved, back) if ranks == RANKS else None,
                                    "losses": run(e, data[SAVE_AT:])})
             e.close()
             prev = c

@@ -116,20 +116,20 @@ def main(port: int, process_id: int, directory: Path) -> None:
     if process_id == 0:  # `angel-jax ckpt verify`: every process's shards, checksummed
         out["verify"] = verify_report(c.run_dir)
     (directory / f"mp-done-{process_id}").write_text(json.dumps(out["uninterrupted"]))
-    # 1 -> 2 processes: the checkpoint zero_ckpt_check.py wrote over one rank, resumed over these two processes
+    # 4 ranks -> 2 processes: the checkpoint zero_ckpt_check.py wrote over four ranks, resumed over these two processes
     # from its persistent tier, on the machine's own budgets (memory.device_budget 0: each process asks its own
     # device for its free memory; process 0's device, which the mesh lists first, refuses another process's).
     deadline = time.time() + 200
-    while not (directory / "one-rank-saved").is_file() and time.time() < deadline:
+    while not (directory / "other-world-saved").is_file() and time.time() < deadline:
         time.sleep(0.2)
-    one = z.cfg(directory, "one-rank")
+    one = z.cfg(directory, "other-world")
     one = dataclasses.replace(one, memory=dataclasses.replace(one.memory, device_budget=0))
     e = build_engine(one, make_mesh(MeshConfig(fsdp=2), jax.devices()))
     restoring = TrainCheckpointer(one, one.run_dir, primary=process_id == 0, per_process=e.checkpoints_per_process)
     step, arrays, meta, tier = restoring.restore_latest()
     restoring.close()
     e.load_state(arrays, meta["engine"])
-    out["one_rank"] = {"step": step, "tier": tier, "losses": run(e, data[z.SAVE_AT:])}
+    out["other_world"] = {"step": step, "tier": tier, "losses": run(e, data[z.SAVE_AT:])}
     e.close()
     print(json.dumps(out), flush=True)
     jax.distributed.shutdown()
