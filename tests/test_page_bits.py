@@ -110,7 +110,7 @@ _AVX2_EXAMPLE = textwrap.dedent("""
     pattern = np.arange(2 ** 16, dtype=np.uint32).astype(np.uint16)  # every bfloat16, NaN payloads included
     trees = [("stage0", {"w0": rng.permutation(pattern)[:20].view(jnp.bfloat16).reshape(4, 5)}),
              ("stage1", {"all": pattern.view(jnp.bfloat16)})]
-    layout = PageLayout.build(trees, page_size_bytes=200)
+    layout = PageLayout.build(trees, page_size_bytes=4096)  # (32 pages for the 128 KiB leaf: it spans pages)
     names = [n for n, _ in trees]
     opts = {"xla_backend_optimization_level": 3}
     pages = jax.jit(lambda ts: [layout.pack(n, t) for n, t in zip(names, ts)]).lower(
