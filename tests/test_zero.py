@@ -252,9 +252,11 @@ def _free_port() -> int:
 
 @pytest.mark.compares_programs
 def test_two_processes_shard_the_pages_between_them(checks, four_devices):
-    """Two processes of two devices each, the host updates through the accelerator's path (shard by shard)."""
+    """Two processes of two devices each, on the accelerator's path: streamed stages updated on their devices (the
+    pages crossing there and back), the host updates (the disk run below) shard by shard."""
     out = checks["two_processes"]
     assert len(out["losses"]) == MP_STEPS and out["shard_by_shard"]
+    assert out["device_updates"] == out["streamed"] > 0, out
     np.testing.assert_allclose(out["losses"], four_devices["reference"]["loss"][:MP_STEPS], rtol=1e-5)
     assert out["streamed"] > 0
     assert len(out["device"]) == 2, out["device"]  # process 0's two devices

@@ -1,7 +1,8 @@
 """Run by test_zero.py as two real processes of two CPU devices each (jax.distributed, gloo collectives): the paged
 engine with every page sharded over the four devices (ZeRO-3), its host updates through the accelerator's path
 (memory.accelerator_path: each rank's shards copied to the process's compute device, updated there alone, joined
-back, the update's sum of squares summed over the ranks by a collective; memory/shardwise.py).
+back, the update's sum of squares summed over the ranks by a collective; memory/shardwise.py), the streamed stages
+of the first run updated on their devices (memory.streamed_updates=device), those of the second on the host.
 
     python zero_mp_check.py PORT PROCESS_ID
 
@@ -35,14 +36,20 @@ from angel_jax.train.engines import build_engine  # noqa: E402
 from angel_jax.train.sharding import make_mesh  # noqa: E402
 from test_zero import BATCH, DISK_STEPS, MP_STEPS, data, paged, tier_bytes  # noqa: E402
 
+DEVICE_UPDATES_BUDGET = 1_400_000
+"""Each rank's device budget in the first run: the step's minimum with two streamed stages' updates on the device."""
+
 
 def main(port: int, process_id: int) -> None:
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}", num_processes=2, process_id=process_id)
     assert jax.device_count() == 4 and jax.local_device_count() == 2
     base = paged(ranks=4)
-    engine = build_engine(dataclasses.replace(base, memory=dataclasses.replace(base.memory, accelerator_path=True)),
-                          make_mesh(MeshConfig(fsdp=4), jax.devices()))
+    # Streamed stages updated on their devices (memory.streamed_updates=device: each rank's host shards cross to its
+    # device for the update and back), with room for the pages of two such updates in flight.
+    memory = dataclasses.replace(base.memory, accelerator_path=True, streamed_updates="device",
+                                 device_budget=DEVICE_UPDATES_BUDGET)
+    engine = build_engine(dataclasses.replace(base, memory=memory), make_mesh(MeshConfig(fsdp=4), jax.devices()))
     rows = slice(process_id * BATCH // 2, (process_id + 1) * BATCH // 2)
     try:
         losses = [float(engine.step(jax.make_array_from_process_local_data(engine.batch_sharding,
@@ -53,6 +60,7 @@ def main(port: int, process_id: int) -> None:
         store = engine.built.store
         out = {"losses": losses, "streamed": len(engine.built.plan.streamed),
                "shard_by_shard": engine.built.updater.placements["host"].shardwise is not None,
+               "device_updates": len(engine.built.plan.streamed_device_updates),
                "host_peak_warning": engine.host_peak.check("the steps"), "host_planned": engine.host_peak.planned,
                "plan_peak": engine.built.plan.peak_bytes,
                "device": tier_bytes(store.tiers["device"]), "host": tier_bytes(store.tiers["host"])}

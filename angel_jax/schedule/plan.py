@@ -370,13 +370,15 @@ def activation_options(activations: str, shared_cpu: bool, budgets: Budgets, pas
     return _choice("memory.activations", activations, "device", "host", ranks, auto)
 
 
-def _choice(key: str, value: str, base: str, other: str, ranks: int, auto: bool) -> list[bool]:
+def _choice(key: str, value: str, base: str, other: str, ranks: int, auto: bool, sharded: bool = False
+            ) -> list[bool]:
     """The options of a placement key set to `value` (one of 'auto', `base`, `other`): [False] (`base`), [True]
-    (`other`, not built for pages sharded over several ranks), or with 'auto' where `auto` holds, both."""
+    (`other`; with pages sharded over several ranks only where `sharded` says it is built), or with 'auto' where
+    `auto` holds, both."""
     if value not in ("auto", base, other):
         raise PlanError(f"{key} must be auto, {base} or {other}, got {value!r}")
     if value == other:
-        if ranks > 1:
+        if ranks > 1 and not sharded:
             raise PlanError(f"{key}={other} is not built for pages sharded over several ranks (ZeRO-3); use {base} "
                             "or auto")
         return [True]
@@ -456,8 +458,8 @@ def make_plan(costs: list[StageCost], bw: Bandwidths, budgets: Budgets, *, stale
 def update_options(streamed_updates: str, shared_cpu: bool, ranks: int) -> list[bool]:
     """Whether to plan streamed stages' updates on the device: [False] (the host), [True], or both, the host first
     (`memory.streamed_updates`)."""
-    return _choice("memory.streamed_updates", streamed_updates, "host", "device", ranks,
-                   not shared_cpu and ranks == 1)
+    return _choice("memory.streamed_updates", streamed_updates, "host", "device", ranks, not shared_cpu,
+                   sharded=True)
 
 
 def update_window(costs: list[StageCost], on_device: list[int]) -> int:

@@ -83,8 +83,8 @@ def placements(device: jax.Device, host_sharding: jax.sharding.Sharding, zero: Z
     CPU backend computes on its host-memory pages in place; an accelerator's pinned host pages go to the XLA CPU
     backend and back (with `zero`, shard by shard: memory/shardwise.py). `accelerator_path` runs the CPU backend's
     host updates that accelerator way too (`memory.accelerator_path`). With `zero`, every rank updates its own
-    shards where they live; scalars are replicated over the ranks (no streamed stage updates on the device there:
-    the plan refuses it)."""
+    shards where they live, or those of a streamed stage on its device ('device_for_host'); scalars are replicated
+    over the ranks."""
     cpu = jax.local_devices(backend="cpu")[0]
     crosses = accelerator_path or device.platform != "cpu"
     if zero is not None:
@@ -92,7 +92,8 @@ def placements(device: jax.Device, host_sharding: jax.sharding.Sharding, zero: Z
         host_scalars = zero.replicated(host_sharding.memory_kind)
         split = Shardwise(host_sharding, host_scalars, cpu) if crosses else None
         return {"device": Placement(on_device, on_device, zero.replicated()),
-                "host": Placement(host_sharding, host_sharding, host_scalars, crosses=crosses, shardwise=split)}
+                "host": Placement(host_sharding, host_sharding, host_scalars, crosses=crosses, shardwise=split),
+                "device_for_host": Placement(on_device, host_sharding, zero.replicated())}
     on_device = jax.sharding.SingleDeviceSharding(device)
     crossing = Placement(on_device, host_sharding)
     if not crosses:
