@@ -89,11 +89,12 @@ class NetworkPeerTier(SnapshotDirectories, CopyTier):
 
     def load(self, step: int, *, verify: bool, pool: Executor | None,
              select: snap.Select | None = None) -> tuple[snap.SnapshotIndex, dict[str, np.ndarray]]:
-        return snap.load(self._fetched(step), verify=verify, pool=pool, select=select)
+        path, checked = self._fetched(step)
+        return snap.load(path, verify=verify and not checked, pool=pool, select=select)
 
     def check(self, step: int, pool: Executor | None) -> list[str]:
         try:
-            path = self._fetched(step)
+            path, _ = self._fetched(step)
         except snap.SnapshotDamaged as e:
             return e.problems
         return snap.check(path, pool)
@@ -171,13 +172,14 @@ class NetworkPeerTier(SnapshotDirectories, CopyTier):
         return [(int(s), int(n)) for s, n in (p for p in steps if isinstance(p, list) and len(p) == 2)
                 if isinstance(s, int) and isinstance(n, int) and s >= 0]
 
-    def _fetched(self, step: int) -> Path:
-        """The local directory of `step`'s copy, fetched from the receiver that listed it when it is not here;
-        SnapshotDamaged naming the receiver and the problem when it cannot be had."""
+    def _fetched(self, step: int) -> tuple[Path, bool]:
+        """The local directory of `step`'s copy, fetched from the receiver that listed it when it is not here,
+        and whether its bytes were just checked against their checksums (fetched: a load need not read them
+        twice); SnapshotDamaged naming the receiver and the problem when it cannot be had."""
         local = snap.step_dir(self.root, step)
         held = self._remote_steps().get(step)
         if local.is_dir() or held is None:
-            return local
+            return local, False
         address, _ = held
         where = wire.address_text(address)
         tmp = snap.tmp_dir(self.root, step)
@@ -194,4 +196,4 @@ class NetworkPeerTier(SnapshotDirectories, CopyTier):
             raise snap.SnapshotDamaged([f"the peer copy of step {step} at {where}: {e}"]) from None
         log.info("fetched the peer copy of step %d (%s, %s B) from %s", step, self.network.key,
                  f"{index.data_bytes:,}", where)
-        return local
+        return local, True
