@@ -1,12 +1,19 @@
 """The watchdog across nodes, under a real Slurm: slurmctld and three `slurmd -N nK` on this machine
 (scripts/slurm_cluster.sh), `angel-jax launch` inside an `salloc` allocation, each attempt's ranks as job steps.
 
-One job carries the restart and the node-loss cases (a launch costs ~40 s here): rank 1 raises on n2 in attempt 0
-(a crash: one restart on the same nodes), then everything of n2 is killed in attempt 1 (its slurmd, its
-slurmstepd, its worker: a machine gone); rank 0's collective breaks first, the node probe finds n2's daemon
-silent, the failure is charged to n2, which is excluded at once and replaced by the spare n3. The job must end
-with the numbers of one uninterrupted job of the same config, step for step. A second job's launcher is SIGKILLed
-while the allocation lives on: no worker may survive it.
+Every job trains the tiny GPT with its state sharded over its two ranks (mesh.fsdp 2: each process checkpoints
+its own shards), each node with a memory tier of its own (checkpoint.memory_dir .../{node}), and every snapshot
+copied to the next node's memory over the network (checkpoint.peer_network, auto under Slurm). The budget and the
+node-loss jobs must agree step for step: each resumed other steps (4 twice, 8) on other nodes from other tiers, so
+every step computed after a restore in one was computed without it in the other.
+
+  budget     rank 1 raises on n2 at step 7 in every attempt: one restart on the same nodes, a second failure of n2
+             excludes it (resilience.exclude_after 2), the spare n3 takes its place, and rank 1 restores its shards
+             there from the copy its neighbour n1 holds
+  node loss  everything of n2 is killed mid-run (its slurmd, its slurmstepd, its worker, its memory: a machine gone);
+             rank 0's collective breaks first, the node probe finds n2's daemon silent, the failure is charged to
+             n2, which is excluded at once and replaced by n3, where rank 1 restores from n1's copy
+  orphans    the launcher is SIGKILLed while the allocation lives on: no worker may survive it
 
 Where no cluster can be had (not root, no package, a daemon that does not start) the tests skip with the reason,
 except under CI, where they must run.
@@ -16,6 +23,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -56,15 +64,20 @@ def cluster(tmp_path_factory) -> dict[str, str]:
 
 
 class Job:
-    def __init__(self, name: str, run_dir: Path, proc: subprocess.Popen, out: Path):
-        self.name, self.run_dir, self.proc, self.out_path = name, run_dir, proc, out
+    def __init__(self, name: str, run_dir: Path, proc: subprocess.Popen, out: Path, memory: Path):
+        self.name, self.run_dir, self.proc, self.out_path, self.memory = name, run_dir, proc, out, memory
 
     @property
     def out(self) -> str:
         return self.out_path.read_text(errors="replace")
 
-    def events(self, kind: str | None = None) -> list[dict]:
-        return [e for e in read_events(self.run_dir / "events.jsonl", kind) if e["source"] == "watchdog"]
+    def events(self, kind: str | None = None, source: str = "watchdog") -> list[dict]:
+        return [e for e in read_events(self.run_dir / "events.jsonl", kind) if e["source"] == source]
+
+    def peer_copies(self, node: str, process: int) -> list[int]:
+        """The steps of `process`'s shards whose copy `node` holds in its peer store."""
+        return sorted(int(p.name[5:]) for p in (self.memory / f"{node}.peer").glob(f"*/process_{process}/step_*")
+                      if p.name[5:].isdigit())
 
     def step(self) -> int:
         try:
@@ -93,7 +106,10 @@ def jobs(cluster, tmp_path_factory, write_tiny_config):
     started: list[Job] = []
 
     def start(name: str, *, faults: str = "", then: str = "", steps: int = STEPS) -> Job:
-        cfg = write_tiny_config(root, name, train={"steps": steps}, checkpoint={"every": EVERY, "keep": 2},
+        memory = root / "memory" / name  # <node>/ and <node>.peer/ under it: each node's RAM, on one machine
+        cfg = write_tiny_config(root, name, train={"steps": steps}, mesh={"fsdp": 2},
+                                checkpoint={"every": EVERY, "keep": 2, "memory_dir": f"{memory}/{{node}}",
+                                            "peer_timeout": 10.0},
                                 resilience={**RESILIENCE, "compile_cache_dir": str(root / "cache")})
         launch = [sys.executable, "-m", "angel_jax.cli", "launch", "-n", "2", str(cfg)]
         # --no-kill: the allocation outlives a node that fails (the watchdog replaces it with the spare)
@@ -107,7 +123,7 @@ def jobs(cluster, tmp_path_factory, write_tiny_config):
             proc = subprocess.Popen(["timeout", "-s", "KILL", str(LIMIT), "salloc", "-N", "3", "--no-kill", "-Q",
                                      f"--job-name={name}", *command], cwd=root, env=env, stdout=f,
                                     stderr=subprocess.STDOUT, start_new_session=True)
-        job = Job(name, root / name, proc, out)
+        job = Job(name, root / name, proc, out, memory)
         started.append(job)
         return job
 
@@ -142,9 +158,9 @@ def _workers_of(root: Path) -> list[int]:
     return _processes_of(root, "angel_jax.tol.worker")
 
 
-def _kill_node(cluster: dict[str, str], node: str) -> None:
+def _kill_node(cluster: dict[str, str], node: str, memory: Path) -> None:
     """Everything of `node` dies at once, as when its machine goes: its slurmd, the slurmstepd of its job steps
-    and their tasks."""
+    and their tasks, and its RAM (its memory tier and peer store, under `memory`)."""
     conf = Path(cluster["SLURM_CONF"])
     steps = subprocess.run(["squeue", "-s", "-h", "-o", "%i %N"], capture_output=True, text=True, env=cluster,
                            timeout=30).stdout.split("\n")
@@ -162,6 +178,8 @@ def _kill_node(cluster: dict[str, str], node: str) -> None:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+    for tier in (memory / node, memory / f"{node}.peer"):
+        shutil.rmtree(tier, ignore_errors=True)
 
 
 def _revive(cluster: dict[str, str], node: str) -> None:
@@ -169,40 +187,69 @@ def _revive(cluster: dict[str, str], node: str) -> None:
 
 
 @pytest.fixture(scope="module")
-def reference(jobs) -> list[dict]:
-    job = jobs("reference")
-    assert job.wait() == 0, job.out[-4000:]
+def budget(jobs) -> Job:
+    """The budget job, finished: the node-loss test compares its numbers with this job's."""
+    job = jobs("budget", faults="raise@7:node=n2")
+    assert job.wait() == 0, job.out[-5000:]
+    return job
+
+
+def assert_same_numbers(job: Job, other: Job) -> None:
+    """Step for step, the numbers of two jobs that restored other steps on other nodes from other tiers: each step
+    computed after a restore in one was computed without that restore in the other."""
+    records, want = (M.read_jsonl(j.run_dir / "metrics.jsonl") for j in (job, other))
+    assert [r["step"] for r in records] == [r["step"] for r in want] == list(range(1, STEPS + 1))
+    for r, w in zip(records, want):
+        assert [r[k] for k in EXACT_KEYS] == [w[k] for k in EXACT_KEYS], f"step {r['step']}"
+
+
+def assert_restored_from_the_neighbour(job: Job, step: int) -> None:
+    """The last attempt: rank 0 from its memory tier on n1, rank 1 on the spare n3 from n1's copy of its shards."""
+    rank0, rank1 = job.events("restored", "rank0")[-1], job.events("restored", "rank1")[-1]
+    assert (rank0["step"], rank0["tier"], rank0["node"]) == (step, "memory", "n1"), rank0
+    assert (rank1["step"], rank1["tier"], rank1["node"]) == (step, "peer", "n3"), rank1
+    log = (job.run_dir / "logs" / f"attempt{len(job.events('start')) - 1}-rank1.log").read_text()
+    assert f"fetched the peer copy of step {step} (process_1" in log and f"step {step} (peer tier)" in log
+
+
+def test_a_node_failing_every_attempt_is_excluded_after_the_budget_and_the_spare_finishes(budget):
+    job = budget
+    starts = job.events("start")
+    assert [[w["node"] for w in s["workers"]] for s in starts] == [["n1", "n2"], ["n1", "n2"], ["n1", "n3"]]
+    crashes = job.events("crash")
+    assert [(c["node"], c["attempt"]) for c in crashes] == [("n2", 0), ("n2", 1)], crashes
+    assert all("InjectedFault" in c["message"] for c in crashes)
+    (exclusion,) = job.events("exclusion")
+    assert (exclusion["node"], exclusion["replaced_by"], exclusion["reason"]) == ("n2", "n3", "2 failures")
     (end,) = job.events("job_end")
-    assert end["state"] == "succeeded" and end["restarts"] == 0, end
-    return M.read_jsonl(job.run_dir / "metrics.jsonl")
+    assert end["state"] == "succeeded" and end["restarts"] == 2 and end["excluded"] == ["n2"], end
+    assert [r["step"] for r in job.events("resumed")] == [4, 4]
+    assert_restored_from_the_neighbour(job, 4)
 
 
-def test_a_crash_restarts_on_the_same_nodes_and_a_lost_node_is_replaced_by_the_spare(jobs, cluster, reference):
-    job = jobs("faults", faults="raise@7:node=n2:attempt=0")
-    job.wait_for(lambda: len(job.events("start")) == 2, "attempt 1")
-    job.wait_for(lambda: job.step() >= 10, "step 10 in attempt 1")
-    _kill_node(cluster, "n2")
+def test_a_lost_node_is_replaced_by_the_spare_and_its_ranks_restore_from_the_peer_copy(jobs, cluster, budget):
+    job = jobs("node-loss")
+    # n2 goes once its rank's newest shards are in n1's memory and its next save is not due yet
+    job.wait_for(lambda: 8 in job.peer_copies("n1", 1) and job.step() >= 9, "step 8's copy on n1")
+    _kill_node(cluster, "n2", job.memory)
+    newest = max(job.peer_copies("n1", 1))
     try:
         assert job.wait() == 0, job.out[-5000:]
     finally:
         _revive(cluster, "n2")
     starts = job.events("start")
-    assert [[w["node"] for w in s["workers"]] for s in starts] == [["n1", "n2"], ["n1", "n2"], ["n1", "n3"]]
-    crash = job.events("crash")[0]
-    assert (crash["node"], crash["attempt"]) == ("n2", 0) and "InjectedFault" in crash["message"]
-    (lost,) = [e for e in job.events() if e["kind"] == "node_lost" or (e["kind"] == "crash" and e["attempt"] == 1
+    assert [[w["node"] for w in s["workers"]] for s in starts] == [["n1", "n2"], ["n1", "n3"]]
+    (lost,) = [e for e in job.events() if e["kind"] == "node_lost" or (e["kind"] == "crash"
                                                                         and "slurmd" in e.get("message", ""))]
     assert lost["node"] == "n2", lost
     (exclusion,) = job.events("exclusion")
     assert (exclusion["node"], exclusion["replaced_by"], exclusion["reason"]) == ("n2", "n3", "node lost")
     (end,) = job.events("job_end")
-    assert end["state"] == "succeeded" and end["restarts"] == 2 and end["excluded"] == ["n2"], end
-    records = M.read_jsonl(job.run_dir / "metrics.jsonl")
-    assert [r["step"] for r in records] == list(range(1, STEPS + 1))
-    for r, want in zip(records, reference):
-        assert [r[k] for k in EXACT_KEYS] == [want[k] for k in EXACT_KEYS], f"step {r['step']}"
-    for resumed in job.events("resumed"):
-        assert resumed["step"] % EVERY == 0 and resumed["lost_steps"] <= EVERY, resumed
+    assert end["state"] == "succeeded" and end["restarts"] == 1 and end["excluded"] == ["n2"], end
+    assert_same_numbers(job, budget)  # (the budget job resumed step 4 twice, this one step 8)
+    (resumed,) = job.events("resumed")
+    assert resumed["step"] == newest and resumed["lost_steps"] <= EVERY, resumed  # nothing lost past the copy
+    assert_restored_from_the_neighbour(job, newest)
 
 
 def test_a_killed_coordinator_leaves_no_worker_running(jobs, cluster, tmp_path):
@@ -215,11 +262,15 @@ def test_a_killed_coordinator_leaves_no_worker_running(jobs, cluster, tmp_path):
     assert len(_workers_of(job.run_dir.parent)) == 2
     os.kill(launcher, signal.SIGKILL)
     deadline = time.monotonic() + 60  # SIGTERM, the worker's save, Slurm's KillWait: seconds, on a busy machine
-    while _workers_of(job.run_dir.parent) and time.monotonic() < deadline:
+
+    def steps() -> list[str]:  # (a step is listed until its slurmstepd has cleaned up after its task)
+        listed = subprocess.run(["squeue", "-s", "-h", "-o", "%j", "-n", "orphans"], capture_output=True, text=True,
+                                env=cluster, timeout=30).stdout.split()
+        return [s for s in listed if s.startswith("angel-jax.")]
+
+    while (_workers_of(job.run_dir.parent) or steps()) and time.monotonic() < deadline:
         time.sleep(0.1)
     left = {pid: Path(f"/proc/{pid}/cmdline").read_bytes()[:200] for pid in _workers_of(job.run_dir.parent)}
     assert not left, f"workers outlived their coordinator: {left}"
     assert job.proc.poll() is None, "the allocation ended with the launcher: the test would prove nothing"
-    steps = subprocess.run(["squeue", "-s", "-h", "-o", "%j", "-n", "orphans"], capture_output=True, text=True,
-                           env=cluster, timeout=30).stdout.split()
-    assert not [s for s in steps if s.startswith("angel-jax.")], steps
+    assert not steps(), steps()
