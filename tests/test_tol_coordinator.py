@@ -272,9 +272,11 @@ def test_a_lost_node_takes_the_blame_from_the_peer_whose_collective_broke():
     d.all(3.0, 1)
     d.exit(4.0, 0, 1)
     assert d.events("crash")[0]["node"] == "n1" and d.wd.node_failures == {"n1": 1}
+    assert d.wd.lost_ranks == []
     d.do(d.wd.handle(co.NodeDown(4.5, "n2")))
     (lost,) = d.events("node_lost")
     assert (lost["node"], lost["rank"], lost["recharged_from"]) == ("n2", 1, "n1")
+    assert d.wd.lost_ranks == [1]
     assert d.wd.node_failures == {"n1": 0, "n2": 1}
     d.stopped(5.0)
     assert d.events("exclusion") == [{"node": "n2", "rank": 1, "failures": 1, "reason": "node lost",
@@ -294,6 +296,7 @@ def test_a_node_lost_while_running_fails_the_attempt_and_all_its_ranks_move():
     assert (failure.kind, failure.node, failure.rank, failure.action) == ("node_lost", "b", 2, "exclude")
     assert failure.detail == "node b lost: its slurmd answers no connection (ranks 2, 3)"
     assert d.wd.state == co.State.RECOVERING and d.of(co.StopGroup)
+    assert d.wd.lost_ranks == [2, 3]  # (their job steps are stopped at once: nothing of theirs can save)
     d.do(d.wd.handle(co.GroupStopped(4.0, 0, {r: "x" for r in range(4)})))
     assert d.of(co.Spawn)[-1] == co.Spawn(1, ("a", "a", "c", "c"), True)
     d.do(d.wd.handle(co.NodeDown(5.0, "c")))  # now no spare is left: the loss is a failure, not an exclusion

@@ -61,3 +61,25 @@ def test_launch_refuses_a_bad_config_before_starting_anything(tmp_path):
     bad.write_text("resilience: {max_restarts: -1}\ntrain: {run_dir: " + str(tmp_path / "run") + "}\n")
     assert cli.main(["launch", "-n", "2", str(bad)]) == 2
     assert not (tmp_path / "run").exists()
+
+
+def test_the_ranks_of_a_lost_node_are_killed_at_once_and_the_others_stopped_gracefully(tmp_path):
+    """WorkerGroup.stop(at_once=...): a rank on a lost node cannot save; it is killed first, and the stop waits for
+    the others' SIGTERM alone (rank 1 ignores SIGTERM: only a SIGKILL ends it; rank 0 saves on SIGTERM)."""
+    import signal
+    import sys
+
+    from angel_jax.tol.group import WorkerGroup
+
+    group = WorkerGroup(0, tmp_path, on_exit=lambda *a: None)
+    script = ("import signal, sys, time; signal.signal(signal.SIGTERM, {}); print('up', flush=True); "
+              "time.sleep(600)")
+    graceful = script.format("lambda *a: sys.exit(143)")
+    stubborn = script.format("signal.SIG_IGN")
+    group.spawn({0: ([sys.executable, "-c", graceful], {}), 1: ([sys.executable, "-c", stubborn], {})})
+    for rank in (0, 1):
+        while "up" not in (tmp_path / f"attempt0-rank{rank}.log").read_text():
+            time.sleep(0.02)
+    outcomes = group.stop(grace=30, at_once=[1])
+    assert outcomes == {0: "exited with status 143 after SIGTERM", 1: "killed by SIGKILL at once (its node was lost)"}
+    assert group.workers[1].proc.returncode == -signal.SIGKILL

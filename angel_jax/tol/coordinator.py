@@ -538,6 +538,13 @@ class Watchdog:
         return [Emit("node_lost", {"attempt": self.attempt, "node": e.node, "rank": failure.rank,
                                    "message": detail, "recharged_from": blamed.node if blamed else None})]
 
+    @property
+    def lost_ranks(self) -> list[int]:
+        """The ranks of this attempt on a node found lost: nothing of theirs can stop gracefully or save (their
+        job steps are stopped at once, not after the grace)."""
+        lost = {f.node for f in self.failures if f.kind == "node_lost" and f.attempt == self.attempt}
+        return [r for r, node in enumerate(self.assignment) if node in lost]
+
     def current_timeout(self) -> float:
         slow = any(v.phase in SLOW_PHASES or (v.step or 0) >= self.policy.total_steps for v in self.live)
         return hang_timeout(self.policy, list(self.step_times), slow=slow)

@@ -100,11 +100,14 @@ class WorkerGroup:
             except (ProcessLookupError, PermissionError):
                 pass
 
-    def stop(self, grace: float) -> dict[int, str]:
+    def stop(self, grace: float, at_once: Sequence[int] = ()) -> dict[int, str]:
         """SIGTERM every live worker's process group (and SIGCONT, so a stopped process can act on it), wait up
-        to `grace` seconds, SIGKILL what is left. Returns rank -> how it ended."""
+        to `grace` seconds, SIGKILL what is left. The ranks `at_once` (on a lost node: nothing of theirs can stop
+        gracefully) get SIGKILL first. Returns rank -> how it ended."""
         before = {r: w.proc.poll() for r, w in self.workers.items()}
-        live = [r for r, code in before.items() if code is None]
+        at_once = [r for r in at_once if before.get(r, 0) is None]
+        self._signal(at_once, signal.SIGKILL)
+        live = [r for r, code in before.items() if code is None and r not in at_once]
         self._signal(live, signal.SIGTERM)
         self._signal(live, signal.SIGCONT)
         deadline = time.monotonic() + grace
@@ -128,6 +131,8 @@ class WorkerGroup:
                 continue
             if before[rank] is not None:
                 outcomes[rank] = f"had already {describe_status(code).replace('was ', 'been ')}"
+            elif rank in at_once:
+                outcomes[rank] = "killed by SIGKILL at once (its node was lost)"
             elif rank in killed:
                 outcomes[rank] = f"killed by SIGKILL after {grace:g} s grace"
             else:

@@ -241,7 +241,7 @@ class Launcher:
     def _stop(self, action: co.StopGroup) -> None:
         if self.group is None:
             return
-        outcomes = self.group.stop(action.grace)
+        outcomes = self.group.stop(action.grace, at_once=self.machine.lost_ranks)
         now = time.monotonic()
         self._do(self.machine.handle(co.GroupStopped(now, action.attempt, outcomes)), now)
 
