@@ -423,7 +423,7 @@ class CheckpointConfig:
                               "'{node}' in it stands for the node's name (SLURMD_NODENAME): one tier per node on a shared path.")
     peer_dir: str = doc("", "Where each snapshot is copied in the background (a peer host's mount); empty = none.")
     peer_network: str = doc("auto", "Copy each snapshot to the next node's memory over TCP: 'auto' (when the launcher runs the "
-                                    "job across the nodes of a Slurm allocation and peer_dir is empty), 'on' or 'off'.")
+                                    "job across the nodes of a Slurm allocation and peer_dir is empty), 'always' or 'never'.")
     peer_max_bytes: int = doc(0, "Most bytes of peer copies one receiver holds for the run (0 = no fixed limit; in RAM it "
                                  "always leaves 2 GiB available).")
     peer_timeout: float = doc(30.0, "Seconds a peer copy's connect, send or receive may wait on the other node before the "
@@ -445,10 +445,10 @@ class CheckpointConfig:
         for key in ("keep_every", "max_persist_failures", "peer_max_bytes"):
             if getattr(self, key) < 0:
                 errs.append((key, "must be >= 0"))
-        if self.peer_network not in ("auto", "on", "off"):
-            errs.append(("peer_network", f"must be auto, on or off, got {self.peer_network!r}"))
-        elif self.peer_network == "on" and self.peer_dir:
-            errs.append(("peer_network", "'on' and checkpoint.peer_dir are two peer tiers: give one"))
+        if self.peer_network not in ("auto", "always", "never"):
+            errs.append(("peer_network", f"must be auto, always or never, got {self.peer_network!r}"))
+        elif self.peer_network == "always" and self.peer_dir:
+            errs.append(("peer_network", "'always' and checkpoint.peer_dir are two peer tiers: give one"))
         if not self.peer_timeout > 0:
             errs.append(("peer_timeout", "must be > 0"))
         if not 0 <= self.peer_port <= 65535:

@@ -1,7 +1,7 @@
 """The peer copy over the network in a training job: each process's receiver, and which node its copies go to.
 
 Every process of a job that `angel-jax launch` runs across the nodes of a Slurm allocation (checkpoint.peer_network
-'auto', or 'on' anywhere the launcher runs it) starts a receiver (checkpoint/peer_receiver.py) serving its node's
+'auto', or 'always' anywhere the launcher runs it) starts a receiver (checkpoint/peer_receiver.py) serving its node's
 peer store, beside the node's memory tier, and the processes tell each other where theirs listen (one all-gather
 of ints: address, port, a hash of the node's name). A process's copies then go to the process with its local
 index on the next node of the job (the nodes in the order of their first process, cyclically), and on restore it
@@ -53,14 +53,14 @@ def wanted(cfg: Config, env: Mapping[str, str] = os.environ) -> bool:
     """Whether this job copies snapshots over the network (the same answer on every process: config and the
     launcher's environment)."""
     mode = cfg.checkpoint.peer_network
-    if mode == "off" or cfg.checkpoint.peer_dir or jax.process_count() == 1:
+    if mode == "never" or cfg.checkpoint.peer_dir or jax.process_count() == 1:
         return False
     if not env.get("ANGEL_JAX_JOB_TOKEN"):
-        if mode == "on":
-            log.warning("checkpoint.peer_network=on: no peer copy, the job has no token (it is started by "
+        if mode == "always":
+            log.warning("checkpoint.peer_network=always: no peer copy, the job has no token (it is started by "
                         "`angel-jax launch`)")
         return False
-    return mode == "on" or env.get("ANGEL_JAX_PLACEMENT") == "slurm"
+    return mode == "always" or env.get("ANGEL_JAX_PLACEMENT") == "slurm"
 
 
 def network_peer(cfg: Config, run_dir: Path, memory_root: Path, *, key: str,
