@@ -194,3 +194,12 @@ def test_an_estimate_on_a_measured_peak_states_its_mfu_over_that_same_peak(tmp_p
     assert main([str(REPO_ROOT / "experiments" / "gpt_tiny.yaml"), "--estimate", "--out", str(tmp_path)]) == 0
     plan = json.loads((tmp_path / "plan.json").read_text())
     assert plan["peak_flops"] == 1e11 and "at 0.1 TFLOP/s (estimate:matmul)" in plan["source"]
+
+
+def test_a_sharded_plan_refuses_lock_free_updates_as_the_engine_does():
+    """`--estimate --devices N` plans what the engine would run: with pages sharded over ranks updates are exact,
+    so `memory.staleness=1` (and `--what-if`'s "updates one step behind") is refused by name, not planned."""
+    budgets = Budgets(60 * MB, 200 * MB, None, 10 * MB)
+    with pytest.raises(PlanError, match="'memory.staleness'"):
+        make_plan(_costs(6), replace(BW, link=1e9), budgets, staleness=1, ranks=2)
+    assert make_plan(_costs(6), BW, budgets, staleness=1).staleness == 1  # one device: planned

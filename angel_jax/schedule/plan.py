@@ -403,10 +403,13 @@ def make_plan(costs: list[StageCost], bw: Bandwidths, budgets: Budgets, *, stale
     overlapped (`serial_step_time`); with `overlap=False` (`memory.overlap: false`) that is its predicted step too,
     the homes being chosen as for the overlapped step. `streamed_updates` (`memory.streamed_updates`): where
     streamed stages whose pages live on the host update, 'host', 'device' or 'auto' (both planned, the device only
-    when predicted faster by more than noise; the host on shared cores and with several ranks). `activations`
+    when predicted faster by more than noise; the host on shared cores). `activations`
     (`memory.activations`): where saved stage inputs wait for the backward, 'device', 'host' or 'auto'
     (`activation_options`). The first option of each choice is the base: a refusal of another is passed over."""
     n = len(costs)
+    if staleness and ranks > 1:  # (as the engine refuses it: schedule/blueprint.py)
+        raise PlanError("'memory.staleness': lock-free updates (1) need pages on one device; with pages sharded "
+                        "over several ranks updates are exact (0)")
     if ranks < 1:
         raise PlanError(f"a plan needs at least one data-parallel rank, got ranks={ranks}")
     if passes is not None and (passes < 1 or micro_batches % passes):
