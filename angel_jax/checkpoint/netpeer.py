@@ -11,8 +11,9 @@ the persistent tier), and reading finds this process's copies
     on the other processes' receivers (`NetworkPeer.sources`), asked once, at the first listing (restore time),
 
 so a rank that moves to a spare after its node was lost restores from the neighbour's copy. A copy held elsewhere
-is listed under the local path it will have; loading or checking it fetches it there first (tmp directory,
-checksums of the signed index, rename), and restore reads it as the peer copy it is.
+is listed under a local path it never gets: loading it fetches its bytes into this process's memory and checks
+them against the checksums of the signed index (always: they crossed the network), and restore hands out views of
+them (writable, as every restored array), as the peer copy it is.
 """
 
 from __future__ import annotations
@@ -47,6 +48,7 @@ class NetworkPeerTier(SnapshotDirectories, CopyTier):
         self._fault = fault
         self._remote: dict[int, tuple[tuple[str, int], int]] | None = None  # step -> (receiver, bytes), once asked
         self._lock = threading.Lock()  # _remote: the save worker and the training thread both read and change it
+        self._kept: tuple[int, snap.SnapshotIndex, np.ndarray] | None = None  # a copy `check` fetched, for `load`
 
     def __repr__(self) -> str:
         return f"NetworkPeerTier(to {wire.address_text(self.network.destination)}, local copies in {self.root})"
@@ -89,15 +91,29 @@ class NetworkPeerTier(SnapshotDirectories, CopyTier):
 
     def load(self, step: int, *, verify: bool, pool: Executor | None,
              select: snap.Select | None = None) -> tuple[snap.SnapshotIndex, dict[str, np.ndarray]]:
-        path, checked = self._fetched(step)
-        return snap.load(path, verify=verify and not checked, pool=pool, select=select)
+        local = snap.step_dir(self.root, step)
+        if local.is_dir() or step not in self._remote_steps():
+            return snap.load(local, verify=verify, pool=pool, select=select)
+        index, data = self._fetched(step)
+        chosen = snap.selected(index, select)
+        arrays = wire.arrays_in(chosen, data)
+        # (bytes that crossed the network are always checked, whatever verify_on_restore says)
+        if problems := snap.verify_arrays(chosen, arrays, pool, self._where(step)):
+            raise snap.SnapshotDamaged(problems)
+        return index, arrays
 
     def check(self, step: int, pool: Executor | None) -> list[str]:
+        local = snap.step_dir(self.root, step)
+        if local.is_dir() or step not in self._remote_steps():
+            return snap.check(local, pool)
         try:
-            path, _ = self._fetched(step)
+            index, data = self._fetched(step)
         except snap.SnapshotDamaged as e:
             return e.problems
-        return snap.check(path, pool)
+        problems = snap.verify_arrays(index, wire.arrays_in(index, data), pool, self._where(step))
+        if not problems:  # the restore that follows reads these bytes instead of fetching them again
+            self._kept = (step, index, data)
+        return problems
 
     def delete(self, step: int) -> None:
         snap.remove_dir(snap.step_dir(self.root, step))
@@ -172,28 +188,28 @@ class NetworkPeerTier(SnapshotDirectories, CopyTier):
         return [(int(s), int(n)) for s, n in (p for p in steps if isinstance(p, list) and len(p) == 2)
                 if isinstance(s, int) and isinstance(n, int) and s >= 0]
 
-    def _fetched(self, step: int) -> tuple[Path, bool]:
-        """The local directory of `step`'s copy, fetched from the receiver that listed it when it is not here,
-        and whether its bytes were just checked against their checksums (fetched: a load need not read them
-        twice); SnapshotDamaged naming the receiver and the problem when it cannot be had."""
-        local = snap.step_dir(self.root, step)
+    def _where(self, step: int) -> str:
         held = self._remote_steps().get(step)
-        if local.is_dir() or held is None:
-            return local, False
-        address, _ = held
+        return f"the peer copy of step {step} at {wire.address_text(held[0] if held else None)}"
+
+    def _fetched(self, step: int) -> tuple[snap.SnapshotIndex, np.ndarray]:
+        """`step`'s copy from the receiver that listed it, into this process's memory (a fresh file in a tmpfs
+        costs a page fault per page on the way in: anonymous memory takes the bytes about twice as fast), not yet
+        checked against its checksums; SnapshotDamaged naming the receiver and the problem when it cannot be had.
+        The copy `check` kept is handed over once."""
+        kept, self._kept = self._kept, None
+        if kept is not None and kept[0] == step:
+            return kept[1], kept[2]
+        address, _ = self._remote_steps()[step]
         where = wire.address_text(address)
-        tmp = snap.tmp_dir(self.root, step)
         try:
-            snap.remove_dir(tmp)
             sock, reply = wire.request(self.network, address, "get", step=step)
             with sock:
                 index = wire.parse_index(reply.get("index"), step)
-                wire.receive_data(sock, tmp, index.data_bytes)
-            wire.commit_checked(tmp, local, index)
+                data = wire.receive_buffer(sock, index.data_bytes)
         except (OSError, wire.PeerRefused) as e:
-            snap.remove_dir(tmp)
             self._forget(step)
             raise snap.SnapshotDamaged([f"the peer copy of step {step} at {where}: {e}"]) from None
         log.info("fetched the peer copy of step %d (%s, %s B) from %s", step, self.network.key,
                  f"{index.data_bytes:,}", where)
-        return local, True
+        return index, data

@@ -113,6 +113,7 @@ class PeerReceiver:
 
     def _serve(self, sock: socket.socket, peer: str) -> None:
         sock.settimeout(self.timeout)
+        wire.buffers(sock)
         try:
             body = wire.recv_frame(sock, self.token)
             op, run, key = body.get("op"), body.get("run"), body.get("key")

@@ -33,13 +33,17 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
+import numpy as np
+
 from angel_jax.checkpoint import snapshot as snap
 
 VERSION = 1
 MAX_FRAME = 64 << 20
 """Longest accepted frame (a paged state's index lists thousands of arrays: megabytes of JSON, not gigabytes)."""
-CHUNK = 8 << 20
-"""Bytes received per call into a copy's mapped data file."""
+CHUNK = 64 << 20
+"""Most bytes asked of one receive call."""
+SOCKET_BUFFER = 4 << 20
+"""Send and receive buffers of a connection (the kernel's defaults make a snapshot's transfer a third slower)."""
 KEY_RE = re.compile(r"^(whole|process_\d{1,6})$")
 RUN_RE = re.compile(r"^[0-9a-f]{16,64}$")
 OPS = ("put", "list", "get", "drop")
@@ -146,11 +150,17 @@ def request(peer: NetworkPeer, address: tuple[str, int], op: str, **fields: Any)
     sock = socket.create_connection(address, timeout=peer.timeout)
     try:
         sock.settimeout(peer.timeout)
+        buffers(sock)
         send_frame(sock, peer.token, {"v": VERSION, "op": op, "run": peer.run, "key": peer.key, **fields})
         return sock, expect_ok(sock, peer.token)
     except BaseException:
         sock.close()
         raise
+
+
+def buffers(sock: socket.socket) -> None:
+    for option in (socket.SO_SNDBUF, socket.SO_RCVBUF):
+        sock.setsockopt(socket.SOL_SOCKET, option, SOCKET_BUFFER)
 
 
 def expect_ok(sock: socket.socket, token: str) -> dict[str, Any]:
@@ -199,6 +209,32 @@ def receive_data(sock: socket.socket, directory: Path, nbytes: int) -> None:
                 view.release()
     finally:
         os.close(fd)
+
+
+def receive_buffer(sock: socket.socket, nbytes: int) -> np.ndarray:
+    """`nbytes` from the socket into a new buffer of this process's memory."""
+    data = np.empty(nbytes, np.uint8)
+    view, got = memoryview(data), 0
+    try:
+        while got < nbytes:
+            k = sock.recv_into(view[got:got + CHUNK])
+            if k == 0:
+                raise PeerRefused(f"the sender closed the connection after {got:,} of {nbytes:,} bytes")
+            got += k
+    finally:
+        view.release()
+    return data
+
+
+def arrays_in(index: snap.SnapshotIndex, data: np.ndarray) -> dict[str, np.ndarray]:
+    """Views of a received data file's bytes (`data`, uint8) laid out by `index`: each array at its offset."""
+    arrays = {}
+    for a in index.arrays:
+        dtype = snap.decode_dtype(a.dtype)
+        if a.offset + a.nbytes > data.size:
+            raise snap.SnapshotDamaged([f"array {a.name!r} extends past the {data.size:,} bytes received"])
+        arrays[a.name] = data[a.offset:a.offset + a.nbytes].view(dtype).reshape(a.shape)
+    return arrays
 
 
 def commit_checked(tmp: Path, final: Path, index: snap.SnapshotIndex) -> None:
