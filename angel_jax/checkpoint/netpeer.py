@@ -7,7 +7,7 @@ snapshot to `NetworkPeer.destination` (best effort: a refused or failed copy is 
 the persistent tier), and reading finds this process's copies
 
     in the local store (`NetworkPeer.root`: copies another node sent here while this process's snapshots were
-    made elsewhere, and copies fetched before), then
+    made on that node), then
     on the other processes' receivers (`NetworkPeer.sources`), asked once, at the first listing (restore time),
 
 so a rank that moves to a spare after its node was lost restores from the neighbour's copy. A copy held elsewhere
