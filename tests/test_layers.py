@@ -126,6 +126,7 @@ OWN_ROOM_CHECKS = {
     "angel_jax.memory.disk_tier": "refuses a page write the file system has no room for (a disk filled mid-run)",
     "angel_jax.memory.bench_io": "sizes its benchmark file to the disk's free space",
     "angel_jax.checkpoint.memtier": "refuses a memory-tier snapshot that RAM has no room for",
+    "angel_jax.checkpoint.peer_receiver": "refuses a neighbour's snapshot copy that its RAM-backed store has no room for",
     "angel_jax.checkpoint.persist": "streams a checkpoint larger than half the RAM instead of reading it whole",
     "angel_jax.train.report": "prints what the machine has",
 }
