@@ -356,10 +356,12 @@ class Procs:
         self.directory = directory
         self.started: list[subprocess.Popen] = []
 
-    def start(self, name: str, *args: str) -> subprocess.Popen:
+    def start(self, name: str, *args: str, faults: str = "") -> subprocess.Popen:
+        """`faults`: ANGEL_JAX_FAULTS for this process (angel_jax/tol/faults.py)."""
         cmd = ["timeout", "-s", "KILL", str(PROC_LIMIT), sys.executable, "-m", "angel_jax.cli", *args]
+        env = dict(_env(), **({"ANGEL_JAX_FAULTS": faults} if faults else {}))
         with open(self.directory / f"{name}.out", "w") as out, open(self.directory / f"{name}.err", "w") as err:
-            proc = subprocess.Popen(cmd, cwd=self.directory, env=_env(), stdout=out, stderr=err,
+            proc = subprocess.Popen(cmd, cwd=self.directory, env=env, stdout=out, stderr=err,
                                     start_new_session=True)
         self.started.append(proc)
         return proc
@@ -404,7 +406,9 @@ def test_resume_after_sigkill_is_exact(straight, tmp_path, procs, write_tiny_con
     """`angel-jax train` SIGKILLed after a checkpoint committed, then run again: the same numbers as `straight`."""
     cfg_path = write_tiny_config(tmp_path, "killed", checkpoint={"every": 4, "keep": 2})
     run_dir = tmp_path / "killed"
-    victim = procs.start("victim", "train", str(cfg_path))
+    # Step 9 never finishes in the victim: the kill comes after a checkpoint and before the run's end, however fast
+    # the machine (idle, the tiny run once finished all 30 steps between the check and the kill).
+    victim = procs.start("victim", "train", str(cfg_path), faults="hang@9")
     deadline = time.monotonic() + PROC_LIMIT
     while not [s for s in _committed_steps(run_dir, "memory") if s >= 4]:
         assert victim.poll() is None, f"the run ended before a checkpoint was committed: {procs.output('victim')}"
