@@ -2,7 +2,7 @@
 
 One request per TCP connection. Every message starts with a frame, a 4-byte big-endian length and that many
 bytes of JSON, `{"body": {...}, "mac": "<hex>"}`, where mac = HMAC-SHA256 keyed with the job's token over the
-body's canonical JSON (sorted keys, no spaces), as heartbeats are signed (angel_jax/tol/heartbeat.py): the token
+body's canonical JSON (sorted keys, no spaces), as heartbeats are signed (angel_jax/signing.py): the token
 never travels, and a frame without the right MAC is refused before its body is read as a request. Replies are
 signed the same way, so a client knows an index or a listing came from a member of the job.
 
@@ -21,9 +21,6 @@ committed. XXH3 detects damage, not a forger on the wire: the token keeps strang
 
 from __future__ import annotations
 
-import hashlib
-import hmac
-import json
 import mmap
 import os
 import re
@@ -36,6 +33,7 @@ from typing import Any, Mapping
 import numpy as np
 
 from angel_jax.checkpoint import snapshot as snap
+from angel_jax.signing import envelope, verified
 
 VERSION = 1
 MAX_FRAME = 64 << 20
@@ -97,16 +95,8 @@ def address_text(address: tuple[str, int] | None) -> str:
 # ------------------------------------------------------------------------------------------------- frames
 
 
-def canonical(body: Mapping[str, Any]) -> bytes:
-    return json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=True).encode()
-
-
-def sign(token: str, body: Mapping[str, Any]) -> str:
-    return hmac.new(token.encode(), canonical(body), hashlib.sha256).hexdigest()
-
-
 def send_frame(sock: socket.socket, token: str, body: Mapping[str, Any]) -> None:
-    payload = json.dumps({"body": dict(body), "mac": sign(token, body)}, allow_nan=True).encode()
+    payload = envelope(token, body, allow_nan=True)
     if len(payload) > MAX_FRAME:
         raise PeerRefused(f"a frame of {len(payload):,} bytes is over the limit of {MAX_FRAME:,}")
     sock.sendall(struct.pack(">I", len(payload)) + payload)
@@ -128,20 +118,7 @@ def recv_frame(sock: socket.socket, token: str) -> dict[str, Any]:
     (length,) = struct.unpack(">I", recv_exact(sock, 4))
     if length > MAX_FRAME:
         raise PeerRefused(f"oversized: a frame of {length:,} bytes (the limit is {MAX_FRAME:,})")
-    try:
-        outer = json.loads(recv_exact(sock, length))
-    except (ValueError, UnicodeDecodeError, RecursionError):
-        raise PeerRefused("malformed: the frame is not JSON") from None
-    if (not isinstance(outer, dict) or set(outer) != {"body", "mac"} or not isinstance(outer["body"], dict)
-            or not isinstance(outer["mac"], str) or not outer["mac"].isascii()):
-        raise PeerRefused("malformed: expected {\"body\": {...}, \"mac\": \"<hex>\"}")
-    try:
-        expected = sign(token, outer["body"])
-    except (TypeError, ValueError, RecursionError):
-        raise PeerRefused("malformed: the body cannot be canonicalised") from None
-    if not hmac.compare_digest(expected, outer["mac"]):
-        raise PeerRefused("unauthenticated: the MAC does not match the job's token")
-    return outer["body"]
+    return verified(recv_exact(sock, length), token, PeerRefused, allow_nan=True, object_body=True)
 
 
 def request(peer: NetworkPeer, address: tuple[str, int], op: str, **fields: Any) -> tuple[socket.socket, dict]:
@@ -198,15 +175,7 @@ def receive_data(sock: socket.socket, directory: Path, nbytes: int) -> None:
             return
         os.posix_fallocate(fd, 0, nbytes)
         with mmap.mmap(fd, nbytes) as mm:
-            view, got = memoryview(mm), 0
-            try:
-                while got < nbytes:
-                    k = sock.recv_into(view[got:got + CHUNK])
-                    if k == 0:
-                        raise PeerRefused(f"the sender closed the connection after {got:,} of {nbytes:,} bytes")
-                    got += k
-            finally:
-                view.release()
+            _receive_into(sock, mm, nbytes)
     finally:
         os.close(fd)
 
@@ -214,7 +183,13 @@ def receive_data(sock: socket.socket, directory: Path, nbytes: int) -> None:
 def receive_buffer(sock: socket.socket, nbytes: int) -> np.ndarray:
     """`nbytes` from the socket into a new buffer of this process's memory."""
     data = np.empty(nbytes, np.uint8)
-    view, got = memoryview(data), 0
+    _receive_into(sock, data, nbytes)
+    return data
+
+
+def _receive_into(sock: socket.socket, buffer: Any, nbytes: int) -> None:
+    """`nbytes` from the socket into `buffer` (anything with the buffer protocol), CHUNK at a time."""
+    view, got = memoryview(buffer), 0
     try:
         while got < nbytes:
             k = sock.recv_into(view[got:got + CHUNK])
@@ -223,7 +198,6 @@ def receive_buffer(sock: socket.socket, nbytes: int) -> np.ndarray:
             got += k
     finally:
         view.release()
-    return data
 
 
 def arrays_in(index: snap.SnapshotIndex, data: np.ndarray) -> dict[str, np.ndarray]:

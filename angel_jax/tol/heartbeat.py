@@ -2,9 +2,9 @@
 
 Wire format: one JSON object per line, `{"body": {...}, "mac": "<hex>"}`, where mac = HMAC-SHA256 keyed with the
 job's token (a random secret the launcher hands each worker in ANGEL_JAX_JOB_TOKEN) over the body's canonical JSON
-(sorted keys, no spaces). The token itself never travels. The server checks, in this order: line length, JSON,
-the MAC (`hmac.compare_digest`), then the body's exact shape; anything else is rejected with a reason and dropped
-before the watchdog sees it. A connection whose MAC is wrong is closed.
+(sorted keys, no spaces; angel_jax/signing.py). The token itself never travels. The server checks, in this order:
+line length, JSON, the MAC (`hmac.compare_digest`), then the body's exact shape; anything else is rejected with a
+reason and dropped before the watchdog sees it. A connection whose MAC is wrong is closed.
 
 The server bounds what idle or hostile clients can hold (each connection is a thread): at most MAX_CONNECTIONS
 connections besides one per rank (a new one past that closes the oldest that has not yet sent an authenticated line,
@@ -32,9 +32,6 @@ the same step).
 
 from __future__ import annotations
 
-import hashlib
-import hmac
-import json
 import logging
 import math
 import os
@@ -48,6 +45,7 @@ from typing import Any, Callable, Iterator, Mapping
 
 from angel_jax.config.fields import ConfigError, typed
 from angel_jax.phases import WORKER_PHASES, Phase
+from angel_jax.signing import envelope, sign, verified  # noqa: F401 (sign: how a heartbeat is signed)
 from angel_jax.train.hooks import TrainHooks
 
 log = logging.getLogger(__name__)
@@ -88,16 +86,8 @@ class Rejected(ValueError):
 # --------------------------------------------------------------------------------------------- wire format
 
 
-def canonical(body: Mapping[str, Any]) -> bytes:
-    return json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
-
-
-def sign(token: str, body: Mapping[str, Any]) -> str:
-    return hmac.new(token.encode(), canonical(body), hashlib.sha256).hexdigest()
-
-
 def encode(token: str, body: Mapping[str, Any]) -> bytes:
-    return json.dumps({"body": body, "mac": sign(token, body)}, allow_nan=False).encode() + b"\n"
+    return envelope(token, body) + b"\n"
 
 
 def _typed(value: Any, tp: Any) -> bool:
@@ -147,20 +137,7 @@ def decode(line: bytes, token: str, n_ranks: int) -> dict[str, Any]:
     """A verified message body from one line, or Rejected."""
     if len(line) > MAX_LINE:
         raise Rejected(f"oversized: a line of more than {MAX_LINE} bytes")
-    try:
-        outer = json.loads(line)
-    except (ValueError, UnicodeDecodeError, RecursionError):  # ValueError: also an integer of > 4300 digits
-        raise Rejected("malformed: not JSON (or a number too long to read)") from None
-    if (not isinstance(outer, dict) or set(outer) != {"body", "mac"} or not isinstance(outer["mac"], str)
-            or not outer["mac"].isascii()):  # compare_digest refuses non-ASCII strings
-        raise Rejected("malformed: expected {\"body\": ..., \"mac\": \"<hex>\"}")
-    try:
-        expected = sign(token, outer["body"])
-    except (TypeError, ValueError, RecursionError):
-        raise Rejected("malformed: body cannot be canonicalised (NaN, too deep)") from None
-    if not hmac.compare_digest(expected, outer["mac"]):
-        raise Rejected("unauthenticated: the MAC does not match the job's token")
-    return validate(outer["body"], n_ranks)
+    return validate(verified(line, token, Rejected), n_ranks)
 
 
 class RejectionLimiter:
