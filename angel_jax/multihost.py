@@ -5,6 +5,7 @@ process each returns at once."""
 from __future__ import annotations
 
 import os
+import socket
 from typing import Mapping
 
 import jax
@@ -20,6 +21,24 @@ def processes_on_this_host(env: Mapping[str, str] | None = None) -> int:
         return max(1, int(local.split("(")[0].split(",")[0]))
     except ValueError:
         return 1
+
+
+def node_name(env: Mapping[str, str] | None = None) -> str:
+    """The node this process runs on, as the scheduler names it (the launcher's ANGEL_JAX_NODE, Slurm's
+    SLURMD_NODENAME), else the host's name."""
+    env = os.environ if env is None else env
+    return env.get("ANGEL_JAX_NODE") or env.get("SLURMD_NODENAME") or socket.gethostname()
+
+
+def own_address(node: str | None = None) -> str:
+    """This machine's IPv4 address as the cluster resolves its name (`node`, then the host's name): what processes
+    on other nodes dial; 127.0.0.1 where neither resolves."""
+    for name in ([node] if node else []) + [socket.gethostname()]:
+        try:
+            return socket.gethostbyname(name)
+        except OSError:
+            continue
+    return "127.0.0.1"
 
 
 def barrier(name: str) -> None:

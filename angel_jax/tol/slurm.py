@@ -34,6 +34,7 @@ from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
 
 from angel_jax.errors import AngelError
+from angel_jax.multihost import own_address
 
 _PR_SET_PDEATHSIG = 1
 
@@ -128,7 +129,7 @@ class SlurmPlacement(Placement):
         if workers % per_node:
             raise AllocationError(f"{workers} workers do not fill nodes of {per_node} ranks each "
                                   "(-n must be a multiple of the ranks per node)")
-        host = _own_address()
+        host = own_address()
         return cls(tuple(nodes), per_node, host, job_id=env["SLURM_JOB_ID"]), workers
 
     def command(self, argv: Sequence[str], *, node: str, rank: int, attempt: int) -> list[str]:
@@ -161,14 +162,6 @@ def _int(value: str | None) -> int | None:
 
 def _gpus(env: Mapping[str, str]) -> int | None:
     return _int(env.get("SLURM_GPUS_ON_NODE")) or _int(env.get("SLURM_GPUS_PER_NODE"))
-
-
-def _own_address() -> str:
-    """This host's address as the cluster resolves its name (what the workers on other nodes dial)."""
-    try:
-        return socket.gethostbyname(socket.gethostname())
-    except OSError:
-        return "127.0.0.1"
 
 
 def daemon_addresses(nodes: Sequence[str], run: Callable[..., subprocess.CompletedProcess] = subprocess.run

@@ -34,7 +34,7 @@ from angel_jax.data.sources import resolve_sources
 from angel_jax.checkpoint.manager import PersistenceFailed, PersistStreak
 from angel_jax.config import Config
 from angel_jax.errors import EXIT_EXCLUDE, EXIT_RESTART
-from angel_jax.multihost import from_any, from_primary
+from angel_jax.multihost import from_any, from_primary, node_name
 from angel_jax.phases import Phase
 from angel_jax.schedule.budgets import gather_room
 from angel_jax.tee.actions import Action
@@ -43,7 +43,6 @@ from angel_jax.train import metrics as metrics_lib
 from angel_jax.train.anomaly import AnomalyMonitor, RestartRequested, TrainingDiverged, Verdict
 from angel_jax.train.checkpointing import TrainCheckpointer, check_processes_agree, check_same_run
 from angel_jax.train.curves import loss_curve_hooks
-from angel_jax.train import peer_network
 from angel_jax.train.engines import TrainEngine, build_engine, refuse_beyond_reach
 from angel_jax.train.evaluation import ValidationSet, eval_due, evaluate
 from angel_jax.train.hooks import HookList, OnStep, TrainHooks
@@ -206,7 +205,7 @@ def setup(cfg: Config, hooks: HookList) -> Trainer:
         if restored is not None:
             start_step, arrays, meta, tier = restored
             if jax.process_count() > 1:  # each process's own tier (a rank moved to a spare reads the peer copy)
-                events.write("restored", step=start_step, tier=tier, node=peer_network.node_name(),
+                events.write("restored", step=start_step, tier=tier, node=node_name(),
                              read_s=round(time.monotonic() - began, 4))
             check_same_run(meta, cfg, identity, start_step)
             engine.load_state(arrays, meta.get("engine", {}))

@@ -18,7 +18,6 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
-import socket
 import zlib
 from pathlib import Path
 from typing import Mapping
@@ -28,7 +27,7 @@ import jax
 from angel_jax.checkpoint.peer_receiver import PeerReceiver
 from angel_jax.checkpoint.peer_wire import RUN_RE, NetworkPeer
 from angel_jax.config import Config
-from angel_jax.multihost import every_process_lists
+from angel_jax.multihost import every_process_lists, node_name, own_address
 from angel_jax.train.tier_ownership import RUN_TOKEN_FILE
 
 log = logging.getLogger(__name__)
@@ -36,12 +35,6 @@ log = logging.getLogger(__name__)
 NODE_PLACEHOLDER = "{node}"
 _RECEIVERS: dict[tuple, PeerReceiver] = {}
 """This process's receivers (one per job in practice), by what they serve."""
-
-
-def node_name(env: Mapping[str, str] = os.environ) -> str:
-    """The node this process runs on, as the scheduler names it (the launcher's ANGEL_JAX_NODE, Slurm's
-    SLURMD_NODENAME), else the host's name."""
-    return env.get("ANGEL_JAX_NODE") or env.get("SLURMD_NODENAME") or socket.gethostname()
 
 
 def per_node(path: str, env: Mapping[str, str] = os.environ) -> str:
@@ -73,7 +66,7 @@ def network_peer(cfg: Config, run_dir: Path, memory_root: Path, *, key: str,
     c = cfg.checkpoint
     token = env["ANGEL_JAX_JOB_TOKEN"]
     store = Path(f"{memory_root}.peer")
-    host = _own_address(node_name(env))
+    host = own_address(node_name(env))
     receiver, why = None, ""
     try:
         receiver = _receiver(token, store, host, c.peer_port + jax.process_index() if c.peer_port else 0,
@@ -125,16 +118,6 @@ def _receiver(token: str, store: Path, host: str, port: int, **kw) -> PeerReceiv
     if key not in _RECEIVERS:
         _RECEIVERS[key] = PeerReceiver(token, store, host=host, port=port, **kw).start()
     return _RECEIVERS[key]
-
-
-def _own_address(node: str) -> str:
-    """This node's IPv4 address as the cluster resolves its name (what the other nodes dial)."""
-    for name in (node, socket.gethostname()):
-        try:
-            return socket.gethostbyname(name)
-        except OSError:
-            continue
-    return "127.0.0.1"
 
 
 def _node_hash(name: str) -> int:
