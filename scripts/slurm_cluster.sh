@@ -7,14 +7,18 @@
 #                                            daemons, wait until every node is idle; prints `export SLURM_CONF=...`
 #   scripts/slurm_cluster.sh stop DIR        stop this cluster's daemons (munged is left to the machine)
 #   scripts/slurm_cluster.sh status DIR      sinfo of this cluster
+#   scripts/slurm_cluster.sh kill-node DIR NODE   SIGKILL everything of NODE at once, as when its machine goes: its
+#                                            slurmd, the slurmstepd of its job steps and their tasks
+#   scripts/slurm_cluster.sh revive DIR NODE      start NODE's slurmd again
 #
 # Every path it writes is under DIR (state, spool, logs, pids) except /etc/hosts (one line, added once) and munge's
 # key (created by the munge package where missing). Exit status 3 (and one line saying why) where the cluster
 # cannot be had here: not root, no package, a daemon that does not come up.
 set -euo pipefail
 
-cmd=${1:?usage: slurm_cluster.sh start|stop|status DIR [N]}
-dir=${2:?usage: slurm_cluster.sh start|stop|status DIR [N]}
+usage="usage: slurm_cluster.sh start|stop|status DIR [N], or kill-node|revive DIR NODE"
+cmd=${1:?$usage}
+dir=${2:?$usage}
 nodes=${3:-3}
 mkdir -p "$dir"
 dir=$(cd "$dir" && pwd)
@@ -147,5 +151,16 @@ case "$cmd" in
     ;;
   stop) stop ;;
   status) SLURM_CONF="$conf" sinfo -N ;;
-  *) echo "usage: slurm_cluster.sh start|stop|status DIR [N]" >&2; exit 2 ;;
+  kill-node)
+    node=${3:?$usage}
+    victims=$(cat "$dir/slurmd.$node.pid")
+    for step in $(SLURM_CONF="$conf" squeue -s -h -o '%i %N' | awk -v node="$node" '$2 == node {print $1}'); do
+      for pid in $(pgrep -f "slurmstepd: \\[$step\\]" || true); do
+        victims="$victims $pid $(pgrep -P "$pid" || true)"  # (its tasks; their own children die with the session)
+      done
+    done
+    kill -KILL $victims 2>/dev/null || true
+    ;;
+  revive) slurmd -f "$conf" -N "${3:?$usage}" ;;
+  *) echo "$usage" >&2; exit 2 ;;
 esac

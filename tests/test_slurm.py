@@ -160,30 +160,19 @@ def _workers_of(root: Path) -> list[int]:
 
 def _kill_node(cluster: dict[str, str], node: str, memory: Path) -> None:
     """Everything of `node` dies at once, as when its machine goes: its slurmd, the slurmstepd of its job steps
-    and their tasks, and its RAM (its memory tier and peer store, under `memory`)."""
-    conf = Path(cluster["SLURM_CONF"])
-    steps = subprocess.run(["squeue", "-s", "-h", "-o", "%i %N"], capture_output=True, text=True, env=cluster,
-                           timeout=30).stdout.split("\n")
-    ids = [line.split()[0] for line in steps if line.split()[1:] == [node]]
-    victims = [int((conf.parent / f"slurmd.{node}.pid").read_text())]
-    for step in ids:
-        stepds = subprocess.run(["pgrep", "-f", f"slurmstepd: \\[{step}\\]"], capture_output=True,
-                                text=True).stdout.split()
-        for pid in map(int, stepds):
-            victims.append(pid)
-            victims += [int(p) for p in subprocess.run(["pgrep", "-P", str(pid)], capture_output=True,
-                                                       text=True).stdout.split()]
-    for pid in victims:  # the tasks' own children (the worker under `bash -c`, if any) die with the session
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    and their tasks (`slurm_cluster.sh kill-node`), and its RAM (its memory tier and peer store, under `memory`)."""
+    _cluster_script(cluster, "kill-node", node)
     for tier in (memory / node, memory / f"{node}.peer"):
         shutil.rmtree(tier, ignore_errors=True)
 
 
 def _revive(cluster: dict[str, str], node: str) -> None:
-    subprocess.run(["slurmd", "-f", cluster["SLURM_CONF"], "-N", node], check=True, timeout=30, env=cluster)
+    _cluster_script(cluster, "revive", node)
+
+
+def _cluster_script(cluster: dict[str, str], command: str, node: str) -> None:
+    subprocess.run(["bash", str(ROOT / "scripts" / "slurm_cluster.sh"), command,
+                    str(Path(cluster["SLURM_CONF"]).parent), node], check=True, timeout=60, env=cluster)
 
 
 @pytest.fixture(scope="module")

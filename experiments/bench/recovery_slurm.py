@@ -80,25 +80,16 @@ class Cluster:
 
     def kill_node(self, node: str, memory: Path) -> None:
         """Everything of `node` at once: its slurmd, the slurmstepd of its steps and their tasks, its RAM."""
-        conf = Path(self.env["SLURM_CONF"])
-        steps = subprocess.run(["squeue", "-s", "-h", "-o", "%i %N"], capture_output=True, text=True,
-                               env=self.env, timeout=30).stdout.splitlines()
-        victims = [int((conf.parent / f"slurmd.{node}.pid").read_text())]
-        for step in [line.split()[0] for line in steps if line.split()[1:] == [node]]:
-            for pid in map(int, subprocess.run(["pgrep", "-f", f"slurmstepd: \\[{step}\\]"], capture_output=True,
-                                               text=True).stdout.split()):
-                victims += [pid, *map(int, subprocess.run(["pgrep", "-P", str(pid)], capture_output=True,
-                                                          text=True).stdout.split())]
-        for pid in victims:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+        self._script("kill-node", node)
         for tier in (memory / node, memory / f"{node}.peer"):
             shutil.rmtree(tier, ignore_errors=True)
 
+    def _script(self, command: str, node: str) -> None:
+        subprocess.run(["bash", str(ROOT / "scripts" / "slurm_cluster.sh"), command,
+                        str(Path(self.env["SLURM_CONF"]).parent), node], check=True, timeout=60, env=self.env)
+
     def revive(self, node: str) -> None:
-        subprocess.run(["slurmd", "-f", self.env["SLURM_CONF"], "-N", node], check=True, timeout=30, env=self.env)
+        self._script("revive", node)
         for _ in range(150):  # until the controller sees it idle again (the next job wants all three nodes)
             out = subprocess.run(["sinfo", "-h", "-N", "-n", node, "-o", "%t"], capture_output=True, text=True,
                                  env=self.env, timeout=30).stdout.split()
