@@ -25,6 +25,7 @@ device and back instead of aliased, so a test exercises exactly these moves.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
@@ -113,17 +114,12 @@ class Shardwise:
         spread = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(self.tier.spec[0]))
         rows = [onto(jnp.reshape(p, (1,)), jax.sharding.SingleDeviceSharding(d)) for p, d in zip(parts, self.ranks)]
         per_rank = jax.make_array_from_single_device_arrays((mesh.devices.size,), spread, rows)
-        total = _summed(spread, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))(per_rank)
+        total = _summed(jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))(per_rank)
         if mesh.devices.flat[0].platform == "cpu" and mesh.devices.size > 1:
             total.block_until_ready()  # a collective on the CPU backend runs alone (schedule/zero.py `serial`)
         return jax.device_put(total, self.scalars)
 
 
-_SUMS: dict[tuple, Callable] = {}
-
-
-def _summed(spread: jax.sharding.NamedSharding, replicated: jax.sharding.NamedSharding) -> Callable:
-    key = (spread, replicated)
-    if key not in _SUMS:
-        _SUMS[key] = jax.jit(lambda x: jnp.sum(x.astype(jnp.float32)), out_shardings=replicated)
-    return _SUMS[key]
+@functools.cache
+def _summed(replicated: jax.sharding.NamedSharding) -> Callable:
+    return jax.jit(lambda x: jnp.sum(x.astype(jnp.float32)), out_shardings=replicated)

@@ -154,7 +154,7 @@ class Placement:
         """Whether the update may write its results into its input buffers: always, but where the pages cross
         between two clients (an accelerator's pinned memory aliased onto the CPU backend, memory/crossing.py). A
         copy between memory kinds of one client (host pages to the device) gives the update buffers of its own."""
-        if self.crosses or self.shardwise is not None:
+        if self.crosses:  # (a shardwise placement always crosses)
             return False
         platform = {d.platform for d in self.compute.device_set} | {d.platform for d in self.tier.device_set}
         return self.compute == self.tier or len(platform) == 1
