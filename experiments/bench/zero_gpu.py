@@ -109,8 +109,7 @@ def describe(built) -> dict:
     plan = built.plan
     host = built.updater.placements["host"]
     return {"stages": len(plan.home), "resident": len(plan.resident), "streamed": len(plan.streamed),
-            "host_updates_cross": bool(getattr(host, "crosses", False)),
-            "shard_by_shard": getattr(host, "shardwise", None) is not None}
+            "host_updates_cross": host.crosses, "shard_by_shard": host.shardwise is not None}
 
 
 def main() -> int:
