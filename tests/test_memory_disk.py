@@ -93,7 +93,7 @@ def test_flipped_byte_on_disk_is_detected_and_names_the_page(tmp_path, where):
         byte = f.read(1)
         f.seek(offset)
         f.write(bytes([byte[0] ^ 0x10]))
-    with pytest.raises(PageCorrupted, match=rf"page 7 is corrupted on disk: CRC-32 of {path} is"):
+    with pytest.raises(PageCorrupted, match=rf"page 7 is corrupted on disk: XXH3-64 of {path} is"):
         tier.read(7).result()
     with open(path, "r+b") as f:  # restore it: the page reads back fine again
         f.seek(offset)

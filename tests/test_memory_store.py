@@ -128,7 +128,7 @@ def test_corrupted_page_is_detected_on_the_way_up_and_nothing_changes(store):
         f.write(bytes([b[0] ^ 1]))
     before_live, before = arrays_alive_before(), store.bytes_used()
     bad, good = store.prefetch(5, "device"), store.prefetch(6, "device")
-    with pytest.raises(PageCorrupted, match=rf"page 5 is corrupted on disk: CRC-32 of {path}"):
+    with pytest.raises(PageCorrupted, match=rf"page 5 is corrupted on disk: XXH3-64 of {path}"):
         bad.wait()
     good.wait()
     assert store.where(5) == ("disk",) and store.where(6) == ("device", "disk")
