@@ -65,7 +65,7 @@ def _committed(run_dir: Path) -> list[int]:
 
 @pytest.mark.slow
 # "all_disk" only: the mixed homes' save and restore are checked bit for bit in-process (test_paged_state.py), and a
-# SIGKILLed sharded paged job under the watchdog in test_watchdog_faults.py; each kill-and-resume costs ~18 s.
+# SIGKILLed sharded paged job under the watchdog in test_watchdog_recovery.py; each kill-and-resume costs ~18 s.
 @pytest.mark.parametrize("budgets", ["all_disk"])
 def test_paged_run_killed_and_resumed_is_bitwise_the_uninterrupted_run(tmp_path, write_tiny_config, budgets):
     from angel_jax.train.loop import train

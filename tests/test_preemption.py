@@ -122,7 +122,7 @@ def test_a_disabled_stop_installs_nothing():
 def test_one_process_stops_by_its_own_handlers_and_a_job_by_jax_preemption_service():
     """Outside a jax.distributed job the signal handlers stop the run; inside one, only the step every process
     agrees on may (a process that stopped on its own signal would leave its peers waiting in a collective: the
-    multi-process behaviour is test_watchdog_faults' SIGTERM test, with real processes)."""
+    multi-process behaviour is test_watchdog_recovery's SIGTERM test, with real processes)."""
     from angel_jax.train.preemption import SyncedStop, stop_source
 
     assert not jax.distributed.is_initialized()

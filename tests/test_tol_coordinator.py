@@ -1,6 +1,6 @@
 """The watchdog's state machine (coordinator.py) with exact values, driven with an injected clock: states, crashes,
 hangs and their timeouts, heartbeat loss, restart budgets, exclusions, anomalies, stale messages. Real processes
-and real faults are in test_watchdog_faults.py.
+and real faults are in test_watchdog_faults.py and test_watchdog_recovery.py.
 """
 
 from __future__ import annotations

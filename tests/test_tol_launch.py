@@ -1,6 +1,6 @@
 """The launcher (launch.py) without worker processes: forged and malformed heartbeats through a real server into
 the watchdog of a running job, and a bad config refused before anything starts. Real processes and real faults
-are in test_watchdog_faults.py.
+are in test_watchdog_faults.py and test_watchdog_recovery.py.
 """
 
 from __future__ import annotations
