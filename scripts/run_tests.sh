@@ -9,7 +9,9 @@ set -uo pipefail
 PY=${PY:-.venv/bin/python}
 WORKERS=${TEST_WORKERS:-2}
 
-spread=(-n "$WORKERS" --dist loadfile)
+# --no-loadscope-reorder: the modules are handed out in the order the workers collect them, the slowest first
+# (tests/conftest.py SLOW_MODULES).
+spread=(-n "$WORKERS" --dist loadfile --no-loadscope-reorder)
 if [ "$WORKERS" = 0 ] || ! "$PY" -c "import xdist" 2>/dev/null; then
   [ "$WORKERS" = 0 ] || echo "run_tests: pytest-xdist is not installed: the tests run in one process"
   spread=(-p no:xdist)

@@ -7,6 +7,7 @@ Kept small on purpose: every test file may rely on the CPU pin; the fixtures bel
 from __future__ import annotations
 
 import atexit
+import collections
 import contextlib
 import os
 import shutil
@@ -129,10 +130,31 @@ def pytest_configure(config: pytest.Config) -> None:
                                        "precision (conftest.highest_matmul_precision)")
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+SLOW_MODULES = ("test_watchdog_recovery", "test_zero", "test_slurm", "test_paged", "test_instruction_data",
+                "test_fsdp", "test_zero_checkpoint", "test_paged_lockfree", "test_persist_floor", "test_paged_cli",
+                "test_checkpoint_paged", "test_t5", "test_parked_activations", "test_moe_documents",
+                "test_paged_lockfree_disk", "test_step_phases")
+"""The modules that take a quarter of a minute or more (launches, multi-process checks, shared reference runs),
+slowest first. A pytest-xdist worker's collection puts them first, then the others by their number of tests, most
+first (pytest-xdist's own order, which scripts/run_tests.sh turns off with --no-loadscope-reorder): the workers are
+handed modules in that order, so the last to start are short ones and both workers end together (by number of tests
+alone, test_slurm's three tests of ~100 s and test_paged_lockfree's one of ~40 s are among the last to start)."""
+
+
+def _module_name(item: pytest.Item) -> str:
+    module = getattr(item, "module", None)
+    return module.__name__.rsplit(".", 1)[-1] if module is not None else ""
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
-        if item.module is not None and item.module.__name__.rsplit(".", 1)[-1] in SERIAL_MODULES:
+        if _module_name(item) in SERIAL_MODULES:
             item.add_marker(pytest.mark.serial)
+    if hasattr(config, "workerinput"):  # a pytest-xdist worker; a run in one process keeps the files' order
+        first = {name: rank for rank, name in enumerate(SLOW_MODULES)}
+        tests = collections.Counter(_module_name(item) for item in items)
+        # Stable: a module's tests keep their order, and modules of as many tests keep the files' order.
+        items.sort(key=lambda item: (first.get(_module_name(item), len(first)), -tests[_module_name(item)]))
 
 
 @pytest.hookimpl(wrapper=True)
