@@ -281,7 +281,7 @@ def synthetic_run(root: Path, paged: bool, d_model: int = 32, n_layers: int = 3,
         layout = params_layout(cfg)
         arrays = {page_name("params", s.name, k): rng.standard_normal(p.length, dtype=np.float32).astype(p.dtype)
                   for s in layout.stages for k, p in enumerate(s.pages)}
-        engine = {"engine": "paged", "page_size": page_size, "ranks": 1,
+        engine = {"engine": "paged", "page_size": page_size, "page_fit": cfg.memory.page_fit, "ranks": 1,
                   "layout": {s.name: {"params": pages_fingerprint(layout, s.name)} for s in layout.stages}}
     else:
         leaves = jax.tree_util.tree_leaves_with_path(models.get(cfg.model).abstract()[1])
@@ -391,7 +391,7 @@ else:
 
 @pytest.mark.slow
 def test_a_streamed_export_runs_under_a_memory_limit_the_whole_parameters_exceed(tmp_path):
-    """A paged run of 20 blocks (275 MB of parameters, 13.6 MB a block) exported in a process whose address space
+    """A paged run of 22 blocks (283 MB of parameters, 12.6 MB a block) exported in a process whose address space
     may grow by 160 MiB over what it has once the readers are started: the streamed export goes through, and
     equals the export of the parameters read whole (read here, without a limit); reading the whole parameters
     under the same limit fails. The limit is set inside the child once jax, orbax and tensorstore have started
@@ -399,7 +399,7 @@ def test_a_streamed_export_runs_under_a_memory_limit_the_whole_parameters_exceed
     the next); glibc's malloc arenas are capped so that a thread's first allocation does not reserve 64 MiB, and
     the threads the readers start have 2 MiB stacks (measured on 2 cores: the export's address space grew 88 MiB
     with 8 MiB stacks, about 40 MiB of it the stacks of the 5 Python threads a checkpoint manager starts)."""
-    run_dir, total = synthetic_run(tmp_path, paged=True, d_model=512, n_layers=20, page_size=1 << 20)
+    run_dir, total = synthetic_run(tmp_path, paged=True, d_model=512, n_layers=22, page_size=1 << 20)
     headroom = 160 << 20
     assert total > 1.6 * headroom
     env = {**os.environ, "MALLOC_ARENA_MAX": "2", "JAX_PLATFORMS": "cpu"}

@@ -286,3 +286,29 @@ def test_built_from_abstract_shapes_and_hashable():
     assert layout.page_size_bytes == 64 * 2**20
     assert layout.stage("s").pages[0].length == 32 * 2**20
     assert hash(layout) == hash(PageLayout.build([("s", abstract)]))
+
+
+def test_fitted_page_size_puts_each_block_on_its_own_bytes_without_more_pages():
+    """The scale benchmark's GPT (d_model 2048): a block's 50,358,272 float32 parameters are 201.4 MB, 106 KB more
+    than 3 pages of 64 MiB, so at 64 MiB its 4 pages are a quarter padding; fitted, the same 4 pages are 50.4 MB
+    each (the block's bytes / 4 rounded up to 64 KiB), and the small embedding and head keep one page each."""
+    from angel_jax.memory.layout import FIT_ALIGN, fit_page_size
+
+    block = {"w": jax.ShapeDtypeStruct((50_358_272,), np.float32)}
+    stages = [("embed", {"e": jax.ShapeDtypeStruct((256, 2048), np.float32)})] + \
+        [(f"block.{i}", block) for i in range(8)] + [("head", {"h": jax.ShapeDtypeStruct((2048, 256), np.float32)})]
+    limit = 64 * 2**20
+    size = fit_page_size(stages, limit)
+    assert size == 50_397_184 == -(-50_358_272 * 4 // 4 // FIT_ALIGN) * FIT_ALIGN
+    at_limit, fitted = PageLayout.build(stages, limit), PageLayout.build(stages, size)
+    assert fitted.num_pages == at_limit.num_pages == 34
+    assert at_limit.stage("block.0").waste_bytes / at_limit.stage("block.0").nbytes > 0.24
+    assert fitted.stage("block.0").waste_bytes == 4 * size - 50_358_272 * 4 < 4 * FIT_ALIGN
+    # A model whose stages are all much smaller than the page: pages of the largest stage's bytes, one per stage.
+    tiny = [("embed", {"e": jax.ShapeDtypeStruct((512 * 1024,), np.float32)}),
+            ("block", {"w": jax.ShapeDtypeStruct((50_000,), np.float32)})]
+    assert fit_page_size(tiny, limit) == 2 * 2**20
+    # Fitting never multiplies the pages: a tiny block beside a large embedding does not cut the embedding into
+    # block-sized pages (18 pages instead of 2), and a limit under the alignment is kept as it is.
+    assert PageLayout.build(tiny, fit_page_size(tiny, limit)).num_pages == 2
+    assert fit_page_size(tiny, 4096) == 4096

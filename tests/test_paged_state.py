@@ -140,6 +140,10 @@ def test_load_state_names_what_does_not_fit(tmp_path):
             engine.load_state(arrays, {"engine": "in_memory"})
         with pytest.raises(StateMismatch, match="page size"):
             engine.load_state(arrays, {**meta, "page_size": PAGE * 2})
+        assert meta["page_fit"] is True  # a checkpoint from before fitted pages has none: laid out at page_size
+        with pytest.raises(StateMismatch, match="memory.page_fit=false, this run has memory.page_fit=true; resume "
+                                                "with memory.page_fit=false"):
+            engine.load_state(arrays, {k: v for k, v in meta.items() if k != "page_fit"})
         layout = json.loads(json.dumps(meta["layout"]))
         layout["block.3"]["params"][0][1] += 1
         with pytest.raises(StateMismatch, match="'block.3', params pages"):
@@ -352,7 +356,8 @@ def test_on_the_cpu_with_a_disk_tier_the_default_budgets_give_the_host_its_windo
     monkeypatch.setattr(budgets_lib.psutil, "virtual_memory", lambda: vm(24 << 30, 21 << 30))
     cfg = load_config(Path(__file__).resolve().parents[1] / "experiments" / "gpt_tiny.yaml",
                       ["model.d_model=2048", "model.n_heads=16", "model.seq_len=128", "model.n_layers=64",
-                       "train.batch_size=1", "memory.mode=paged", f"memory.disk_dir={tmp_path}"])
+                       "train.batch_size=1", "memory.mode=paged", f"memory.disk_dir={tmp_path}",
+                       "memory.page_fit=false"])  # (the figures above: its blocks on 64 MiB pages)
     cpu = jax.devices("cpu")[0]
     sizes = blueprint(cfg).sizes
     device, host = budgets_lib.device_budget(cfg, cpu, sizes), budgets_lib.host_budget(cfg, cpu, sizes)

@@ -33,6 +33,8 @@ def whole() -> tuple[list[float], dict]:
     return reference(_cfg(model=TIED, steps=STEPS), _data())
 
 
+# The budgets below are sized in pages of test_paged.PAGE, unfitted (memory.page_fit=false): fitted ones are
+# smaller, and more would stay resident.
 BUDGET_DEVICE_UPDATES = 5_000_000
 """The streaming window, two stages' update pages (the embedding's the largest) and what is left resident."""
 
@@ -48,7 +50,8 @@ BUDGET_DEVICE_UPDATES = 5_000_000
 ], ids=["resident", "streamed", "disk", "passes", "device_updates"])
 def test_a_tied_head_trains_as_the_whole_model(memory, whole, tmp_path):
     micro = {"passes": 1} if "passes" in memory else {}
-    cfg = _cfg(model=TIED, steps=STEPS, **({"disk_dir": str(tmp_path)} if "host_budget" in memory else {}), **memory)
+    cfg = _cfg(model=TIED, steps=STEPS, page_fit=False,
+               **({"disk_dir": str(tmp_path)} if "host_budget" in memory else {}), **memory)
     if micro:
         cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batch_size=1))
     losses, params, engine = paged(cfg, _data())
@@ -73,7 +76,7 @@ def test_a_tied_head_trains_as_the_whole_model(memory, whole, tmp_path):
 @pytest.mark.compares_programs
 def test_an_evaluation_reads_the_borrowed_pages(whole):
     """An evaluation streams the stages as a step does: the head's call gets the embedding's pages again."""
-    cfg = _cfg(model=TIED, steps=STEPS, device_budget=2_400_000)
+    cfg = _cfg(model=TIED, steps=STEPS, device_budget=2_400_000, page_fit=False)
     data = _data()
     params = models.get(TIED).init(0)[1]
     engine = build_paged_runtime(cfg, params, data[0])
@@ -91,7 +94,7 @@ def test_the_planner_counts_the_borrowed_pages():
     """The head's access needs the embedding's pages on the device: a streamed embedding is fetched for it (the
     predicted timeline fetches it three times a step: forward, head, backward), and the device's fixed bytes hold
     the head's gradient of it."""
-    cfg = _cfg(model=TIED, steps=STEPS, device_budget=2_400_000)
+    cfg = _cfg(model=TIED, steps=STEPS, device_budget=2_400_000, page_fit=False)
     engine = build_paged_runtime(cfg, models.get(TIED).init(0)[1], _data(1)[0])
     try:
         fetches = [e for e in engine.plan.predicted.events if e.label == "fetch embed"]

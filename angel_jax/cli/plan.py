@@ -39,7 +39,7 @@ from angel_jax.cli.plan_args import add_plan_arguments
 from angel_jax.cli.plan_hosts import collective_link, host_line, per_host, per_node, refuse_two_level_experts
 from angel_jax.train.plan_record import plan_summary, predicted_mfu
 from angel_jax.train.plan_target import ASSUMED, PlanTarget, plan_target
-from angel_jax.schedule.blueprint import Blueprint, blueprint, refuse_sharded_optimizer
+from angel_jax.schedule.blueprint import Blueprint, blueprint, page_size_text, refuse_sharded_optimizer
 from angel_jax.schedule.budgets import decide, local_batch, micro_batching, micro_sizes, plan_settings, stated_budgets
 from angel_jax.schedule.runtime import plan_for
 from angel_jax.schedule.staging import DEVICE_UPDATES_IN_FLIGHT
@@ -180,8 +180,8 @@ def report(cfg: Config, plan: Plan, costs: list[StageCost], budgets: Budgets, bw
     local = cfg.train.batch_size // plan.ranks
     ranks = [f"  data parallel: {plan.ranks} ranks (ZeRO-3: every page family partitioned over them); the table, "
              f"peak bytes and I/O below are one rank's, of its local batch of {local}"] if plan.ranks > 1 else []
-    lines = [f"plan for {cfg.name}: {size} parameters ({counts['total']:,}), {len(costs)} stages, page size "
-             f"{human_bytes(cfg.memory.page_size)}, staleness {plan.staleness}", *ranks,
+    lines = [f"plan for {cfg.name}: {size} parameters ({counts['total']:,}), {len(costs)} stages, "
+             f"{page_size_text(cfg)}, staleness {plan.staleness}", *ranks,
              f"  batch {cfg.train.batch_size}: {plan.micro_batches} micro-batch"
              f"{'es' if plan.micro_batches > 1 else ''} of {local // plan.micro_batches} "
              f"(train.micro_batch_size={cfg.train.micro_batch_size}), layer-major"

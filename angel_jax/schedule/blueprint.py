@@ -20,6 +20,7 @@ import optax
 
 from angel_jax.config import Config, ConfigError
 from angel_jax.memory import PageLayout
+from angel_jax.memory.layout import fit_page_size
 from angel_jax.memory.sharded_layout import ShardedPageLayout
 from angel_jax.optim import is_elementwise, make_optimizer
 from angel_jax.optim.fused import host_optimizer
@@ -28,6 +29,7 @@ from angel_jax.schedule.plan import ModelBytes, StageCost
 from angel_jax.schedule.stagefns import StageFunctions
 from angel_jax.schedule.updater import StageUpdates
 from angel_jax.schedule.zero import Zero
+from angel_jax.units import human_bytes
 import models
 from models.stages import StagedModel
 
@@ -54,7 +56,7 @@ def blueprint(cfg: Config, zero: Zero | None = None) -> Blueprint:
     Cached per process: engines of the same configuration (a benchmark's repeats, a restart in the same
     process) share the compiled functions instead of compiling them again."""
     key = json.dumps([dataclasses.asdict(cfg.model), cfg.data.packed, dataclasses.asdict(cfg.optimizer),
-                      cfg.train.steps, cfg.memory.page_size, [d.id for d in zero.mesh.devices.flat] if zero else None],
+                      cfg.train.steps, cfg.memory.page_size, cfg.memory.page_fit, [d.id for d in zero.mesh.devices.flat] if zero else None],
                      sort_keys=True)
     with _BLUEPRINTS_LOCK:
         bp = _BLUEPRINTS.pop(key, None) or _blueprint(cfg, zero)
@@ -74,8 +76,27 @@ def params_layout(cfg: Config) -> PageLayout:
     shapes alone: nothing is allocated or compiled, so a checkpoint's pages can be read without building an
     engine."""
     staged = models.get(cfg.model)
-    return PageLayout.build(zip([s.name for s in staged.stages], staged.stage_shapes()), cfg.memory.page_size,
-                            params_apart(staged))
+    trees = list(zip([s.name for s in staged.stages], staged.stage_shapes()))
+    apart = params_apart(staged)
+    return PageLayout.build(trees, page_size_for(cfg, trees, apart), apart)
+
+
+def page_size_for(cfg: Config, trees: list[tuple[str, Any]], apart: Callable[[str, str], bool] | None) -> int:
+    """The page size of the model whose parameters are `trees` (its stages, unsharded): memory.page_size, fitted
+    down to them with memory.page_fit. The optimizer state's pages take the same size (an elementwise optimizer's
+    moments are the parameters' shapes again, so they fit it too). It depends on the model alone, not on the
+    ranks the pages are sharded over, so a checkpoint's layout over other ranks is rebuilt with the same page size
+    per rank."""
+    return fit_page_size(trees, cfg.memory.page_size, apart) if cfg.memory.page_fit else cfg.memory.page_size
+
+
+def page_size_text(cfg: Config) -> str:
+    """The page size as the reports state it: 'page size 48.06 MiB (memory.page_size 64.00 MiB fitted to the
+    stages)', or 'page size 64.00 MiB' when it is the configured one."""
+    size = params_layout(cfg).page_size_bytes
+    if size == cfg.memory.page_size:
+        return f"page size {human_bytes(size)}"
+    return f"page size {human_bytes(size)} (memory.page_size {human_bytes(cfg.memory.page_size)} fitted to the stages)"
 
 
 def params_apart(staged: StagedModel) -> Callable[[str, str], bool] | None:
@@ -115,24 +136,26 @@ def _blueprint(cfg: Config, zero: Zero | None = None) -> Blueprint:
     if zero is not None:
         refuse_sharded_optimizer(cfg)
 
-    def layout(trees: Any, apart: Callable[[str, str], bool] | None) -> Any:
-        if zero is None:
-            return PageLayout.build(trees, cfg.memory.page_size, apart)
-        return ShardedPageLayout.build(trees, cfg.memory.page_size, zero.ranks, apart)
+    trees = list(zip(names, stage_params))
+    size = page_size_for(cfg, trees, params_apart(staged))
 
-    params_layout = layout(zip(names, stage_params), params_apart(staged))
+    def layout(trees: list[tuple[str, Any]], apart: Callable[[str, str], bool] | None) -> Any:
+        if zero is None:
+            return PageLayout.build(trees, size, apart)
+        return ShardedPageLayout.build(trees, size, zero.ranks, apart)
+
+    params_layout = layout(trees, params_apart(staged))
     opt_big, opt_small, structure = [], {}, {}
     for name, p in zip(names, stage_params):
         big, small, struct = abstract_opt_state(tx, p)
         opt_big.append(big)
         opt_small[name] = [np.zeros(s.shape, s.dtype) for s in small]
         structure[name] = struct
-    opt_layout = layout(zip(names, opt_big), opt_apart(staged, tx, stage_params))
+    opt_layout = layout(list(zip(names, opt_big)), opt_apart(staged, tx, stage_params))
     kernel = host_optimizer(cfg.optimizer, schedule)
     fns = StageFunctions(staged, params_layout, opt_layout, structure, tx, cfg.optimizer.grad_clip, zero,
                          elementwise=is_elementwise(cfg.optimizer), kernel=kernel)
-    one_device = params_layout if zero is None else \
-        PageLayout.build(zip(names, stage_params), cfg.memory.page_size, params_apart(staged))
+    one_device = params_layout if zero is None else PageLayout.build(trees, size, params_apart(staged))
     sizes = ModelBytes([StageCost(n, params_layout.stage(n).nbytes, opt_layout.stage(n).nbytes, 0.0, 0.0, 0.0, 0.0)
                         for n in names], one_device)
     return Blueprint(staged, params_layout, opt_layout, structure, opt_small, fns,

@@ -335,7 +335,8 @@ def _final_params(t: Trainer) -> Any:
     larger than RAM page by page, never whole, and its parameters are in its checkpoints."""
     m = t.cfg.model
     nbytes = models.get(m).param_count["total"] * np.dtype(m.param_dtype).itemsize
-    room = gather_room()
+    # (a paged engine keeps to its plan's host budget: `params_room`)
+    room = t.engine.params_room() if hasattr(t.engine, "params_room") else gather_room()
     # Process 0's decision on every process: gathering a state sharded across processes is a collective.
     if not from_primary(int(nbytes <= room)):
         log.info("the final parameters (%s B) are not gathered in memory (%s B available); read them from the "

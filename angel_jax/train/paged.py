@@ -39,8 +39,8 @@ from angel_jax.optim.guard import StepControls
 from angel_jax.memory.host_peak import HostPeakCheck
 from angel_jax.memory.layout import to_bits, to_values
 from angel_jax.memory.sharded_layout import layout_over
-from angel_jax.schedule.blueprint import blueprint
-from angel_jax.schedule.budgets import decide
+from angel_jax.schedule.blueprint import blueprint, page_size_text
+from angel_jax.schedule.budgets import decide, gather_room
 from angel_jax.schedule.runtime import PagedRuntime, assemble_runtime
 from angel_jax.schedule.timeline import Timeline, save_pngs
 from angel_jax.schedule.zero import Zero
@@ -248,14 +248,15 @@ class PagedTrainEngine:
 
     def state_meta(self) -> dict[str, Any]:
         mine = self._shard_meta()
-        return {"engine": self.name, "page_size": self.cfg.memory.page_size, "ranks": self.ranks,
+        return {"engine": self.name, "page_size": self.cfg.memory.page_size,
+                "page_fit": self.cfg.memory.page_fit, "ranks": self.ranks,
                 "layout": layout_fingerprint(self.built), **({"shards": mine.to_dict()} if mine else {})}
 
     def load_state(self, arrays: Mapping[str, np.ndarray], meta: Mapping[str, Any]) -> None:
         if meta.get("engine") != self.name:
             raise StateMismatch(f"the checkpoint was written by the {meta.get('engine')!r} engine, this run uses "
                                 f"{self.name!r} (memory.mode); resume with the same memory.mode")
-        theirs = checked_ranks(meta, self.cfg.memory.page_size, "paged engine")
+        theirs = checked_ranks(meta, self.cfg.memory.page_size, "paged engine", self.cfg.memory.page_fit)
         model = self.built.model
         # The checkpoint's pages as the run that wrote them laid them out: the same leaves over its ranks.
         layouts = (model.params_layout, model.opt_layout) if theirs == self.ranks else \
@@ -358,6 +359,14 @@ class PagedTrainEngine:
         spec = layout.page(pid)
         return (spec.length,), spec.dtype
 
+    def params_room(self) -> int:
+        """Host bytes a whole copy of the parameters may take at the end of the run: with memory.host_budget set,
+        what the plan leaves of it (the budget is the user's word on this process's host memory, and a copy past
+        it is what a memory cap kills: a 2.4 B GPT's 9.7 GB on top of a 4 GiB plan); else half the RAM available."""
+        if self.cfg.memory.host_budget:
+            return max(0, self.cfg.memory.host_budget - self.built.plan.peak_bytes["host"])
+        return gather_room()
+
     def params(self) -> Any:
         if not self._spans_processes():
             return self.executor.params()
@@ -376,7 +385,7 @@ class PagedTrainEngine:
                                                  "below per rank)"
         lines = [f"  placement          paged: {len(plan.resident)} of {len(plan.home)} stages resident on "
                  f"{where}, {len(plan.streamed)} streamed (prefetch {plan.prefetch}), "
-                 f"page size {human_bytes(self.cfg.memory.page_size)}, staleness {plan.staleness}"
+                 f"{page_size_text(self.cfg)}, staleness {plan.staleness}"
                  + (f", {plan.micro_batches} micro-batches per step (layer-major"
                     + (f", in {plan.passes} accumulation passes)" if plan.passes > 1 else ")")
                     if plan.micro_batches > 1 else "")]

@@ -149,12 +149,18 @@ def first_layout_difference(mine: dict, theirs: Any,
     return f"the checkpoint has stages this run lacks: {extra}" if extra else None
 
 
-def checked_ranks(engine_meta: Mapping[str, Any], page_size: int, where: str) -> int:
-    """The ranks a checkpoint's pages are sharded over, once its page size is `page_size` (StateMismatch naming
-    `where` otherwise, or when its ranks are not a positive integer)."""
+def checked_ranks(engine_meta: Mapping[str, Any], page_size: int, where: str, page_fit: bool) -> int:
+    """The ranks a checkpoint's pages are sharded over, once its page size is `page_size` and its pages were
+    fitted as `page_fit` says (StateMismatch naming `where` otherwise, or when its ranks are not a positive
+    integer)."""
     if engine_meta.get("page_size") != page_size:
         raise StateMismatch(f"{where}: the checkpoint's pages are {engine_meta.get('page_size')} B, this run's "
                             f"memory.page_size is {page_size} B; use the same page size")
+    theirs = engine_meta.get("page_fit", False)  # absent: written before pages were fitted, at page_size
+    if theirs != page_fit:
+        raise StateMismatch(f"{where}: the checkpoint's pages were laid out with memory.page_fit={str(theirs).lower()}, "
+                            f"this run has memory.page_fit={str(page_fit).lower()}; resume with "
+                            f"memory.page_fit={str(theirs).lower()}")
     ranks = engine_meta.get("ranks", 1)  # absent: written before pages were sharded, by one device
     if not isinstance(ranks, int) or isinstance(ranks, bool) or ranks < 1:
         raise StateMismatch(f"{where}: the checkpoint's number of ranks is {ranks!r}, not a positive integer (a "
@@ -207,7 +213,7 @@ class Pages:
     def params_layout(self, cfg: Config, engine_meta: Mapping[str, Any], where: str) -> Any:
         """The parameters' page layout the engine builds from the config, over the checkpoint's ranks, once it is
         the checkpoint's (StateMismatch naming `where` and the first difference otherwise)."""
-        ranks = checked_ranks(engine_meta, cfg.memory.page_size, where)
+        ranks = checked_ranks(engine_meta, cfg.memory.page_size, where, cfg.memory.page_fit)
         layout = layout_over(params_layout(cfg), ranks)
         mine = {s.name: {"params": pages_fingerprint(layout, s.name)} for s in layout.stages}
         problem = first_layout_difference(mine, engine_meta.get("layout"), families=("params",))
