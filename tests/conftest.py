@@ -118,7 +118,6 @@ SERIAL_MODULES = {
     "test_tol_heartbeat": "the heartbeat server's idle and line deadlines, a few tenths of a second",
     "test_tol_launch": "heartbeats forged against the launcher's clock",
     "test_tol_worker": "a worker's exit and heartbeats timed against its server",
-    "test_preemption": "signals sent at a step the test waits for, and the handler's timing",
 }
 """Test modules `make test` runs alone after the rest (scripts/run_tests.sh runs the rest in two workers): their
 assertions hold wall-clock bounds that a second test suite on the same two cores could push over."""
@@ -132,8 +131,8 @@ def pytest_configure(config: pytest.Config) -> None:
 
 SLOW_MODULES = ("test_watchdog_recovery", "test_zero", "test_slurm", "test_paged", "test_instruction_data",
                 "test_fsdp", "test_zero_checkpoint", "test_paged_lockfree", "test_persist_floor", "test_paged_cli",
-                "test_checkpoint_paged", "test_t5", "test_parked_activations", "test_moe_documents",
-                "test_paged_lockfree_disk", "test_step_phases")
+                "test_checkpoint_paged", "test_t5", "test_parked_activations", "test_preemption",
+                "test_moe_documents", "test_paged_lockfree_disk", "test_step_phases")
 """The modules that take a quarter of a minute or more (launches, multi-process checks, shared reference runs),
 slowest first. A pytest-xdist worker's collection puts them first, then the others by their number of tests, most
 first (pytest-xdist's own order, which scripts/run_tests.sh turns off with --no-loadscope-reorder): the workers are
