@@ -11,6 +11,7 @@ import collections
 import contextlib
 import os
 import shutil
+import sys
 import tempfile
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -42,6 +43,20 @@ if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
     os.environ["JAX_COMPILATION_CACHE_DIR"] = _cache_dir
     atexit.register(shutil.rmtree, _cache_dir, ignore_errors=True)
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.1")
+
+# Python's bytecode, compiled once for the session: with PYTHONDONTWRITEBYTECODE set (as where the suite's time was
+# measured) and a virtualenv installed without .pyc files (uv's default), every process compiled each module it
+# imported from source, ~2.5 s of CPU per process that imports jax and angel_jax (a launcher, each of its workers,
+# each CLI run, each multi-process check), and the suite starts many. The session writes the bytecode to a
+# directory of its own (PYTHONPYCACHEPREFIX: nothing lands beside the sources), read by every process a test starts,
+# removed at exit; a source edited meanwhile is compiled again (its size and time stamp are checked). A prefix set
+# by the caller is kept, with the caller's choice about writing.
+if "PYTHONPYCACHEPREFIX" not in os.environ:
+    _pycache = tempfile.mkdtemp(prefix="angel-jax-test-pycache-")
+    os.environ["PYTHONPYCACHEPREFIX"] = _pycache
+    os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+    atexit.register(shutil.rmtree, _pycache, ignore_errors=True)
+    sys.pycache_prefix, sys.dont_write_bytecode = _pycache, False  # this process's later imports too
 
 # The machine's disk calibration (`angel-jax bench io`, in ANGEL_JAX_CACHE_DIR) changes what plans predict and
 # choose: the suite plans on the built-in figures wherever it runs, and a test that calibrates writes into this
