@@ -415,3 +415,15 @@ def test_without_overlap_every_step_is_done_when_it_returns_and_exact(tmp_path, 
             np.testing.assert_array_equal(a, b)
     else:
         _assert_close_across_processors(got, expected)
+
+
+def test_the_final_parameters_are_gathered_only_within_the_host_budget_the_plan_leaves(monkeypatch, tmp_path):
+    """With memory.host_budget set, a paged run's whole copy of its parameters at the end may take only what its
+    plan leaves of that budget (a 2.4 B GPT's 9.7 GB copy on top of a 4 GiB plan was what a memory cap killed);
+    with no budget set, half the RAM available, as before."""
+    from angel_jax.schedule import budgets as budgets_lib
+
+    monkeypatch.setattr(budgets_lib, "gather_room", lambda: 5 << 30)
+    assert budgets_lib.params_room(_cfg(tmp_path, host_budget=4 << 30), 3 << 30) == 1 << 30
+    assert budgets_lib.params_room(_cfg(tmp_path, host_budget=4 << 30), 5 << 30) == 0
+    assert budgets_lib.params_room(_cfg(tmp_path), 3 << 30) == 5 << 30

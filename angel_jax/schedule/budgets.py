@@ -91,6 +91,16 @@ def gather_room() -> int:
     return int(psutil.virtual_memory().available) // 2
 
 
+def params_room(cfg: Config, planned_host: int) -> int:
+    """Host bytes a paged engine's whole copy of the parameters may take at the end of a run whose plan peaks at
+    `planned_host` host bytes: with memory.host_budget set, what the plan leaves of it (the budget is the user's
+    word on this process's host memory, and a copy past it is what a memory cap kills: a 2.4 B GPT's 9.7 GB on
+    top of a 4 GiB plan); else `gather_room`."""
+    if cfg.memory.host_budget:
+        return max(0, cfg.memory.host_budget - planned_host)
+    return gather_room()
+
+
 def stated_budgets(cfg: Config, device: jax.Device, local_batch: int, sizes: ModelBytes,
                    target_device: int | None = None) -> Budgets:
     """The budgets of a plan for another machine (`angel-jax plan --estimate`): the ones the config sets; where it

@@ -40,7 +40,7 @@ from angel_jax.memory.host_peak import HostPeakCheck
 from angel_jax.memory.layout import to_bits, to_values
 from angel_jax.memory.sharded_layout import layout_over
 from angel_jax.schedule.blueprint import blueprint, page_size_text
-from angel_jax.schedule.budgets import decide, gather_room
+from angel_jax.schedule.budgets import decide, params_room
 from angel_jax.schedule.runtime import PagedRuntime, assemble_runtime
 from angel_jax.schedule.timeline import Timeline, save_pngs
 from angel_jax.schedule.zero import Zero
@@ -360,12 +360,8 @@ class PagedTrainEngine:
         return (spec.length,), spec.dtype
 
     def params_room(self) -> int:
-        """Host bytes a whole copy of the parameters may take at the end of the run: with memory.host_budget set,
-        what the plan leaves of it (the budget is the user's word on this process's host memory, and a copy past
-        it is what a memory cap kills: a 2.4 B GPT's 9.7 GB on top of a 4 GiB plan); else half the RAM available."""
-        if self.cfg.memory.host_budget:
-            return max(0, self.cfg.memory.host_budget - self.built.plan.peak_bytes["host"])
-        return gather_room()
+        """Host bytes a whole copy of the parameters may take at the end of the run (budgets.params_room)."""
+        return params_room(self.cfg, self.built.plan.peak_bytes["host"])
 
     def params(self) -> Any:
         if not self._spans_processes():

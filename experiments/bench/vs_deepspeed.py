@@ -28,7 +28,8 @@ cgroup memory limit (this VM has cgroup v1) charges the page cache too, which wo
 writes through it rather than with O_DIRECT. Peak RSS is the larger of the polled figure and the child's own
 ru_maxrss (os.wait4). Each run's directory is removed afterwards. Every run does --warmup + --steps + 1 steps;
 the step time is the median of the --steps after the warm-up (the last step is left out on both sides: the
-paged engine's last step time leaves out its own updates, which drain after it).
+paged engine's last step time leaves out its own updates, which drain after it). angel_jax's step times are the
+intervals between consecutive steps in its metrics.jsonl, DeepSpeed's the child's own per-step wall times.
 
 One JSON line per run on stdout; appended to experiments/results/vs_deepspeed_cpu.jsonl with --write.
 """
@@ -247,7 +248,10 @@ def angel_result(scratch: Path) -> dict:
         return {}
     rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
     rows = sorted((r for r in rows if "loss" in r), key=lambda r: r["step"])
-    return {"step_s": [r.get("perf/step_time", r.get("perf/first_step_time")) for r in rows],
+    # Each step's own time: the interval between two logged steps (`time` is when a step's figures were taken).
+    # perf/step_time is a mean over the last steps, which in a run of a few steps still holds the slow first ones.
+    intervals = [b["time"] - a["time"] for a, b in zip(rows, rows[1:])]
+    return {"step_s": [rows[0].get("perf/first_step_time") if rows else None, *intervals],
             "loss": [r["loss"] for r in rows]}
 
 
