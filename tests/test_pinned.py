@@ -56,6 +56,7 @@ def _cfg(*overrides: str):
     return load_config(ROOT / "experiments" / "gpt_tiny.yaml",
                        ["model.d_model=4096", "model.n_heads=32", "model.n_layers=48", "model.seq_len=2048",
                         "model.compute_dtype=bfloat16", "train.batch_size=1", "memory.page_size=268435456",
+                        "memory.page_fit=false",  # (the figures below: its blocks on 256 MiB pages)
                         *overrides])
 
 
