@@ -1,4 +1,5 @@
-"""What every benchmark figure carries: the machine, the versions and the date, and one way to emit it.
+"""What every benchmark figure carries: the machine, the versions and the date, and one way to emit it; and how
+far a benchmark's training run has got (`logged_step`), which the fault benchmarks wait on before they strike.
 
 Benchmarks print one JSON line per figure and append the same line to a results file under
 experiments/results/, so committed figures always say where and when they were measured.
@@ -69,3 +70,13 @@ def emit(record: dict[str, Any], results: Path | None, machine: dict[str, Any] |
         results.parent.mkdir(parents=True, exist_ok=True)
         with open(results, "a") as f:
             f.write(line + "\n")
+
+
+def logged_step(run_dir: Path) -> int:
+    """The newest step in a run directory's metrics.jsonl (0 while there is none); a line still being written is
+    skipped."""
+    try:
+        lines = (Path(run_dir) / "metrics.jsonl").read_text().splitlines()
+    except OSError:
+        return 0
+    return max((json.loads(line)["step"] for line in lines if line.endswith("}")), default=0)

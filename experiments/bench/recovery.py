@@ -41,7 +41,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from angel_jax.benchinfo import emit, machine_info, results_path
+from angel_jax.benchinfo import emit, logged_step, machine_info, results_path
 from angel_jax.tee.events import read_events
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -50,14 +50,6 @@ SCENARIOS = {
     "sigkill_nocache": (signal.SIGKILL, ["resilience.compile_cache=false"]),
     "sigstop_cache": (signal.SIGSTOP, ["resilience.compile_cache=true"]),
 }
-
-
-def _step(run_dir: Path) -> int:
-    try:
-        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    except OSError:
-        return 0
-    return max((json.loads(line)["step"] for line in lines if line.endswith("}")), default=0)
 
 
 def run_one(config: str, overrides: list[str], scenario: str, kill_at: int, workdir: Path, limit: float) -> dict:
@@ -72,7 +64,7 @@ def run_one(config: str, overrides: list[str], scenario: str, kill_at: int, work
     with open(workdir / f"{scenario}.out", "w") as out:
         proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
     try:
-        while _step(run_dir) < kill_at:
+        while logged_step(run_dir) < kill_at:
             if proc.poll() is not None:
                 raise RuntimeError(f"{scenario}: the job ended before step {kill_at}; see {workdir / scenario}.out")
             time.sleep(0.005)

@@ -53,7 +53,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from angel_jax.benchinfo import emit, machine_info, results_path  # noqa: E402
+from angel_jax.benchinfo import emit, logged_step, machine_info, results_path  # noqa: E402
 from angel_jax.tee.events import read_events  # noqa: E402
 
 SCENARIOS = ("sigkill", "node_loss", "node_loss_nopeer", "goodput", "restore_sweep")
@@ -102,14 +102,6 @@ def _tail(path: Path, lines: int = 30) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
 
 
-def _step(run_dir: Path) -> int:
-    try:
-        lines = (run_dir / "metrics.jsonl").read_text().splitlines()
-    except OSError:
-        return 0
-    return max((json.loads(line)["step"] for line in lines if line.endswith("}")), default=0)
-
-
 def run_job(cluster: Cluster, workdir: Path, name: str, overrides: list[str], *, faults: str = "",
             kills: list[tuple[int, str]] = (), limit: float = 1800) -> dict:
     """One launch; each (step, how) in `kills` is done once metrics.jsonl reaches the step: 'sigkill' (rank 1's
@@ -129,7 +121,7 @@ def run_job(cluster: Cluster, workdir: Path, name: str, overrides: list[str], *,
     revive: list[str] = []
     try:
         for at, how in kills:
-            while _step(run_dir) < at:
+            while logged_step(run_dir) < at:
                 if proc.poll() is not None:
                     raise RuntimeError(f"{name}: the job ended before step {at}:\n{_tail(workdir / f'{name}.out')}")
                 time.sleep(0.005)
