@@ -405,16 +405,12 @@ def fit_page_size(stages: Iterable[tuple[str, PyTree]], limit: int,
     if limit < align:
         return limit
     groups: dict[int, int] = {}  # group bytes -> how many groups have them
-    for name, tree in stages:
+    for name, tree in stages:  # each (dtype, apart) group's bytes, as the stage's layout at `limit` groups them
         sizes: dict[tuple[np.dtype, bool], int] = {}
-        for path, leaf in jax.tree_util.tree_flatten_with_path(tree)[0]:
-            key = jax.tree_util.keystr(path)
-            dt = _leaf_dtype(name, key, leaf)
-            group = (dt, bool(apart and apart(name, key)))
-            sizes[group] = sizes.get(group, 0) + int(np.prod(np.shape(leaf), dtype=np.int64)) * dt.itemsize
+        for page in _layout_stage(name, tree, limit, 0, apart).pages:
+            sizes[page.dtype, page.apart] = sizes.get((page.dtype, page.apart), 0) + page.used * page.dtype.itemsize
         for nbytes in sizes.values():
-            if nbytes:
-                groups[nbytes] = groups.get(nbytes, 0) + 1
+            groups[nbytes] = groups.get(nbytes, 0) + 1
 
     def pages(size: int) -> int:
         return sum(-(-g // size) * n for g, n in groups.items())
