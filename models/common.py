@@ -12,6 +12,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from angel_jax.data import marks as token_marks
+from models import cpu_dot
 
 
 def fp32_here(compute_dtype: Any) -> bool:
@@ -33,6 +34,9 @@ def precision_line(cfg: Any) -> str:
     line = f"compute {cfg.compute_dtype}, parameters {cfg.param_dtype}"
     if not fp32_here(cfg.compute_dtype):
         return line
+    if cfg.cpu_matmul_fp32 and cpu_dot.applies(cfg.compute_dtype, cfg.param_dtype):
+        return (f"{line}, matmuls {cfg.compute_dtype} with float32 sums on {jax.default_backend()}, forward and "
+                "backward (XLA:CPU's fast path for them)")
     if cfg.cpu_matmul_fp32:
         return (f"{line}, matmuls in float32 on {jax.default_backend()}: XLA:CPU has no fast bfloat16 dot "
                 "(model.cpu_matmul_fp32=false keeps them in bfloat16)")
@@ -46,8 +50,12 @@ def dot_general(x: jax.Array, w: jax.Array, dimension_numbers: Any, *, dtype: An
     summed in float32, the result rounded to `dtype` once; so what is stored and moved around the dot (stage inputs,
     activations) stays in bfloat16 and the dot is XLA:CPU's float32 one. Weights are not rounded to bfloat16 first:
     on the CPU that rounding is a pass over every weight (and over its gradient in the backward) that buys nothing,
-    and it cost +20% of a block's time over float32. Elsewhere both operands are cast to `dtype`, as nnx.Linear."""
+    and it cost +20% of a block's time over float32. A weight stored in `dtype` (model.param_dtype=bfloat16) is not
+    upcast either: its dots stay 16-bit with float32 sums (models/cpu_dot.py), XLA:CPU's fast path for them.
+    Elsewhere both operands are cast to `dtype`, as nnx.Linear."""
     if cpu_fp32 and fp32_here(dtype):
+        if cpu_dot.applies(dtype, w.dtype) and dimension_numbers == (((x.ndim - 1,), (0,)), ((), ())):
+            return cpu_dot.matmul_f32(x.astype(dtype), w).astype(dtype)
         x32, w32 = x.astype(dtype).astype(jnp.float32), w.astype(jnp.float32)
         return jax.lax.dot_general(x32, w32, dimension_numbers).astype(dtype)
     return jax.lax.dot_general(x.astype(dtype), w.astype(dtype), dimension_numbers)
@@ -75,8 +83,12 @@ class Linear(nnx.Linear):
         dtype = self.dtype or inputs.dtype
         if out_sharding is not None or not (self.cpu_fp32 and fp32_here(dtype)):
             return super().__call__(inputs, out_sharding)
-        x32, kernel = inputs.astype(dtype).astype(jnp.float32), self.kernel[...].astype(jnp.float32)
-        y = jax.lax.dot_general(x32, kernel, (((x32.ndim - 1,), (0,)), ((), ())))
+        kernel = self.kernel[...]
+        if cpu_dot.applies(dtype, kernel.dtype):  # a 16-bit weight: 16-bit dots summed in float32
+            y = cpu_dot.matmul_f32(inputs.astype(dtype), kernel)
+        else:
+            x32 = inputs.astype(dtype).astype(jnp.float32)
+            y = jax.lax.dot_general(x32, kernel.astype(jnp.float32), (((x32.ndim - 1,), (0,)), ((), ())))
         if self.bias is not None:
             y = y + self.bias[...].astype(jnp.float32)
         return y.astype(dtype)

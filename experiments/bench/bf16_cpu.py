@@ -4,7 +4,7 @@ families' CPU matmul rule (models/common.py `dot_general`: a bfloat16 model's ma
     python experiments/bench/bf16_cpu.py [--d-model 2048] [--seq 128] [--batch 1] [--repeats 3] [--write]
 
 The block is the paged engine's: `models.get(cfg).apply["block"]` of the scale benchmark's GPT (d_model 2048,
-16 heads, seq 128, batch 1, remat, float32 parameters), differentiated with respect to its parameters and its
+16 heads, seq 128, batch 1, remat, parameters in each case's model.param_dtype), differentiated with respect to its parameters and its
 input (`jax.vjp`, a fixed cotangent), jitted, on fresh float32 parameters. Three cases in one process,
 alternating (one call of each per round, `--repeats` rounds after one untimed call each):
 
@@ -12,6 +12,10 @@ alternating (one call of each per round, `--repeats` rounds after one untimed ca
   bf16_before    model.compute_dtype=bfloat16 model.cpu_matmul_fp32=false: XLA:CPU's bfloat16 dots
   bf16_after     model.compute_dtype=bfloat16 (model.cpu_matmul_fp32=true, the default): operands upcast at the
                  dot, results back in bfloat16
+  bf16_params_upcast  and model.param_dtype=bfloat16, the 16-bit weights upcast at the dot too (as before
+                 models/cpu_dot.py)
+  bf16_params    model.param_dtype=bfloat16 with the rule's 16-bit weight path: bfloat16 dots with float32
+                 sums, forward and backward (models/cpu_dot.py)
 
 One JSON line per case (median and every wall time, the ratio of its median to float32's; the median CPU time of
 the process per call and its ratio, steadier than wall time on a shared machine; the dot operand dtypes of the
@@ -35,19 +39,25 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 import models  # noqa: E402
+from models import cpu_dot  # noqa: E402
 from angel_jax import benchinfo  # noqa: E402
 from angel_jax.config import ModelConfig  # noqa: E402
 
 CASES = {"float32": dict(compute_dtype="float32"),
          "bf16_before": dict(compute_dtype="bfloat16", cpu_matmul_fp32=False),
-         "bf16_after": dict(compute_dtype="bfloat16", cpu_matmul_fp32=True)}
+         "bf16_after": dict(compute_dtype="bfloat16", cpu_matmul_fp32=True),
+         "bf16_params_upcast": dict(compute_dtype="bfloat16", param_dtype="bfloat16", cpu_matmul_fp32=True,
+                                    cpu_dot=False),
+         "bf16_params": dict(compute_dtype="bfloat16", param_dtype="bfloat16", cpu_matmul_fp32=True)}
 
 
 def block_step(case: dict[str, Any], args: argparse.Namespace) -> tuple[Callable[[], Any], list[str]]:
     """A call running the block's forward and backward once, and the dot operand dtypes of its program."""
+    case = dict(case)
+    use_cpu_dot = case.pop("cpu_dot", True)
     cfg = ModelConfig(d_model=args.d_model, n_heads=args.heads, n_layers=1, seq_len=args.seq, remat=True, **case)
     staged = models.get(cfg)
-    params = staged.split(staged.init(0)[1])[1]  # block 0, float32
+    params = staged.split(staged.init(0)[1])[1]  # block 0, in model.param_dtype
     x = jax.random.normal(jax.random.key(1), (args.batch, args.seq, args.d_model), jnp.float32)
     x = x.astype(cfg.compute_dtype)
     apply = staged.apply["block"]
@@ -56,9 +66,16 @@ def block_step(case: dict[str, Any], args: argparse.Namespace) -> tuple[Callable
         y, back = jax.vjp(apply, p, x)
         return back(jnp.ones_like(y))
 
-    step = jax.jit(fwd_bwd)
-    dots = dot_operand_dtypes(step.lower(params, x).compile().as_text())
-    return (lambda: jax.block_until_ready(step(params, x))), dots
+    applies = cpu_dot.applies
+    if not use_cpu_dot:  # traced as before models/cpu_dot.py: a 16-bit weight upcast at the dot
+        cpu_dot.applies = lambda *_: False
+    jax.clear_caches()  # the block's function is jitted: a case of the same config must trace it again
+    try:  # the compiled program is what runs: a later call of the jitted function could trace it again
+        step = jax.jit(fwd_bwd).lower(params, x).compile()
+    finally:
+        cpu_dot.applies = applies
+        jax.clear_caches()
+    return (lambda: jax.block_until_ready(step(params, x))), dot_operand_dtypes(step.as_text())
 
 
 def dot_operand_dtypes(hlo: str) -> list[str]:
