@@ -61,30 +61,45 @@ def test_huge_pages_cut_the_page_faults_of_a_large_buffer():
     assert huge < plain / 20, (plain, huge)
 
 
-def test_the_launcher_starts_its_workers_with_huge_pages(tmp_path, write_tiny_config, monkeypatch):
+def test_the_launcher_starts_its_workers_with_huge_pages_and_the_block_cache(tmp_path, write_tiny_config,
+                                                                              monkeypatch):
+    from angel_jax.memory import block_cache
     from angel_jax.tol import coordinator as co
     from angel_jax.tol.launch import Launcher
 
     monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    monkeypatch.delenv(block_cache.CAP_ENV, raising=False)
     launcher = Launcher(write_tiny_config(tmp_path), [], workers=2)
     env = launcher._env(co.Spawn(attempt=0, nodes=("n0", "n1"), resume=False), rank=1, port=1234)
     assert HUGE_PAGES in env["GLIBC_TUNABLES"].split(":")
+    assert env["LD_PRELOAD"].split()[0] == str(block_cache.library())
 
 
-def test_train_restarts_itself_with_huge_pages_once(monkeypatch):
-    """`angel-jax train` / `worker` started without the tunable exec themselves again with it (same arguments);
-    with it set, whatever its value, nothing happens."""
-    from angel_jax.memory.malloc import restart_with_huge_pages
+def test_train_restarts_itself_tuned_once(monkeypatch):
+    """`angel-jax train` / `worker` started without the tunable or the large-block cache exec themselves again with
+    both (same arguments); started with both, or with the tunable set (whatever its value) and the cache turned
+    off, nothing happens."""
+    from angel_jax.memory import block_cache
+    from angel_jax.memory.malloc import restart_tuned
 
     calls = []
     monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=2")
-    restart_with_huge_pages(["-m", "angel_jax.cli", "train", "c.yaml", "train.steps=3"],
-                            execve=lambda *a: calls.append(a))
+    monkeypatch.delenv("LD_PRELOAD", raising=False)
+    monkeypatch.delenv(block_cache.CAP_ENV, raising=False)
+    restart_tuned(["-m", "angel_jax.cli", "train", "c.yaml", "train.steps=3"], execve=lambda *a: calls.append(a))
     ((exe, argv, env),) = calls
     assert exe == sys.executable and argv == [sys.executable, "-m", "angel_jax.cli", "train", "c.yaml",
                                               "train.steps=3"]
     assert env["GLIBC_TUNABLES"] == f"glibc.malloc.arena_max=2:{HUGE_PAGES}"
+    assert env["LD_PRELOAD"] == str(block_cache.library())
+    assert env[block_cache.CAP_ENV] == str(block_cache.DEFAULT_CAP)
+    for key, value in env.items():  # the restarted process: nothing more to do
+        monkeypatch.setenv(key, value)
+    restart_tuned(["-m", "angel_jax.cli", "train", "c.yaml"], execve=lambda *a: calls.append(a))
+    monkeypatch.delenv("LD_PRELOAD")
+    monkeypatch.setenv(block_cache.CAP_ENV, "0")
     for value in (HUGE_PAGES, "glibc.malloc.hugetlb=0"):
         monkeypatch.setenv("GLIBC_TUNABLES", value)
-        restart_with_huge_pages(["-m", "angel_jax.cli", "train", "c.yaml"], execve=lambda *a: calls.append(a))
+        restart_tuned(["-m", "angel_jax.cli", "train", "c.yaml"], execve=lambda *a: calls.append(a))
     assert len(calls) == 1

@@ -90,8 +90,10 @@ def test_a_run_larger_than_the_machine_stops_at_once_with_one_line(tmp_path):
                  f"memory.disk_dir={tmp_path / 'disk'}", "memory.disk_budget=50000000000",
                  "memory.device_budget=4000000000", "memory.host_budget=16000000000",
                  f"train.run_dir={tmp_path / 'run'}", f"checkpoint.memory_dir={tmp_path / 'mem'}"]
-    # The tunable set: the CLI does not restart itself (memory/malloc.py), so the wrapper below measures it.
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO_ROOT), GLIBC_TUNABLES="glibc.malloc.hugetlb=1")
+    # The tunable set and the block cache off: the CLI does not restart itself (memory/malloc.py), so the wrapper
+    # below measures it.
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO_ROOT), GLIBC_TUNABLES="glibc.malloc.hugetlb=1",
+               ANGEL_JAX_BLOCK_CACHE="0")
     peak_file = tmp_path / "maxrss_kib"
     run_cli = ("import resource, runpy, sys\n"
                "try:\n    runpy.run_module('angel_jax.cli', run_name='__main__')\n"

@@ -37,6 +37,10 @@ def run(args: argparse.Namespace) -> int:
     except Preempted as e:  # not an error: the run saved and stopped as asked
         print(f"{e}; run directory {cfg.run_dir}", file=sys.stderr)
         return e.exit_code
+    from angel_jax.memory import block_cache
+
+    if (cache := block_cache.active()) is not None:
+        logging.getLogger("angel_jax.train").info("%s", cache.describe())
     print(done_line(result, cfg, time.monotonic() - started, persisted_text(result.newest_persisted)))
     return 0
 

@@ -12,6 +12,7 @@ import logging
 from dataclasses import dataclass
 from pathlib import Path
 
+from angel_jax.memory import block_cache
 from angel_jax.units import human_bytes
 
 log = logging.getLogger(__name__)
@@ -66,7 +67,7 @@ class HostPeakCheck:
 
     @property
     def allowed(self) -> int:
-        return int(self.planned * (1 + TOLERANCE)) + FIXED_OVERHEAD
+        return int(self.planned * (1 + TOLERANCE)) + FIXED_OVERHEAD + block_cache.kept_at_most()
 
     def check(self, after: str = "") -> str | None:
         """Measure the growth of the peak RSS; the one-line warning when it exceeds `allowed`, else None. `after`:
@@ -80,7 +81,9 @@ class HostPeakCheck:
             return None
         self.warned = True
         by = f" (measured after {after})" if after else ""
+        cache = block_cache.kept_at_most()
+        kept = f" + {human_bytes(cache)} of freed blocks kept for reuse" if cache else ""
         return (f"host memory: the process's peak grew by {human_bytes(self.measured)} since the engine was "
                 f"built{by}, over the plan's {human_bytes(self.planned)} + {TOLERANCE:.0%} + {human_bytes(FIXED_OVERHEAD)} "
-                "for what no plan counts: some host memory is not in the plan (a budget set from the plan may "
-                "not hold)")
+                f"for what no plan counts{kept}: some host memory is not in the plan (a budget set from the plan "
+                "may not hold)")

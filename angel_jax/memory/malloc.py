@@ -12,8 +12,9 @@ block took 196,715 faults per call. With glibc's `glibc.malloc.hugetlb=1` tunabl
 use transparent huge pages (2 MiB): 1,003 faults, and the update ran in 0.205 s instead of 0.424 s on a 2-core
 VM (experiments/bench/host_optimizer.py; experiments/results/host_optimizer_cpu.jsonl). glibc reads tunables
 once, at process start, from the environment (`GLIBC_TUNABLES`), so the launcher starts its workers with it
-(`with_huge_pages`), and `angel-jax train` and `angel-jax worker` started by hand (or by srun) restart themselves
-with it (`restart_with_huge_pages`) before anything is allocated. It needs transparent huge pages in `madvise` or
+(`tuned`: with it, the large-block cache of angel_jax/memory/block_cache.py), and `angel-jax train` and
+`angel-jax worker` started by hand (or by srun) restart themselves with both (`restart_tuned`) before anything
+is allocated. It needs transparent huge pages in `madvise` or
 `always` mode (/sys/kernel/mm/transparent_hugepage) and glibc 2.35 or later; elsewhere it changes nothing.
 """
 
@@ -25,6 +26,8 @@ import logging
 import os
 import sys
 from typing import Callable, Mapping
+
+from angel_jax.memory import block_cache
 
 log = logging.getLogger(__name__)
 
@@ -72,11 +75,17 @@ def has_huge_pages(environ: Mapping[str, str]) -> bool:
     return any(t.split("=", 1)[0] == "glibc.malloc.hugetlb" for t in environ.get("GLIBC_TUNABLES", "").split(":"))
 
 
-def restart_with_huge_pages(args: list[str], execve: Callable[..., None] = os.execve) -> None:
-    """Replace this process with `python ARGS` under `with_huge_pages` (same pid; ARGS as this process was started,
-    e.g. `-m angel_jax.cli train ...` or a script and its arguments), unless its environment already sets the
-    tunable: glibc reads it only at process start. Call it before anything large is allocated; it returns only
-    when there is nothing to do."""
-    if has_huge_pages(os.environ):
+def tuned(environ: Mapping[str, str]) -> dict[str, str]:
+    """`environ` for a process that trains: huge pages for mapped blocks (`with_huge_pages`) and large blocks
+    kept for reuse (angel_jax/memory/block_cache.py)."""
+    return block_cache.with_block_cache(with_huge_pages(environ))
+
+
+def restart_tuned(args: list[str], execve: Callable[..., None] = os.execve) -> None:
+    """Replace this process with `python ARGS` under `tuned` (same pid; ARGS as this process was started, e.g.
+    `-m angel_jax.cli train ...` or a script and its arguments), unless its environment already has both: glibc
+    reads its tunables and the loader its preloads only at process start. Call it before anything large is
+    allocated; it returns only when there is nothing to do."""
+    if has_huge_pages(os.environ) and not block_cache.wanted(os.environ):
         return
-    execve(sys.executable, [sys.executable, *args], with_huge_pages(os.environ))
+    execve(sys.executable, [sys.executable, *args], tuned(os.environ))

@@ -33,7 +33,7 @@ import psutil
 
 from angel_jax import config as config_lib
 from angel_jax.config import Config, ConfigError
-from angel_jax.memory import pinned
+from angel_jax.memory import block_cache, pinned
 from angel_jax.memory.layout import StageLayout
 from angel_jax.multihost import every_process_lists, processes_on_this_host
 from angel_jax.schedule.plan import (Bandwidths, Budgets, ModelBytes, PlanError, make_plan, min_host_bytes,
@@ -130,8 +130,8 @@ HOST_WINDOW_SLACK = 1.1
 
 
 def _host_room() -> int:
-    vm = psutil.virtual_memory()
-    return int(vm.available) - max(HOST_MARGIN, int(vm.total) // 10)
+    vm = psutil.virtual_memory()  # (and the freed blocks this process may keep: angel_jax/memory/block_cache.py)
+    return int(vm.available) - max(HOST_MARGIN, int(vm.total) // 10) - block_cache.kept_at_most()
 
 
 def host_budget(cfg: Config, device: jax.Device | None = None, sizes: ModelBytes | None = None) -> int:

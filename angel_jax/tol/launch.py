@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from angel_jax.config import Config, load_config
-from angel_jax.memory.malloc import with_huge_pages
+from angel_jax.memory.malloc import tuned
 from angel_jax.tol import coordinator as co
 from angel_jax.tee.events import EventLog, read_events
 from angel_jax.tol.goodput import format_report, goodput
@@ -220,7 +220,7 @@ class Launcher:
         return [self.python, "-m", "angel_jax.tol.worker", self.config_path, *self.overrides, *extra]
 
     def _env(self, action: co.Spawn, rank: int, port: int) -> dict[str, str]:
-        env = with_huge_pages(os.environ)  # the host stage updates' buffers: see angel_jax.memory.malloc
+        env = tuned(os.environ)  # huge pages, large blocks reused: see angel_jax.memory.malloc
         root = str(Path(__file__).resolve().parents[2])
         env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH")) if p)
         host = self.placement.coordinator_host(action.nodes[0])  # the first node of the attempt

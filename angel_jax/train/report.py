@@ -9,6 +9,7 @@ import jax
 import psutil
 
 from angel_jax.config import Config
+from angel_jax.memory import block_cache
 from angel_jax.units import device_memory_stats, human_bytes
 import models
 from models.common import precision_line
@@ -51,6 +52,8 @@ def memory_report(cfg: Config, mesh: jax.sharding.Mesh, placement: list[str] = (
                  f"available {human_bytes(psutil.virtual_memory().available)}; "
                  f"{jax.device_count()} x {jax.devices()[0].device_kind} over {jax.process_count()} process(es), "
                  f"platform {jax.default_backend()}")
+    if (cache := block_cache.active()) is not None:
+        lines.append(f"  {cache.describe()}")
     if jax.default_backend() == "cpu" and shutil.which("nvidia-smi"):
         lines.append("note: this machine has an NVIDIA GPU, but this jax runs on the CPU (no CUDA plugin): "
                      "`make ACCEL=cuda setup`, or install angel-jax[cuda]")
