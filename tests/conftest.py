@@ -133,9 +133,6 @@ SERIAL_MODULES = {
     "test_tol_heartbeat": "the heartbeat server's idle and line deadlines, a few tenths of a second",
     "test_tol_launch": "heartbeats forged against the launcher's clock",
     "test_tol_worker": "a worker's exit and heartbeats timed against its server",
-    "test_watchdog_recovery": "each restart recomputes at most one checkpoint interval, which a save skipped on a "
-                              "busy machine (the previous one still persisting) breaks: run beside the other "
-                              "modules, two of its tests lost 8 steps",
 }
 """Test modules `make test` runs alone after the rest (scripts/run_tests.sh runs the rest in two workers): their
 assertions hold wall-clock bounds that a second test suite on the same two cores could push over."""
@@ -147,7 +144,7 @@ def pytest_configure(config: pytest.Config) -> None:
                                        "precision (conftest.highest_matmul_precision)")
 
 
-SLOW_MODULES = ("test_zero", "test_slurm", "test_paged", "test_instruction_data",
+SLOW_MODULES = ("test_watchdog_recovery", "test_zero", "test_slurm", "test_paged", "test_instruction_data",
                 "test_fsdp", "test_zero_checkpoint", "test_paged_lockfree", "test_persist_floor", "test_paged_cli",
                 "test_checkpoint_paged", "test_t5", "test_parked_activations", "test_preemption",
                 "test_moe_documents", "test_paged_lockfree_disk", "test_step_phases")

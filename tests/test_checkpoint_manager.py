@@ -384,6 +384,37 @@ def test_queued_older_save_is_superseded_unless_kept_by_keep_every(tmp_path: Pat
         assert_bitwise(engine.restore(2).arrays, make_state(2))  # the memory tier has it either way
 
 
+def test_on_state_hears_each_state_once_it_holds(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    """Every state after the blocking part, in order, reported once it holds: a snapshotted step is restorable
+    from the memory tier when it is heard of. A listener that raises loses its report, never the save."""
+    heard: list[tuple[int, str, bool]] = []
+
+    def on_state(step: int, state: str) -> None:
+        heard.append((step, state, (tmp_path / "memory" / f"step_{step}").is_dir()))
+        if step == 3:
+            raise OSError("the event log's disk is full")
+
+    with CheckpointManager(options(tmp_path), on_state=on_state) as engine:
+        entered, release = threading.Event(), threading.Event()  # step 1 persists once 2 and 3 are queued
+        real_save = engine._persistent.save
+
+        def slow_save(index, arrays):
+            entered.set()
+            release.wait(30)
+            return real_save(index, arrays)
+
+        engine._persistent.save = slow_save
+        handles = [engine.save(1, make_state(1), {})]
+        assert entered.wait(30)
+        handles += [engine.save(s, make_state(s), {}) for s in (2, 3)]
+        release.set()
+        engine.wait()
+        assert heard == [(1, "snapshotted", True), (1, "persisted", True), (2, "snapshotted", True),
+                         (2, "superseded", True), (3, "snapshotted", True), (3, "persisted", True)]
+        assert [h.state for h in handles] == ["persisted", "superseded", "persisted"]
+    assert "checkpoint step 3: reporting its state 'persisted' failed: the event log's disk is full" in caplog.text
+
+
 def test_same_step_saved_again_replaces_it_everywhere(tmp_path: Path) -> None:
     with CheckpointManager(options(tmp_path)) as engine:
         engine.save(5, make_state(1), {"v": 1})

@@ -3,11 +3,11 @@ collectives between two CPU processes, tests/watchdog_jobs.py), with a worker SI
 
 The job must notice the crash within 2 s and the hang within its timeout +- 2 s, and still finish every step with
 the same per-step numbers (metrics.jsonl) and the same final parameters (the final checkpoint, bit for bit) as ONE
-uninterrupted 2-worker launch of the same config (`reference`), recomputing at most one checkpoint interval per
-restart. Those bounds are wall-clock ones: the module runs alone (conftest.SERIAL_MODULES). The recoveries that
-hold no such bound (process 0 killed, a crash in a checkpoint write, sharded paged state, a crash every time, a
-node replaced by a spare, the worker under Slurm's variables, SIGTERM to the launcher) are test_watchdog_recovery.py,
-which runs beside the other tests.
+uninterrupted 2-worker launch of the same config (`reference`), each restart resumed from the newest checkpoint
+committed before it. The detection bounds are wall-clock ones: the module runs alone (conftest.SERIAL_MODULES).
+The recoveries that hold no such bound (process 0 killed, a crash in a checkpoint write, sharded paged state, a
+crash every time, a node replaced by a spare, the worker under Slurm's variables, SIGTERM to the launcher) are
+test_watchdog_recovery.py, which runs beside the other tests.
 """
 
 from __future__ import annotations

@@ -119,9 +119,13 @@ class CheckpointManager:
     """Saves to memory first, persists in the background, restores from the fastest valid tier."""
 
     def __init__(self, options: CheckpointOptions, *, clock: Callable[[], float] = time.monotonic,
-                 fault: Fault = no_fault):
+                 fault: Fault = no_fault, on_state: Callable[[int, str], None] | None = None):
+        """`on_state(step, state)` hears every state a save reaches after its blocking part (snapshotted: committed
+        in the memory tier, backed_up, persisted, superseded, failed), once that state holds (a commit's rename is
+        done); an error it raises is logged, and the save goes on."""
         self.options = options
         self._clock = clock
+        self._on_state = on_state
         self._memory = MemoryTier(options.resolved_memory_dir(), options.keep_last, fault=fault)
         peer = peer_tier(options, fault)
         persistent = OrbaxTier if options.persistent_format == "orbax" else FileTier
@@ -172,7 +176,7 @@ class CheckpointManager:
             raise ValueError(f"step must be an int >= 0, got {step!r}")
         started = self._clock()
         index = snap.plan_layout(step, snapshot.arrays, meta)
-        job = Job(step, index, SaveHandle(step), started)
+        job = Job(step, index, SaveHandle(step, self._report_state if self._on_state else None), started)
         self._memory.pin(step)  # the same step again while its previous save is in flight: let it finish
         if snapshot.held:
             for x in snapshot.arrays.values():  # start device-to-host transfers now; the worker waits for them
@@ -194,6 +198,12 @@ class CheckpointManager:
         job.handle.stall_s = job.handle.timings["ckpt/stall_s"] = self._clock() - started
         self._worker.submit(job)
         return job.handle
+
+    def _report_state(self, step: int, state: str) -> None:
+        try:
+            self._on_state(step, state)
+        except Exception as e:  # noqa: BLE001 - a listener's failure (an unwritable event log) is not the save's
+            log.warning("checkpoint step %d: reporting its state %r failed: %s", step, state, one_line(e))
 
     def _write_memory(self, job: Job, arrays: Mapping[str, Any], fallback: str) -> bool:
         """Copies the arrays into the memory tier (job.tmp). Returns False when the tier could not take them and

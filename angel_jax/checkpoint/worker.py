@@ -23,10 +23,14 @@ _TERMINAL = ("persisted", "superseded", "failed")
 
 
 class SaveHandle:
-    """Progress of one save: copied -> snapshotted -> [backed_up ->] persisted | superseded | failed."""
+    """Progress of one save: copied -> snapshotted -> [backed_up ->] persisted | superseded | failed.
 
-    def __init__(self, step: int):
+    `on_state(step, state)`, when given, is called with every state after the first, from the thread that reached
+    it, before a final state wakes `wait()`."""
+
+    def __init__(self, step: int, on_state: Callable[[int, str], None] | None = None):
         self.step = step
+        self._on_state = on_state
         self.stall_s = 0.0
         self.timings: dict[str, float] = {}  # ckpt/... metric names -> seconds
         self.errors: list[CheckpointError] = []
@@ -48,6 +52,8 @@ class SaveHandle:
 
     def _advance(self, state: str) -> None:
         self._state = state
+        if self._on_state is not None:
+            self._on_state(self.step, state)
         if state in _TERMINAL:
             self._done.set()
 

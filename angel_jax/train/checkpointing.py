@@ -66,6 +66,7 @@ from angel_jax.checkpoint.trust import untrusted
 from angel_jax.config import Config, ConfigError, to_dict
 from angel_jax.data import identity as data_identity
 from angel_jax.multihost import barrier, every_process_lists, from_any, from_primary
+from angel_jax.tee.events import EventLog
 from angel_jax.train.peer_network import network_peer, per_node
 from angel_jax.train.state_formats import format_of
 from angel_jax.train.tier_ownership import OWNER_FILE, PROCESS_DIR, claim_memory_tier, release_memory_tier
@@ -173,9 +174,12 @@ def shard_tier(directory: Path, keep: int = 1) -> OrbaxTier | FileTier:
     return (OrbaxTier if persistent_format_of(directory) == "orbax" else FileTier)(directory, keep)
 
 
-def training_engine(options: CheckpointOptions) -> CheckpointManager:
-    """The engine a training run saves through: with the crash tests' fault hook when the environment asks."""
-    return CheckpointManager(options, fault=faults.from_env())
+def training_engine(options: CheckpointOptions, events: EventLog | None = None) -> CheckpointManager:
+    """The engine a training run saves through: with the crash tests' fault hook when the environment asks, and
+    each state its saves reach as a `checkpoint_state` event in `events` (which step a restart can resume from)."""
+    on_state = None if events is None else lambda step, state: events.write("checkpoint_state", step=step,
+                                                                             state=state)
+    return CheckpointManager(options, fault=faults.from_env(), on_state=on_state)
 
 
 class TrainCheckpointer:
@@ -186,8 +190,9 @@ class TrainCheckpointer:
     restore. A run over another set of processes resumes such shards assembled into the whole state."""
 
     def __init__(self, cfg: Config, run_dir: Path, *, primary: bool, per_process: bool = False,
-                 identity: dict[str, Any] | None = None):
+                 identity: dict[str, Any] | None = None, events: EventLog | None = None):
         self.cfg = cfg
+        self.events = events  # where the saves' states go (`training_engine`), if anywhere
         self.identity = identity  # what the run trains on (data/identity.py): recorded in every checkpoint
         self.per_process = per_process
         self.options = checkpoint_options(cfg, run_dir, jax.process_index() if per_process else None)
@@ -211,7 +216,7 @@ class TrainCheckpointer:
                                key=f"process_{jax.process_index()}" if per_process else "whole")
         if network is not None:
             self.options = dataclasses.replace(self.options, peer_network=network)
-        self.engine = training_engine(self.options)
+        self.engine = training_engine(self.options, self.events)
         self.last_handle: SaveHandle | None = None
 
     # --------------------------------------------------------------------------------------------- saving
@@ -397,7 +402,7 @@ class TrainCheckpointer:
                 shutil.move(str(root), str(archive / tier))
         log.warning("train.resume=false: the run directory's earlier checkpoints were moved to %s", archive)
         claim_memory_tier(self.run_dir, self.options.resolved_memory_dir())
-        self.engine = training_engine(self.options)
+        self.engine = training_engine(self.options, self.events)
         return archive
 
     def _archive_whole_state(self) -> None:

@@ -194,7 +194,7 @@ def setup(cfg: Config, hooks: HookList) -> Trainer:
     identity = data_identity.identity_of(data_dir_for(cfg), data.meta, lambda: resolve_sources(cfg.data.source))
     check_processes_agree(identity)
     checkpointer = TrainCheckpointer(cfg, run_dir, primary=is_primary, per_process=engine.checkpoints_per_process,
-                                     identity=identity)
+                                     identity=identity, events=events)
     start_step = 0
     if not cfg.train.resume:
         checkpointer.archive_existing()
