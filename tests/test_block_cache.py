@@ -171,6 +171,7 @@ def test_the_cap_from_the_environment():
         block_cache.cap_from({block_cache.CAP_ENV: "1GiB"})
     off = block_cache.with_block_cache({block_cache.CAP_ENV: "0", "LD_PRELOAD": "/x.so"})
     assert off["LD_PRELOAD"] == "/x.so" and not block_cache.wanted({block_cache.CAP_ENV: "0"})
-    on = block_cache.with_block_cache({"LD_PRELOAD": "/x.so"})
+    assert block_cache.with_block_cache({"LD_PRELOAD": "/x.so"}) == {"LD_PRELOAD": "/x.so"}  # off by default
+    on = block_cache.with_block_cache({"LD_PRELOAD": "/x.so", block_cache.CAP_ENV: "1024"})
     assert on["LD_PRELOAD"] == f"{block_cache.library()} /x.so"
     assert block_cache.with_block_cache(on) == on and not block_cache.wanted(on)

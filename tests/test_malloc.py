@@ -69,7 +69,7 @@ def test_the_launcher_starts_its_workers_with_huge_pages_and_the_block_cache(tmp
 
     monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
     monkeypatch.delenv("LD_PRELOAD", raising=False)
-    monkeypatch.delenv(block_cache.CAP_ENV, raising=False)
+    monkeypatch.setenv(block_cache.CAP_ENV, str(1 << 30))
     launcher = Launcher(write_tiny_config(tmp_path), [], workers=2)
     env = launcher._env(co.Spawn(attempt=0, nodes=("n0", "n1"), resume=False), rank=1, port=1234)
     assert HUGE_PAGES in env["GLIBC_TUNABLES"].split(":")
@@ -86,14 +86,14 @@ def test_train_restarts_itself_tuned_once(monkeypatch):
     calls = []
     monkeypatch.setenv("GLIBC_TUNABLES", "glibc.malloc.arena_max=2")
     monkeypatch.delenv("LD_PRELOAD", raising=False)
-    monkeypatch.delenv(block_cache.CAP_ENV, raising=False)
+    monkeypatch.setenv(block_cache.CAP_ENV, str(1 << 30))
     restart_tuned(["-m", "angel_jax.cli", "train", "c.yaml", "train.steps=3"], execve=lambda *a: calls.append(a))
     ((exe, argv, env),) = calls
     assert exe == sys.executable and argv == [sys.executable, "-m", "angel_jax.cli", "train", "c.yaml",
                                               "train.steps=3"]
     assert env["GLIBC_TUNABLES"] == f"glibc.malloc.arena_max=2:{HUGE_PAGES}"
     assert env["LD_PRELOAD"] == str(block_cache.library())
-    assert env[block_cache.CAP_ENV] == str(block_cache.DEFAULT_CAP)
+    assert env[block_cache.CAP_ENV] == str(1 << 30)
     for key, value in env.items():  # the restarted process: nothing more to do
         monkeypatch.setenv(key, value)
     restart_tuned(["-m", "angel_jax.cli", "train", "c.yaml"], execve=lambda *a: calls.append(a))

@@ -13,9 +13,10 @@ took 48% of the process's CPU time, and system time was 1.6x user time.
 
 `large_blocks.c` (beside this file) keeps freed blocks of 1 MiB and more by their rounded size and hands them
 out again for requests of that size; a paged step asks for the same sizes every time (fixed-size pages, the
-same programs), so nearly every block is reused. At most `ANGEL_JAX_BLOCK_CACHE` bytes are kept (default
-`DEFAULT_CAP`, 1 GiB; the oldest kept blocks are unmapped beyond it): that much resident memory more than the
-bytes alive, which the engine's host-peak check allows for. `ANGEL_JAX_BLOCK_CACHE=0` turns it off. Smaller
+same programs), so nearly every block is reused. At most `ANGEL_JAX_BLOCK_CACHE` bytes are kept (the oldest
+kept blocks are unmapped beyond it): that much resident memory more than the bytes alive, which the engine's
+host-peak check allows for. It is off by default (`DEFAULT_CAP` 0): set `ANGEL_JAX_BLOCK_CACHE=1073741824` to
+keep up to 1 GiB. Smaller
 requests go to glibc's malloc untouched.
 
 It is a library preloaded at process start (LD_PRELOAD), so it is set up where the processes that train start:
@@ -42,7 +43,8 @@ SOURCE = Path(__file__).with_name("large_blocks.c")
 FLAGS = ("-O2", "-std=gnu11", "-fPIC", "-shared", "-pthread", "-Wall")
 CAP_ENV = "ANGEL_JAX_BLOCK_CACHE"
 """Bytes of freed large blocks kept for reuse; 0 turns the cache off."""
-DEFAULT_CAP = 1 << 30
+DEFAULT_CAP = 0
+"""Off unless asked for: its gain on a whole paged step is not yet measured apart from the machine's noise."""
 
 
 @functools.cache

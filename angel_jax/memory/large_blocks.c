@@ -36,7 +36,7 @@ static pthread_mutex_t lock = PTHREAD_MUTEX_INITIALIZER;
 static uintptr_t slot_ptr[SLOTS];
 static size_t slot_size[SLOTS];
 static struct { void *ptr; size_t size; } kept[KEPT_MAX];
-static size_t n_kept, kept_bytes, cap_bytes = (size_t)1 << 30; /* block_cache.DEFAULT_CAP */
+static size_t n_kept, kept_bytes, cap_bytes = (size_t)1 << 30; /* when preloaded by hand without the variable */
 static int cap_read;
 static size_t stat_hits, stat_maps;
 
