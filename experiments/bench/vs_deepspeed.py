@@ -17,8 +17,9 @@ The model is scale.py's GPT (experiments/gpt_tiny.yaml at d_model 2048, 16 heads
              parameter prefetch off (stage3_prefetch_bucket_size 0: with prefetch and activation checkpointing
              DeepSpeed 0.19.8 asserts "param already assigned swap buffer"). Run by .venv-deepspeed's Python.
 
-fp32 is float32 compute on both; bf16 is angel_jax's model.compute_dtype=bfloat16 over float32 parameters and
-DeepSpeed's bf16 mode (bf16 parameters, float32 master and moments). Per round, every (blocks, dtype) runs both
+fp32 is float32 compute on both; bf16 is DeepSpeed's bf16 mode (bf16 parameters, float32 master and moments) and
+the same recipe in angel_jax: model.compute_dtype=bfloat16, model.param_dtype=bfloat16, optimizer.master_weights
+(the float32 master in the optimizer state). Per round, every (blocks, dtype) runs both
 systems one after the other, the order flipped each round, so drift on a shared machine falls on both.
 
 Each run is a child process (nice 10) polled every 0.2 s by this script: the RSS of its process tree, the bytes
@@ -204,7 +205,8 @@ def angel_overrides(spec: dict, scratch: Path, args: argparse.Namespace) -> dict
     return {
         "model.d_model": s["d_model"], "model.n_heads": s["n_heads"], "model.seq_len": s["seq_len"],
         "model.vocab_size": s["vocab_size"], "model.mlp_ratio": s["mlp_ratio"], "model.n_layers": spec["blocks"],
-        "model.compute_dtype": DTYPES[spec["dtype"]], "model.param_dtype": "float32", "model.remat": True,
+        "model.compute_dtype": DTYPES[spec["dtype"]], "model.param_dtype": DTYPES[spec["dtype"]], "model.remat": True,
+        "optimizer.master_weights": spec["dtype"] != "fp32",
         "model.tie_embeddings": False,
         "optimizer.name": "adamw", **{f"optimizer.{k}": v for k, v in OPTIMIZER.items()},
         "train.batch_size": s["batch_size"], "train.steps": spec["total_steps"], "train.log_every": 1,
