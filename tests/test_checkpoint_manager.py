@@ -358,26 +358,32 @@ def test_back_to_back_saves_finish_and_newest_is_persisted(tmp_path: Path) -> No
         assert_bitwise(restored.arrays, make_state(3))
 
 
+def save_three_behind_a_slow_disk(engine: CheckpointManager) -> list:
+    """Save steps 1, 2 and 3 on a slow disk made deterministic: step 1's orbax write waits until steps 2 and 3 are
+    queued behind it. Returns the three handles, every save finished."""
+    entered, release = threading.Event(), threading.Event()
+    real_save = engine._persistent.save
+
+    def slow_save(index, arrays):
+        entered.set()
+        release.wait(30)
+        return real_save(index, arrays)
+
+    engine._persistent.save = slow_save
+    handles = [engine.save(1, make_state(1), {})]
+    assert entered.wait(30)
+    handles += [engine.save(s, make_state(s), {}) for s in (2, 3)]
+    release.set()
+    engine.wait()
+    return handles
+
+
 @pytest.mark.parametrize("keep_every, expected", [(None, ["persisted", "superseded", "persisted"]),
                                                    (2, ["persisted", "persisted", "persisted"])])
 def test_queued_older_save_is_superseded_unless_kept_by_keep_every(tmp_path: Path, keep_every: int | None,
                                                                     expected: list[str]) -> None:
     with CheckpointManager(options(tmp_path, keep_every=keep_every)) as engine:
-        # A slow disk, made deterministic: step 1's orbax write waits until steps 2 and 3 are queued behind it.
-        entered, release = threading.Event(), threading.Event()
-        real_save = engine._persistent.save
-
-        def slow_save(index, arrays):
-            entered.set()
-            release.wait(30)
-            return real_save(index, arrays)
-
-        engine._persistent.save = slow_save
-        handles = [engine.save(1, make_state(1), {})]
-        assert entered.wait(30)
-        handles += [engine.save(s, make_state(s), {}) for s in (2, 3)]
-        release.set()
-        engine.wait()
+        handles = save_three_behind_a_slow_disk(engine)
         assert [h.state for h in handles] == expected
         persisted = {i.step for i in engine.list() if "persistent" in i.tiers}
         assert persisted == {s for s, state in zip((1, 2, 3), expected) if state == "persisted"}
@@ -395,20 +401,7 @@ def test_on_state_hears_each_state_once_it_holds(tmp_path: Path, caplog: pytest.
             raise OSError("the event log's disk is full")
 
     with CheckpointManager(options(tmp_path), on_state=on_state) as engine:
-        entered, release = threading.Event(), threading.Event()  # step 1 persists once 2 and 3 are queued
-        real_save = engine._persistent.save
-
-        def slow_save(index, arrays):
-            entered.set()
-            release.wait(30)
-            return real_save(index, arrays)
-
-        engine._persistent.save = slow_save
-        handles = [engine.save(1, make_state(1), {})]
-        assert entered.wait(30)
-        handles += [engine.save(s, make_state(s), {}) for s in (2, 3)]
-        release.set()
-        engine.wait()
+        handles = save_three_behind_a_slow_disk(engine)
         assert heard == [(1, "snapshotted", True), (1, "persisted", True), (2, "snapshotted", True),
                          (2, "superseded", True), (3, "snapshotted", True), (3, "persisted", True)]
         assert [h.state for h in handles] == ["persisted", "superseded", "persisted"]
