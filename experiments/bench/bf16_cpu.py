@@ -5,7 +5,7 @@ families' CPU matmul rule (models/common.py `dot_general`: a bfloat16 model's ma
 
 The block is the paged engine's: `models.get(cfg).apply["block"]` of the scale benchmark's GPT (d_model 2048,
 16 heads, seq 128, batch 1, remat, parameters in each case's model.param_dtype), differentiated with respect to its parameters and its
-input (`jax.vjp`, a fixed cotangent), jitted, on fresh float32 parameters. Three cases in one process,
+input (`jax.vjp`, a fixed cotangent), jitted, on fresh parameters. Five cases in one process,
 alternating (one call of each per round, `--repeats` rounds after one untimed call each):
 
   float32        model.compute_dtype=float32
