@@ -138,7 +138,7 @@ def torch_gpt(shape: dict, n_layers: int):
 
 
 def ds_config(spec: dict, disk: Path, largest: int) -> dict:
-    """ZeRO-Infinity: stage 3, parameters and optimizer state on NVMe, CPUAdam, prefetch off."""
+    """ZeRO-Infinity: stage 3, parameters and optimizer state on NVMe, CPUAdam, prefetch off, reuse bounded."""
     o = OPTIMIZER
     return {
         "train_micro_batch_size_per_gpu": spec["shape"]["batch_size"], "gradient_accumulation_steps": 1,
@@ -149,8 +149,13 @@ def ds_config(spec: dict, disk: Path, largest: int) -> dict:
         "zero_optimization": {
             "stage": 3,
             # buffer_size: elements per swap buffer, at least the largest parameter (an MLP matrix)
-            "offload_param": {"device": "nvme", "nvme_path": str(disk), "pin_memory": False, "buffer_count": 5,
+            "offload_param": {"device": "nvme", "nvme_path": str(disk), "pin_memory": False, "buffer_count": 8,
                               "buffer_size": largest},
+            # Keep a parameter fetched only when it is used again within one MLP matrix's worth of parameters (the
+            # last block's, recomputed at once in the backward). The default, 1e9, keeps every parameter of a
+            # model under 1e9 elements between its forward and its recompute; at 48 blocks that holds more
+            # parameters than swap buffers ("Not enough buffers 0 for swapping 1").
+            "stage3_max_reuse_distance": largest,
             "offload_optimizer": {"device": "nvme", "nvme_path": str(disk), "pin_memory": False, "buffer_count": 4},
             "stage3_prefetch_bucket_size": 0,
             "sub_group_size": int(1e8),  # optimizer state swapped in 1e8-element groups, not the 1e9 default
@@ -201,6 +206,8 @@ def deepspeed_child(spec: dict) -> dict:
 
 def angel_overrides(spec: dict, scratch: Path, args: argparse.Namespace) -> dict[str, object]:
     """The keys this benchmark sets on experiments/gpt_tiny.yaml."""
+    import yaml
+
     s = spec["shape"]
     return {
         "model.d_model": s["d_model"], "model.n_heads": s["n_heads"], "model.seq_len": s["seq_len"],
@@ -215,6 +222,7 @@ def angel_overrides(spec: dict, scratch: Path, args: argparse.Namespace) -> dict
         "memory.mode": "paged", "memory.disk_dir": str(scratch / "disk"),
         "memory.device_budget": int(args.device_budget_gib * GIB),
         "memory.host_budget": int(args.host_budget_gib * GIB),
+        **{k: yaml.safe_load(v) for k, v in (kv.split("=", 1) for kv in args.angel_set)},  # "1" -> 1, as YAML
     }
 
 
@@ -400,6 +408,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cap-gib", type=float, default=12.0, help="RSS cap per run, the same for both systems")
     p.add_argument("--device-budget-gib", type=float, default=1.0, help="angel_jax: memory.device_budget")
     p.add_argument("--host-budget-gib", type=float, default=4.0, help="angel_jax: memory.host_budget")
+    p.add_argument("--angel-set", action="append", default=[], metavar="KEY=VALUE",
+                   help="angel_jax: one more config key, e.g. memory.staleness=1 (repeatable; recorded in overrides)")
     p.add_argument("--min-free-gib", type=float, default=1.0, help="kill a run when the machine's available "
                    "memory falls below this (other work grew)")
     p.add_argument("--timeout-s", type=float, default=3600.0, help="per run")
@@ -409,6 +419,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--write", action="store_true", help="append to experiments/results/vs_deepspeed_cpu.jsonl")
     p.add_argument("--child", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    for kv in args.angel_set:
+        if "=" not in kv or "." not in kv.split("=", 1)[0]:
+            p.error(f"--angel-set {kv!r}: expected SECTION.KEY=VALUE, e.g. memory.staleness=1")
     if args.child:  # inside .venv-deepspeed: no angel_jax, no jax
         scratch = Path(args.child)
         out = deepspeed_child(json.loads((scratch / "spec.json").read_text()))
