@@ -229,20 +229,22 @@ class Plan:
 
     def bound(self, first_stage: str) -> tuple[str, dict[str, float]]:
         """What bounds the predicted step, and each stream's busy share of it: 'compute' when the compute stream
-        works at least 90% of the step (or on shared cores, where waits are not told apart), else another stream
-        that works at least 90% of it (the busiest: e.g. host updates one step behind that take the whole step),
-        else what the compute waited for longest ('h2d', 'disk', 'host' or, with several ranks, 'collective':
-        `Timeline.waits`)."""
+        works at least 90% of the step, else another stream that works at least 90% of it (the busiest: e.g. a
+        disk busy the whole step, or host updates one step behind that take it), else what the compute waited for
+        longest ('h2d', 'disk', 'host' or, with several ranks, 'collective': `Timeline.waits`), else (on shared
+        cores, where waits are not told apart) 'compute'."""
         busy = self.stream_seconds(first_stage)
         step = self.predicted.step_time or 1.0
         streams = ("compute", "h2d", "d2h", "host", "disk") + (("collective",) if self.ranks > 1 else ())
         shares = {s: busy.get(s, 0.0) / step for s in streams}
         waits = self.predicted.waits
-        if not waits or shares["compute"] >= 0.9:
+        if shares["compute"] >= 0.9:
             return "compute", shares
         busiest = max(streams, key=shares.get)
         if shares[busiest] >= 0.9:
             return busiest, shares
+        if not waits:
+            return "compute", shares
         return max(waits, key=waits.get), shares
 
     def summary(self) -> dict:
