@@ -351,6 +351,10 @@ class MemoryConfig:
                                  "less max(2 GiB, 10%)).")
     disk_dir: str = doc("", "Directory of the disk tier (empty = no disk tier).")
     disk_budget: int = doc(0, "Bytes the disk tier may hold (0 = no limit beyond the file system's).")
+    disk_io: Literal["auto", "unbuffered", "memmap", "default", "direct"] = doc(
+        "auto", "How the disk tier moves page bytes: unbuffered (O_DIRECT, no page-cache copy: the least CPU per "
+                "byte), memmap / default / direct (tensorstore's file_io_mode), auto (unbuffered where disk_dir "
+                "takes O_DIRECT, else memmap).")
     staleness: int = doc(0, "Paged engine: 0 = exact updates, 1 = lock-free (a stage may use one-step-old parameters).")
     passes: int = doc(0, "Paged engine: accumulation passes per step, each running its share of the micro-batches "
                          "layer-major (fewer saved activations, streamed stages fetched once per pass); 0 = the "

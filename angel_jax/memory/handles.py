@@ -10,6 +10,8 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
+from angel_jax.memory import direct_io
+
 
 def resolved(value: Any = None) -> cf.Future:
     f: cf.Future = cf.Future()
@@ -61,7 +63,7 @@ class StagingBuffers:
             free = self._free.get((dtype.name, length))
             if free:
                 return free.pop()
-        return np.empty(length, dtype)
+        return direct_io.aligned_empty(length, dtype)  # the disk tier's O_DIRECT reads land in it without a bounce
 
     def give(self, buf: np.ndarray) -> None:
         with self._lock:

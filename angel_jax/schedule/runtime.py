@@ -115,7 +115,7 @@ def make_store(cfg: Config, device: jax.Device, budgets: Budgets, plan: Plan, ze
     if cfg.memory.disk_dir:
         per_process = zero is not None and len({d.process_index for d in zero.mesh.devices.flat}) > 1
         subdir = f"{PAGES_SUBDIR}.process_{jax.process_index()}" if per_process else PAGES_SUBDIR
-        disk = DiskTier(cfg.memory.disk_dir, budget=budgets.disk, subdir=subdir)
+        disk = DiskTier(cfg.memory.disk_dir, budget=budgets.disk, subdir=subdir, io_mode=cfg.memory.disk_io)
     # (the device also holds activations and working set, and the pages of streamed stages updated there)
     return PageStore(DeviceTier(device, budget=budgets.device - plan.fixed_device - plan.update_bytes, over=over),
                      HostTier(device, budget=budgets.host, over=over), disk)

@@ -388,6 +388,12 @@ class PagedTrainEngine:
         for row in plan.table(built.costs):
             lines.append(f"  {row['tier']:<7} pages    params {human_bytes(row['params'] // n)}, gradients "
                          f"{human_bytes(row['gradients'] // n)}, optimizer {human_bytes(row['optimizer'] // n)}")
+        disk = built.store.tiers.get("disk")
+        if disk is not None and disk.bytes_used:
+            how = {"unbuffered": "O_DIRECT, no page-cache copy", "memmap": "tensorstore, memory-mapped reads",
+                   "default": "tensorstore, pread", "direct": "tensorstore, O_DIRECT reads"}.get(disk.io_mode, "")
+            lines.append(f"  disk tier          {disk.root}, {disk.io_mode}: {how} "
+                         f"(memory.disk_io={self.cfg.memory.disk_io})")
         peak = plan.peak_bytes
         lines.append(f"  predicted peak     device {human_bytes(peak['device'] // n)} of "
                      f"{human_bytes(built.budgets.device // n)} budget (activations and working set "
