@@ -21,8 +21,8 @@ Figures (GB/s = 1e9 bytes/s; `GBps` is the median of `--reps` (transfers) or `--
 Disk figures are measured in interleaved rounds (tier, raw direct, raw buffered, rotated each round) on the same
 directory, so machine noise hits them alike; `disk_tier_vs_raw` gives tier/raw for each raw method (best rounds,
 medians, per round), and checks the tier's best round against the raw method of the same path: raw O_DIRECT I/O
-for the tier's "unbuffered" mode (target: 80%), raw buffered I/O for its page-cache modes (target: 70%). Before each read the files this run just wrote are evicted from the page cache
-with posix_fadvise(DONTNEED) (clean pages after fsync): the reads come from the disk, and nothing else of the
+for the tier's "unbuffered" mode (target: 80%), raw buffered I/O for its page-cache modes (target: 70%). Before
+each read the files this run just wrote are evicted from the page cache with posix_fadvise(DONTNEED) (clean pages after fsync): the reads come from the disk, and nothing else of the
 machine's page cache is touched. Only `--drop-caches` also drops the whole system's page cache
 (/proc/sys/vm/drop_caches, where permitted: root), which every other process then pays for. The record's
 `cache_drop` says which was used; the O_DIRECT figures bypass the page cache either way.
@@ -61,7 +61,7 @@ import numpy as np
 
 from angel_jax import benchinfo
 from angel_jax.memory import direct_io
-from angel_jax.memory.disk_tier import IO_MODES, DiskTier
+from angel_jax.memory.disk_tier import IO_MODES, DiskTier, resolve_io_mode
 from angel_jax.memory.tiers import DeviceTier, host_memory_kind
 
 TARGET_RATIO = 0.7
@@ -79,11 +79,6 @@ def default_calibration_path() -> str:
 def machine_info() -> dict[str, Any]:
     """The shared benchmark machine record, plus the memory kind the host tier uses."""
     return {**benchinfo.machine_info(), "host_memory_kind": host_memory_kind(jax.local_devices()[0])}
-
-
-def aligned_empty(nbytes: int) -> np.ndarray:
-    """An O_DIRECT-able uint8 buffer."""
-    return direct_io.aligned_empty(nbytes, np.uint8)
 
 
 def _record(figure: str, nbytes: int, seconds: list[float], **extra: Any) -> dict[str, Any]:
@@ -252,17 +247,16 @@ def raw_round(directory: str, pages: list[np.ndarray], into: list[np.ndarray], d
 
 def disk_figures(directory: str, page_bytes: int, total_bytes: int, rounds: int, io_mode: str,
                  concurrency: int, system_drop: bool = False) -> list[dict[str, Any]]:
-    if io_mode == "auto":  # recorded as the mode the tier resolves it to
-        io_mode = "unbuffered" if direct_io.supported(directory) else "memmap"
+    io_mode = resolve_io_mode(io_mode, directory)  # recorded as the mode the tier uses
     n_pages = max(1, total_bytes // page_bytes)
     total = n_pages * page_bytes
     rng = np.random.default_rng(1)
     pages = []
     for _ in range(n_pages):
-        buf = aligned_empty(page_bytes)
+        buf = direct_io.aligned_empty(page_bytes, np.uint8)
         buf.view(np.uint64)[:] = rng.integers(0, 2**63, size=page_bytes // 8, dtype=np.uint64)
         pages.append(buf)
-    into = [aligned_empty(page_bytes) for _ in range(n_pages)]
+    into = [direct_io.aligned_empty(page_bytes, np.uint8) for _ in range(n_pages)]
     Round = Callable[[list[np.ndarray], list[np.ndarray], bool], tuple]
     methods: dict[str, Round] = {
         "disk_tier": lambda p, i, check: tier_round(directory, p, i, io_mode, concurrency, check, system_drop),
@@ -332,7 +326,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--disk-bytes", type=int, default=2**30, help="bytes written and read per disk sample")
     p.add_argument("--rounds", type=int, default=7, help="interleaved rounds of disk samples")
     p.add_argument("--io-mode", default="auto", choices=IO_MODES,
-                   help="how the disk tier moves bytes (DiskTier's io_mode; auto: O_DIRECT where the directory takes it)")
+                   help="how the disk tier moves bytes (DiskTier's io_mode; auto: O_DIRECT where the directory "
+                        "takes it)")
     p.add_argument("--file-io-concurrency", type=int, default=8)
     p.add_argument("--drop-caches", action="store_true",
                    help="also drop the whole system's page cache before each read (/proc/sys/vm/drop_caches, as "

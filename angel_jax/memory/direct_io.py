@@ -1,9 +1,9 @@
 """Page files moved with O_DIRECT: a page's bytes go between its buffer and the disk without the page cache.
 
-Why: on a small VM (2 cores) a buffered write of a page cost 0.6-1.0 CPU-s per GB, two thirds of it the kernel's
-copy into the page cache, and a memory-mapped read 0.4-0.6; the same bytes with O_DIRECT from a reused aligned
-buffer cost 0.03 both ways (measured in one run, `angel-jax bench io --io-mode ...`). On 2 cores every CPU-second of
-the disk path is taken from the step's compute. ZeRO-Infinity's NVMe path moves its bytes the same way.
+Why: on a 2-core VM (2026-12-02, `angel-jax bench io`) the disk tier's buffered writes cost 0.97 CPU-s per GB, two
+thirds of it the kernel's copy into the page cache (perf), and its memory-mapped reads 0.60; through this module
+0.10 and 0.08 (`experiments/results/io_cpu.jsonl`). On 2 cores every CPU-second of the disk path is taken from the
+step's compute. ZeRO-Infinity's NVMe path moves its bytes the same way.
 
 The files are the disk tier's tensorstore chunk files, byte for byte what tensorstore's zarr3 `bytes` codec writes
 (little-endian, no header): the tier has tensorstore write each array's metadata, so tensorstore reads the pages.
