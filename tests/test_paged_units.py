@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from angel_jax.memory import PageLayout
-from angel_jax.schedule.plan import (Budgets, PlanError, fetches_per_step, load_bandwidths, make_plan,
+from angel_jax.schedule.plan import (Budgets, PlanError, fetches_per_step, load_bandwidths, make_plan, min_host_bytes,
                                      minimum_device_bytes, without_overlap)
 from angel_jax.schedule.simulate import Bandwidths, StageCost, simulate
 
@@ -278,3 +278,15 @@ def test_without_overlap_the_step_is_the_sum_of_its_parts():
     budgets = Budgets(device=6 * 4 * MB, host=None, disk=None, fixed_device=0)
     plan = make_plan(costs, BW, budgets)
     assert plan.serial_step_time == without_overlap(plan, costs, BW, False).step_time > plan.predicted.step_time
+
+
+def test_a_disk_busy_all_step_bounds_it_on_shared_cores():
+    """On shared cores (the CPU backend) the simulation tells no waits apart; a disk busy the whole step is still
+    what bounds it, not the compute that waits for it."""
+    costs = _costs()
+    slow_disk = Bandwidths(h2d=4e9, d2h=4e9, disk_read=2e7, disk_write=2e7)
+    budgets = Budgets(minimum_device_bytes(costs, Budgets(0, None, 0, 0)), min_host_bytes(costs), None, 0)
+    plan = make_plan(costs, slow_disk, budgets, shared_cpu=True)
+    assert set(plan.opt_home) == {"disk"} and not plan.predicted.waits
+    bound, shares = plan.bound(costs[0].name)
+    assert shares["disk"] >= 0.9 and bound == "disk"
