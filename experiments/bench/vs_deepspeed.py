@@ -151,10 +151,10 @@ def ds_config(spec: dict, disk: Path, largest: int) -> dict:
             # buffer_size: elements per swap buffer, at least the largest parameter (an MLP matrix)
             "offload_param": {"device": "nvme", "nvme_path": str(disk), "pin_memory": False, "buffer_count": 8,
                               "buffer_size": largest},
-            # Keep a parameter fetched only when it is used again within one MLP matrix's worth of parameters (the
-            # last block's, recomputed at once in the backward). The default, 1e9, keeps every parameter of a
-            # model under 1e9 elements between its forward and its recompute; at 48 blocks that holds more
-            # parameters than swap buffers ("Not enough buffers 0 for swapping 1").
+            # Keep a fetched parameter only when it is used again within one MLP matrix's worth of parameters (the
+            # last block's, recomputed at once in the backward). With the default (1e9 elements) DeepSpeed 0.19.8
+            # stopped at 48 blocks in its parameter swapper ("Not enough buffers 0 for swapping 1"); the swapper
+            # runs out when more parameters are kept for reuse than it has buffers.
             "stage3_max_reuse_distance": largest,
             "offload_optimizer": {"device": "nvme", "nvme_path": str(disk), "pin_memory": False, "buffer_count": 4},
             "stage3_prefetch_bucket_size": 0,
