@@ -4,6 +4,7 @@ training still converges like exact mode."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from pathlib import Path
 
@@ -120,3 +121,28 @@ def test_lock_free_training_runs_stale_and_converges_like_exact_mode():
     final_exact, final_lock_free = _eval_loss(exact_params, held_out), _eval_loss(lock_free_params, held_out)
     assert final_exact < exact[0] - 1.2, "the model must learn"
     assert abs(final_lock_free - final_exact) <= 0.02 * final_exact, (final_lock_free, final_exact)
+
+
+def test_lock_free_updates_put_the_stages_updated_exactly_first():
+    """The worker updates stages one at a time. In lock-free mode the next step may use a streamed stage before
+    its update, but not a resident one (updated exactly, on the device): with the stages in plain order the head,
+    resident and last, waited for every streamed stage's update (with optimizer state on disk, the whole disk
+    chain) and the next step's head with it. Exact mode keeps stage order (the next step needs stage 0 first)."""
+    data = [jnp.asarray(stdlib_windows(BATCH, seed=0))]
+    params = jax.tree.map(np.array, gpt.init(MODEL, 0)[1])
+    orders = {}
+    for staleness in (0, 1):
+        cfg = _cfg(staleness)
+        cfg = dataclasses.replace(cfg, memory=dataclasses.replace(cfg.memory, device_budget=3 * BUDGET))
+        engine = build_paged_runtime(cfg, params, data[0])
+        try:
+            resident = set(range(len(engine.updater.slots))) - set(engine.plan.streamed)
+            orders[staleness] = engine.updater.order
+            assert np.isfinite(float(engine.executor.step(data[0])["loss"]))
+        finally:
+            engine.close()
+    n = len(orders[0])
+    assert orders[0] == tuple(range(n))
+    assert resident and len(resident) < n, resident
+    streamed = tuple(i for i in range(n) if i not in resident)
+    assert orders[1] == tuple(sorted(resident)) + streamed, (orders[1], resident)

@@ -2,7 +2,8 @@
 
 The executor hands over each stage's gradient pages as its backward finishes (`submit`), and, once the backward
 pass is over, the global gradient norm and the anomaly guard's verdict on the loss and gradient norm (`finish`).
-A worker thread then updates the stages one at a time, in forward order (the next step needs stage 0 first): it
+A worker thread then updates the stages one at a time, in forward order (the next step needs stage 0 first; in
+lock-free mode the stages updated exactly go first, the ones allowed to run behind after them: `order`): it
 takes the stage's parameter and optimizer pages from the page store, runs the stage update (one jit: unpack ->
 optax -> pack, `angel_jax.optim.stage_update`) on the device for resident stages or on the host (the XLA CPU backend)
 for streamed ones, and puts the new pages back. Optimizer state whose home is the disk is read into host memory
@@ -382,6 +383,11 @@ class PageUpdater:
         self.store, self.slots, self.updates, self.placements = store, slots, updates, placements
         self.schedule = schedule
         self.staleness = staleness
+        self.order: tuple[int, ...] = (tuple(i for i, slot in enumerate(slots) if not self._lock_free(slot)) +
+                                       tuple(i for i, slot in enumerate(slots) if self._lock_free(slot)))
+        """The order the stages update in: stage order, except that in lock-free mode the stages the next step
+        reads exactly (device-resident ones: the head, the embedding) go first. Last, they waited for the whole
+        disk chain of the lock-free stages before them, and the next step's head with them."""
         self.small_specs: tuple[tuple[tuple[tuple[int, ...], np.dtype], ...], ...] = tuple(
             tuple((tuple(s.shape), np.dtype(s.dtype)) for s in stage) for stage in opt_small)
         """Per stage: (shape, dtype) of each small optimizer-state leaf (fixed by the optimizer)."""
@@ -555,14 +561,13 @@ class PageUpdater:
             if math.isfinite(guard.max_update_norm):
                 total = self._norm_pass(grads, order)
                 ok = ok & update_norm_ok(jnp.sqrt(total), StepControls(max_update_norm=guard.max_update_norm))
-            sq, applied = [], []
-            for i in range(len(self.slots)):
+            sq, applied = {}, {}
+            for k, i in enumerate(self.order):
                 self._stage_disk(i, record, wait=True, step=order.step)
-                for ahead in range(i + 1, i + OPT_STAGING):
+                for ahead in self.order[k + 1: k + OPT_STAGING]:
                     self._stage_disk(ahead, record, step=order.step)
-                s, a = self._update(i, grads.pop(i), order, ok)
-                sq.append(s)
-                applied.append(a)
+                sq[i], applied[i] = self._update(i, grads.pop(i), order, ok)
+            sq, applied = [sq[i] for i in sorted(sq)], [applied[i] for i in sorted(applied)]
             self._stage_first(record)  # the next step's first disk reads start now, under its forward pass
             staged = True
             while self._crossing:  # (holding them longer would keep replaced host pages alive)
@@ -596,7 +601,7 @@ class PageUpdater:
         return total
 
     def _stage_first(self, record: Callable[..., None] | None) -> None:
-        for i in range(OPT_STAGING):
+        for i in self.order[:OPT_STAGING]:
             self._stage_disk(i, record)
 
     def _stage_disk(self, i: int, record: Callable[..., None] | None, wait: bool = False,
@@ -659,27 +664,28 @@ class PageUpdater:
 
     def _norm_pass(self, grads: dict[int, tuple], order: StepOrder) -> jax.Array:
         """The update's global sum of squares, nothing written (disk pages are read, then dropped again)."""
-        record, sq = order.record, []
-        for i, slot in enumerate(self.slots):
+        record, sq = order.record, {}
+        for k, i in enumerate(self.order):
+            slot = self.slots[i]
             self._stage_disk(i, record, wait=True, step=order.step)
-            for ahead in range(i + 1, i + OPT_STAGING):
+            for ahead in self.order[k + 1: k + OPT_STAGING]:
                 self._stage_disk(ahead, record, step=order.step)
             place = self.placements[slot.placement]
             params, g, opt, small = self._inputs(slot, place, self._grads(slot, grads[i], order.step), i)
             fn = self.updates.norm_pass(slot.kind, place)
-            sq.append(fn(params, g, opt, small, jax.device_put(order.norm, place.scalar),
-                         jax.device_put(np.float32(order.guard.lr_scale), place.scalar)))
+            sq[i] = fn(params, g, opt, small, jax.device_put(order.norm, place.scalar),
+                       jax.device_put(np.float32(order.guard.lr_scale), place.scalar))
             del params, g, opt
             if self.inline or slot.placement == "device_for_host":  # (those: one stage's pages on the device)
-                jax.block_until_ready(sq[-1])
+                jax.block_until_ready(sq[i])
             if record is not None:
-                record(self._stream(slot), f"norm {slot.name}", sq[-1])
+                record(self._stream(slot), f"norm {slot.name}", sq[i])
             if slot.on_disk:
-                jax.block_until_ready(sq[-1])  # done reading the staged copies: free them (the disk copy is current)
+                jax.block_until_ready(sq[i])  # done reading the staged copies: free them (the disk copy is current)
                 self._written_back(i, [self.store.evict(pid, "host")
                                        for pid in slot.staged_ids(self._newest[i]) + slot.grads_of(order.step)])
         self._stage_first(record)
-        return self._on_device(sq, jnp.add)
+        return self._on_device([sq[i] for i in sorted(sq)], jnp.add)
 
     def _update(self, i: int, grads: tuple | None, order: StepOrder, ok: jax.Array) -> tuple:
         slot, store, record = self.slots[i], self.store, order.record
