@@ -263,6 +263,70 @@ def test_describe_status():
                                                                                co.EXIT_CONFIG)
 
 
+GLOO = ("JaxRuntimeError: UNKNOWN: Gloo AllGather failed: [gloo/transport/tcp/pair.cc:538] Read error "
+        "[127.0.0.1]:10906: Connection reset by peer")
+
+
+def test_the_peer_whose_collective_broke_first_is_not_charged_when_the_culprit_exits_within_the_window():
+    """Rank 1 is SIGKILLed, but rank 0's exit (its all-gather broke) reaches the launcher first: rank 0's crash is
+    held, and rank 1's exit, 0.8 s later, is the one charged, with the fault time of the first exit."""
+    d = Drive(node_names=["n1", "n2", "n3"])
+    d.warm(0.0)
+    d.all(3.0, 2)
+    d.msg(4.0, 0, 2, kind="exit", code=1, error=GLOO)
+    d.exit(4.1, 0, 1)
+    assert d.events("crash") == [] and not d.of(co.StopGroup) and d.wd.state == co.State.RUNNING
+    (held,) = d.events("crash_settling")
+    assert (held["rank"], held["node"], held["status"], held["wait_s"]) == (0, "n1", "exited with status 1", 4.0)
+    assert not [a for a in d.tick(8.0) if not isinstance(a, co.Emit)]  # 3.9 s: still in the window
+    d.exit(4.9, 1, -9)
+    (crash,) = d.events("crash")
+    assert (crash["rank"], crash["node"], crash["status"], crash["after_peers"]) == (1, "n2", "was killed by SIGKILL",
+                                                                                     [0])
+    assert d.wd.node_failures == {"n2": 1} and d.wd.fault_at == 4.1 and d.wd.detected_at == 4.9
+    assert len(d.of(co.StopGroup)) == 1
+    d.exit(5.0, 0, 1)  # already exited: nothing more
+    assert len(d.wd.failures) == 1
+
+
+def test_a_crash_held_as_a_consequence_is_charged_when_no_culprit_turns_up():
+    d = Drive()
+    d.warm(0.0)
+    d.all(3.0, 2)
+    d.msg(4.0, 0, 2, kind="exit", code=1, error=GLOO)
+    d.exit(4.0, 0, 1)
+    assert not [a for a in d.tick(7.9) if not isinstance(a, co.Emit)]
+    d.tick(8.0)  # the window (crash_settle 4 s) is over: rank 0 is charged
+    (crash,) = d.events("crash")
+    assert (crash["rank"], crash["status"], crash["settled_s"]) == (0, "exited with status 1", 4.0)
+    assert crash["message"] == f"rank 0 (node local0, pid 100) exited with status 1 at step 2 in phase training: {GLOO}"
+    assert d.wd.fault_at == 4.0 and d.wd.detected_at == 8.0 and d.wd.state == co.State.RECOVERING
+    # every worker gone, all of them on a broken collective: the first is charged at once
+    d = Drive(n=3)
+    d.warm(0.0)
+    d.all(3.0, 2)
+    for t, rank in ((4.0, 2), (4.2, 0), (4.3, 1)):
+        d.msg(t, rank, 2, kind="exit", code=1, error=GLOO)
+        d.exit(t, rank, 1 if rank else -6)  # an abort (JAX's distributed service) is a consequence too
+    (crash,) = d.events("crash")
+    assert (crash["rank"], crash["settled_s"]) == (2, 0.3) and len(d.events("crash_settling")) == 1
+
+
+def test_what_counts_as_the_consequence_of_a_peer_failure():
+    assert co.collateral(1, GLOO) and co.collateral(1, "ConnectionResetError: [Errno 104] Connection reset by peer")
+    assert co.collateral(-6, "")  # SIGABRT: JAX aborts a process whose peer died
+    assert not co.collateral(1, "InjectedFault: injected fault: raise@7")
+    assert not co.collateral(1, "")  # no error reported: its own
+    assert not co.collateral(-9, GLOO) and not co.collateral(-11, "")
+    assert not co.collateral(co.EXIT_EXCLUDE, GLOO) and not co.collateral(co.EXIT_CONFIG, GLOO)
+    # crash_settle 0: the first exit is charged, as it comes
+    d = Drive(co.WatchdogPolicy(**{**vars(POLICY), "crash_settle": 0.0}))
+    d.warm(0.0)
+    d.msg(4.0, 0, 0, kind="exit", code=1, error=GLOO)
+    d.exit(4.0, 0, 1)
+    assert d.events("crash")[0]["rank"] == 0 and not d.events("crash_settling")
+
+
 def test_a_lost_node_takes_the_blame_from_the_peer_whose_collective_broke():
     """Under a scheduler: rank 1's node vanishes, rank 0 fails first on the broken collective; the node probe
     says n2's daemon is gone, so n2 (not n1) is charged and excluded at once, the spare taking its rank."""
@@ -301,3 +365,14 @@ def test_a_node_lost_while_running_fails_the_attempt_and_all_its_ranks_move():
     assert d.of(co.Spawn)[-1] == co.Spawn(1, ("a", "a", "c", "c"), True)
     d.do(d.wd.handle(co.NodeDown(5.0, "c")))  # now no spare is left: the loss is a failure, not an exclusion
     assert d.events("exclusion_skipped")[-1:] == [] and d.wd.failures[-1].node == "c"
+
+
+def test_a_lost_node_whose_own_rank_was_charged_first_counts_once():
+    d = Drive(node_names=["n1", "n2", "n3"])
+    d.warm(0.0)
+    d.all(3.0, 1)
+    d.exit(4.0, 1, -9)  # srun reports n2's rank gone before the probe finds its daemon dead
+    d.do(d.wd.handle(co.NodeDown(4.5, "n2")))
+    assert d.wd.node_failures == {"n2": 1} and d.events("node_lost")[0]["recharged_from"] == "n2"
+    d.stopped(5.0)
+    assert d.of(co.Spawn)[-1] == co.Spawn(1, ("n1", "n3"), True)

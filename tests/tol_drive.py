@@ -10,7 +10,7 @@ from angel_jax.tol.heartbeat import validate
 TOKEN = "t" * 64
 POLICY = co.WatchdogPolicy(total_steps=16, hang_timeout_min=5.0, hang_factor=10.0, slow_phase_timeout=100.0,
                            heartbeat_lost_after=2.0, stop_grace=3.0, max_restarts=3, no_progress_limit=0,
-                           exclude_after=0)
+                           exclude_after=0, crash_settle=4.0)
 
 
 class Drive:

@@ -480,6 +480,9 @@ class ResilienceConfig:
     no_progress_limit: int = doc(2, "Restarts in a row that get no step past the best reached so far before the "
                                     "job ends in 'failed' (0 = no limit).")
     exclude_after: int = doc(2, "Failures blamed on the same node before it is replaced by a spare (0 = never).")
+    crash_settle: float = doc(5.0, "Seconds a crash that looks like the consequence of a peer's (a broken "
+                                   "collective, an abort) waits for the exit of the worker that caused it, so the "
+                                   "failure is charged to that one (0 = charge the first exit).")
     compile_cache: bool = doc(True, "Use JAX's persistent compilation cache, so restarts skip recompilation.")
     compile_cache_dir: str = doc("", "Where the compilation cache lives; empty = <run_dir>/compile_cache.")
 
@@ -490,7 +493,7 @@ class ResilienceConfig:
                 errs.append((key, "must be a finite number > 0"))
         if not math.isfinite(self.hang_factor) or self.hang_factor < 1:
             errs.append(("hang_factor", "must be >= 1 (a hang is longer than a step)"))
-        for key in ("stop_grace", "preempt_grace"):
+        for key in ("stop_grace", "preempt_grace", "crash_settle"):
             if not math.isfinite(getattr(self, key)) or getattr(self, key) < 0:
                 errs.append((key, "must be >= 0"))
         if self.heartbeat_lost_after <= self.heartbeat_interval:

@@ -18,7 +18,9 @@ no-progress limit spent) ; succeeded when process 0 exits 0 after the last step.
 
 Failures: a worker exits non-zero or dies by a signal; a hang (no step progress within the timeout: `hang_timeout`,
 from observed step times with a safety factor, longer in phases that make no steps by nature); a fatal anomaly
-(action restart or exclude) reported by a worker's detectors or by a coordinator-side detector.
+(action restart or exclude) reported by a worker's detectors or by a coordinator-side detector. A crash whose
+error says a collective broke (`collateral`) is held up to policy.crash_settle for the exit of the peer that broke
+it, whichever order the exits reach the launcher in, so the failure is charged to the worker that caused it.
 """
 
 from __future__ import annotations
@@ -62,13 +64,15 @@ class WatchdogPolicy:
     max_restarts: int = 5
     no_progress_limit: int = 2
     exclude_after: int = 2
+    crash_settle: float = 5.0
 
     @classmethod
     def from_config(cls, cfg: ResilienceConfig, *, total_steps: int) -> WatchdogPolicy:
         return cls(total_steps=total_steps, hang_timeout_min=cfg.hang_timeout_min, hang_factor=cfg.hang_factor,
                    slow_phase_timeout=cfg.slow_phase_timeout, heartbeat_lost_after=cfg.heartbeat_lost_after,
                    stop_grace=cfg.stop_grace, max_restarts=cfg.max_restarts,
-                   no_progress_limit=cfg.no_progress_limit, exclude_after=cfg.exclude_after)
+                   no_progress_limit=cfg.no_progress_limit, exclude_after=cfg.exclude_after,
+                   crash_settle=cfg.crash_settle)
 
 
 def p95(samples: Sequence[float]) -> float | None:
@@ -88,6 +92,24 @@ def hang_timeout(policy: WatchdogPolicy, step_times: Sequence[float], *, slow: b
     if q is not None:
         base = max(base, policy.hang_factor * q)
     return max(base, policy.slow_phase_timeout) if slow else base
+
+
+# What a worker's error says when the failure is another's: its collective broke because a peer died (gloo's TCP
+# pairs, JAX's coordination service). Matched in lower case against the error the worker reported on its way out.
+COLLATERAL_MARKERS = ("connection reset by peer", "connection closed by peer", "broken pipe", "gloo",
+                      "coordination service", "socket closed")
+
+
+def collateral(returncode: int, error: str) -> bool:
+    """Whether an exit looks like the consequence of another worker's failure rather than a failure of its own:
+    a collective that broke (the markers above), or SIGABRT (JAX aborts a process whose distributed service saw a
+    peer die). The statuses a worker chose (restart, exclusion, config) and other signals are its own."""
+    if returncode in (EXIT_RESTART, EXIT_EXCLUDE, EXIT_CONFIG):
+        return False
+    if returncode == -signal.SIGABRT:
+        return True
+    text = error.lower()
+    return returncode > 0 and any(m in text for m in COLLATERAL_MARKERS)
 
 
 def describe_status(returncode: int) -> str:
@@ -298,6 +320,9 @@ class Watchdog:
         """Rank 0's phase -> when it entered it, this attempt (for the recovery breakdown)."""
         self.attempt_first_step: float | None = None
         self.last_step_seen = False
+        self.settling: list[tuple[Failure, float]] = []
+        """This attempt's crashes that look like the consequence of another's (`collateral`), with their exit
+        times: held up to policy.crash_settle for the exit of the worker that caused them."""
         self.prev_attempt_best: int | None = None
 
     # --------------------------------------------------------------------------------------------- entry points
@@ -345,6 +370,7 @@ class Watchdog:
         self.ranks = {r: RankView(r, self.assignment[r], e.pids.get(r), e.now, e.now) for r in range(self.n)}
         self.stopping, self.rank0_done, self.finishing_since = False, False, None
         self.phase_at, self.attempt_first_step, self.last_step_seen = {}, None, False
+        self.settling = []
         return [Emit("start", {"attempt": self.attempt, "workers": [
             {"rank": r, "node": v.node, "pid": v.pid} for r, v in self.ranks.items()]})]
 
@@ -453,14 +479,34 @@ class Watchdog:
         elif self.rank0_done:
             out.append(Emit("exit_after_done", {"rank": e.rank, "status": describe_status(e.returncode)}))
         else:
-            return out + self._fail(e.now, e.now, Failure(
+            failure = Failure(
                 "crash", self.attempt, e.rank, view.node, view.step, view.phase,
                 f"rank {e.rank} (node {view.node}, pid {view.pid}) {describe_status(e.returncode)} at step "
                 f"{_step_text(view.step)} in phase {view.phase}" + (f": {view.error}" if view.error else ""),
-                action={EXIT_EXCLUDE: "exclude", EXIT_CONFIG: "fail"}.get(e.returncode, "restart")))
+                action={EXIT_EXCLUDE: "exclude", EXIT_CONFIG: "fail"}.get(e.returncode, "restart"))
+            if not (self.policy.crash_settle > 0 and collateral(e.returncode, view.error)):
+                # its own failure: charged at once, also when a peer's broken collective was seen first
+                held = [f.rank for f, _ in self.settling]
+                fault_at = min([at for _, at in self.settling] + [e.now])
+                return out + self._fail(fault_at, e.now, failure, extra={"after_peers": held} if held else None)
+            self.settling.append((failure, e.now))
+            if len(self.settling) == 1:
+                out.append(Emit("crash_settling", {
+                    "attempt": self.attempt, "rank": e.rank, "node": view.node, "status": describe_status(e.returncode),
+                    "wait_s": self.policy.crash_settle,
+                    "message": f"rank {e.rank} {describe_status(e.returncode)} on what looks like a peer's failure "
+                               f"({view.error or 'an abort'}); waiting up to {self.policy.crash_settle:g} s for "
+                               "the exit of the worker that caused it"}))
         if not self.live:
+            if self.settling:  # nobody left whose exit could name the cause
+                return out + self._settle(e.now)
             return out + self._finish(State.SUCCEEDED, self._success_summary())
         return out
+
+    def _settle(self, now: float) -> list[Action]:
+        """No worker's own failure turned up within the window: the first crash held is charged."""
+        failure, at = self.settling[0]
+        return self._fail(at, now, failure, extra={"settled_s": round(now - at, 3)})
 
     def _anomaly(self, e: AnomalyReport) -> list[Action]:
         fields = {"attempt": self.attempt, "detector": e.detector, "action": e.action, "rank": e.rank,
@@ -478,6 +524,8 @@ class Watchdog:
     def _tick(self, now: float) -> list[Action]:
         if self.stopping or not self.ranks:
             return []
+        if self.settling and now - self.settling[0][1] >= self.policy.crash_settle:
+            return self._settle(now)
         out: list[Action] = []
         for view in self.live:
             if view.last_seen is None:
@@ -534,7 +582,8 @@ class Watchdog:
         if blamed is not None and blamed.node not in (None, e.node):
             self.node_failures[blamed.node] -= 1  # the peer of a lost node: not its own fault
         self.failures.append(failure)
-        self.node_failures[e.node] = self.node_failures.get(e.node, 0) + 1
+        if blamed is None or blamed.node != e.node:  # a crash of its own rank already counted this failure
+            self.node_failures[e.node] = self.node_failures.get(e.node, 0) + 1
         return [Emit("node_lost", {"attempt": self.attempt, "node": e.node, "rank": failure.rank,
                                    "message": detail, "recharged_from": blamed.node if blamed else None})]
 
@@ -550,6 +599,7 @@ class Watchdog:
         return hang_timeout(self.policy, list(self.step_times), slow=slow)
 
     def _fail(self, fault_at: float, now: float, failure: Failure, extra: dict | None = None) -> list[Action]:
+        self.settling = []
         self.failures.append(failure)
         if failure.node is not None:
             self.node_failures[failure.node] = self.node_failures.get(failure.node, 0) + 1

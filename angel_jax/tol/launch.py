@@ -186,7 +186,7 @@ class Launcher:
                 tail = log_tail(worker.log_path, 6)
                 if tail:
                     self._say(f"  last lines of {worker.log_path}:\n" + "\n".join(f"    {t}" for t in tail))
-        if action.kind in ("crash", "hang", "heartbeat_lost") and self.daemons:
+        if action.kind in ("crash", "crash_settling", "hang", "heartbeat_lost") and self.daemons:
             self._probe_nodes(now)
         if action.kind in ("start", "state", "job_end"):
             self._write_status()
