@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import threading
+import time
 from pathlib import Path
 
 import jax
@@ -149,4 +151,49 @@ def test_lock_free_updates_put_the_stages_updated_exactly_first():
     # after stages that may run behind, so plain order would fail this.)
     assert resident and resident <= set(exact[1]) and max(exact[1]) > min(set(range(n)) - set(exact[1])), \
         (resident, exact[1])
-    assert orders[1] == exact[1] + tuple(i for i in range(n) if i not in exact[1]), (orders[1], exact[1])
+    # and the others from the last back, as the backward releases them
+    assert orders[1] == exact[1] + tuple(i for i in reversed(range(n)) if i not in exact[1]), (orders[1], exact[1])
+
+
+def test_the_updater_keeps_at_most_pending_versions_for_stages_in_use():
+    """Lock-free, host-homed parameters: an update that completes while its stage is in use is kept until the
+    stage's release, a second version in host memory. Here every such stage is held (acquired for the next step
+    before the last step's updates start): the worker keeps PENDING_VERSIONS of them, then waits for a release,
+    and goes on as the stages are released, every update applied."""
+    from angel_jax.schedule.staging import PENDING_VERSIONS
+
+    data = [jnp.asarray(stdlib_windows(BATCH, seed=0))]
+    engine = build_paged_runtime(_cfg(1), jax.tree.map(np.array, gpt.init(MODEL, 0)[1]), data[0])
+    go = threading.Event()
+    try:
+        updater = engine.updater
+        free = [i for i, slot in enumerate(updater.slots) if updater._lock_free(slot) and not slot.second_set]
+        assert len(free) > PENDING_VERSIONS + 1, free
+        run_step = updater._run_step
+
+        def gated(*args):  # the worker starts step 0's updates once the test holds the stages
+            go.wait()
+            return run_step(*args)
+
+        updater._run_step = gated
+        assert np.isfinite(float(engine.executor.step(data[0])["loss"]))
+        for i in free:  # step 1 may use them one update behind: held at once
+            assert updater.acquire(i, 1)
+        go.set()
+        deadline = time.monotonic() + 120
+        while sum(p is not None for p in updater._pending) < PENDING_VERSIONS and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(0.5)  # the worker waits for a release: however long, it keeps no more
+        with updater._cond:
+            kept = sum(p is not None for p in updater._pending)
+            assert kept == PENDING_VERSIONS and updater._busy == 1, (kept, updater._busy)
+            assert sorted(updater._done[i] for i in free)[0] == 0  # an update still to run
+        for i in free:
+            updater.release(i)
+            with updater._cond:
+                assert sum(p is not None for p in updater._pending) <= PENDING_VERSIONS
+        updater.drain()
+        assert updater._done == [1] * len(updater.slots)
+    finally:
+        go.set()
+        engine.close()

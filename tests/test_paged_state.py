@@ -35,7 +35,7 @@ def _mesh() -> jax.sharding.Mesh:
 def _mixed(tmp_path) -> Config:
     """Some stages resident, the others streamed with part of their optimizer state on disk: every tier in use."""
     (tmp_path / "disk").mkdir(exist_ok=True)
-    return _cfg(tmp_path, device_budget=3_600_000, host_budget=4_200_000, disk_dir=str(tmp_path / "disk"))
+    return _cfg(tmp_path, device_budget=3_600_000, host_budget=4_600_000, disk_dir=str(tmp_path / "disk"))
 
 
 def _steps(engine: PagedTrainEngine, data: list) -> list[float]:

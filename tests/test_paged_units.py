@@ -3,6 +3,8 @@ file, and the derivative of page unpacking that every stage backward relies on."
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 from dataclasses import replace
 
@@ -85,6 +87,7 @@ def test_refusals_say_how_much_is_missing_and_which_key_to_raise():
     all_disk = make_plan(costs, BW, Budgets(minimum, 40 * MB, None, fixed))
     assert all_disk.home == all_disk.grad_home == all_disk.opt_home == ("disk",) * 8
     assert all_disk.peak_bytes["host"] == 40 * MB and all_disk.peak_bytes["disk"] == 8 * 16 * MB
+    assert all_disk.opt_staging == 2  # a third stage staged (16 MiB more) does not fit
     # A little more host room keeps the first stages' parameters there (optimizer state and gradients go first).
     some = make_plan(costs, BW, Budgets(minimum, 48 * MB, None, fixed))
     assert some.opt_home == some.grad_home == ("disk",) * 8 and some.home.count("host") >= 1, some.home
@@ -95,8 +98,31 @@ def test_refusals_say_how_much_is_missing_and_which_key_to_raise():
         make_plan(costs, BW, Budgets(minimum, 100 * MB, 8 * MB, fixed))
     on_disk = make_plan(costs, BW, Budgets(minimum, 100 * MB, None, fixed))
     host_opt = sum(h == "host" for h in on_disk.opt_home)
-    assert on_disk.opt_home.count("disk") == 8 - host_opt and host_opt == 2  # 64 + 16 staging + 2 x 8 <= 100 MiB
+    # 64 + 2 x 8 staging + 2 x 8 <= 100 MiB, but a third stage staged is worth more than an optimizer stage on the
+    # host (read and written once a step, in the chain that deeper staging speeds up): 64 + 3 x 8 + 8 <= 100 MiB
+    assert on_disk.opt_home.count("disk") == 8 - host_opt and host_opt == 1 and on_disk.opt_staging == 3
     assert on_disk.peak_bytes["host"] <= 100 * MB and on_disk.peak_bytes["disk"] == (8 - host_opt) * 8 * MB
+
+
+def test_lock_free_keeps_a_bounded_number_of_second_versions_and_updates_from_the_last_stage_back():
+    """Lock-free mode's second versions of host-homed parameters: the updater keeps at most PENDING_VERSIONS for
+    stages in use, and computes one more, so the plan counts that many of the largest such stages, not a second
+    copy of every stage. The chain goes from the last stage back, after the stages updated exactly."""
+    from angel_jax.schedule.plan import host_bytes
+    from angel_jax.schedule.staging import PENDING_VERSIONS, update_order
+
+    assert PENDING_VERSIONS == 4
+    costs = _costs(8)
+    costs[3] = dataclasses.replace(costs[3], param_bytes=6 * MB)  # the largest counts first
+    homes = (("host",) * 8, ("host",) * 8, ("host",) * 8)
+    params, grads, opt = 34 * MB, 34 * MB, 64 * MB
+    assert host_bytes(costs, homes, staleness=0) == params + grads + opt
+    assert host_bytes(costs, homes, staleness=1) == params + grads + opt + (6 + 4 * 4) * MB
+    # two stages: both have a second version at most
+    assert host_bytes(costs[:2], tuple(h[:2] for h in homes), staleness=1) == 2 * (2 * 4 + 4 + 8) * MB
+    assert update_order([False] * 4) == (0, 1, 2, 3)
+    assert update_order([False, True, True, True, False]) == (0, 4, 3, 2, 1)
+    assert update_order([True, True, False]) == (2, 1, 0)
 
 
 def test_lock_free_hides_slow_host_updates():

@@ -189,7 +189,9 @@ def report(cfg: Config, plan: Plan, costs: list[StageCost], budgets: Budgets, bw
                 else ""),
              f"  {len(plan.resident)} resident, {len(plan.streamed)} streamed (prefetch {plan.prefetch}); on disk: "
              f"parameters of {plan.home.count('disk')} stages, gradients of {plan.grad_home.count('disk')}, "
-             f"optimizer state of {plan.opt_home.count('disk')}",
+             f"optimizer state of {plan.opt_home.count('disk')}"
+             + (f" ({plan.opt_staging} stages staged through the host at a time)"
+                if "disk" in plan.home + plan.grad_home + plan.opt_home else ""),
              "", f"  {'tier':<8}{'params':>14}{'gradients':>14}{'optimizer':>14}{'budget':>14}"
                  + ("   (one rank's)" if plan.ranks > 1 else "")]
     budget = {"device": budgets.device, "host": budgets.host, "disk": budgets.disk}

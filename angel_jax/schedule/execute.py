@@ -236,6 +236,7 @@ class PagedExecutor:
         streamed = set(plan.streamed)
         refs: dict[int, int] = {}
         acquired: dict[int, int] = {}  # per stage acquired in this step, the set of pages of its version
+        let_go: set[int] = set()  # the stages acquired and released again in this step
         saved: dict[int, Any] = {}  # per stage, its input of the current pass (parked: in host memory)
         parked: set[int] = set()  # the stages whose saved input is in host memory
 
@@ -283,6 +284,7 @@ class PagedExecutor:
                             store.evict(pid, "device")
             if k == self._last_use[i]:
                 updater.release(i)
+                let_go.add(i)
 
         marks: list[Any] = []  # per access, a small output that is ready when the access's computation is done
         issue_through = InOrder(issue, len(self._seq)).through
@@ -293,54 +295,63 @@ class PagedExecutor:
         loss = None
         figure_parts: list[dict] = []  # per pass, the model's figures of its micro-batches
         k = 0  # the access's index in the step's sequence
-        for p in range(passes):
-            last_pass = p == passes - 1
-            # The pass's activation (forward) or its gradient (backward): one micro-batch, or the pass's stacked.
-            x, ts = tokens[p], targets[p]
-            for op, i in self._pass_seq:
-                # Access k's fetch was issued `prefetch` accesses back, once the computation before that one was
-                # done; with no prefetch it is issued now, once the previous computation is done.
-                issue_through(k)
-                kind = staged.stages[i].kind
-                pages = tuple(store.get(pid, "device") for pid in self.model.call_ids(i, acquired))
-                if op == "forward":  # one call per access: it scans the pass's micro-batches (`forward_micro`)
-                    saved[i] = x
-                    x = out = mark = (fns.forward if per_pass == 1 else fns.forward_micro)[kind](pages, x)
-                    if plan.parked_bytes:  # its input waits for the backward in host memory
-                        saved[i] = self._park(i, saved[i], rec)
-                        parked.add(i)
-                else:
-                    if i in self._summed_on_device and i in host_sums:  # its sum so far crosses under the backward
-                        host_sums[i] = self._settle(jax.device_put(host_sums[i], store.tiers["device"].sharding))
-                    if op == "head" and self._figures is not None:
-                        # The model's figures, read from the head's input (a pytree activation carries them).
-                        figure_parts.append(self._figures(x))
-                    if i in parked:  # (not brought back ahead: a prefetch deeper than the forward was)
-                        saved[i] = self._unpark(i, saved[i], rec)
-                        parked.discard(i)
-                    out, sqsums[i], mark, x, loss = self._backward(op, i, pages, saved.pop(i, None), x, (ts, share),
-                                                                   sums, lent, loss, micro, last_pass)
-                marks.append(mark)
-                self._settle((out, x, mark))
-                if rec:
-                    # (labelled as the planner's timeline labels them: later passes with their number)
-                    rec.record("compute", f"{op} {staged.stages[i].name}" + (f" (pass {p + 1})" if p else ""), out)
-                if op != "forward" and i in self._summed_on_device:
-                    sqsums[i] = self._add_on_device(step, i, out, host_sums, micro, last_pass, rec)
-                elif op != "forward" and self._sum_span(i, micro) < micro:
-                    sqsums[i] = self._add_on_host(step, i, out, host_sums, micro, last_pass, rec)
-                elif op != "forward" and last_pass:
-                    updater.submit(step, i, self._grads_home(step, i, out, streamed, rec))
-                del pages, out, mark
-                release(k, i)
-                if plan.prefetch:  # waits for access k - 1's computation, with access k's queued behind it
-                    issue_through(k + plan.prefetch)
-                if k > 0:  # (waited for: a forward's mark is its output, which must not outlive its use)
-                    marks[k - 1] = None
-                if self.on_access is not None:
-                    self.on_access(op, i)
-                k += 1
+        try:
+            for p in range(passes):
+                last_pass = p == passes - 1
+                # The pass's activation (forward) or its gradient (backward): one micro-batch, or the pass's stacked.
+                x, ts = tokens[p], targets[p]
+                for op, i in self._pass_seq:
+                    # Access k's fetch was issued `prefetch` accesses back, once the computation before that one was
+                    # done; with no prefetch it is issued now, once the previous computation is done.
+                    issue_through(k)
+                    kind = staged.stages[i].kind
+                    pages = tuple(store.get(pid, "device") for pid in self.model.call_ids(i, acquired))
+                    if op == "forward":  # one call per access: it scans the pass's micro-batches (`forward_micro`)
+                        saved[i] = x
+                        x = out = mark = (fns.forward if per_pass == 1 else fns.forward_micro)[kind](pages, x)
+                        if plan.parked_bytes:  # its input waits for the backward in host memory
+                            saved[i] = self._park(i, saved[i], rec)
+                            parked.add(i)
+                    else:
+                        if i in self._summed_on_device and i in host_sums:  # its sum so far crosses under the backward
+                            host_sums[i] = self._settle(jax.device_put(host_sums[i], store.tiers["device"].sharding))
+                        if op == "head" and self._figures is not None:
+                            # The model's figures, read from the head's input (a pytree activation carries them).
+                            figure_parts.append(self._figures(x))
+                        if i in parked:  # (not brought back ahead: a prefetch deeper than the forward was)
+                            saved[i] = self._unpark(i, saved[i], rec)
+                            parked.discard(i)
+                        out, sqsums[i], mark, x, loss = self._backward(op, i, pages, saved.pop(i, None), x, (ts, share),
+                                                                       sums, lent, loss, micro, last_pass)
+                    marks.append(mark)
+                    self._settle((out, x, mark))
+                    if rec:
+                        # (labelled as the planner's timeline labels them: later passes with their number)
+                        rec.record("compute", f"{op} {staged.stages[i].name}" + (f" (pass {p + 1})" if p else ""), out)
+                    if op != "forward" and i in self._summed_on_device:
+                        sqsums[i] = self._add_on_device(step, i, out, host_sums, micro, last_pass, rec)
+                    elif op != "forward" and self._sum_span(i, micro) < micro:
+                        sqsums[i] = self._add_on_host(step, i, out, host_sums, micro, last_pass, rec)
+                    elif op != "forward" and last_pass:
+                        updater.make_room_for_grads(i, step)
+                        updater.submit(step, i, self._grads_home(step, i, out, streamed, rec))
+                    del pages, out, mark
+                    release(k, i)
+                    if plan.prefetch:  # waits for access k - 1's computation, with access k's queued behind it
+                        issue_through(k + plan.prefetch)
+                    if k > 0:  # (waited for: a forward's mark is its output, which must not outlive its use)
+                        marks[k - 1] = None
+                    if self.on_access is not None:
+                        self.on_access(op, i)
+                    k += 1
 
+        except BaseException:
+            # A step that fails part-way still lets go of the stages it holds: the updater keeps only a bounded
+            # number of versions for stages in use, and waits for their release before it keeps another.
+            for s in acquired:
+                if s not in let_go:
+                    updater.release(s)
+            raise
         self._last_mark = marks[-1]
         if micro > 1:
             loss = loss * np.float32(1 / micro)

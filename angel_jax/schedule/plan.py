@@ -18,8 +18,9 @@ so each access of a stage costs the compute of every micro-batch and the transfe
    Updates of streamed stages run on the host; disk-homed pages are staged through it (`OPT_STAGING` stages at a
    time) and gradients on their way to disk are bounded too (`GRAD_SPILL` stages). Lock-free mode
    (`staleness: 1`) keeps one more copy of parameters, the version in use while the next is written: host-homed
-   ones in host memory; disk-homed ones as a second set of pages on disk (and the staged stages' new version in
-   host memory beside the old one until it is written).
+   ones in host memory, for at most `PENDING_VERSIONS` stages in use at a time (and the one updating); disk-homed
+   ones as a second set of pages on disk (and the staged stages' new version in host memory beside the old one
+   until it is written).
    Streamed stages whose every page family lives on the host may update on the device instead
    (`memory.streamed_updates`): their parameters, gradients and optimizer state cross the link to the device and
    the new pages cross back, `DEVICE_UPDATES_IN_FLIGHT` stages at a time, for which device memory is reserved
@@ -56,7 +57,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from angel_jax.errors import AngelError
-from angel_jax.schedule.staging import ACTIVATIONS_IN_FLIGHT, DEVICE_UPDATES_IN_FLIGHT, GRAD_SPILL, OPT_STAGING
+from angel_jax.schedule.staging import (ACTIVATIONS_IN_FLIGHT, DEVICE_UPDATES_IN_FLIGHT, GRAD_SPILL, OPT_STAGING,
+                                        OPT_STAGING_DEEP, PENDING_VERSIONS)
 from angel_jax.schedule.simulate import Bandwidths, StageCost, simulate
 from angel_jax.schedule.timeline import Timeline
 from angel_jax.schedule.trace import compute_sequence
@@ -177,6 +179,9 @@ class Plan:
     parked_bytes: int = 0
     """Bytes of each stage's saved input in a pass, parked in pinned host memory between its forward and its
     backward (`memory.activations: host`); 0: saved inputs wait on the device."""
+    opt_staging: int = OPT_STAGING
+    """Stages of disk-homed pages held in host memory around their update (`OPT_STAGING`, or `OPT_STAGING_DEEP`
+    where the host budget has room for it with every page placed as with the fewer)."""
 
     @property
     def updates(self) -> tuple[str, ...]:
@@ -254,7 +259,7 @@ class Plan:
                 "opt_on_disk": self.opt_home.count("disk"), "staleness": self.staleness,
                 "micro_batches": self.micro_batches, "passes": self.passes,
                 "streamed_device_updates": len(self.streamed_device_updates),
-                "activations_parked_bytes": self.parked_bytes,
+                "activations_parked_bytes": self.parked_bytes, "opt_staging": self.opt_staging,
                 "predicted_step_s": self.predicted.step_time, "serial_step_s": self.serial_step_time,
                 "peak_bytes": dict(self.peak_bytes)}
 
@@ -481,7 +486,7 @@ def without_overlap(plan: Plan, costs: list[StageCost], bw: Bandwidths, shared_c
     return simulate(costs, bw, plan.home, plan.opt_home, plan.prefetch, grad_home=plan.grad_home,
                     staleness=plan.staleness, shared_cpu=shared_cpu, micro_batches=plan.micro_batches,
                     passes=plan.passes, ranks=plan.ranks, overlap=False, update_at=plan.updates,
-                    parked_bytes=plan.parked_bytes)
+                    parked_bytes=plan.parked_bytes, opt_staging=plan.opt_staging)
 
 
 def _resident_bytes(c: StageCost) -> int:
@@ -519,7 +524,8 @@ def _plan_for(costs: list[StageCost], bw: Bandwidths, budgets: Budgets, prefetch
     if used + (update_window(costs, streamed) if device_updates else 0) > free:
         return None
     try:
-        home, grad_home, opt_home, host_used, disk_used = place_streamed(costs, budgets, streamed, staleness, passes)
+        home, grad_home, opt_home, host_used, disk_used, staging = place_streamed(costs, budgets, streamed,
+                                                                                  staleness, passes)
     except PlanError:
         if passes == 1:
             raise
@@ -530,11 +536,11 @@ def _plan_for(costs: list[StageCost], bw: Bandwidths, budgets: Budgets, prefetch
     reserved = update_window(costs, [j for j in streamed if update_at[j] == "device"])
     predicted = simulate(costs, bw, home, opt_home, prefetch, grad_home=grad_home, staleness=staleness,
                          shared_cpu=shared_cpu, micro_batches=micro_batches, passes=passes, ranks=ranks,
-                         update_at=update_at, parked_bytes=parked)
+                         update_at=update_at, parked_bytes=parked, opt_staging=staging)
     peak = {"device": fixed + gathered + used + reserved, "host": host_used + parked_pass, "disk": disk_used}
     return Plan(tuple(sorted(resident)), home, grad_home, opt_home, prefetch, window, peak, staleness, predicted,
                 micro_batches, passes, fixed, ranks, gathered, update_at=update_at, update_bytes=reserved,
-                parked_bytes=parked)
+                parked_bytes=parked, opt_staging=staging)
 
 
 Homes = tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]
@@ -547,20 +553,26 @@ def min_host_bytes(costs: list[StageCost], staleness: int = 0) -> int:
     return host_bytes(costs, (every, every, every), staleness)
 
 
-def host_bytes(costs: list[StageCost], homes: Homes, staleness: int) -> int:
-    """Host memory a placement needs at its peak: the host-homed pages (lock-free mode: a second version of
-    host-homed parameters), the disk-homed pages of `OPT_STAGING` stages staged around their update (the largest
-    such stages; exact mode updates disk-homed parameters in place, lock-free mode writes the new version beside
-    the old, which a step may still be reading), and `GRAD_SPILL` stages of gradients on their way to disk."""
+def host_bytes(costs: list[StageCost], homes: Homes, staleness: int, staging: int = OPT_STAGING,
+               passes: int = 1) -> int:
+    """Host memory a placement needs at its peak: the host-homed pages (lock-free mode: second versions of
+    host-homed parameters, `PENDING_VERSIONS` kept for stages in use and the one being computed, of the largest
+    such stages), the disk-homed pages of `staging` stages staged around their update (the largest such
+    stages; exact mode updates disk-homed parameters in place, lock-free mode writes the new version beside the
+    old, which a step may still be reading), and `GRAD_SPILL` stages of gradients on their way to disk.
+    Host-homed gradients are one set (lock-free with one pass, a stage's new ones wait in the backward until the
+    update before took the old: `PageUpdater.make_room_for_grads`); two steps' with several `passes`, whose sums
+    start in the first pass while the stages are held for the last."""
     home, grad_home, opt_home = homes
-    homed = sum((1 + staleness) * c.param_bytes for c, h in zip(costs, home) if h == "host") \
-        + sum(c.param_bytes for c, h in zip(costs, grad_home) if h == "host") \
+    host_params = sorted((c.param_bytes for c, h in zip(costs, home) if h == "host"), reverse=True)
+    homed = sum(host_params) + (sum(host_params[:PENDING_VERSIONS + 1]) if staleness else 0) \
+        + (1 + (staleness if passes > 1 else 0)) * sum(c.param_bytes for c, h in zip(costs, grad_home) if h == "host") \
         + sum(c.opt_bytes for c, h in zip(costs, opt_home) if h == "host")
     staged = sorted(((1 + staleness) * c.param_bytes * (h == "disk") + c.param_bytes * (g == "disk")
                      + c.opt_bytes * (o == "disk") for c, h, g, o in zip(costs, home, grad_home, opt_home)),
                     reverse=True)
     spill = max((c.param_bytes for c, g in zip(costs, grad_home) if g == "disk"), default=0)
-    return homed + sum(staged[:OPT_STAGING]) + GRAD_SPILL * spill
+    return homed + sum(staged[:staging]) + GRAD_SPILL * spill
 
 
 def disk_bytes(costs: list[StageCost], homes: Homes, staleness: int = 0) -> int:
@@ -572,11 +584,13 @@ def disk_bytes(costs: list[StageCost], homes: Homes, staleness: int = 0) -> int:
 
 
 def place_streamed(costs: list[StageCost], budgets: Budgets, streamed: list[int], staleness: int,
-                   passes: int = 1) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...], int, int]:
+                   passes: int = 1) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...], int, int, int]:
     """Homes of the streamed stages' page families: the host while the host budget lasts, then the disk, cheapest
     family first (optimizer state, gradients, parameters; within a family the last stages first). With several
-    accumulation passes gradients stay on the host, where each pass adds into them. Returns
-    (param homes, gradient homes, optimizer homes, host bytes, disk bytes); resident stages are 'device'."""
+    accumulation passes gradients stay on the host, where each pass adds into them. The homes are chosen with
+    `OPT_STAGING` stages staged; one more (`OPT_STAGING_DEEP`) where the host has room for it with at most more
+    optimizer state on disk, never gradients or parameters. Returns (param homes, gradient homes, optimizer
+    homes, host bytes, disk bytes, stages staged); resident stages are 'device'."""
     n = len(costs)
     homes = [["device" if i not in streamed else "host" for i in range(n)] for _ in range(3)]  # params, grads, opt
 
@@ -588,10 +602,10 @@ def place_streamed(costs: list[StageCost], budgets: Budgets, streamed: list[int]
     all_disk = [["disk" if i in streamed else "device" for i in range(n)] for _ in range(3)]
     if passes > 1:
         all_disk[1] = list(homes[1])
-    least = host_bytes(costs, frozen(), staleness) if budgets.disk == 0 else \
-        host_bytes(costs, (tuple(all_disk[0]), tuple(all_disk[1]), tuple(all_disk[2])), staleness)
+    least = host_bytes(costs, frozen(), staleness, passes=passes) if budgets.disk == 0 else \
+        host_bytes(costs, (tuple(all_disk[0]), tuple(all_disk[1]), tuple(all_disk[2])), staleness, passes=passes)
     moves = [(family, i) for family in ((2, 0) if passes > 1 else (2, 1, 0)) for i in reversed(streamed)]
-    while budgets.host is not None and host_bytes(costs, frozen(), staleness) > budgets.host:
+    while budgets.host is not None and host_bytes(costs, frozen(), staleness, passes=passes) > budgets.host:
         if budgets.disk == 0:
             raise PlanError(f"host budget {budgets.host:,} B cannot hold the streamed stages' parameters, gradients "
                             f"and optimizer state ({least:,} B) and there is no disk tier: set memory.disk_dir, or "
@@ -606,6 +620,21 @@ def place_streamed(costs: list[StageCost], budgets: Budgets, streamed: list[int]
                             f"memory.device_budget{device}")
         family, i = moves.pop(0)
         homes[family][i] = "disk"
+    # One stage more staged where the host holds it with at most more optimizer state on disk (read and written
+    # once a step, in the chain the deeper staging speeds up), never gradients or parameters.
+    staging, deep = OPT_STAGING, [list(h) for h in homes]
+    more = [i for i in reversed(streamed) if deep[2][i] == "host"] if budgets.disk != 0 else []
+
+    def deep_bytes() -> int:
+        return host_bytes(costs, (tuple(deep[0]), tuple(deep[1]), tuple(deep[2])), staleness, OPT_STAGING_DEEP,
+                          passes)
+
+    while budgets.host is not None and deep_bytes() > budgets.host and more:
+        deep[2][more.pop(0)] = "disk"
+    deep_homes: Homes = (tuple(deep[0]), tuple(deep[1]), tuple(deep[2]))
+    if (budgets.host is None or deep_bytes() <= budgets.host) and \
+            (budgets.disk is None or disk_bytes(costs, deep_homes, staleness) <= budgets.disk):
+        homes, staging = deep, OPT_STAGING_DEEP
     placed = frozen()
     disk_used = disk_bytes(costs, placed, staleness)
     if budgets.disk is not None and disk_used > budgets.disk:
@@ -615,4 +644,4 @@ def place_streamed(costs: list[StageCost], budgets: Budgets, streamed: list[int]
                         f"give the disk tier more than "
                         f"{budgets.disk:,} B (memory.disk_budget, or free space in memory.disk_dir) or raise "
                         "memory.host_budget")
-    return (*placed, host_bytes(costs, placed, staleness), disk_used)
+    return (*placed, host_bytes(costs, placed, staleness, staging, passes), disk_used, staging)

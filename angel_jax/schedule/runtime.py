@@ -271,7 +271,8 @@ def assemble_runtime(decision: Decision, bp: Blueprint, params: Any, example_bat
     if not cfg.memory.overlap:  # every move waited for; the updates run in turn on the training thread (inline)
         store = SerialStore(store)
     updater = PageUpdater(store, slots, bp.updates, small, where, bp.schedule, staleness=cfg.memory.staleness,
-                          inline=zero is not None or not cfg.memory.overlap, newest=model.newest)
+                          inline=zero is not None or not cfg.memory.overlap, newest=model.newest,
+                          opt_staging=plan.opt_staging)
     executor = PagedExecutor(model, bp.fns, plan, store, updater,
                              micro_batch_size=decision.rows,
                              host_compute=where["host"].compute, overlap=cfg.memory.overlap,

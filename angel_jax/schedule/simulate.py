@@ -25,8 +25,10 @@ Rules (those of execute.py and updater.py):
 - A resident stage's compute waits for its previous update on the device.
 - Gradients of streamed stages go to the host after their backward (d2h).
 - Updates start once the last backward is done (the global norm is needed for clipping, and the guard's verdict on
-  the loss and gradient norm before any update), in forward order: resident stages on the compute stream,
-  streamed ones on the host stream after their gradients arrived.
+  the loss and gradient norm before any update), in the updater's order (`staging.update_order`: forward order;
+  lock-free, the exact stages first and the others from the last back): resident stages on the compute stream,
+  streamed ones on the host stream after their gradients arrived. (The updater's wait for a release when
+  `PENDING_VERSIONS` new versions are kept for stages in use is not modelled.)
 - A streamed stage updated on the device (`update_at`, `memory.streamed_updates`): its parameters, gradients and
   optimizer state cross to the device (h2d), the update runs there, and the new parameters and optimizer state
   cross back (d2h); its update is complete when they are home. At most `DEVICE_UPDATES_IN_FLIGHT` stages are on
@@ -54,7 +56,7 @@ Rules (those of execute.py and updater.py):
   gather is done. A reduce-scatter is issued when its backward ends, so the gathers issued before that (those of
   the prefetch window) go first. A streamed stage's gradient shard goes to the host (d2h) after its
   reduce-scatter; a resident stage's waits for its update on the device.
-- Disk-homed parameters and optimizer state are read `OPT_STAGING` stages ahead of their update (the first ones
+- Disk-homed parameters and optimizer state are read `opt_staging` stages ahead of their update (the first ones
   under the previous step's forward pass; disk-homed gradients once the backward is over) and written back after
   it.
 - `shared_cpu`: on the CPU backend the "device" is the CPU itself, and copies between memory kinds and host
@@ -82,7 +84,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from angel_jax.schedule.staging import DEVICE_UPDATES_IN_FLIGHT, OPT_STAGING
+from angel_jax.schedule.staging import DEVICE_UPDATES_IN_FLIGHT, OPT_STAGING, update_order
 from angel_jax.schedule.timeline import Timeline
 from angel_jax.schedule.trace import compute_sequence
 
@@ -174,7 +176,8 @@ class _Clock:
 def simulate(costs: list[StageCost], bw: Bandwidths, home: tuple[str, ...], opt_home: tuple[str, ...],
              prefetch: int, *, grad_home: tuple[str, ...] | None = None, staleness: int = 0, shared_cpu: bool = False,
              steps: int = 3, micro_batches: int = 1, passes: int = 1, ranks: int = 1,
-             overlap: bool = True, update_at: tuple[str, ...] | None = None, parked_bytes: float = 0) -> Timeline:
+             overlap: bool = True, update_at: tuple[str, ...] | None = None, parked_bytes: float = 0,
+             opt_staging: int = OPT_STAGING) -> Timeline:
     """`home`: per stage 'device', 'host' or 'disk' (parameters); `grad_home` defaults to 'device' for resident
     stages and 'host' for streamed ones; `update_at` (where each stage's update runs) to 'device' for resident
     stages and 'host' for streamed ones. `parked_bytes`: bytes of each stage's saved input in a pass, parked in
@@ -192,7 +195,8 @@ def simulate(costs: list[StageCost], bw: Bandwidths, home: tuple[str, ...], opt_
     seq = compute_sequence(n) * passes  # one forward-backward sequence per accumulation pass
     per_pass = len(seq) // passes
     calls = micro_batches // passes  # stage calls per access
-    order = list(range(n))
+    order = list(update_order([bool(staleness) and home[i] in ("host", "disk") and update_at[i] == "host"
+                               for i in range(n)]))  # the updater's (`PageUpdater.order`)
     collective = ranks > 1 and bw.link > 0
     ring_s = [(ranks - 1) * c.gathered_bytes / bw.link if collective else 0.0 for c in costs]  # gather or scatter
     exchange_s = [(ranks - 1) / ranks * c.exchange_bytes / bw.link if collective else 0.0 for c in costs]
@@ -200,7 +204,7 @@ def simulate(costs: list[StageCost], bw: Bandwidths, home: tuple[str, ...], opt_
     state_read = [c.param_bytes * (h == "disk") + c.opt_bytes * (o == "disk") for c, h, o in zip(costs, home, opt_home)]
     grad_read = [c.param_bytes * (g == "disk") for c, g in zip(costs, grad_home)]
     written = [c.param_bytes * (h == "disk") + c.opt_bytes * (o == "disk") for c, h, o in zip(costs, home, opt_home)]
-    early = [i for i in order[:OPT_STAGING] if state_read[i] or grad_read[i]]  # staged under the forward pass
+    early = [i for i in order[:opt_staging] if state_read[i] or grad_read[i]]  # staged under the forward pass
     updated = [0.0] * n  # when each stage's latest update is complete
     updated_before = [0.0] * n  # ... and the one before it (lock-free bound)
     read_done: dict[int, float] = {}
@@ -357,8 +361,8 @@ def simulate(costs: list[StageCost], bw: Bandwidths, home: tuple[str, ...], opt_
         for j in early:
             read(j, norm_at, grad_read[j])
         for pos, i in enumerate(order):
-            if pos + OPT_STAGING < len(order) and order[pos + OPT_STAGING] not in early:
-                j = order[pos + OPT_STAGING]
+            if pos + opt_staging < len(order) and order[pos + opt_staging] not in early:
+                j = order[pos + opt_staging]
                 read(j, max(norm_at, grads_home[i]), state_read[j] + grad_read[j])
             staged = read_done.pop(i, 0.0)
             earliest = max(norm_at, grads_home[i], staged)

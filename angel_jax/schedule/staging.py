@@ -4,7 +4,14 @@
 
 OPT_STAGING = 2
 """Stages of disk-homed pages (parameters, gradients, optimizer state) held in host memory around their update
-(read ahead, or being written back): the bound the updater keeps and the host memory the plan reserves for it."""
+(read ahead, or being written back): the bound the updater keeps and the host memory the plan reserves for it, at
+least. With two, the next stage's reads queue behind the last one's write-back, and the disk does one after the
+other."""
+
+OPT_STAGING_DEEP = 3
+"""...and where the host budget has room for one more stage once every page has its home (`Plan.opt_staging`):
+the next stage's reads are then issued while the update before it computes, before its write-back. Measured on a
+2-core VM's disk (2.4 B GPT, 47 disk-homed stages, lock-free): 46 s a step against 55 s with two."""
 
 GRAD_SPILL = 2
 """Stages of disk-homed gradients on their way from the backward to the disk at a time (the executor waits for the
@@ -19,3 +26,19 @@ DEVICE_UPDATES_IN_FLIGHT = 2
 """Streamed stages updated on the device (`memory.streamed_updates`) whose pages are on the device at a time: one
 stage's inputs arrive while the previous one's new pages go home (the updater waits for the oldest before it sends
 more); the device memory the plan reserves for them, each stage its parameters, gradients and optimizer state."""
+
+PENDING_VERSIONS = 4
+"""Lock-free mode, stages whose parameters live in host memory: new versions kept in host memory until the stage in
+use is released (`PageUpdater.release`). The updater waits before it keeps one more; with the one update computing,
+the host memory the plan reserves for second versions (`PENDING_VERSIONS + 1` of the largest such stages, not a
+second version of every stage)."""
+
+
+def update_order(lock_free: list[bool]) -> tuple[int, ...]:
+    """The order the stages update in, given which may run one update behind: stage order in exact mode; in
+    lock-free mode the stages updated exactly (device-resident: the head, the embedding) first, in stage order, then
+    the others from the last stage back. Last, the exact ones waited for the whole disk chain and the next step's
+    head with them. Backwards, the chain meets the stages as the backward releases them (the last block first), so
+    few new versions wait in host memory for a stage in use; the next step reads each of them only a step later."""
+    exact = tuple(i for i, free in enumerate(lock_free) if not free)
+    return exact + tuple(i for i in reversed(range(len(lock_free))) if lock_free[i])

@@ -3,11 +3,12 @@
 The executor hands over each stage's gradient pages as its backward finishes (`submit`), and, once the backward
 pass is over, the global gradient norm and the anomaly guard's verdict on the loss and gradient norm (`finish`).
 A worker thread then updates the stages one at a time, in forward order (the next step needs stage 0 first; in
-lock-free mode the stages updated exactly go first, the ones allowed to run behind after them: `order`): it
+lock-free mode the stages updated exactly go first, then the ones allowed to run behind, from the last back:
+`order`): it
 takes the stage's parameter and optimizer pages from the page store, runs the stage update (one jit: unpack ->
 optax -> pack, `angel_jax.optim.stage_update`) on the device for resident stages or on the host (the XLA CPU backend)
 for streamed ones, and puts the new pages back. Optimizer state whose home is the disk is read into host memory
-ahead of its update and written back after it, so the disk works while other stages update; at most `OPT_STAGING`
+ahead of its update and written back after it, so the disk works while other stages update; at most `opt_staging`
 stages' optimizer pages are on the host for this at any time, read-ahead and write-backs still in flight counted
 together (the plan reserves exactly that much host memory).
 
@@ -31,7 +32,9 @@ access in a step:
   there is nothing to hide there.
 
 A stage in use (between `acquire` and `release`) never has its parameters replaced under it: an update that
-completes meanwhile is kept pending and installed at `release`.
+completes meanwhile is kept pending and installed at `release`; at most `PENDING_VERSIONS` are kept at a time (the
+worker waits for a release before it keeps another), which bounds the host memory of lock-free mode's second
+versions of host-homed parameters.
 
 Threads. The training thread talks to the worker only by immutable messages: `StageGrads` (`submit`) and one
 `StepOrder` per step (`finish`: the step, its global gradient norm, its `Guard` and the timeline hook of that step
@@ -59,7 +62,7 @@ from angel_jax.memory.crossing import onto
 from angel_jax.memory.shardwise import Shardwise
 from angel_jax.memory.tiers import HOST_MEMORY_KINDS
 from angel_jax.optim.guard import StepControls, update_norm_ok
-from angel_jax.schedule.staging import DEVICE_UPDATES_IN_FLIGHT, OPT_STAGING
+from angel_jax.schedule.staging import DEVICE_UPDATES_IN_FLIGHT, OPT_STAGING, PENDING_VERSIONS, update_order
 
 
 @dataclass(frozen=True)
@@ -358,13 +361,13 @@ class PageUpdater:
     - the worker, while a step is in flight: `_applied`, `_opt_small`, `_ahead`, `_writing`, `_error` (set once,
       under `_cond`). The training thread reads them only through `state()` and replaces them only through
       `reset()`, both after `drain()`, when no step is in flight;
-    - both, only under `_cond`: `_done`, `_held`, `_pending`, `_busy`, `_released` (write-backs started by
+    - both, only under `_cond`: `_done`, `_held`, `_pending`, `_busy`, `_closing`, `_released` (write-backs started by
       `release` on the training thread, handed to the worker's bookkeeping).
     """
 
     def __init__(self, store: PageStore, slots: list[StageSlot], updates: StageUpdates, opt_small: list[list],
                  placements: dict[str, Placement], schedule: optax.Schedule, *, staleness: int,
-                 inline: bool = False, newest: list[int] | None = None):
+                 inline: bool = False, newest: list[int] | None = None, opt_staging: int = OPT_STAGING):
         """`inline`: dispatch each step's updates on the training thread, in `finish`, instead of a worker thread.
         For updates that are multi-device programs with collectives (ZeRO-3 pages on the CPU backend): there two
         threads dispatching such programs at once deadlock (each program's participants wait for devices the
@@ -383,11 +386,11 @@ class PageUpdater:
         self.store, self.slots, self.updates, self.placements = store, slots, updates, placements
         self.schedule = schedule
         self.staleness = staleness
-        self.order: tuple[int, ...] = (tuple(i for i, slot in enumerate(slots) if not self._lock_free(slot)) +
-                                       tuple(i for i, slot in enumerate(slots) if self._lock_free(slot)))
-        """The order the stages update in: stage order, except that in lock-free mode the stages the next step
-        reads exactly (device-resident ones: the head, the embedding) go first. Last, they waited for the whole
-        disk chain of the lock-free stages before them, and the next step's head with them."""
+        self.opt_staging = opt_staging
+        """Stages of disk-homed pages held in host memory around their update (`Plan.opt_staging`)."""
+        self.order: tuple[int, ...] = update_order([self._lock_free(slot) for slot in slots])
+        """The order the stages update in (`staging.update_order`): stage order in exact mode; in lock-free mode
+        the stages updated exactly first, then the others from the last back."""
         self.small_specs: tuple[tuple[tuple[tuple[int, ...], np.dtype], ...], ...] = tuple(
             tuple((tuple(s.shape), np.dtype(s.dtype)) for s in stage) for stage in opt_small)
         """Per stage: (shape, dtype) of each small optimizer-state leaf (fixed by the optimizer)."""
@@ -418,6 +421,7 @@ class PageUpdater:
         self._busy = 0
         """Steps finished by the executor and not yet fully updated."""
         self._error: BaseException | None = None
+        self._closing = False
         self._thread: threading.Thread | None = None
         self._ahead: set[int] = set()
         """Stages whose disk-homed optimizer pages were read into host memory for their coming update."""
@@ -435,13 +439,7 @@ class PageUpdater:
         slot = self.slots[i]
         need = step - (self.staleness if self._lock_free(slot) else 0)
         with self._cond:
-            while self._done[i] < need:
-                self._check()
-                if not self._busy:
-                    raise UpdaterError(f"stage {slot.name!r}: step {step} needs update {need} of it, and no update "
-                                       f"is in flight ({self._done[i]} done): the step count and the updater disagree")
-                self._cond.wait(0.5)
-            self._check()
+            self._wait_done(i, need, f"step {step} needs update {need} of it")
             stale = self._done[i] < step
             self.stale_uses += stale
             self.max_lag = max(self.max_lag, step - self._done[i])
@@ -464,6 +462,29 @@ class PageUpdater:
                 if writes:
                     self._released.append(_InFlight(i, writes))
                 self._pending[i] = None
+            self._cond.notify_all()  # (the worker may wait for room for one more pending version)
+
+    def make_room_for_grads(self, i: int, step: int) -> None:
+        """Before stage i's gradients of `step` go to the host (the training thread, in the backward): in lock-free
+        mode the stage's gradients of the step before may still wait there for their update, which runs beside
+        this step. Wait until that update took them, so the host holds one set of gradients per stage, what the plan
+        counts. (It never waits for a stage in use: the chain, from the last stage back, has the stages before
+        this one in the backward's order released by now, and keeps this one's new version pending.)"""
+        slot = self.slots[i]
+        if not self._lock_free(slot) or (slot.grad_home or slot.where) != "host":
+            return  # (exact mode: the step before's updates took theirs before this step's forward)
+        with self._cond:
+            self._wait_done(i, step, f"its gradients of step {step} wait for update {step} of it")
+
+    def _wait_done(self, i: int, need: int, why: str) -> None:
+        """Wait (under `_cond`, on the training thread) until stage i has `need` updates done."""
+        while self._done[i] < need:
+            self._check()
+            if not self._busy:
+                raise UpdaterError(f"stage {self.slots[i].name!r}: {why}, and no update is in flight "
+                                   f"({self._done[i]} done): the step count and the updater disagree")
+            self._cond.wait(0.5)
+        self._check()
 
     def submit(self, step: int, i: int, grads: tuple) -> None:
         """Stage i's gradient pages of `step` (on the tier its update reads them from)."""
@@ -529,6 +550,9 @@ class PageUpdater:
 
     def close(self) -> None:
         if self._thread is not None:
+            with self._cond:
+                self._closing = True  # (a worker waiting for the release of a stage in use waits no longer)
+                self._cond.notify_all()
             self._inbox.put(None)
             self._thread.join()
             self._thread = None
@@ -564,7 +588,7 @@ class PageUpdater:
             sq, applied = {}, {}
             for k, i in enumerate(self.order):
                 self._stage_disk(i, record, wait=True, step=order.step)
-                for ahead in self.order[k + 1: k + OPT_STAGING]:
+                for ahead in self.order[k + 1: k + self.opt_staging]:
                     self._stage_disk(ahead, record, step=order.step)
                 sq[i], applied[i] = self._update(i, grads.pop(i), order, ok)
             sq, applied = [sq[i] for i in sorted(sq)], [applied[i] for i in sorted(applied)]
@@ -601,13 +625,13 @@ class PageUpdater:
         return total
 
     def _stage_first(self, record: Callable[..., None] | None) -> None:
-        for i in self.order[:OPT_STAGING]:
+        for i in self.order[:self.opt_staging]:
             self._stage_disk(i, record)
 
     def _stage_disk(self, i: int, record: Callable[..., None] | None, wait: bool = False,
                     step: int | None = None) -> None:
         """Start reading stage i's disk-homed pages into host memory (parameters and optimizer state; with `step`,
-        also that step's disk-homed gradients), keeping at most OPT_STAGING stages staged. A read-ahead that
+        also that step's disk-homed gradients), keeping at most `opt_staging` stages staged. A read-ahead that
         does not fit is left for later; with `wait` (the stage is next) the oldest write-backs are waited for
         until it fits."""
         if i >= len(self.slots) or not self.slots[i].on_disk:
@@ -620,7 +644,7 @@ class PageUpdater:
                     self.store.prefetch(pid, "host", keep_source=True)
             return
         self._settle_writes()
-        while len(self._ahead) + len(self._writing) >= OPT_STAGING:
+        while len(self._ahead) + len(self._writing) >= self.opt_staging:
             if not wait or not self._writing:
                 return
             self._writing.pop(0).settle(self.store, wait=True)
@@ -668,7 +692,7 @@ class PageUpdater:
         for k, i in enumerate(self.order):
             slot = self.slots[i]
             self._stage_disk(i, record, wait=True, step=order.step)
-            for ahead in self.order[k + 1: k + OPT_STAGING]:
+            for ahead in self.order[k + 1: k + self.opt_staging]:
                 self._stage_disk(ahead, record, step=order.step)
             place = self.placements[slot.placement]
             params, g, opt, small = self._inputs(slot, place, self._grads(slot, grads[i], order.step), i)
@@ -723,6 +747,12 @@ class PageUpdater:
             jax.block_until_ready(new_params)  # "written": only then may the training thread pick it up
         old = slot.params_in(self._newest[i]) if slot.second_set else ()  # the version read: its staged copies
         with self._cond:
+            # A version kept for a stage in use is host memory the plan counts PENDING_VERSIONS of: wait for a
+            # release when that many are kept. The training thread never waits for this update meanwhile: a step
+            # holds a stage only once the update before this one is in (lock-free), and releases all it holds.
+            while self._held[i] and not slot.second_set and not self._closing and \
+                    sum(p is not None for p in self._pending) >= PENDING_VERSIONS:
+                self._cond.wait(0.5)
             if self._held[i] and not slot.second_set:
                 self._pending[i] = new_params
             else:  # (a stage with two sets in use keeps reading the other set: `_install` writes this one)
