@@ -197,3 +197,61 @@ def test_the_updater_keeps_at_most_pending_versions_for_stages_in_use():
     finally:
         go.set()
         engine.close()
+
+
+def test_lock_free_gradients_wait_in_the_backward_for_the_update_that_takes_the_previous_ones():
+    """Lock-free, one pass: a stage's gradients of step 1 go to the host only once its step-0 update took the
+    step-0 ones (the plan counts one set of host-homed gradients). With step 0's updates held back, step 1's
+    backward stops at its first stage, nothing of step 1 handed over; released, step 1 completes."""
+    data = [jnp.asarray(stdlib_windows(BATCH, seed=s)) for s in (0, 1)]
+    engine = build_paged_runtime(_cfg(1), jax.tree.map(np.array, gpt.init(MODEL, 0)[1]), data[0])
+    go = threading.Event()
+    try:
+        updater = engine.updater
+        assert all(updater._lock_free(slot) and (slot.grad_home or slot.where) == "host" for slot in updater.slots)
+        run_step, submit, make_room = updater._run_step, updater.submit, updater.make_room_for_grads
+        submitted, waited = [], []
+        updater._run_step = lambda *args: (go.wait(), run_step(*args))[1]
+        updater.submit = lambda step, i, grads: (submitted.append((step, i)), submit(step, i, grads))[1]
+        updater.make_room_for_grads = lambda i, step: (waited.append((step, i)), make_room(i, step))[1]
+        assert np.isfinite(float(engine.executor.step(data[0])["loss"]))
+        n = len(updater.slots)
+        assert sorted(submitted) == [(0, i) for i in range(n)]
+        out: dict = {}
+        second = threading.Thread(target=lambda: out.update(engine.executor.step(data[1])), daemon=True)
+        second.start()
+        deadline = time.monotonic() + 120
+        while not any(s == 1 for s, _ in waited) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        time.sleep(1.0)  # the backward waits for step 0's update of its first stage: however long, no further
+        assert [w for w in waited if w[0] == 1] == [(1, n - 1)] and not [s for s in submitted if s[0] == 1]
+        assert second.is_alive()
+        go.set()
+        second.join(120)
+        assert not second.is_alive() and np.isfinite(float(out["loss"]))
+        assert sorted(s for s in submitted if s[0] == 1) == [(1, i) for i in range(n)]
+    finally:
+        go.set()
+        engine.close()
+
+
+def test_a_step_that_fails_part_way_releases_the_stages_it_holds():
+    """The updater waits for the release of stages in use (at most PENDING_VERSIONS new versions kept for them):
+    a step that raises in its forward lets go of what it acquired, and the next step runs."""
+    data = [jnp.asarray(stdlib_windows(BATCH, seed=0))]
+    engine = build_paged_runtime(_cfg(1), jax.tree.map(np.array, gpt.init(MODEL, 0)[1]), data[0])
+    try:
+        updater, executor = engine.updater, engine.executor
+
+        def fail(op: str, i: int) -> None:
+            if op == "forward" and i == 3:
+                raise RuntimeError("injected")
+
+        executor.on_access = fail
+        with pytest.raises(RuntimeError, match="injected"):
+            executor.step(data[0])
+        assert not any(updater._held)
+        executor.on_access = None
+        assert np.isfinite(float(executor.step(data[0])["loss"]))
+    finally:
+        engine.close()
