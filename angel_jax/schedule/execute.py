@@ -344,7 +344,6 @@ class PagedExecutor:
                     if self.on_access is not None:
                         self.on_access(op, i)
                     k += 1
-
         except BaseException:
             # A step that fails part-way still lets go of the stages it holds: the updater keeps only a bounded
             # number of versions for stages in use, and waits for their release before it keeps another.

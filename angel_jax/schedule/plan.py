@@ -181,7 +181,7 @@ class Plan:
     backward (`memory.activations: host`); 0: saved inputs wait on the device."""
     opt_staging: int = OPT_STAGING
     """Stages of disk-homed pages held in host memory around their update (`OPT_STAGING`, or `OPT_STAGING_DEEP`
-    where the host budget has room for it with every page placed as with the fewer)."""
+    where the host budget has room for it with at most more optimizer state on disk: `place_streamed`)."""
 
     @property
     def updates(self) -> tuple[str, ...]:

@@ -195,8 +195,9 @@ def simulate(costs: list[StageCost], bw: Bandwidths, home: tuple[str, ...], opt_
     seq = compute_sequence(n) * passes  # one forward-backward sequence per accumulation pass
     per_pass = len(seq) // passes
     calls = micro_batches // passes  # stage calls per access
-    order = list(update_order([bool(staleness) and home[i] in ("host", "disk") and update_at[i] == "host"
-                               for i in range(n)]))  # the updater's (`PageUpdater.order`)
+    # the stages that may run one update behind (`PageUpdater._lock_free`), and the updater's order
+    behind = [bool(staleness) and home[i] in ("host", "disk") and update_at[i] == "host" for i in range(n)]
+    order = list(update_order(behind))
     collective = ranks > 1 and bw.link > 0
     ring_s = [(ranks - 1) * c.gathered_bytes / bw.link if collective else 0.0 for c in costs]  # gather or scatter
     exchange_s = [(ranks - 1) / ranks * c.exchange_bytes / bw.link if collective else 0.0 for c in costs]
@@ -290,7 +291,7 @@ def simulate(costs: list[StageCost], bw: Bandwidths, home: tuple[str, ...], opt_
         elif home[i] != "device":
             gate = issued_at(k)
             first = i not in fetched and i not in fetched_passes
-            if first and staleness and home[i] in ("host", "disk") and update_at[i] == "host" and updated[i] > gate:
+            if first and behind[i] and updated[i] > gate:
                 ready = updated_before[i]  # runs one update behind rather than wait
             at = max(gate, ready if first else 0.0)
             if not (first and ready > gate):

@@ -9,9 +9,10 @@ least. With two, the next stage's reads queue behind the last one's write-back, 
 other."""
 
 OPT_STAGING_DEEP = 3
-"""...and where the host budget has room for one more stage once every page has its home (`Plan.opt_staging`):
-the next stage's reads are then issued while the update before it computes, before its write-back. Measured on a
-2-core VM's disk (2.4 B GPT, 47 disk-homed stages, lock-free): 46 s a step against 55 s with two."""
+"""...and where the host budget has room for one more stage with at most more optimizer state on disk
+(`Plan.opt_staging`): the next stage's reads are then issued while the update before it computes, before its
+write-back. Measured on a 2-core VM's disk (2.4 B GPT, 47 disk-homed stages, 40 stages' gradients on disk in both
+runs, lock-free): 46 s a step against 55 s with two."""
 
 GRAD_SPILL = 2
 """Stages of disk-homed gradients on their way from the backward to the disk at a time (the executor waits for the
