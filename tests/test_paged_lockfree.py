@@ -39,10 +39,12 @@ BUDGET = 3_200_000  # the step's minimum (activations + a window of 3 blocks), n
 LR = 5e-4
 
 
-def _cfg(staleness: int) -> Config:
+def _cfg(staleness: int, lock_free_from: int = 0) -> Config:
+    """(lock-free from the first step unless told: these tests are about the stale steps)"""
     return Config(model=MODEL, optimizer=OptimizerConfig(name="adamw", lr=LR, warmup_steps=20),
                   train=TrainConfig(steps=STEPS, batch_size=BATCH),
-                  memory=MemoryConfig(mode="paged", page_size=PAGE, device_budget=BUDGET, staleness=staleness))
+                  memory=MemoryConfig(mode="paged", page_size=PAGE, device_budget=BUDGET, staleness=staleness,
+                                      lock_free_from=lock_free_from))
 
 
 def stdlib_windows(n: int, seed: int) -> np.ndarray:
@@ -54,8 +56,9 @@ def stdlib_windows(n: int, seed: int) -> np.ndarray:
     return np.stack([tokens[s:s + MODEL.seq_len + 1] for s in starts])
 
 
-def _train(staleness: int, data: list[jax.Array]) -> tuple[list[float], dict, object]:
-    engine = build_paged_runtime(_cfg(staleness), jax.tree.map(np.array, gpt.init(MODEL, 0)[1]), data[0])
+def _train(staleness: int, data: list[jax.Array], lock_free_from: int = 0) -> tuple[list[float], dict, object]:
+    engine = build_paged_runtime(_cfg(staleness, lock_free_from), jax.tree.map(np.array, gpt.init(MODEL, 0)[1]),
+                                 data[0])
     engine.stale = {}  # (step, stage) -> whether the stage ran without its previous update
     acquire = engine.updater.acquire
 
@@ -123,6 +126,21 @@ def test_lock_free_training_runs_stale_and_converges_like_exact_mode():
     final_exact, final_lock_free = _eval_loss(exact_params, held_out), _eval_loss(lock_free_params, held_out)
     assert final_exact < exact[0] - 1.2, "the model must learn"
     assert abs(final_lock_free - final_exact) <= 0.02 * final_exact, (final_lock_free, final_exact)
+
+
+def test_lock_free_steps_start_at_lock_free_from_and_the_steps_before_are_exact():
+    """`memory.lock_free_from: K`: steps 0..K-1 wait for every update (the losses are exact mode's), from step K
+    stages run one update behind, and the whole run is the replayed delayed gradient from there on."""
+    windows = stdlib_windows(12 * BATCH, seed=0)
+    data = [jnp.asarray(windows[k * BATCH:(k + 1) * BATCH]) for k in range(12)]
+    k = 6
+    exact, _, _ = _train(0, data)
+    late, _, engine = _train(1, data, lock_free_from=k)
+    assert not any(stale for (step, _), stale in engine.stale.items() if step < k)
+    assert sum(stale for (step, _), stale in engine.stale.items() if step >= k) > 0, engine.stale
+    assert late[:k] == exact[:k]
+    assert late[k:] != exact[k:]
+    np.testing.assert_allclose(late, _replayed(data, engine.stale), rtol=1e-5)
 
 
 def test_lock_free_updates_put_the_stages_updated_exactly_first():

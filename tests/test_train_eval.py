@@ -98,7 +98,7 @@ def test_lock_free_evaluation_waits_for_pending_updates_and_restarts_a_recording
 
     monkeypatch.setattr(execute, "Recorder", Spy)
     engine = PagedTrainEngine(_engine_cfg(tmp_path, mode="paged", page_size=PAGE, device_budget=900_000,
-                                          host_budget=1_200_000, staleness=1), _mesh())
+                                          host_budget=1_200_000, staleness=1, lock_free_from=0), _mesh())
     data = batches(WARMUP_STEPS + RECORDED_STEPS + 2, MODEL, BATCH)
     graphdef, _ = models.get(MODEL).abstract()
     whole_loss = jax.jit(make_loss_fn(graphdef, models.get(MODEL).loss))

@@ -356,6 +356,9 @@ class MemoryConfig:
                 "byte), memmap / default / direct (tensorstore's file_io_mode), auto (unbuffered where disk_dir "
                 "takes O_DIRECT, else memmap).")
     staleness: int = doc(0, "Paged engine: 0 = exact updates, 1 = lock-free (a stage may use one-step-old parameters).")
+    lock_free_from: int = doc(100, "Paged engine, lock-free (staleness 1): the first step that may use one-step-old "
+                                   "parameters; the steps before update exactly (a delayed gradient costs the most "
+                                   "early in training, at the peak learning rate).")
     passes: int = doc(0, "Paged engine: accumulation passes per step, each running its share of the micro-batches "
                          "layer-major (fewer saved activations, streamed stages fetched once per pass); 0 = the "
                          "planner chooses.")
@@ -383,6 +386,8 @@ class MemoryConfig:
             errs.append(("staleness", "must be 0 (exact) or 1 (lock-free)"))
         if not self.overlap and self.staleness:
             errs.append(("overlap", "false runs every update in turn, which is exact: it needs staleness 0"))
+        if self.lock_free_from < 0:
+            errs.append(("lock_free_from", "must be >= 0 (0 = lock-free from the first step)"))
         if self.passes < 0:
             errs.append(("passes", "must be >= 0 (0 = the planner chooses)"))
         if self.activations not in ("auto", "host", "device"):

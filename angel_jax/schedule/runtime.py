@@ -272,7 +272,7 @@ def assemble_runtime(decision: Decision, bp: Blueprint, params: Any, example_bat
         store = SerialStore(store)
     updater = PageUpdater(store, slots, bp.updates, small, where, bp.schedule, staleness=cfg.memory.staleness,
                           inline=zero is not None or not cfg.memory.overlap, newest=model.newest,
-                          opt_staging=plan.opt_staging)
+                          opt_staging=plan.opt_staging, lock_free_from=cfg.memory.lock_free_from)
     executor = PagedExecutor(model, bp.fns, plan, store, updater,
                              micro_batch_size=decision.rows,
                              host_compute=where["host"].compute, overlap=cfg.memory.overlap,

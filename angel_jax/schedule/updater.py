@@ -367,7 +367,8 @@ class PageUpdater:
 
     def __init__(self, store: PageStore, slots: list[StageSlot], updates: StageUpdates, opt_small: list[list],
                  placements: dict[str, Placement], schedule: optax.Schedule, *, staleness: int,
-                 inline: bool = False, newest: list[int] | None = None, opt_staging: int = OPT_STAGING):
+                 inline: bool = False, newest: list[int] | None = None, opt_staging: int = OPT_STAGING,
+                 lock_free_from: int = 0):
         """`inline`: dispatch each step's updates on the training thread, in `finish`, instead of a worker thread.
         For updates that are multi-device programs with collectives (ZeRO-3 pages on the CPU backend): there two
         threads dispatching such programs at once deadlock (each program's participants wait for devices the
@@ -375,7 +376,9 @@ class PageUpdater:
         what is lost is only the worker's waiting for disk reads, which the training thread then does. Each update
         is waited for before the next is dispatched: a program with collectives runs alone (`Zero.serial`).
         `newest`: per stage, the set of parameter pages holding its newest version (`PagedModel.newest`, shared:
-        the updater changes it as it writes stages with two sets); None: a list of the updater's own."""
+        the updater changes it as it writes stages with two sets); None: a list of the updater's own.
+        `lock_free_from`: in lock-free mode, the first step (0-based) that may run a stage one update behind; the
+        steps before wait for every update (`memory.lock_free_from`)."""
         if staleness not in (0, 1):
             raise ValueError(f"staleness must be 0 or 1, got {staleness}")
         if inline and staleness:
@@ -386,6 +389,7 @@ class PageUpdater:
         self.store, self.slots, self.updates, self.placements = store, slots, updates, placements
         self.schedule = schedule
         self.staleness = staleness
+        self.lock_free_from = lock_free_from
         self.opt_staging = opt_staging
         """Stages of disk-homed pages held in host memory around their update (`Plan.opt_staging`)."""
         self.order: tuple[int, ...] = update_order([self._lock_free(slot) for slot in slots])
@@ -437,7 +441,8 @@ class PageUpdater:
         """Before stage i's first access in `step` (0-based): wait until its parameters are recent enough, mark it
         in use; returns True when it runs one update behind."""
         slot = self.slots[i]
-        need = step - (self.staleness if self._lock_free(slot) else 0)
+        behind = self.staleness if self._lock_free(slot) and step >= self.lock_free_from else 0
+        need = step - behind
         with self._cond:
             self._wait_done(i, need, f"step {step} needs update {need} of it")
             stale = self._done[i] < step

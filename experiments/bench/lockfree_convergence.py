@@ -6,13 +6,15 @@
 Trains the config twice with the paged engine, every stage streamed through host memory and updated there (a
 device budget that holds no stage), in its own process each: `memory.staleness=0` (exact: step t+1 waits for each
 stage's update of step t) and `memory.staleness=1` (lock-free: a stage may run step t+1 with its step t-1
-parameters while its step-t update is written, Angel-PTM's lock-free update). Same seed, same data; key=value
-overrides (optimizer.lr=1e-3, ...) apply to both runs and are recorded with every figure.
+parameters while its step-t update is written, Angel-PTM's lock-free update; the steps before
+`memory.lock_free_from`, 100 by default, update exactly). Same seed, same data; key=value overrides
+(optimizer.lr=1e-3, memory.lock_free_from=0, ...) apply to both runs and are recorded with every figure.
 
 Figures (one JSON line each, appended to experiments/results/lockfree_convergence_<platform>.jsonl with --write):
 
   run_<staleness>        per run: the final training loss (mean of the last 50 steps' losses), the last eval/loss,
-                         the mean step time after the first 20 steps, the plan (stages streamed, predicted step)
+                         the mean step time after the first 20 steps, the plan (stages streamed, predicted step),
+                         the lock-free run's first stale step (lock_free_from)
   loss_gap               (final loss with staleness 1 - with staleness 0) / with staleness 0; the target is |gap| <= 1%
   eval_gap               the same for the last eval/loss
   step_time_ratio        mean step time with staleness 1 / with staleness 0 (on this machine; a CPU's "device" and
@@ -28,6 +30,8 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+import yaml
 
 from angel_jax.benchinfo import emit, machine_info, results_path
 
@@ -54,10 +58,12 @@ def train(config: Path, staleness: int, steps: int, budget: int, page_size: int,
     evals = [r["eval/loss"] for r in records if "eval/loss" in r]
     times = [r["perf/step_time"] for r in train_records[WARMUP:] if "perf/step_time" in r]
     plan = json.loads((run_dir / "plan.json").read_text())
+    memory = yaml.safe_load((run_dir / "config.yaml").read_text())["memory"]  # (the run's resolved config)
     return {"staleness": staleness, "steps": len(train_records),
             "final_loss": statistics.fmean(r["loss"] for r in train_records[-TAIL:]),
             "first_loss": train_records[0]["loss"], "last_eval_loss": evals[-1] if evals else None,
             "step_time_s": statistics.fmean(times) if times else None,
+            "lock_free_from": memory.get("lock_free_from") if staleness else None,
             "streamed": plan.get("streamed"), "predicted_step_s": plan.get("predicted_step_s"),
             "done_line": next((line for line in done.stdout.splitlines()[::-1] if line.startswith("done:")), "")}
 
