@@ -9,7 +9,8 @@ The model is scale.py's GPT (experiments/gpt_tiny.yaml at d_model 2048, 16 heads
 
   angel_jax  `angel-jax train` on a config this script writes: memory.mode=paged, the disk tier in the run's own
              directory, memory.device_budget / host_budget from --device-budget-gib / --host-budget-gib (the
-             issue's 1 / 4 GiB by default), evaluation and checkpoints off; step times from its metrics.jsonl
+             issue's 1 / 4 GiB by default), evaluation and checkpoints off, memory.lock_free_from 0 (with
+             --angel-set memory.staleness=1, lock-free from the first step); step times from its metrics.jsonl
   deepspeed  the same GPT written in torch (below; its parameter count is printed next to angel_jax's and must
              agree within 1%), DeepSpeed ZeRO stage 3 on its CPU accelerator (DS_ACCELERATOR=cpu, gloo, one
              rank), parameters and optimizer state offloaded to NVMe through its async I/O op (the run's own
@@ -222,6 +223,7 @@ def angel_overrides(spec: dict, scratch: Path, args: argparse.Namespace) -> dict
         "memory.mode": "paged", "memory.disk_dir": str(scratch / "disk"),
         "memory.device_budget": int(args.device_budget_gib * GIB),
         "memory.host_budget": int(args.host_budget_gib * GIB),
+        "memory.lock_free_from": 0,  # (a run of a few steps: lock-free, where asked, from its first step)
         **{k: yaml.safe_load(v) for k, v in (kv.split("=", 1) for kv in args.angel_set)},  # "1" -> 1, as YAML
     }
 
