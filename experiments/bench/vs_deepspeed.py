@@ -28,7 +28,8 @@ under its disk directory and the machine's 1-minute load average. The RSS cap is
 tree past --cap-gib): RLIMIT_AS does not suit JAX, which reserves far more address space than it touches, and a
 cgroup memory limit (this VM has cgroup v1) charges the page cache too, which would penalise whichever system
 writes through it rather than with O_DIRECT. Peak RSS is the larger of the polled figure and the child's own
-ru_maxrss (os.wait4). Each run's directory is removed afterwards. Every run does --warmup + --steps + 1 steps;
+ru_maxrss (os.wait4); a run whose peak passed the cap between two polls is failed too (`ok` false, `why_not`
+says so), though it ran to the end. Each run's directory is removed afterwards. Every run does --warmup + --steps + 1 steps;
 the step time is the median of the --steps after the warm-up (the last step is left out on both sides: the
 paged engine's last step time leaves out its own updates, which drain after it). angel_jax's step times are the
 intervals between consecutive steps in its metrics.jsonl, DeepSpeed's the child's own per-step wall times.
@@ -340,6 +341,9 @@ def run_one(system: str, blocks: int, dtype: str, args: argparse.Namespace) -> d
     child = angel_result(scratch) if system == "angel_jax" else (
         json.loads((scratch / "result.json").read_text()) if (scratch / "result.json").exists() else {})
     times = child.get("step_s") or []
+    peak, cap = max(w["peak_rss_polled"], w["child_maxrss"]), int(args.cap_gib * GIB)
+    if peak > cap and not w["killed"]:  # the child's own high-water mark passed the cap between two polls
+        w["killed"] = f"peak RSS {peak / GIB:.3f} GiB (the child's ru_maxrss) passed the cap {cap / GIB:.2f} GiB"
     ok = w["returncode"] == 0 and not w["killed"] and len(times) == spec["total_steps"]
     measured = times[args.warmup: args.warmup + args.steps] if ok else []
     step = statistics.median(measured) if measured else None
@@ -354,7 +358,7 @@ def run_one(system: str, blocks: int, dtype: str, args: argparse.Namespace) -> d
         "tokens_per_s": round(s["batch_size"] * s["seq_len"] / step, 2) if step else None,
         "measured_steps_s": [round(t, 3) for t in measured], "all_steps_s": [round(t, 3) for t in times],
         "warmup_steps": args.warmup, "loss": child.get("loss"),
-        "peak_rss_bytes": max(w["peak_rss_polled"], w["child_maxrss"]), "peak_rss_polled_bytes": w["peak_rss_polled"],
+        "peak_rss_bytes": peak, "peak_rss_polled_bytes": w["peak_rss_polled"],
         "child_maxrss_bytes": w["child_maxrss"], "peak_disk_bytes": w["peak_disk"],
         "cap_bytes": int(args.cap_gib * GIB), "cap_by": "watcher (RSS of the process tree, polled every 0.2 s)",
         "loadavg_1m_mean": round(statistics.mean(w["loads"]), 2) if w["loads"] else None,
