@@ -86,8 +86,9 @@ def test_crash_while_a_checkpoint_is_written(rank0_killed, reference):
     assert 12 <= crash["step"] <= STEPS, crash
     assert newest_committed(job)[2] == 8  # step 12's save died in its copy, never committed
     assert resumed[1]["step"] == 8 and resumed[1]["lost_steps"] >= crash["step"] - 8, (resumed[1], crash)
-    # the loop's own record agrees
-    assert [e["step"] for e in job.events("resumed", source="rank0")] == [r["step"] for r in resumed]
+    # the loop's own record agrees (it records a resume only from a checkpoint: on a busy machine step 4's may not
+    # be committed when attempt 0 is killed, and attempt 1 then starts afresh, from step 0)
+    assert [e["step"] for e in job.events("resumed", source="rank0")] == [r["step"] for r in resumed if r["step"]]
 
 
 @pytest.mark.compares_programs
