@@ -333,15 +333,16 @@ def run_one(system: str, blocks: int, dtype: str, args: argparse.Namespace) -> d
     spec = {"blocks": blocks, "dtype": dtype, "shape": DRY_SHAPE if args.dry else SHAPE,
             "total_steps": args.warmup + args.steps + 1, "disk": str(scratch / "disk")}
     cmd, env = child_command(system, spec, scratch, args)
+    cap = int(args.cap_gib * GIB)
     with open(scratch / "log.txt", "w") as log:
         proc = subprocess.Popen(["nice", "-n", "10", *cmd], cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT,
                                 start_new_session=True)  # its own process group: the cap kills the whole tree
-        w = watch(proc.pid, int(args.cap_gib * GIB), scratch / "disk", args.timeout_s, int(args.min_free_gib * GIB))
+        w = watch(proc.pid, cap, scratch / "disk", args.timeout_s, int(args.min_free_gib * GIB))
     proc.returncode = w["returncode"]
     child = angel_result(scratch) if system == "angel_jax" else (
         json.loads((scratch / "result.json").read_text()) if (scratch / "result.json").exists() else {})
     times = child.get("step_s") or []
-    peak, cap = max(w["peak_rss_polled"], w["child_maxrss"]), int(args.cap_gib * GIB)
+    peak = max(w["peak_rss_polled"], w["child_maxrss"])
     if peak > cap and not w["killed"]:  # the child's own high-water mark passed the cap between two polls
         w["killed"] = f"peak RSS {peak / GIB:.3f} GiB (the child's ru_maxrss) passed the cap {cap / GIB:.2f} GiB"
     ok = w["returncode"] == 0 and not w["killed"] and len(times) == spec["total_steps"]
@@ -360,7 +361,7 @@ def run_one(system: str, blocks: int, dtype: str, args: argparse.Namespace) -> d
         "warmup_steps": args.warmup, "loss": child.get("loss"),
         "peak_rss_bytes": peak, "peak_rss_polled_bytes": w["peak_rss_polled"],
         "child_maxrss_bytes": w["child_maxrss"], "peak_disk_bytes": w["peak_disk"],
-        "cap_bytes": int(args.cap_gib * GIB), "cap_by": "watcher (RSS of the process tree, polled every 0.2 s)",
+        "cap_bytes": cap, "cap_by": "watcher (RSS of the process tree, polled every 0.2 s)",
         "loadavg_1m_mean": round(statistics.mean(w["loads"]), 2) if w["loads"] else None,
         "loadavg_1m_max": round(max(w["loads"]), 2) if w["loads"] else None, "wall_s": round(w["wall_s"], 1),
         "versions": {**args.versions, **child.get("versions", {})}, "angel_jax": args.tree,
